@@ -1,0 +1,52 @@
+"""Attention implementations and the one dispatch point the model calls.
+
+    attention(q, k, v, backend="flash" | "sdpa" | "naive", causal=True, sm_scale=None)
+
+q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq a multiple of Hkv; causal masks are bottom-right aligned.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .naive import check_qkv, naive_attention
+
+BACKENDS = ("naive", "sdpa", "flash")
+
+
+def sdpa_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+    """PyTorch's fused scaled_dot_product_attention with the same semantics as naive_attention."""
+    check_qkv(q, k, v)
+    Nq, Nk = q.shape[2], k.shape[2]
+    if causal and Nq != Nk:
+        # SDPA's is_causal is top-left aligned; use an explicit bottom-right mask instead.
+        from .naive import causal_mask
+        mask = causal_mask(Nq, Nk, device=q.device)
+        if Nq > Nk:  # fully masked rows would be NaN: route through the reference semantics
+            return naive_attention(q, k, v, causal=True, sm_scale=sm_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+    """The Triton FlashAttention kernel (see kernels/flash_attention.py)."""
+    from .flash_attention import flash_attention as _flash  # imported lazily: triton is heavy
+    return _flash(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+_IMPLS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+
+
+def attention(q, k, v, *, backend: str = "naive", causal: bool = True,
+              sm_scale: float | None = None) -> torch.Tensor:
+    """Dispatch to one attention backend by name. Returns (B, Hq, Nq, D) in q's dtype."""
+    try:
+        impl = _IMPLS[backend]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
+    return impl(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+__all__ = ["attention", "naive_attention", "sdpa_attention", "flash_attention", "BACKENDS", "check_qkv"]

@@ -1,0 +1,62 @@
+"""Naive multi-head attention: the reference, the CPU fallback and the test oracle.
+
+It materialises the full score matrix S = Q Kᵀ (B, Hq, Nq, Nk) and the probabilities P in memory —
+exactly what FlashAttention avoids — so it is simple and obviously right, and O(N²) in memory.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError unless q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) fit together."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention expects 4-d (B, H, N, D) tensors, got q{tuple(q.shape)} "
+                         f"k{tuple(k.shape)} v{tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k{tuple(k.shape)} v{tuple(v.shape)}")
+    B, Hq, Nq, D = q.shape
+    Bk, Hkv, Nk, Dk = k.shape
+    if B != Bk or D != Dk:
+        raise ValueError(f"q{tuple(q.shape)} and k{tuple(k.shape)} differ in batch or head dim")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if Nq == 0 or Nk == 0 or D == 0:
+        raise ValueError(f"empty attention input: Nq={Nq}, Nk={Nk}, D={D}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
+    """(Nq, Nk) bool, True where query i may see key j: j <= i + (Nk - Nq) (bottom-right aligned)."""
+    i = torch.arange(Nq, device=device)[:, None]
+    j = torch.arange(Nk, device=device)[None, :]
+    return j <= i + (Nk - Nq)
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    sm_scale: float | None = None) -> torch.Tensor:
+    """softmax(Q Kᵀ · sm_scale + mask) V, computed in q's dtype.
+
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq % Hkv == 0 (GQA/MQA: each group of Hq/Hkv query
+    heads shares one key/value head). Causal masks are bottom-right aligned (query i sees keys
+    j <= i + Nk - Nq), so a query block at the end of a KV cache sees the whole prefix. A query row
+    that sees no key at all (only when Nq > Nk) returns zeros. Returns (B, Hq, Nq, D).
+    """
+    check_qkv(q, k, v)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    if Hkv != Hq:  # expand shared kv heads: (B, Hkv, Nk, D) -> (B, Hq, Nk, D)
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, Hq, Nq, Nk)
+    if causal:
+        visible = causal_mask(Nq, Nk, device=q.device)  # (Nq, Nk)
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)  # (B, Hq, Nq, Nk)
+    if causal and Nq > Nk:  # rows with no visible key: softmax gave NaN, define them as 0
+        p = torch.nan_to_num(p, nan=0.0)
+    return p @ v  # (B, Hq, Nq, D)

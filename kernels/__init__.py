@@ -49,4 +49,12 @@ def attention(q, k, v, *, backend: str = "naive", causal: bool = True,
     return impl(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
-__all__ = ["attention", "naive_attention", "sdpa_attention", "flash_attention", "BACKENDS", "check_qkv"]
+def resolve_backend(name: str, device) -> str:
+    """"auto" → "flash" on CUDA (the Triton kernel), "sdpa" elsewhere; other names pass through."""
+    if name != "auto":
+        return name
+    return "flash" if torch.device(device).type == "cuda" else "sdpa"
+
+
+__all__ = ["attention", "resolve_backend", "naive_attention", "sdpa_attention", "flash_attention",
+           "BACKENDS", "check_qkv"]

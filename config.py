@@ -1,0 +1,212 @@
+"""Run configuration: typed dataclasses loaded from TOML, overridden by validated `--key=value` flags.
+
+A TOML file has up to three tables, [model], [data] and [train], whose keys are the fields below.
+Overrides name a key as `--section.key=value` or, when the name is unique, `--key=value`:
+
+    python train.py configs/demo.toml --n_layer=4 --train.learning_rate=3e-4 --attention=naive
+
+Unknown keys, wrong types and invalid values raise ConfigError with one line that names the key; the
+entry points print it and exit with status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+
+from model.config import ConfigError, GPTConfig
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "shakespeare"  # "shakespeare" | text file | folder | glob | "hf:NAME[:CONFIG]"
+    tokenizer: str = "char"       # "char" | "gpt2"
+    val_fraction: float = 0.1
+    num_proc: int = 2             # tokenisation processes
+    cache_dir: str = ".cache/data"
+
+    def validate(self) -> "DataConfig":
+        if self.tokenizer not in ("char", "gpt2"):
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r}: must be 'char' or 'gpt2'")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)")
+        if self.num_proc < 1:
+            raise ConfigError(f"data.num_proc={self.num_proc!r}: must be at least 1")
+        if not self.dataset:
+            raise ConfigError("data.dataset: must not be empty")
+        return self
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/default"   # run directory: checkpoints, metrics.jsonl, config
+    seed: int = 1337
+    device: str = "auto"            # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"             # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "float32" | "bfloat16" | "float16"
+    batch_size: int = 32            # sequences per micro-batch
+    grad_accum_steps: int = 1       # micro-batches per optimizer step
+    max_iters: int = 2000           # optimizer steps
+    max_time: float = 0.0           # stop after this many seconds of training (0 = no limit)
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    lr_decay_iters: int = 0         # cosine decay length; 0 = max_iters
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0          # 0 = no clipping
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    keep_last: int = 2              # checkpoints kept besides best.pt
+    init_from: str = "scratch"      # "scratch" | "resume" (continue the run in out_dir exactly)
+    compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
+    wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
+    wandb_project: str = "flashgpt"
+    wandb_run_name: str = ""
+    peak_tflops: float = 0.0        # accelerator's dense bf16 peak for MFU; 0 = detect (H100/H200 989, A100 312)
+
+    def validate(self) -> "TrainConfig":
+        positive = ("batch_size", "grad_accum_steps", "max_iters", "eval_interval", "eval_iters",
+                    "log_interval", "keep_last")
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)!r}: must be positive")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"train.learning_rate={self.learning_rate!r}: must be positive")
+        if not 0 <= self.min_lr <= self.learning_rate:
+            raise ConfigError(f"train.min_lr={self.min_lr!r}: must be in [0, learning_rate]")
+        for key in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "max_time"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)!r}: must not be negative")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}={getattr(self, key)!r}: must be in [0, 1)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"train.dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+        if self.init_from not in ("scratch", "resume"):
+            raise ConfigError(f"train.init_from={self.init_from!r}: must be 'scratch' or 'resume'")
+        if self.peak_tflops < 0:
+            raise ConfigError(f"train.peak_tflops={self.peak_tflops!r}: must not be negative")
+        if not self.out_dir:
+            raise ConfigError("train.out_dir: must not be empty")
+        return self
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        cfg = cls()
+        for section, values in d.items():
+            _apply_section(cfg, section, values)
+        return cfg.validate()
+
+
+SECTIONS = ("model", "data", "train")
+
+
+def _field_types(obj) -> dict[str, type]:
+    hints = typing.get_type_hints(type(obj))
+    return {f.name: hints[f.name] for f in dataclasses.fields(obj)}
+
+
+def _coerce(value, typ: type, key: str, from_text: bool):
+    """Check (TOML) or parse (command line) one value against the field's declared type."""
+    if from_text:
+        text = value.strip()
+        if typ is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+        try:
+            return typ(text) if typ is not str else value
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: expected {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _apply_section(cfg: RunConfig, section: str, values, from_text: bool = False) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section [{section}]; expected one of {', '.join(SECTIONS)}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] must be a table of key = value")
+    obj = getattr(cfg, section)
+    types = _field_types(obj)
+    for key, value in values.items():
+        if key not in types:
+            raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(types)}")
+        setattr(obj, key, _coerce(value, types[key], f"{section}.{key}", from_text))
+
+
+def _resolve_key(cfg: RunConfig, key: str) -> tuple[str, str]:
+    if "." in key:
+        section, _, name = key.partition(".")
+        return section, name
+    owners = [s for s in SECTIONS if key in _field_types(getattr(cfg, s))]
+    if not owners:
+        raise ConfigError(f"unknown config key {key!r}")
+    if len(owners) > 1:
+        raise ConfigError(f"config key {key!r} is ambiguous: write one of {', '.join(f'{s}.{key}' for s in owners)}")
+    return owners[0], key
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    for arg in overrides:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"bad override {arg!r}: expected --key=value")
+        key, _, value = arg[2:].partition("=")
+        section, name = _resolve_key(cfg, key)
+        _apply_section(cfg, section, {name: value}, from_text=True)
+    return cfg
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    """Defaults ← TOML file ← overrides, then validated. Raises ConfigError with a one-line message."""
+    cfg = RunConfig()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config path is a folder, not a TOML file: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            _apply_section(cfg, section, values)
+    apply_overrides(cfg, list(overrides))
+    return cfg.validate()
+
+
+def format_config(cfg: RunConfig) -> str:
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section)).items():
+            lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines)

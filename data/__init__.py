@@ -1,0 +1,1 @@
+"""Data: tokenizers (GPT-2 BPE offline, character-level), corpus preparation, memmap batch loading."""

@@ -1,0 +1,68 @@
+"""Random (B, T) batches from memmapped token files.
+
+The sampling position is a torch.Generator: saving its state is saving the data position, so a resumed
+run draws exactly the batches an uninterrupted run would.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .prepare import DataError, load_meta
+from .tokenizers import tokenizer_from_spec
+
+
+class TokenData:
+    """Token files of one prepared corpus, sampled as random windows of block_size + 1 tokens.
+
+    Under DDP every rank draws the same global batch offsets from the same generator and reads only
+    its own rows, so world_size ranks × grad_accum_steps micro-batches see exactly the windows that one
+    process with world_size · grad_accum_steps micro-batches sees.
+    """
+
+    def __init__(self, folder: str, block_size: int, *, seed: int = 0):
+        self.meta = load_meta(folder)
+        self.block_size = block_size
+        self.tokenizer = tokenizer_from_spec(self.meta["tokenizer"])
+        self.splits = {s: np.memmap(f"{folder}/{s}.bin", dtype=self.meta["dtype"], mode="r")
+                       for s in ("train", "val")}
+        for split, data in self.splits.items():
+            if len(data) <= block_size + 1:
+                raise DataError(f"the {split} split holds {len(data)} tokens, not enough for "
+                                f"block_size={block_size}: use more data or a smaller model.block_size")
+        # Separate generators, so that evaluating never shifts the training data order.
+        self.generators = {name: torch.Generator().manual_seed(seed * 1000 + i)
+                           for i, name in enumerate(("train", "val", "train_eval"))}
+
+    def _windows(self, split: str, starts: list[int]):
+        data, T = self.splits[split], self.block_size
+        x = torch.from_numpy(np.stack([data[s:s + T].astype(np.int64) for s in starts]))  # (B, T)
+        y = torch.from_numpy(np.stack([data[s + 1:s + 1 + T].astype(np.int64) for s in starts]))  # (B, T)
+        return x, y
+
+    def train_batches(self, batch_size: int, accum: int, rank: int = 0, world_size: int = 1):
+        """One optimizer step's micro-batches for this rank: a list of `accum` (x, y), each (B, T)."""
+        n = len(self.splits["train"]) - self.block_size - 1
+        starts = torch.randint(0, n, (accum, world_size, batch_size), generator=self.generators["train"])
+        return [self._windows("train", starts[m, rank].tolist()) for m in range(accum)]
+
+    def eval_batch(self, split: str, batch_size: int):
+        """A random (x, y) batch for loss estimation; split is "train" or "val"."""
+        n = len(self.splits[split]) - self.block_size - 1
+        gen = self.generators["train_eval" if split == "train" else "val"]
+        return self._windows(split, torch.randint(0, n, (batch_size,), generator=gen).tolist())
+
+    def state_dict(self) -> dict:
+        return {name: g.get_state() for name, g in self.generators.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, g in self.generators.items():
+            g.set_state(state[name])
+
+    def unigram_loss(self) -> float:
+        """Cross-entropy (nats) on val of the train unigram distribution: the 'knows nothing' baseline."""
+        V = self.meta["vocab_size"]
+        counts = np.bincount(np.asarray(self.splits["train"]), minlength=V).astype(np.float64) + 1.0
+        logp = np.log(counts / counts.sum())
+        val_counts = np.bincount(np.asarray(self.splits["val"]), minlength=V)
+        return float(-(val_counts * logp[:V]).sum() / max(1, val_counts.sum()))

@@ -1,0 +1,668 @@
+"""FlashAttention (the FA2 algorithm) in Triton: forward and backward.
+
+    flash_attention(q, k, v, *, causal=True, sm_scale=None) -> (B, Hq, Nq, D)
+
+Same semantics as ``kernels.naive.naive_attention`` (the reference and test oracle):
+
+* q is (B, Hq, Nq, D); k and v are (B, Hkv, Nk, D); Hq must be a multiple of Hkv (grouped-query and
+  multi-query attention: query head h reads key/value head h // (Hq // Hkv)). Any strides (transposed
+  views, expanded heads): the kernels index through the strides, nothing is copied.
+* ``sm_scale`` defaults to 1/sqrt(D); it must be a finite number > 0.
+* ``causal=True`` is aligned bottom-right: query i sees keys j <= i + (Nk - Nq). With Nq < Nk this is what a
+  KV cache or chunked prefill needs. With Nq > Nk the first Nq - Nk query rows see no key at all: those rows
+  are defined to be **zero** in the output, and they give **zero** gradients (no NaN anywhere).
+* The result has q's dtype and is differentiable in q, k and v.
+
+Supported, forward and backward (anything else raises ValueError before any launch):
+
+* dtypes: float16, bfloat16, float32 (q, k, v the same). Accumulation is always float32: S = QKᵀ, the online
+  softmax statistics and O (and in the backward dP, dS, dQ, dK, dV) are float32 in registers; P and dS are
+  rounded to the input dtype before they enter the second matmul of each pair, exactly as the naive reference
+  rounds P to q's dtype. float32 inputs use ``input_precision="ieee"`` dots (true fp32, no TF32) so that the
+  kernel matches float32 PyTorch (whose matmuls do not use TF32 by default); that path is for accuracy, not
+  speed — train in bf16/fp16.
+* head dims 1 <= D <= 256. D is padded to the constexpr BLOCK_D = max(16, next power of two) with masked loads
+  and stores, so 48, 80, 96 (and 8 or 200) work; the padding lanes are zeros and never written back.
+* any lengths Nq, Nk >= 1: the sequence tails are handled with masked loads/stores; nothing needs to be a
+  multiple of a block size.
+* causal and non-causal masks, both in the forward and in the backward.
+* tensors on a CUDA device, or on the CPU through Triton's interpreter (TRITON_INTERPRET=1; set automatically at
+  import when no CUDA device exists; bf16 is wrong in the interpreter because its dots run numpy matmul on raw
+  bits — test bf16 on a GPU).
+
+Algorithm (memory is linear in the sequence length; no Nq x Nk tensor exists anywhere, S and P live in
+registers tile by tile):
+
+* forward: one program per (BLOCK_M query rows, batch, query head). The Q tile stays on chip; K and V stream
+  through in BLOCK_N-row blocks; the softmax is online (running max m, running sum l, running output acc, all
+  rescaled by exp(m_old - m_new) when the max grows), in base 2 with the scale folded into one multiply. With a
+  causal mask the key blocks come in three kinds: fully visible ones (the unmasked loop), the blocks crossing
+  the diagonal (a separate masked loop) and fully hidden ones (skipped: never loaded). The forward saves only O
+  and the per-row log-sum-exp (base 2, scaled; +inf for rows that see no key).
+* backward: delta = rowsum(dO * O) (one small kernel); a dK/dV kernel with one program per (BLOCK_N keys,
+  batch, kv head) that loops over the query heads of its group and over the query blocks, recomputing
+  P = exp2(S * scale - lse) tile by tile (so GQA needs no atomics and the result is deterministic); a dQ kernel
+  with one program per (BLOCK_M queries, batch, query head) looping over the key blocks. Both skip hidden
+  causal blocks and mask only the diagonal ones.
+
+Tile shapes: on a GPU each kernel is autotuned (``triton.autotune``) over a short list of configs per head dim
+and dtype, keyed on (head dim, causal, power-of-two buckets of Nq and Nk, dtypes). ``FLASHGPT_AUTOTUNE=0``
+turns that off and takes the first config of each list (the measured default). The interpreter always uses one
+small config. The kernel is registered as the custom op ``flashgpt::flash_attn_fwd`` (+ ``_bwd``) with a fake
+(meta) implementation and an autograd formula, so ``torch.compile(fullgraph=True)`` traces through it without a
+graph break.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    # Triton reads TRITON_INTERPRET when it decorates a kernel, so this works even if triton was imported
+    # already; the check after the kernels below makes sure it took effect.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .naive import check_qkv  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+
+_CFG_FWD = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               lo, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Stream key/value blocks [lo, hi) through the online softmax of one query tile.
+
+    MASKED=False: every key of every block is visible (no bounds or causal checks at all).
+    MASKED=True: blocks that cross the causal diagonal or the Nk tail; hidden scores become -inf.
+    """
+    d_ok = offs_d < HEAD_DIM  # (BLOCK_D,) padding lanes of a non-power-of-two head dim
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # (BLOCK_N,) key indices
+        kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
+        if MASKED:
+            kT = tl.load(kT_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32, unscaled
+        if MASKED:
+            visible = cols[None, :] < Nk  # (1, BLOCK_N)
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + offset)  # (BLOCK_M, BLOCK_N)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # (BLOCK_M,)
+            # a row that has seen no key yet keeps m = -inf: subtract 0 instead so exp2 gives 0, not NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_sub[:, None])  # (BLOCK_M, BLOCK_N)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0
+            m_sub = m_new
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # (BLOCK_M, BLOCK_N)
+        alpha = tl.math.exp2(m_i - m_sub)  # (BLOCK_M,) rescales the old statistics; 0 on the first block
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=d_ok[None, :] & (cols[:, None] < Nk), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qm, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_om, stride_od,
+              Hq, GROUP, Nq, Nk, offset, qk_scale, q_bucket, k_bucket,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # grid: (cdiv(Nq, BLOCK_M), B * Hq); axis 0 fastest, so the query blocks of one head run side by side and
+    # share its K/V in L2. Causal: the blocks at the bottom see the most keys, so they go first.
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP  # kv head of this query head
+    start_m = pid_m * BLOCK_M
+
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    row_ok = offs_m < Nq
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2, scaled)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running unnormalised output
+
+    # key blocks [0, full_hi) need no mask; [full_hi, hi) cross the diagonal and/or the Nk tail
+    n_full = (Nk // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        # the first row of the tile sees keys <= start_m + offset: blocks ending there are fully visible
+        full_hi = tl.minimum((tl.maximum(start_m + offset + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), Nk)  # past the last row's last key
+    else:
+        full_hi = n_full
+        hi = Nk
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               0, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+                               False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+                               True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+
+    # rows that saw no key (causal with Nq > Nk): output 0 and lse = +inf, so the backward's P is exactly 0
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))  # (BLOCK_M,) base-2, scaled
+    o = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D)
+    tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse, mask=row_ok)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["Nq"])
+def _attn_bwd_delta(O, DO, DELTA,
+                    stride_ob, stride_oh, stride_om, stride_od,
+                    stride_dob, stride_doh, stride_dom, stride_dod,
+                    Hq, Nq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d] in fp32 (the softmax backward's row term)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
+    tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                lo, hi, Nq, offset, qk_scale, offs_n, offs_d,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query blocks [lo, hi) of one query head.
+
+    Works transposed (keys along rows): sT = K Qᵀ is (BLOCK_N, BLOCK_M). Query rows past Nq load as q = dO = 0
+    with lse = +inf, so their P is 0; MASKED=True applies the causal mask (the diagonal blocks only).
+    """
+    d_ok = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        row_ok = offs_m < Nq
+        qT = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
+                     mask=row_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_M)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
+        sT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        if MASKED:
+            visible = offs_n[:, None] <= offs_m[None, :] + offset  # key j <= query i + offset
+            sT = tl.where(visible, sT * qk_scale, float("-inf"))
+            pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        else:
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO Vᵀ)ᵀ
+        dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+                   stride_qb, stride_qh, stride_qm, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # grid: (cdiv(Nk, BLOCK_N), B * Hkv). Under a causal mask the first key blocks are seen by the most
+    # queries, so the natural order already starts with the heaviest programs.
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    hk = bh % Hkv
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < Nk
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+                + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+                + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    m_end = tl.cdiv(Nq, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # queries i >= start_n - offset see some key of this tile; i >= start_n + BLOCK_N - 1 - offset see all
+        lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, m_end)
+        lo = tl.minimum(lo, full_lo)
+    else:
+        lo = 0
+        full_lo = 0
+    for g in range(0, GROUP):  # every query head that reads this kv head: no atomics needed for GQA
+        h = hk * GROUP + g
+        bhq = b * Hq + h
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        lse_base = LSE + bhq.to(tl.int64) * Nq
+        delta_base = DELTA + bhq.to(tl.int64) * Nq
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qm, stride_qd, stride_dom, stride_dod,
+                                 lo, full_lo, Nq, offset, qk_scale, offs_n, offs_d,
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qm, stride_qd, stride_dom, stride_dod,
+                             full_lo, m_end, Nq, offset, qk_scale, offs_n, offs_d,
+                             False, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
+    tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+             + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+             + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              lo, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dQ of one query tile over key blocks [lo, hi); MASKED as in _fwd_inner."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # (BLOCK_N,)
+        kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
+        vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd  # (BLOCK_D, BLOCK_N)
+        if MASKED:
+            kv_mask = d_ok[:, None] & (cols[None, :] < Nk)
+            kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
+            vT = tl.load(vT_ptrs, mask=kv_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+            vT = tl.load(vT_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            vT = tl.load(vT_ptrs)
+        s = tl.dot(q, kT, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            visible = cols[None, :] < Nk
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + offset)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        else:
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+    return dq
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+                 stride_qb, stride_qh, stride_qm, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_dob, stride_doh, stride_dom, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                 Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # grid: (cdiv(Nq, BLOCK_M), B * Hq), heaviest query blocks first under a causal mask (as the forward)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Nq
+    d_ok = offs_d < HEAD_DIM
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+                + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
+    delta = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    n_full = (Nk // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        full_hi = tl.minimum((tl.maximum(start_m + offset + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), Nk)
+    else:
+        full_hi = n_full
+        hi = Nk
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   0, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+                   False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+                   True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=qd_mask)
+
+
+if INTERPRET and not type(_attn_fwd).__name__.startswith("Interpreted"):
+    raise RuntimeError("TRITON_INTERPRET=1 did not take effect for kernels/flash_attention.py; set it in the "
+                       "environment before starting Python (or before anything imports this module)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages). The first of each list is the default.
+# fwd / dq: BLOCK_M query rows per program, BLOCK_N keys per loop step.
+# dkdv:     BLOCK_N key rows per program, BLOCK_M queries per loop step.
+# ----------------------------------------------------------------------------------------------------------
+
+_INTERPRET_CFG = (32, 32, 4, 1)  # small tiles: several blocks and tails even in short test sequences
+
+_GPU_CFGS = {
+    # (kernel, dtype class, BLOCK_D) -> configs
+    ("fwd", "16", 64): [(128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+    ("fwd", "16", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+    ("fwd", "16", 256): [(64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+    ("dkdv", "16", 64): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
+    ("dkdv", "16", 128): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    ("dkdv", "16", 256): [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+    ("dq", "16", 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
+    ("dq", "16", 128): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    ("dq", "16", 256): [(64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+    # float32 runs ieee dots on the CUDA cores: small tiles, accuracy path
+    ("fwd", "32", 64): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    ("fwd", "32", 128): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    ("fwd", "32", 256): [(32, 32, 4, 1), (32, 16, 4, 2)],
+    ("dkdv", "32", 64): [(32, 32, 4, 2), (16, 32, 4, 2)],
+    ("dkdv", "32", 128): [(32, 32, 4, 2), (16, 32, 4, 2)],
+    ("dkdv", "32", 256): [(16, 32, 8, 1), (16, 16, 4, 1)],
+    ("dq", "32", 64): [(32, 32, 4, 2), (32, 16, 4, 2)],
+    ("dq", "32", 128): [(32, 32, 4, 2), (32, 16, 4, 2)],
+    ("dq", "32", 256): [(32, 16, 8, 1), (16, 16, 4, 1)],
+}
+
+
+def _cfg_key(kernel: str, dtype: torch.dtype, block_d: int):
+    return (kernel, "32" if dtype == torch.float32 else "16", max(64, block_d))
+
+
+def gpu_configs(kernel: str, dtype: torch.dtype, head_dim: int) -> list[tuple[int, int, int, int]]:
+    """The autotune list of one kernel ("fwd", "dkdv", "dq") for a dtype and head dim (tests run them all)."""
+    return list(_GPU_CFGS[_cfg_key(kernel, dtype, _block_d(head_dim))])
+
+
+def _as_config(c):
+    return triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3])
+
+
+def _tuned(fn):
+    """One autotuner per (kernel, dtype class, BLOCK_D) so each only tries the configs meant for it."""
+    out = {}
+    for (name, dcls, bd), cfgs in _GPU_CFGS.items():
+        out[(name, dcls, bd)] = triton.autotune(
+            configs=[_as_config(c) for c in cfgs],
+            key=["HEAD_DIM", "CAUSAL", "q_bucket", "k_bucket"],  # + the tensor dtypes, added by triton
+        )(fn[name]) if not INTERPRET else None
+    return out
+
+
+_TUNED = _tuned({"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq})
+_RAW = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
+
+_forced: dict[str, tuple[int, int, int, int]] = {}
+
+
+@contextlib.contextmanager
+def forced_configs(**cfgs):
+    """Run with fixed tile configs, e.g. ``forced_configs(fwd=(64, 32, 4, 2), dq=..., dkdv=...)``.
+
+    For tests (check every config of the autotune lists) and benchmarks; not thread-safe.
+    """
+    old = dict(_forced)
+    _forced.update(cfgs)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(old)
+
+
+def _autotune_enabled() -> bool:
+    return not INTERPRET and os.environ.get("FLASHGPT_AUTOTUNE", "1") not in ("0", "", "false", "False")
+
+
+def _launch(name: str, grid_axis0_len: int, grid_axis1: int, dtype, head_dim: int, args, kwargs):
+    """Launch kernel `name` with a forced config, the autotuner, or the default config."""
+    if name in _forced or INTERPRET or not _autotune_enabled():
+        if name in _forced:
+            cfg = _forced[name]
+        elif INTERPRET:
+            cfg = _INTERPRET_CFG
+        else:
+            cfg = _GPU_CFGS[_cfg_key(name, dtype, kwargs["BLOCK_D"])][0]
+        bm, bn, warps, stages = cfg
+        block = bm if name in ("fwd", "dq") else bn
+        grid = (triton.cdiv(grid_axis0_len, block), grid_axis1)
+        _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    else:
+        block_key = "BLOCK_M" if name in ("fwd", "dq") else "BLOCK_N"
+        grid = lambda meta: (triton.cdiv(grid_axis0_len, meta[block_key]), grid_axis1)  # noqa: E731
+        _TUNED[_cfg_key(name, dtype, kwargs["BLOCK_D"])][grid](*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two length bucket for the autotune key (so every new length does not re-tune)."""
+    return min(triton.next_power_of_2(n), 1 << 16)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output buffer comes from here (tests replace it to poison outputs with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> float:
+    """All checks happen here, before any launch. Returns the softmax scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_qkv(q, k, v)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention supports float16, bfloat16 and float32 inputs, got {q.dtype}")
+    D = q.shape[-1]
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention supports head dims 1..{MAX_HEAD_DIM}, got D={D}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if INTERPRET:
+        if q.device.type != "cpu":
+            raise ValueError("TRITON_INTERPRET=1: flash_attention runs through Triton's interpreter and "
+                             f"expects CPU tensors, got {q.device}")
+    elif q.device.type != "cuda":
+        raise ValueError(f"flash_attention needs CUDA tensors, got {q.device} (on a machine without a GPU, "
+                         "set TRITON_INTERPRET=1 before importing kernels.flash_attention to run the kernels "
+                         "on the CPU through Triton's interpreter)")
+    if sm_scale is None:
+        return 1.0 / math.sqrt(D)
+    sm_scale = float(sm_scale)
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a finite number > 0, got {sm_scale}")
+    return sm_scale
+
+
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
+    """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    o = _empty((B, Hq, Nq, D), q.dtype, q.device)
+    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _bucket(Nq), _bucket(Nk))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    with _device_guard(q):
+        _launch("fwd", Nq, B * Hq, q.dtype, D, args, kwargs)
+    return o, lse
+
+
+def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
+    """Launch the backward: delta, then dK/dV and dQ. Returns dq, dk, dv shaped like q, k, v."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    BLOCK_D = _block_d(D)
+    delta = _empty((B, Hq, Nq), torch.float32, q.device)
+    dq = _empty(q.shape, q.dtype, q.device)
+    dk = _empty(k.shape, k.dtype, k.device)
+    dv = _empty(v.shape, v.dtype, v.device)
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    qk_scale = sm_scale * LOG2E
+    with _device_guard(q):
+        delta_bm = 16 if INTERPRET else max(16, min(128, 8192 // BLOCK_D))
+        _attn_bwd_delta[(triton.cdiv(Nq, delta_bm), B * Hq)](
+            o, do, delta, *o.stride(), *do.stride(), Hq, Nq, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=delta_bm)
+        _launch("dkdv", Nk, B * Hkv, q.dtype, D,
+                (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                 *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
+                 _bucket(Nq), _bucket(Nk)), kwargs)
+        _launch("dq", Nq, B * Hq, q.dtype, D,
+                (q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
+                 _bucket(Nq), _bucket(Nk)), kwargs)
+    return dq, dk, dv
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops (opaque to torch.compile, with fake implementations) and the autograd formula
+# ----------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashgpt::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, causal, sm_scale)
+
+
+@_flash_attn_fwd_op.register_fake
+def _(q, k, v, causal, sm_scale):
+    B, Hq, Nq, D = q.shape
+    return q.new_empty((B, Hq, Nq, D)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgpt::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, causal: bool,
+                       sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd(do, q, k, v, o, lse, causal, sm_scale)
+
+
+@_flash_attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, sm_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse)  # the forward keeps only O and the log-sum-exp beyond the inputs
+    ctx.causal = causal
+    ctx.sm_scale = sm_scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
+    return dq, dk, dv, None, None
+
+
+_flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    sm_scale: float | None = None) -> torch.Tensor:
+    """softmax(Q Kᵀ · sm_scale + mask) V with the FlashAttention kernels; see the module docstring.
+
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq % Hkv == 0. Returns (B, Hq, Nq, D) in q's dtype.
+    """
+    scale = _validate(q, k, v, sm_scale)
+    o, _ = _flash_attn_fwd_op(q, k, v, bool(causal), scale)
+    return o
+
+
+__all__ = ["flash_attention", "forced_configs", "gpu_configs", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

@@ -50,13 +50,15 @@ and dtype, keyed on (head dim, causal, power-of-two buckets of Nq and Nk, dtypes
 turns that off and takes the first config of each list (the measured default). The interpreter always uses one
 small config. The kernel is registered as the custom op ``flashgpt::flash_attn_fwd`` (+ ``_bwd``) with a fake
 (meta) implementation and an autograd formula, so ``torch.compile(fullgraph=True)`` traces through it without a
-graph break.
+graph break. Double backward (a gradient of the gradient) is not supported: it raises a RuntimeError.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import sys
+import types
 
 import torch
 
@@ -419,7 +421,7 @@ if INTERPRET and not type(_attn_fwd).__name__.startswith("Interpreted"):
 # dkdv:     BLOCK_N key rows per program, BLOCK_M queries per loop step.
 # ----------------------------------------------------------------------------------------------------------
 
-_INTERPRET_CFG = (32, 32, 4, 1)  # small tiles: several blocks and tails even in short test sequences
+_INTERPRET_CFG = (64, 64, 4, 1)  # the interpreter pays per loop step: 64-row tiles (tests also force others)
 
 _GPU_CFGS = {
     # (kernel, dtype class, BLOCK_D) -> configs
@@ -664,5 +666,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     o, _ = _flash_attn_fwd_op(q, k, v, bool(causal), scale)
     return o
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this submodule makes Python rebind the package attribute ``kernels.flash_attention`` (the lazy
+    wrapper function in kernels/__init__.py) to the module. A callable module keeps
+    ``from kernels import flash_attention; flash_attention(q, k, v)`` working whatever the import order, and
+    ``allow_in_graph`` lets torch.compile(fullgraph=True) trace a call through it (into the custom op)."""
+
+    def __call__(self, q, k, v, *, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+        return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+torch.compiler.allow_in_graph(sys.modules[__name__])
 
 __all__ = ["flash_attention", "forced_configs", "gpu_configs", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

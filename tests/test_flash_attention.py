@@ -1,0 +1,328 @@
+"""FlashAttention kernel against a float64 reference: output, dq, dk, dv.
+
+Criterion (in the spirit of FlashAttention's own suite): for every tensor, the kernel's max error against the
+float64 reference is at most 2x the error of naive attention computed in the same dtype, plus a floor of
+1e-5 x max(1, |reference|) (it matters only where naive happens to be exact, e.g. dq = 0 when Nk = 1). Inputs are fresh random tensors per test (seeded from the
+test id, so a failure reproduces), every output buffer the kernels allocate is poisoned with NaN first, and
+nothing may come back NaN.
+
+On the CPU these run through Triton's interpreter (fp16 and fp32; the interpreter's bf16 dots are wrong). On a
+GPU the same file adds bf16, larger shapes, every autotune config, the autotuner, torch.compile with inductor and
+a peak-memory check.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import kernels.flash_attention as fa
+from kernels import flash_attention, naive_attention  # after the line above: the callable module
+from kernels.naive import causal_mask
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else [])
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_fix_config(monkeypatch, request):
+    """NaN-fill every buffer the kernels allocate, record its size, and use the default (untuned) configs."""
+    allocs = []
+
+    def poisoned_empty(shape, dtype, device):
+        allocs.append(math.prod(shape))
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(fa, "_empty", poisoned_empty)
+    if "autotune" not in request.keywords:
+        monkeypatch.setenv("FLASHGPT_AUTOTUNE", "0")
+    return allocs
+
+
+def _gen(request) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return g
+
+
+def _make(shape, dtype, g, amp=1.0):
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * amp).to(DEVICE, dtype).requires_grad_()
+
+
+def _run(fn, q, k, v, do, causal, sm_scale=None):
+    for t in (q, k, v):
+        t.grad = None
+    o = fn(q, k, v, causal=causal, sm_scale=sm_scale)
+    o.backward(do)
+    return [o.detach(), q.grad.detach(), k.grad.detach(), v.grad.detach()]
+
+
+def _check(B, Hq, Hkv, Nq, Nk, D, causal, dtype, g, amp=1.0, sm_scale=None):
+    q = _make((B, Hq, Nq, D), dtype, g, amp)
+    k = _make((B, Hkv, Nk, D), dtype, g, amp)
+    v = _make((B, Hkv, Nk, D), dtype, g)
+    do = torch.randn((B, Hq, Nq, D), generator=g).to(DEVICE, dtype)
+
+    ref = _run(naive_attention, *[t.detach().double().requires_grad_() for t in (q, k, v)], do.double(), causal,
+               sm_scale)
+    low = _run(naive_attention, q, k, v, do, causal, sm_scale)  # naive in the same dtype: the error budget
+    out = _run(flash_attention, q, k, v, do, causal, sm_scale)
+
+    for name, o, r, n in zip(("out", "dq", "dk", "dv"), out, ref, low):
+        assert o.dtype == dtype and o.shape == r.shape, name
+        assert not torch.isnan(o).any(), f"{name}: NaN (an element was never written, or a 0/0)"
+        assert not torch.isnan(r).any(), f"{name}: NaN in the float64 reference"
+        err = (o.double() - r).abs().max().item()
+        err_naive = (n.double() - r).abs().max().item()
+        floor = 1e-5 * max(r.abs().max().item(), 1.0)  # matters only where naive is exact (e.g. Nk = 1: dq = 0)
+        assert err <= 2 * err_naive + floor, (
+            f"{name}: max error {err:.3g} > 2 x naive's {err_naive:.3g} + floor {floor:.3g}")
+    if causal and Nq > Nk:  # rows that see no key: exactly zero output and zero dq
+        blind = ~causal_mask(Nq, Nk, device=DEVICE).any(dim=1)  # (Nq,)
+        assert (out[0][:, :, blind] == 0).all() and (out[1][:, :, blind] == 0).all()
+    return out
+
+
+# (B, Hq, Hkv, Nq, Nk, D, causal): each listed head dim, each odd length, Nq != Nk both ways, GQA and MQA,
+# causal and not; every case runs in fp16 and fp32 (and bf16 on a GPU).
+CASES = [
+    (1, 2, 2, 1, 1, 64, True),
+    (1, 2, 2, 1, 1, 32, False),
+    (2, 2, 2, 17, 17, 64, True),
+    (1, 2, 2, 17, 17, 16, False),
+    (1, 2, 2, 113, 113, 32, False),
+    (1, 2, 2, 113, 113, 48, True),
+    (1, 2, 2, 203, 203, 128, True),
+    (1, 1, 1, 203, 203, 80, False),
+    (1, 1, 1, 203, 203, 96, True),
+    (1, 1, 1, 113, 113, 256, True),
+    (1, 1, 1, 113, 203, 256, False),
+    (1, 1, 1, 1023, 1023, 64, True),
+    (1, 2, 2, 113, 113, 8, True),  # tiny head dim: padded to 16 lanes
+    # Nq < Nk (KV cache / chunked prefill, bottom-right aligned) and Nq > Nk (leading rows see no key)
+    (1, 2, 2, 17, 203, 64, True),
+    (1, 2, 2, 1, 203, 64, True),
+    (1, 2, 2, 113, 1023, 64, False),
+    (1, 2, 2, 203, 17, 64, True),
+    (1, 2, 2, 203, 17, 96, False),
+    (1, 2, 2, 113, 1, 32, True),
+    (1, 1, 1, 1023, 113, 48, True),
+    # grouped-query and multi-query attention
+    (2, 4, 2, 113, 113, 64, True),
+    (1, 6, 2, 203, 113, 96, False),
+    (1, 4, 1, 17, 203, 48, True),
+    (1, 4, 1, 203, 203, 80, False),
+]
+
+
+def _id(c):
+    B, Hq, Hkv, Nq, Nk, D, causal = c
+    return f"B{B}-H{Hq}/{Hkv}-{Nq}x{Nk}-d{D}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_matches_reference(case, dtype, request):
+    _check(*case, dtype, _gen(request))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_peaky_softmax_and_custom_scale(causal, dtype, request):
+    """Large scores (amp 3, scale 0.3): the running max moves a lot, the rescaling must be right."""
+    _check(1, 2, 1, 203, 331, 64, causal, dtype, _gen(request), amp=3.0, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 1), (64, 32, 4, 1), (16, 128, 4, 1), (128, 16, 4, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_other_tile_shapes(cfg, causal, request):
+    """BLOCK_M != BLOCK_N in every kernel: the causal block ranges and tails must not assume square tiles."""
+    with fa.forced_configs(fwd=cfg, dkdv=cfg, dq=cfg):
+        g = _gen(request)
+        _check(1, 2, 1, 203, 150, 64, causal, torch.float16, g)
+        _check(1, 2, 1, 150, 203, 48, causal, torch.float32, g)
+
+
+def test_any_strides(request):
+    """Transposed views (B, N, H, D) -> (B, H, N, D), an expanded kv head and a non-contiguous dO."""
+    g = _gen(request)
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 113, 203, 64
+    dtype = torch.float16
+    q = torch.randn(B, Nq, Hq, D, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, Nk, Hkv, D, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
+    v_base = torch.randn(B, 1, Nk, D, generator=g).to(DEVICE, dtype).requires_grad_()
+    do = torch.randn(B, Nq, Hq, D, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous() and not do.is_contiguous()
+    for causal in (True, False):
+        outs = []
+        for fn in (flash_attention, naive_attention):
+            for t in (q, k, v_base):
+                t.grad = None
+            v = v_base.expand(B, Hkv, Nk, D)  # stride 0 over heads
+            o = fn(q, k, v, causal=causal)
+            o.backward(do)
+            outs.append([o.detach(), q.grad.clone(), k.grad.clone(), v_base.grad.clone()])
+        for a, b in zip(*outs):
+            assert not torch.isnan(a).any()
+            torch.testing.assert_close(a.float(), b.float(), atol=3e-3, rtol=3e-3)
+
+
+def test_deterministic_and_linear_memory(_poison_and_fix_config, request):
+    """Two runs agree bit for bit (no atomics); every buffer the kernels allocate is O(N), never Nq x Nk."""
+    allocs = _poison_and_fix_config
+    g = _gen(request)
+    B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 203, 1023, 32
+    q, k, v = _make((B, Hq, Nq, D), torch.float16, g), _make((B, Hkv, Nk, D), torch.float16, g), \
+        _make((B, Hkv, Nk, D), torch.float16, g)
+    do = torch.randn(B, Hq, Nq, D, generator=g).to(DEVICE, torch.float16)
+    first = _run(flash_attention, q, k, v, do, True)
+    second = _run(flash_attention, q, k, v, do, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert allocs and max(allocs) <= max(q.numel(), k.numel()) < Nq * Nk * B * Hq
+
+
+@pytest.mark.parametrize("bad", [
+    "D=512", "D=300", "heads 3/2", "dtype mismatch", "int", "float64", "3-d", "k!=v", "batch",
+    "Nq=0", "scale=0", "scale=-1", "scale=nan",
+])
+def test_unsupported_raises_value_error(bad, monkeypatch):
+    """Nothing unsupported reaches a kernel: a ValueError first (the launch helper would fail the test)."""
+    def no_launch(*a, **k):
+        raise AssertionError("a kernel was launched")
+    monkeypatch.setattr(fa, "_launch", no_launch)
+
+    def t(*shape, dtype=torch.float16):
+        return torch.ones(shape, dtype=dtype, device=DEVICE) if not dtype.is_floating_point else \
+            torch.randn(shape, device=DEVICE).to(dtype)
+    q, k, v = t(1, 2, 8, 64), t(1, 2, 8, 64), t(1, 2, 8, 64)
+    scale = None
+    if bad == "D=512":
+        q, k, v = t(1, 2, 8, 512), t(1, 2, 8, 512), t(1, 2, 8, 512)
+    elif bad == "D=300":
+        q, k, v = t(1, 2, 8, 300), t(1, 2, 8, 300), t(1, 2, 8, 300)
+    elif bad == "heads 3/2":
+        q = t(1, 3, 8, 64)
+    elif bad == "dtype mismatch":
+        k = t(1, 2, 8, 64, dtype=torch.float32)
+    elif bad == "int":
+        q, k, v = (t(1, 2, 8, 64, dtype=torch.int32) for _ in range(3))
+    elif bad == "float64":
+        q, k, v = (t(1, 2, 8, 64, dtype=torch.float64) for _ in range(3))
+    elif bad == "3-d":
+        q = t(2, 8, 64)
+    elif bad == "k!=v":
+        v = t(1, 2, 9, 64)
+    elif bad == "batch":
+        q = t(2, 2, 8, 64)
+    elif bad == "Nq=0":
+        q = t(1, 2, 0, 64)
+    elif bad.startswith("scale="):
+        scale = float(bad.split("=")[1])
+    with pytest.raises(ValueError):
+        flash_attention(q, k, v, causal=True, sm_scale=scale)
+
+
+def test_dispatch_and_custom_op(request):
+    """kernels.attention(backend="flash") reaches this kernel; the custom op passes torch.library.opcheck."""
+    from kernels import attention
+    g = _gen(request)
+    q, k, v = (_make((1, 2, 17, 32), torch.float32, g) for _ in range(3))
+    torch.testing.assert_close(attention(q, k, v, backend="flash"), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(fa._flash_attn_fwd_op, (q, k, v, True, 0.17))
+    q, k, v = (t.detach() for t in (q, k, v))  # the backward op is not itself differentiable (no double backward)
+    o, lse = fa._flash_attn_fwd_op(q, k, v, True, 0.17)
+    torch.library.opcheck(fa._flash_attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, True, 0.17))
+
+
+@pytest.mark.parametrize("entry", ["function", "package attribute", "dispatch"])
+def test_torch_compile_fullgraph(entry, request):
+    """A function calling flash_attention compiles with fullgraph=True (no graph break), forward and backward.
+
+    On the CPU the aot_eager backend (the interpreter has no inductor codegen to test); inductor on a GPU.
+    "package attribute" is `kernels.flash_attention` after the submodule was imported (the module itself,
+    made callable).
+    """
+    import kernels
+    torch._dynamo.reset()
+    g = _gen(request)
+    q, k, v = (_make((1, 4, 65, 64), torch.float16, g) for _ in range(3))
+    fn = {"function": fa.flash_attention, "package attribute": kernels.flash_attention,
+          "dispatch": lambda q, k, v, causal: kernels.attention(q, k, v, backend="flash", causal=causal)}[entry]
+
+    def f(q, k, v):
+        return fn(q * 1.5, k, v, causal=True).float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    eager_grads = torch.autograd.grad(f(q, k, v), (q, k, v))
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    torch.testing.assert_close(loss, f(q, k, v), atol=1e-2, rtol=1e-3)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------- GPU only --------------------------------
+
+BIG = [
+    (2, 8, 2, 1024, 1024, 128, True),
+    (1, 4, 4, 2048, 4096, 64, True),
+    (1, 4, 1, 4097, 4095, 96, False),
+    (1, 2, 2, 4096, 333, 256, True),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", BIG, ids=_id)
+def test_large_shapes(case, dtype, request):
+    _check(*case, dtype, _gen(request))
+
+
+def _config_params():
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for D in (64, 128, 256):
+            n = max(len(fa.gpu_configs(kn, dtype, D)) for kn in ("fwd", "dkdv", "dq"))
+            for i in range(n):
+                for causal in (True, False):
+                    out.append(pytest.param(dtype, D, i, causal, id=f"{str(dtype)[6:]}-d{D}-cfg{i}-{causal}"))
+    return out
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,D,i,causal", _config_params())
+def test_every_autotune_config(dtype, D, i, causal, request):
+    """Each config the autotuner may pick is itself correct (on odd lengths, GQA, both masks)."""
+    cfgs = {kn: fa.gpu_configs(kn, dtype, D) for kn in ("fwd", "dkdv", "dq")}
+    forced = {kn: c[i % len(c)] for kn, c in cfgs.items()}
+    with fa.forced_configs(**forced):
+        _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
+        _check(1, 2, 2, 517, 331, D, causal, dtype, _gen(request))
+
+
+@cuda_only
+@pytest.mark.autotune
+def test_autotuned_path(request):
+    _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, _gen(request))
+
+
+@cuda_only
+def test_peak_memory_is_linear(request):
+    """N = 16384: an N x N fp32 score matrix per head would be 1 GiB; fwd+bwd stays near the inputs' size."""
+    g = _gen(request)
+    B, H, N, D = 1, 4, 16384, 64
+    q, k, v = (_make((B, H, N, D), torch.bfloat16, g) for _ in range(3))
+    do = torch.randn(B, H, N, D, generator=g).to(DEVICE, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    flash_attention(q, k, v, causal=True).backward(do)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    inputs = 4 * q.numel() * q.element_size()
+    assert extra < 3 * inputs, f"extra memory {extra / 2**20:.0f} MiB vs inputs {inputs / 2**20:.0f} MiB"

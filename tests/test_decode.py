@@ -1,0 +1,184 @@
+"""Split-KV decode attention vs a float64 naive reference on each sequence's valid prefix.
+
+Runs on CUDA when present (bf16 included), otherwise on CPU through the Triton interpreter (fp16/fp32: the
+interpreter's tl.dot is wrong for bf16). The cache past each sequence's length is filled with NaN / huge values,
+and the output is poisoned with NaN before each call, so a read of garbage or a missed write shows up.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.decode is imported (triton decorates then)
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kernels.decode import MAX_SPLITS, auto_num_splits, decode_attention  # noqa: E402
+from kernels.naive import naive_attention  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+FLOOR = {torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}  # small absolute floor per dtype
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_case(B, Hq, Hkv, Nq, D, lens, max_len, dtype, seed=0):
+    """Fresh random q, caches and lens; everything past lens[b] is garbage (NaN, inf, huge) that must not leak."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g)
+    k = torch.randn(B, Hkv, max_len, D, generator=g)
+    v = torch.randn(B, Hkv, max_len, D, generator=g)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    huge = torch.finfo(dtype).max
+    for b, L in enumerate(lens):
+        k[b, :, L:] = float("nan") if b % 2 == 0 else huge
+        v[b, :, L:] = float("nan") if b % 2 == 1 else float("inf")
+    lens = torch.tensor(lens, dtype=torch.int32)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE)
+
+
+def reference(q, k, v, lens, sm_scale=None, dtype=torch.float64):
+    """naive_attention per sequence on its valid prefix, in `dtype` (float64: the oracle)."""
+    outs = []
+    for b, L in enumerate(lens.tolist()):
+        outs.append(naive_attention(q[b:b + 1].to(dtype), k[b:b + 1, :, :L].to(dtype), v[b:b + 1, :, :L].to(dtype),
+                                    causal=True, sm_scale=sm_scale))
+    return torch.cat(outs)
+
+
+def run_decode(q, k, v, lens, **kw):
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    res = decode_attention(q, k, v, lens, out=out, **kw)
+    assert res is out
+    assert torch.isfinite(out).all(), "NaN/inf in the output: garbage read or element not written"
+    return out
+
+
+def check(q, k, v, lens, dtype, sm_scale=None, **kw):
+    """Max error vs float64 <= 2 x naive attention's own error in the same dtype + a small floor."""
+    out = run_decode(q, k, v, lens, sm_scale=sm_scale, **kw)
+    ref = reference(q, k, v, lens, sm_scale)
+    err = (out.double() - ref).abs().max().item()
+    naive_err = (reference(q, k, v, lens, sm_scale, dtype=dtype).double() - ref).abs().max().item()
+    assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.3g} vs naive {naive_err:.3g} ({dtype})"
+    return out
+
+
+# Lengths that are not multiples of the split chunk or of BLOCK_N, different per sequence in one batch.
+LENS_NQ1 = [1, 17, 100, 257, 1000]
+LENS_NQ4 = [4, 17, 100, 257, 1000]
+
+
+@pytest.mark.parametrize("num_splits", [1, 6], ids=["nosplit", "split6"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Nq, lens", [(1, LENS_NQ1), (4, LENS_NQ4)], ids=["nq1", "nq4"])
+@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_mixed_lengths_heads_and_tokens(num_splits, dtype, Nq, lens, Hq, Hkv):
+    q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, 64, lens, max_len=1040, dtype=dtype, seed=Nq + Hq)
+    check(q, k, v, lens_t, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
+@pytest.mark.parametrize("D", [16, 48, 80, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_dims(num_splits, D, dtype):
+    q, k, v, lens = make_case(2, 4, 2, 2, D, [130, 33], max_len=160, dtype=dtype, seed=D)
+    check(q, k, v, lens, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 16, 64])
+def test_split_counts_agree_with_non_split(num_splits):
+    # 64 splits of lens 65 and 300 leave most splits empty (lse = -inf); 1 split is the plain kernel.
+    q, k, v, lens = make_case(2, 4, 2, 3, 48, [300, 65], max_len=320, dtype=torch.float32, seed=num_splits)
+    base = check(q, k, v, lens, torch.float32, num_splits=1)
+    split = check(q, k, v, lens, torch.float32, num_splits=num_splits)
+    torch.testing.assert_close(split, base, atol=2e-6, rtol=1e-5)
+
+
+def test_auto_splits_matches_non_split():
+    q, k, v, lens = make_case(1, 4, 4, 1, 64, [2000], max_len=2048, dtype=torch.float16, seed=3)
+    auto = check(q, k, v, lens, torch.float16)  # batch 1, long cache: the auto path splits
+    assert auto_num_splits(4, 2048, DEVICE) > 1
+    base = check(q, k, v, lens, torch.float16, num_splits=1)
+    torch.testing.assert_close(auto, base, atol=2e-3, rtol=2e-3)
+
+
+def test_many_query_rows_split_over_programs():
+    # MQA with 24 query heads x 4 new tokens = 96 rows of one kv head: more than one program's 64.
+    q, k, v, lens = make_case(2, 24, 1, 4, 32, [77, 200], max_len=256, dtype=torch.float32, seed=5)
+    check(q, k, v, lens, torch.float32, num_splits=3)
+    check(q, k, v, lens, torch.float32, num_splits=1)
+
+
+def test_full_cache_nq_16_and_scale():
+    q, k, v, lens = make_case(2, 2, 1, 16, 64, [16, 96], max_len=96, dtype=torch.float16, seed=7)
+    check(q, k, v, lens, torch.float16, sm_scale=0.3, num_splits=4)
+
+
+def test_strided_cache_views_and_int64_lens():
+    # A cache stored as (B, max_len, Hkv, D) and viewed as (B, Hkv, max_len, D); q non-contiguous too.
+    q, k, v, lens = make_case(2, 4, 2, 2, 64, [50, 129], max_len=140, dtype=torch.float32, seed=9)
+    k_store, v_store = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    q_store = q.transpose(1, 2).contiguous()
+    out = check(q_store.transpose(1, 2), k_store.transpose(1, 2), v_store.transpose(1, 2), lens.long(),
+                torch.float32, num_splits=2)
+    torch.testing.assert_close(out, run_decode(q, k, v, lens, num_splits=2), atol=1e-6, rtol=1e-6)
+
+
+def test_default_out_is_allocated():
+    q, k, v, lens = make_case(1, 2, 2, 1, 32, [40], max_len=64, dtype=torch.float32)
+    out = decode_attention(q, k, v, lens)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+
+
+def test_auto_num_splits_heuristic():
+    cpu = torch.device("cpu")
+    assert auto_num_splits(1000, 32768, cpu) == 1          # plenty of programs already: no split
+    assert auto_num_splits(1, 100, cpu) == 1               # short cache: nothing to split
+    assert 1 < auto_num_splits(1, 32768, cpu) <= MAX_SPLITS
+    assert auto_num_splits(1, 1024, cpu) <= 4              # never finer than 256 keys of max_len
+
+
+def _good():
+    q = torch.randn(2, 4, 2, 32, device=DEVICE)
+    k = torch.randn(2, 2, 64, 32, device=DEVICE)
+    return q, k, k.clone(), torch.tensor([10, 64], device=DEVICE)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: dict(a, q=a["q"][0]), "expected q"),
+    (lambda a: dict(a, v=a["v"][:, :, :32]), "differ"),
+    (lambda a: dict(a, q=torch.randn(3, 4, 2, 32, device=DEVICE)), "batch or head dim"),
+    (lambda a: dict(a, q=torch.randn(2, 3, 2, 32, device=DEVICE)), "multiple"),
+    (lambda a: dict(a, q=torch.randn(2, 4, 17, 32, device=DEVICE)), "new tokens"),
+    (lambda a: dict(a, q=torch.randn(2, 4, 2, 8, device=DEVICE), k=torch.randn(2, 2, 64, 8, device=DEVICE),
+                    v=torch.randn(2, 2, 64, 8, device=DEVICE)), "head dim"),
+    (lambda a: dict(a, q=a["q"].double(), k=a["k"].double(), v=a["v"].double()), "dtype"),
+    (lambda a: dict(a, q=a["q"].half()), "dtype"),
+    (lambda a: dict(a, lens=a["lens"].float()), "cache_lens"),
+    (lambda a: dict(a, lens=a["lens"][:1]), "cache_lens"),
+    (lambda a: dict(a, lens=torch.tensor([1, 10], device=DEVICE)), r"\[Nq, max_len\]"),
+    (lambda a: dict(a, lens=torch.tensor([10, 65], device=DEVICE)), r"\[Nq, max_len\]"),
+    (lambda a: dict(a, num_splits=0), "num_splits"),
+    (lambda a: dict(a, num_splits=MAX_SPLITS + 1), "num_splits"),
+    (lambda a: dict(a, out=torch.empty(1, device=DEVICE)), "out must be"),
+    (lambda a: dict(a, q=a["q"].requires_grad_()), "inference-only"),
+])
+def test_errors_before_launch(change, message):
+    q, k, v, lens = _good()
+    a = change(dict(q=q, k=k, v=v, lens=lens, num_splits=None, out=None))
+    with pytest.raises(ValueError, match=message):
+        decode_attention(a["q"], a["k"], a["v"], a["lens"], num_splits=a["num_splits"], out=a["out"])
+
+
+def test_bench_smoke(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "split" in r.stdout and (tmp_path / "decode_attention_smoke.json").exists()
+    assert (tmp_path / "decode_attention_smoke.md").exists()

@@ -64,7 +64,8 @@ def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok
     kT = tl.load(K + keys[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                  mask=d_ok[:, None] & k_ok[None, :], other=0.0)                 # (BLOCK_D, BLOCK_N)
     s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale                    # (BLOCK_M, BLOCK_N)
-    visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])                 # causal, bottom-right
+    # causal, bottom-right; k_ok only matters for a split ending mid-block (the last: there keys >= L anyway)
+    visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))                                       # (BLOCK_M,)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: keep exp2 finite
@@ -260,7 +261,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = auto_num_splits(B * Hkv * row_blocks, max_len, q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    launch = dict(num_warps=4 if BLOCK_D <= 128 else 8, num_stages=3)
+    # Three K/V tiles in flight, two when a tile row is wide (fp32 or D > 128) to stay within shared memory.
+    launch = dict(num_warps=4 if BLOCK_D <= 128 else 8, num_stages=3 if BLOCK_D * q.element_size() <= 256 else 2)
 
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel

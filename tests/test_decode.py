@@ -175,6 +175,14 @@ def test_errors_before_launch(change, message):
         decode_attention(a["q"], a["k"], a["v"], a["lens"], num_splits=a["num_splits"], out=a["out"])
 
 
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 1, 32)
+    k = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        decode_attention(q, k, k, torch.tensor([8]))
+
+
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--out", str(tmp_path)],

@@ -133,7 +133,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+# Scalars are not specialised (no ==1 / %16 variants): one compiled kernel serves every length and head count.
+@triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -142,14 +143,14 @@ def _attn_fwd(Q, K, V, O, LSE,
               Hq, GROUP, Nq, Nk, offset, qk_scale, q_bucket, k_bucket,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # grid: (cdiv(Nq, BLOCK_M), B * Hq); axis 0 fastest, so the query blocks of one head run side by side and
+    # grid: (cdiv(Nq, BLOCK_M), Hq, B); axis 0 fastest, so the query blocks of one head run side by side and
     # share its K/V in L2. Causal: the blocks at the bottom see the most keys, so they go first.
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * Hq + h
     hk = h // GROUP  # kv head of this query head
     start_m = pid_m * BLOCK_M
 
@@ -200,16 +201,16 @@ def _attn_fwd(Q, K, V, O, LSE,
 # Backward
 # ----------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["Nq"])
+@triton.jit(do_not_specialize=["Hq", "Nq"])
 def _attn_bwd_delta(O, DO, DELTA,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_dob, stride_doh, stride_dom, stride_dod,
                     Hq, Nq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d] in fp32 (the softmax backward's row term)."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * Hq + h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
@@ -256,7 +257,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+@triton.jit(do_not_specialize=["Hq", "Hkv", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -267,12 +268,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # grid: (cdiv(Nk, BLOCK_N), B * Hkv). Under a causal mask the first key blocks are seen by the most
+    # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so the natural order already starts with the heaviest programs.
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hkv
-    hk = bh % Hkv
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows
     offs_d = tl.arange(0, BLOCK_D)
@@ -356,7 +356,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
     return dq
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+@triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -366,13 +366,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # grid: (cdiv(Nq, BLOCK_M), B * Hq), heaviest query blocks first under a causal mask (as the forward)
+    # grid: (cdiv(Nq, BLOCK_M), Hq, B), heaviest query blocks first under a causal mask (as the forward)
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * Hq + h
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -425,14 +425,20 @@ _INTERPRET_CFG = (64, 64, 4, 1)  # the interpreter pays per loop step: 64-row ti
 
 _GPU_CFGS = {
     # (kernel, dtype class, BLOCK_D) -> configs
-    ("fwd", "16", 64): [(128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-    ("fwd", "16", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-    ("fwd", "16", 256): [(64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
-    ("dkdv", "16", 64): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
-    ("dkdv", "16", 128): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    ("fwd", "16", 64): [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                        (64, 128, 4, 3)],
+    ("fwd", "16", 128): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+                         (64, 128, 4, 2)],
+    ("fwd", "16", 256): [(64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3)],
+    ("dkdv", "16", 64): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 3),
+                         (128, 128, 8, 2)],
+    ("dkdv", "16", 128): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2),
+                          (32, 128, 8, 4)],
     ("dkdv", "16", 256): [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
-    ("dq", "16", 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
-    ("dq", "16", 128): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    ("dq", "16", 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2),
+                       (64, 128, 4, 3)],
+    ("dq", "16", 128): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2),
+                        (128, 64, 4, 3)],
     ("dq", "16", 256): [(64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
     # float32 runs ieee dots on the CUDA cores: small tiles, accuracy path
     ("fwd", "32", 64): [(64, 32, 4, 2), (32, 32, 4, 2)],
@@ -496,7 +502,7 @@ def _autotune_enabled() -> bool:
     return not INTERPRET and os.environ.get("FLASHGPT_AUTOTUNE", "1") not in ("0", "", "false", "False")
 
 
-def _launch(name: str, grid_axis0_len: int, grid_axis1: int, dtype, head_dim: int, args, kwargs):
+def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args, kwargs):
     """Launch kernel `name` with a forced config, the autotuner, or the default config."""
     if name in _forced or INTERPRET or not _autotune_enabled():
         if name in _forced:
@@ -507,11 +513,11 @@ def _launch(name: str, grid_axis0_len: int, grid_axis1: int, dtype, head_dim: in
             cfg = _GPU_CFGS[_cfg_key(name, dtype, kwargs["BLOCK_D"])][0]
         bm, bn, warps, stages = cfg
         block = bm if name in ("fwd", "dq") else bn
-        grid = (triton.cdiv(grid_axis0_len, block), grid_axis1)
+        grid = (triton.cdiv(grid_axis0_len, block), heads, batch)
         _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         block_key = "BLOCK_M" if name in ("fwd", "dq") else "BLOCK_N"
-        grid = lambda meta: (triton.cdiv(grid_axis0_len, meta[block_key]), grid_axis1)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(grid_axis0_len, meta[block_key]), heads, batch)  # noqa: E731
         _TUNED[_cfg_key(name, dtype, kwargs["BLOCK_D"])][grid](*args, **kwargs)
 
 
@@ -558,6 +564,13 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> fl
         raise ValueError(f"flash_attention needs CUDA tensors, got {q.device} (on a machine without a GPU, "
                          "set TRITON_INTERPRET=1 before importing kernels.flash_attention to run the kernels "
                          "on the CPU through Triton's interpreter)")
+    if max(q.shape[0], q.shape[1]) > 65535:
+        raise ValueError(f"flash_attention: batch and head count must be <= 65535 (grid limits), got {q.shape}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # offsets inside one (batch, head) slice are int32 in the kernels (batch/head offsets are int64)
+        if (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2**31:
+            raise ValueError(f"flash_attention: {name} is too long for int32 offsets within one head "
+                             f"(shape {tuple(t.shape)}, strides {t.stride()})")
     if sm_scale is None:
         return 1.0 / math.sqrt(D)
     sm_scale = float(sm_scale)
@@ -576,7 +589,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _bucket(Nq), _bucket(Nk))
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     with _device_guard(q):
-        _launch("fwd", Nq, B * Hq, q.dtype, D, args, kwargs)
+        _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
     return o, lse
 
 
@@ -593,13 +606,13 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
     qk_scale = sm_scale * LOG2E
     with _device_guard(q):
         delta_bm = 16 if INTERPRET else max(16, min(128, 8192 // BLOCK_D))
-        _attn_bwd_delta[(triton.cdiv(Nq, delta_bm), B * Hq)](
+        _attn_bwd_delta[(triton.cdiv(Nq, delta_bm), Hq, B)](
             o, do, delta, *o.stride(), *do.stride(), Hq, Nq, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=delta_bm)
-        _launch("dkdv", Nk, B * Hkv, q.dtype, D,
+        _launch("dkdv", Nk, Hkv, B, q.dtype,
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  _bucket(Nq), _bucket(Nk)), kwargs)
-        _launch("dq", Nq, B * Hq, q.dtype, D,
+        _launch("dq", Nq, Hq, B, q.dtype,
                 (q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  _bucket(Nq), _bucket(Nk)), kwargs)

@@ -297,12 +297,20 @@ def _config_params():
 @cuda_only
 @pytest.mark.parametrize("dtype,D,i,causal", _config_params())
 def test_every_autotune_config(dtype, D, i, causal, request):
-    """Each config the autotuner may pick is itself correct (on odd lengths, GQA, both masks)."""
+    """Each config the autotuner may pick is itself correct (on odd lengths, GQA, both masks).
+
+    A config that does not fit this GPU (shared memory / registers) is skipped here, as the autotuner skips it;
+    the default (first) configs are run by every other test, so they must fit.
+    """
+    from triton.runtime.errors import OutOfResources
     cfgs = {kn: fa.gpu_configs(kn, dtype, D) for kn in ("fwd", "dkdv", "dq")}
     forced = {kn: c[i % len(c)] for kn, c in cfgs.items()}
-    with fa.forced_configs(**forced):
-        _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
-        _check(1, 2, 2, 517, 331, D, causal, dtype, _gen(request))
+    try:
+        with fa.forced_configs(**forced):
+            _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
+            _check(1, 2, 2, 517, 331, D, causal, dtype, _gen(request))
+    except OutOfResources as e:
+        pytest.skip(f"config {forced} does not fit this GPU: {e}")
 
 
 @cuda_only

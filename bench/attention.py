@@ -1,0 +1,320 @@
+"""Attention benchmark on a GPU: this repo's Triton FlashAttention against PyTorch's fused kernels.
+
+    python bench/attention.py [--out DIR] [--deadline-s S] [--shapes 8,12,1024,64 ...]
+
+For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and backward TFLOP/s and peak memory
+(one forward + backward, above the inputs) of
+
+* flash       kernels/flash_attention.py (autotuned on first use of each shape bucket),
+* sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
+* sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend,
+* flex        torch.compile(flex_attention) with a causal block mask (no mask when non-causal),
+* naive       kernels.naive.naive_attention (skipped at N = 16384: it would need tens of GiB),
+
+all in the same run, timed with triton.testing.do_bench medians (it flushes L2 between runs). FLOPs:
+4·B·H·N²·D, halved when causal; the backward counts 2.5x the forward. Inputs are random (never zeros), and
+before timing each provider's output and gradients are compared with SDPA-flash's (relative L2 difference,
+column "diff"). Writes attention.json and attention.md into bench/results/ (and into --out / $OUT when given)
+and prints one table, then the target ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+SHAPES = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
+PROVIDERS = ["flash", "sdpa-flash", "sdpa-cudnn", "flex", "naive"]
+NAIVE_MAX_N = 8192
+
+
+def flops(B, H, N, D, causal, mode):
+    f = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+    return f * (2.5 if mode == "bwd" else 1.0)
+
+
+def make_provider(name, N, causal):
+    """Returns fn(q, k, v) -> o, or raises if the provider cannot run here."""
+    if name == "flash":
+        from kernels.flash_attention import flash_attention
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name in ("sdpa-flash", "sdpa-cudnn"):
+        backend = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
+
+        def sdpa(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return sdpa
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        compiled = _flex_compiled(flex_attention)
+        mask = None
+        if causal:
+            mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N, device="cuda")
+        return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+    if name == "naive":
+        if N > NAIVE_MAX_N:
+            raise RuntimeError(f"skipped: N={N} > {NAIVE_MAX_N} (O(N^2) memory)")
+        from kernels.naive import naive_attention
+        return lambda q, k, v: naive_attention(q, k, v, causal=causal)
+    raise ValueError(name)
+
+
+_FLEX = None
+
+
+def _flex_compiled(flex_attention):
+    global _FLEX
+    if _FLEX is None:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def fwd_bwd(fn, q, k, v, do):
+    for t in (q, k, v):
+        t.grad = None
+    o = fn(q, k, v)
+    o.backward(do)
+    return [o.detach(), q.grad.detach().clone(), k.grad.detach().clone(), v.grad.detach().clone()]
+
+
+def _tuners():
+    try:
+        import kernels.flash_attention as fa
+    except Exception:  # noqa: BLE001
+        return {}
+    return {k: t for k, t in getattr(fa, "_TUNED", {}).items() if t is not None}
+
+
+def _cfg_str(cfg):
+    kw = cfg.all_kwargs()
+    return f"{kw.get('BLOCK_M')}x{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')}"
+
+
+def measure(name, fn, q, k, v, do, ref, warmup, rep):
+    from triton.testing import do_bench
+    before = {tk: set(t.cache) for tk, t in _tuners().items()}
+    t0 = time.time()
+    res = fwd_bwd(fn, q, k, v, do)  # first call: compile / autotune
+    compile_s = time.time() - t0
+    tuning = {}
+    for tk, t in _tuners().items():  # the autotuner's timing of every config, for the keys tuned just now
+        if set(t.cache) - before.get(tk, set()) and getattr(t, "configs_timings", None):
+            timings = {_cfg_str(c): (ms[0] if isinstance(ms, (list, tuple)) else ms)
+                       for c, ms in t.configs_timings.items()}
+            tuning[tk[0]] = dict(best=_cfg_str(t.cache[list(set(t.cache) - before.get(tk, set()))[0]]),
+                                 default=_cfg_str(t.configs[0]), ms=timings)
+            print(f"  autotune {tk[0]:5s}: best {tuning[tk[0]]['best']} "
+                  f"({min(timings.values()):.3f} ms); default {tuning[tk[0]]['default']} "
+                  f"({timings.get(tuning[tk[0]]['default'], float('nan')):.3f} ms); all "
+                  + ", ".join(f"{c}: {ms:.3f}" for c, ms in timings.items()), flush=True)
+    if any(torch.isnan(t).any().item() for t in res):
+        raise RuntimeError("NaN in output or gradients")
+    diff = max(rel(a, b) for a, b in zip(res, ref)) if ref is not None else None
+    del res
+    fwd_ms = do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
+    out = [fn(q, k, v)]
+    bwd_ms = do_bench(lambda: out[0].backward(do, retain_graph=True), warmup=warmup, rep=rep,
+                      grad_to_none=[q, k, v], return_mode="median")
+    out.clear()
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(q, k, v).backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for t in (q, k, v):
+        t.grad = None
+    out = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, peak_gib=peak / 2**30, diff=diff, first_call_s=compile_s)
+    if tuning:
+        out["autotune"] = tuning
+    return out
+
+
+def autotune_picks():
+    """The configs the flash autotuners chose, per key (for bench/NOTES.md)."""
+    try:
+        import kernels.flash_attention as fa
+    except Exception:  # noqa: BLE001
+        return {}
+    out = {}
+    for (kern, dcls, bd), tuner in getattr(fa, "_TUNED", {}).items():
+        if tuner is None:
+            continue
+        for key, cfg in tuner.cache.items():
+            kw = cfg.all_kwargs()
+            out[f"{kern}/{dcls}/{bd}/{key}"] = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"),
+                                                kw.get("num_stages"))
+    return out
+
+
+def fmt(x, nd=0):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def render(results, meta):
+    """One markdown table (TFLOP/s fwd / bwd, peak GiB, diff) plus the target ratios."""
+    lines = [f"# Attention benchmark ({meta['gpu']})", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, triton "
+             f"{meta['triton']}; bf16; do_bench medians; FLOPs 4·B·H·N²·D (×0.5 causal, bwd ×2.5).", "",
+             "TFLOP/s forward / backward (peak GiB of one fwd+bwd above the inputs; diff = max relative L2 "
+             "difference of out, dq, dk, dv vs SDPA-flash):", "",
+             "| B,H,N,D | causal | " + " | ".join(PROVIDERS) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in PROVIDERS) + " |"]
+    for r in results:
+        cells = []
+        for p in PROVIDERS:
+            m = r["providers"].get(p, {})
+            if "fwd_tflops" in m:
+                diff = "ref" if m["diff"] is None else f"diff {m['diff']:.1e}"
+                cells.append(f"{m['fwd_tflops']:.0f} / {m['bwd_tflops']:.0f} ({m['peak_gib']:.2f} GiB, {diff})")
+            else:
+                cells.append("—")
+        lines.append(f"| {','.join(map(str, r['shape']))} | {'yes' if r['causal'] else 'no'} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Targets (N ≥ 4096): flash ≥ 1.0× Flex and ≥ 1.3× SDPA-flash, forward and backward; "
+              "stretch ≥ 0.9× cuDNN. Ratios flash / peer:", "",
+              "| B,H,N,D | causal | vs flex fwd / bwd | vs sdpa-flash fwd / bwd | vs cudnn fwd / bwd | met |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        pr = r["providers"]
+        f = pr.get("flash", {})
+
+        def ratio(peer, mode):
+            m = pr.get(peer, {})
+            if f.get(f"{mode}_tflops") and m.get(f"{mode}_tflops"):
+                return f[f"{mode}_tflops"] / m[f"{mode}_tflops"]
+            return None
+        rf, rb = ratio("flex", "fwd"), ratio("flex", "bwd")
+        sf, sb = ratio("sdpa-flash", "fwd"), ratio("sdpa-flash", "bwd")
+        cf, cb = ratio("sdpa-cudnn", "fwd"), ratio("sdpa-cudnn", "bwd")
+        if r["shape"][2] >= 4096:
+            checks = [x is not None and x >= t for x, t in ((rf, 1.0), (rb, 1.0), (sf, 1.3), (sb, 1.3))]
+            met = "yes" if all(checks) else "no"
+            if all(x is not None and x >= 0.9 for x in (cf, cb)):
+                met += " (+cuDNN stretch)"
+        else:
+            met = "n/a (N < 4096)"
+        lines.append(f"| {','.join(map(str, r['shape']))} | {'yes' if r['causal'] else 'no'} | "
+                     f"{fmt(rf, 2)} / {fmt(rb, 2)} | {fmt(sf, 2)} / {fmt(sb, 2)} | {fmt(cf, 2)} / {fmt(cb, 2)} | "
+                     f"{met} |")
+    errs = [(r["shape"], r["causal"], p, m["error"]) for r in results for p, m in r["providers"].items()
+            if "error" in m]
+    if errs:
+        lines += ["", "Not measured:", ""] + [f"- {s} causal={c} {p}: {e}" for s, c, p, e in errs]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="extra folder for the JSON/markdown copies")
+    ap.add_argument("--deadline-s", type=float, default=None, help="skip what would start after this")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--shapes", nargs="*", default=None, help="B,H,N,D ...")
+    ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--warm-compile-only", action="store_true",
+                    help="only compile Flex for every case (to fill the inductor cache), no timing")
+    ap.add_argument("--tag", default="attention", help="file name stem under bench/results/")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/attention.py needs a CUDA GPU")
+    t_start = time.time()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    providers = args.providers.split(",")
+    causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
+    import triton
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]))
+    dtype = torch.bfloat16
+    results = []
+    for shape in shapes:
+        B, H, N, D = shape
+        for causal in causals:
+            g = torch.Generator(device="cuda").manual_seed(1234 + N + D + int(causal))
+            q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_()
+            row = dict(shape=list(shape), causal=causal, providers={})
+            ref = None
+            order = ["sdpa-flash"] + [p for p in providers if p != "sdpa-flash"]
+            for p in order:
+                if p not in providers and p != "sdpa-flash":
+                    continue
+                if args.warm_compile_only and p != "flex":
+                    continue
+                if args.deadline_s is not None and time.time() - t_start > args.deadline_s:
+                    row["providers"][p] = dict(error="skipped: benchmark deadline reached")
+                    continue
+                try:
+                    fn = make_provider(p, N, causal)
+                    if args.warm_compile_only:
+                        t0 = time.time()
+                        fwd_bwd(fn, q, k, v, do)
+                        torch.cuda.synchronize()
+                        print(f"warm {p} {shape} causal={causal}: {time.time() - t0:.1f}s", flush=True)
+                        continue
+                    m = measure(p, fn, q, k, v, do, ref, args.warmup, args.rep)
+                    if p == "sdpa-flash":
+                        ref = fwd_bwd(fn, q, k, v, do)
+                    m["fwd_tflops"] = flops(B, H, N, D, causal, "fwd") / (m["fwd_ms"] * 1e-3) / 1e12
+                    m["bwd_tflops"] = flops(B, H, N, D, causal, "bwd") / (m["bwd_ms"] * 1e-3) / 1e12
+                    row["providers"][p] = m
+                    print(f"{shape} causal={causal!s:5} {p:10s} fwd {m['fwd_tflops']:6.1f} TFLOP/s "
+                          f"({m['fwd_ms']:.3f} ms)  bwd {m['bwd_tflops']:6.1f} TFLOP/s ({m['bwd_ms']:.3f} ms)  "
+                          f"peak {m['peak_gib']:.2f} GiB  diff {m['diff'] if m['diff'] is None else format(m['diff'], '.1e')}  first call {m['first_call_s']:.1f}s",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
+                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    row["providers"][p] = dict(error=msg)
+                    print(f"{shape} causal={causal} {p}: {msg}", flush=True)
+                    if p == "flash":
+                        traceback.print_exc()
+                torch.cuda.empty_cache()
+            del q, k, v, do, ref
+            torch.cuda.empty_cache()
+            results.append(row)
+            if not args.warm_compile_only:
+                _write(results, meta, args)
+    if args.warm_compile_only:
+        return
+    meta["autotune_picks"] = autotune_picks()
+    meta["wall_s"] = time.time() - t_start
+    _write(results, meta, args)
+    print()
+    print(render(results, meta))
+
+
+def _write(results, meta, args):
+    blob = json.dumps(dict(meta=meta, results=results), indent=1)
+    md = render(results, meta)
+    dirs = [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else [])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{args.tag}.json").write_text(blob)
+        (d / f"{args.tag}.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -315,8 +315,7 @@ def _truncate_metrics(path: str, upto_iter: int) -> None:
         return
     with open(path) as f:
         rows = [line for line in f if line.strip()]
-    kept = [r for r in rows if json.loads(r).get("iter", 0) < upto_iter
-            or (json.loads(r).get("iter") == upto_iter and "val_loss" in json.loads(r))]
+    kept = [r for r in rows if json.loads(r).get("iter", 0) <= upto_iter]
     with open(path, "w") as f:
         f.writelines(kept)
 

@@ -101,6 +101,20 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
+    def setup_kv_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
+        """Attach a static KVCache of (batch, n_kv_head, max_len, head_dim) to every attention layer."""
+        from .kv_cache import KVCache
+        if max_len > self.config.block_size:
+            raise ValueError(f"cache length {max_len} exceeds block_size={self.config.block_size}")
+        p = self.lm_head.weight
+        for block in self.transformer.h:
+            a = block.attn
+            a.kv_cache = KVCache(batch, a.n_kv_head, max_len, a.head_dim, dtype or p.dtype, device or p.device)
+
+    def clear_kv_cache(self) -> None:
+        for block in self.transformer.h:
+            block.attn.kv_cache = None
+
     def set_attention_backend(self, backend: str) -> None:
         for block in self.transformer.h:
             block.attn.backend = backend

@@ -1,0 +1,65 @@
+"""A static, preallocated KV cache per attention layer, with gpt-fast's `input_pos` API.
+
+    cache = KVCache(batch, n_kv_head, max_len, head_dim, dtype, device)
+    y = cache.attend(q, k, v, input_pos, backend)   # writes k, v at input_pos, then attends
+
+input_pos holds the positions of the new tokens: (T,) shared by the batch (prefill, or a chunk of it) or
+(B, T) per sequence (decode of prompts of different lengths). The new tokens of sequence b must end at the
+highest position it holds: the cache keeps positions 0..input_pos[b, -1] valid.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+DECODE_MAX_TOKENS = 16  # up to this many new tokens per call go through the split-KV decode kernel
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def attend(self, q, k, v, input_pos: torch.Tensor, backend: str) -> torch.Tensor:
+        """q: (B, Hq, T, D); k, v: (B, Hkv, T, D) for the new tokens → (B, Hq, T, D)."""
+        B, T = q.shape[0], q.shape[2]
+        if input_pos.dim() == 1:  # (T,): the same positions for every sequence
+            self.k[:B, :, input_pos] = k.to(self.k.dtype)
+            self.v[:B, :, input_pos] = v.to(self.v.dtype)
+        else:                     # (B, T): per-sequence positions
+            rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
+            self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, Hkv, D) scattered
+            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
+        k_all, v_all = self.k[:B], self.v[:B]  # (B, Hkv, max_len, D)
+        if backend == "flash" and T <= DECODE_MAX_TOKENS and q.dtype == k_all.dtype:
+            from kernels.decode import decode_attention
+            lens = (input_pos[-1] + 1).expand(B) if input_pos.dim() == 1 else input_pos[:, -1] + 1  # (B,)
+            return decode_attention(q, k_all, v_all, lens)
+        if input_pos.dim() == 1:  # prefill chunk: keys 0..end-1, causal mask aligned bottom-right
+            end = int(input_pos[-1]) + 1
+            return kernels.attention(q, k_all[:, :, :end], v_all[:, :, :end], backend=backend, causal=True)
+        # per-sequence positions without the decode kernel: an explicit mask over the whole cache
+        visible = torch.arange(self.max_len, device=q.device)[None, None, :] <= input_pos[:, :, None]  # (B, T, L)
+        return masked_attention(q, k_all, v_all, visible[:, None], exact=backend == "naive")
+
+
+def masked_attention(q, k, v, visible: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """softmax(Q Kᵀ/√D, visible) V with GQA; visible broadcasts to (B, Hq, T, L). exact: plain math, no SDPA."""
+    group = q.shape[1] // k.shape[1]
+    if not exact:
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible,
+                                              enable_gqa=group > 1)
+    k = k.to(q.dtype).repeat_interleave(group, dim=1)  # (B, Hq, L, D)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, Hq, T, L)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")).float(), dim=-1).to(q.dtype)
+    return p @ v  # (B, Hq, T, D)

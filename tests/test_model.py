@@ -1,0 +1,79 @@
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+
+def tiny(**kw):
+    base = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=64, attention="naive")
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def test_shapes_and_initial_loss():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 97, (3, 32))
+    targets = torch.randint(0, 97, (3, 32))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 32, 97)
+    assert abs(loss.item() - math.log(97)) < 0.1  # an untrained model is close to uniform
+    logits, loss = model(idx[:, :5])
+    assert logits.shape == (3, 5, 97) and loss is None
+
+
+def test_weight_tying_and_gpt2_names():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    names = set(dict(model.named_parameters()))
+    for n in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight",
+              "transformer.h.1.mlp.c_fc.weight", "transformer.ln_f.weight"):
+        assert n in names
+    std = model.transformer.h[0].attn.c_proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(2 * 2)) < 0.004  # GPT-2's scaled residual init
+
+
+@pytest.mark.parametrize("n_kv_head", [0, 2, 1])
+def test_backends_agree(n_kv_head):
+    torch.manual_seed(1)
+    model = GPT(tiny(n_kv_head=n_kv_head)).double()
+    idx = torch.randint(0, 97, (2, 17))
+    ref, _ = model(idx)
+    model.set_attention_backend("sdpa")
+    out, _ = model(idx)
+    torch.testing.assert_close(out, ref)
+
+
+def test_causality():
+    torch.manual_seed(2)
+    model = GPT(tiny())
+    idx = torch.randint(0, 97, (1, 20))
+    a, _ = model(idx)
+    idx2 = idx.clone()
+    idx2[0, 15:] = (idx2[0, 15:] + 1) % 97  # change the future
+    b, _ = model(idx2)
+    torch.testing.assert_close(a[:, :15], b[:, :15])
+
+
+def test_flash_backend_is_a_clear_error_or_works():
+    model = GPT(tiny(attention="flash"))
+    idx = torch.randint(0, 97, (1, 8))
+    try:
+        model(idx)
+    except (ValueError, RuntimeError, ImportError) as e:
+        assert "flash" in str(e).lower() or "triton" in str(e).lower()
+
+
+def test_too_long_sequence_is_refused():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_unknown_backend_is_refused():
+    model = GPT(tiny())
+    model.set_attention_backend("magic")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        model(torch.zeros(1, 4, dtype=torch.long))

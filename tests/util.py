@@ -1,0 +1,32 @@
+"""Shared helpers for the tests: a small corpus, a tiny config, running the entry points as a user does."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--dropout=0.0"]
+
+
+def write_corpus(folder, n_lines: int = 400, seed: int = 0) -> str:
+    """A small, learnable text file: a few verses repeated with variations."""
+    import random
+    rng = random.Random(seed)
+    words = ["the", "king", "queen", "sword", "night", "love", "crown", "speak", "thou", "art", "fair", "and"]
+    lines = []
+    for i in range(n_lines):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + ("." if i % 3 else ","))
+    os.makedirs(str(folder), exist_ok=True)
+    path = os.path.join(str(folder), "corpus.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def run_entry(script: str, *args, stdin: str | None = None, timeout: int = 300, cwd=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               FLASHGPT_QUIET="1", TQDM_DISABLE="1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)

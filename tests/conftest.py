@@ -11,3 +11,20 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "autotune: run the kernel with its autotuner on (GPU only)")
+
+
+# Offline and quiet: hub lookups fail fast instead of retrying, wandb and tiktoken write under the
+# test's temporary folders, progress bars stay out of the logs.
+for _key, _value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+                     "FLASHGPT_QUIET": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}.items():
+    os.environ.setdefault(_key, _value)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _wandb_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))

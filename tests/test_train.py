@@ -172,3 +172,25 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"resuming at step {ckpt['iter']}" in r.stdout
     assert load_checkpoint(str(out))["iter"] == ckpt["iter"] + 3
+
+
+def test_wandb_offline_run_and_lazy_import(tmp_path):
+    code = ("import sys, train; rc = train.main(sys.argv[1:]); "
+            "print('WANDB_IMPORTED', 'wandb' in sys.modules); sys.exit(rc)")
+    corpus = write_corpus(tmp_path)
+    base = [os.path.join(ROOT, "configs", "demo.toml"), f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache",
+            "--max_iters=4", "--eval_interval=2", "--eval_iters=1", "--num_proc=1", *TINY_MODEL]
+    env = dict(os.environ, WANDB_DIR=str(tmp_path), TQDM_DISABLE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("WANDB_MODE", None)
+    env.pop("WANDB_API_KEY", None)
+    off = subprocess.run([sys.executable, "-c", code, *base, f"--out_dir={tmp_path}/off"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0, off.stderr
+    assert "WANDB_IMPORTED False" in off.stdout
+    on = subprocess.run([sys.executable, "-c", code, *base, f"--out_dir={tmp_path}/on", "--wandb=true",
+                         "--wandb_run_name=test"], cwd=ROOT, env=dict(env, HOME=str(tmp_path)),
+                        capture_output=True, text=True, timeout=300)
+    assert on.returncode == 0, on.stderr
+    assert "wandb: logging offline" in on.stdout  # no API key: offline, automatically
+    runs = glob.glob(os.path.join(tmp_path, "on", "wandb", "offline-run-*"))
+    assert runs, os.listdir(os.path.join(tmp_path, "on"))

@@ -1,0 +1,37 @@
+"""torchrun + DistributedDataParallel on CPU (gloo): two ranks match one process with the same global batch."""
+import json
+import os
+import subprocess
+import sys
+
+from tests.util import ROOT, TINY_MODEL, write_corpus
+
+
+def losses(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    corpus = write_corpus(tmp_path)
+    common = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "configs", "demo.toml"), f"--dataset={corpus}",
+              f"--cache_dir={tmp_path}/cache", "--num_proc=1", "--max_iters=12", "--eval_interval=6",
+              "--eval_iters=2", "--log_interval=1", "--batch_size=4", "--device=cpu", "--attention=naive",
+              "--learning_rate=3e-3", "--warmup_iters=2", *TINY_MODEL]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_DATASETS_OFFLINE="1")
+    one = subprocess.run([sys.executable, *common, f"--out_dir={tmp_path}/one", "--grad_accum_steps=4"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          *common, f"--out_dir={tmp_path}/two", "--grad_accum_steps=2"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "world size 2" in two.stdout and two.stdout.count("[model]") == 1  # only rank 0 prints and logs
+    (l1, v1), (l2, v2) = losses(f"{tmp_path}/one"), losses(f"{tmp_path}/two")
+    assert len(l1) == len(l2) == 12
+    for a, b in zip(l1 + v1, l2 + v2):
+        assert abs(a - b) < 2e-5, (l1, l2)
+    assert l1[-1] < l1[0]
+    ckpts = sorted(f for f in os.listdir(f"{tmp_path}/two") if f.endswith(".pt"))
+    assert ckpts == ["best.pt", "ckpt_0000006.pt", "ckpt_0000012.pt"]

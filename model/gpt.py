@@ -97,6 +97,12 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @staticmethod
+    def from_hf_gpt2(model_or_state_dict, **kwargs) -> "GPT":
+        """A transformers GPT2LMHeadModel (or its state dict) → GPT with the same logits; see model/hf.py."""
+        from .hf import from_hf_gpt2
+        return from_hf_gpt2(model_or_state_dict, **kwargs)
+
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n

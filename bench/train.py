@@ -1,6 +1,6 @@
 """Training-step benchmark on a GPU: GPT-2 124M with flash, sdpa and naive attention, eager and compiled.
 
-    python bench/train.py [--out DIR] [--steps 20] [--variants flash,sdpa,naive] [--no-compile]
+    python bench/train.py [--out DIR] [--steps 20] [--variants flash,sdpa+compile,...]
 
 The model of the issue (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024,
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
@@ -72,34 +72,8 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
             "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--block", type=int, default=1024)
-    p.add_argument("--variants", default="flash,sdpa,naive")
-    p.add_argument("--no-compile", action="store_true")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: bench/train.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    torch.backends.cuda.matmul.allow_tf32 = True
-    rows = []
-    for compiled in ([False] if args.no_compile else [False, True]):
-        for attention in args.variants.split(","):
-            name = f"{attention}{' + compile' if compiled else ''}"
-            try:
-                r = run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block)
-            except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
-                traceback.print_exc()
-                r = {"attention": attention, "compiled": compiled, "error": f"{type(e).__name__}: {e}"[:300]}
-            r["variant"] = name
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+def write_results(rows: list, args, argv) -> str:
+    """Table (markdown) + JSON of the variants measured so far: written after each one, so a timeout keeps them."""
     device = torch.cuda.get_device_name()
     cmd = "python bench/train.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"# GPT-2 124M training step — {device}", "",
@@ -119,12 +93,44 @@ def main(argv=None) -> int:
         lines += ["", f"flash + compile / sdpa + compile = **{ratio:.2f}×** (target ≥ 1.0×); "
                       f"flash + compile MFU {by['flash + compile']['mfu']:.1%} (stretch 50%)"]
     text = "\n".join(lines) + "\n"
-    print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "command": cmd, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "train_step.md"), "w") as f:
         f.write(text)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--variants", default="flash,sdpa,flash+compile,sdpa+compile,naive,naive+compile",
+                   help="attention backends, '+compile' for torch.compile; the headline pair runs first")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench/train.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for variant in args.variants.split(","):
+        attention, compiled = variant.split("+")[0], variant.endswith("+compile")
+        name = f"{attention}{' + compile' if compiled else ''}"
+        try:
+            r = run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block)
+        except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
+            traceback.print_exc()
+            r = {"attention": attention, "compiled": compiled, "error": f"{type(e).__name__}: {e}"[:300]}
+        r["variant"] = name
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        text = write_results(rows, args, argv)
+    print(text)
     return 0
 
 

@@ -79,6 +79,8 @@ def _flex_compiled(flex_attention):
     global _FLEX
     if _FLEX is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # the timed backward reruns one graph (retain_graph=True): compiled backwards must not donate buffers
+        torch._functorch.config.donated_buffer = False
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
 

@@ -19,7 +19,11 @@ import pytest
 import torch
 
 import kernels.flash_attention as fa
-from kernels import flash_attention, naive_attention  # after the line above: the callable module
+from kernels import naive_attention
+
+# The implementation itself. (`kernels.flash_attention`, the package attribute, is the lazy wrapper function
+# until the submodule is imported and the submodule afterwards: see test_public_api_import.)
+flash_attention = fa.flash_attention
 from kernels.naive import causal_mask
 
 CUDA = torch.cuda.is_available()
@@ -239,19 +243,34 @@ def test_dispatch_and_custom_op(request):
     torch.library.opcheck(fa._flash_attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, True, 0.17))
 
 
-@pytest.mark.parametrize("entry", ["function", "package attribute", "dispatch"])
+def test_public_api_import():
+    """`from kernels import flash_attention, naive_attention` in a fresh interpreter: same function as naive."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom kernels import flash_attention, naive_attention\n"
+            "q, k, v = (torch.randn(1, 2, 9, 16, device=%r) for _ in range(3))\n"
+            "torch.testing.assert_close(flash_attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)\n"
+            "torch.testing.assert_close(flash_attention(q, k, v, causal=False, sm_scale=0.3),\n"
+            "                           naive_attention(q, k, v, causal=False, sm_scale=0.3), atol=1e-5, rtol=1e-5)\n"
+            % DEVICE)
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry", ["function", "dispatch"])
 def test_torch_compile_fullgraph(entry, request):
     """A function calling flash_attention compiles with fullgraph=True (no graph break), forward and backward.
 
     On the CPU the aot_eager backend (the interpreter has no inductor codegen to test); inductor on a GPU.
-    "package attribute" is `kernels.flash_attention` after the submodule was imported (the module itself,
-    made callable).
+    "dispatch" goes through kernels.attention(backend="flash"), the model's path.
     """
     import kernels
     torch._dynamo.reset()
     g = _gen(request)
     q, k, v = (_make((1, 4, 65, 64), torch.float16, g) for _ in range(3))
-    fn = {"function": fa.flash_attention, "package attribute": kernels.flash_attention,
+    fn = {"function": fa.flash_attention,
           "dispatch": lambda q, k, v, causal: kernels.attention(q, k, v, backend="flash", causal=causal)}[entry]
 
     def f(q, k, v):
@@ -316,7 +335,11 @@ def test_every_autotune_config(dtype, D, i, causal, request):
 @cuda_only
 @pytest.mark.autotune
 def test_autotuned_path(request):
-    _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, _gen(request))
+    """The autotuner's first call (benchmarks every config) and the later calls (reuse its pick directly)."""
+    g = _gen(request)
+    _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, g)
+    _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, g)
+    assert fa._picked, "the autotuner's choice was not recorded"
 
 
 @cuda_only

@@ -11,6 +11,7 @@ block_size − max_new_tokens tokens (a note says so on stderr).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -19,6 +20,7 @@ import kernels
 
 from data.tokenizers import TokenizerError, tokenizer_from_spec
 from model import GPT, GPTConfig
+from model.config import ConfigError
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.sampling import SamplingParams, generate
 
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="attention backend (auto: flash on CUDA, sdpa on CPU)")
     src.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                      help="replay the decode step as a CUDA graph (CUDA only)")
+    src.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start)")
     src.add_argument("--prefill-chunk", type=int, default=0, help="prefill long prompts in chunks (0 = whole)")
     inp = p.add_argument_group("prompts")
     inp.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of prompts")
@@ -107,6 +110,26 @@ def check_args(args) -> None:
         raise GenerateError(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
     if args.num_samples < 1:
         raise GenerateError(f"--num-samples={args.num_samples}: must be >= 1")
+    if args.prefill_chunk < 0:
+        raise GenerateError(f"--prefill-chunk={args.prefill_chunk}: must be >= 0 (0 = the whole prompt at once)")
+    if args.ckpt and args.init_from:
+        raise GenerateError("give either --ckpt or --init-from, not both")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GenerateError(f"--device={name}: not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerateError(f"--device={name}: no CUDA GPU is available (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise GenerateError(f"--device={name}: only {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise GenerateError(f"--device={name}: only cpu and cuda are supported")
+    return device
 
 
 def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
@@ -125,11 +148,17 @@ def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
 def run(args) -> int:
     check_args(args)
     prompts = read_prompts(args)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) \
-        or getattr(torch, args.dtype)
+    device = pick_device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "auto" and device.type == "cuda" else \
+        torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    backend = kernels.resolve_backend(args.attention, device)
+    if backend == "flash" and device.type == "cpu":
+        if dtype == torch.bfloat16:
+            raise GenerateError("--attention flash on CPU runs in Triton's interpreter, which gets bfloat16 wrong: "
+                                "use --dtype float32 or --attention sdpa")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are (lazily) imported
     model, tok = load_model(args, device)
-    model.set_attention_backend(args.attention)
+    model.set_attention_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()
     encoded = []
     for text in prompts:
@@ -140,41 +169,48 @@ def run(args) -> int:
         if not ids:
             raise GenerateError("prompt encodes to no tokens")
         encoded.append(fit_context(ids, args.max_new_tokens, model.config.block_size))
-    batch = [ids for ids in encoded for _ in range(args.num_samples)]
+    batch = [ids for ids in encoded for _ in range(args.num_samples)]  # (num prompts * num samples) sequences
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens,
                             stop_token=None if args.no_stop else tok.eot_token)
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    cuda_graph = args.cuda_graph and device.type == "cuda"
+    decode_path = {"flash": "split-KV decode kernel", "sdpa": "SDPA over the cache",
+                   "naive": "naive attention"}[backend]
+    print(f"attention: {backend} (prefill: {backend}, decode: {decode_path}"
+          f"{', CUDA graph' if cuda_graph else ''}{', torch.compile' if args.compile else ''}) on {device}, "
+          f"{str(dtype).replace('torch.', '')}", file=sys.stderr, flush=True)
+
     stream = len(batch) == 1 and not args.no_stream
-    printed = [""]
+    streamed: list[int] = []  # tokens of sequence 0 so far
+    printed = [""]            # their text as printed so far
 
     def on_token(step, tokens, done):  # stream the decoded text of a single sequence as it grows
         if done[0]:
             return
-        text = tok.decode(streamed + [tokens[0]])
         streamed.append(tokens[0])
+        text = tok.decode(streamed)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             sys.stdout.write(text[len(printed[0]):])
             sys.stdout.flush()
             printed[0] = text
 
-    streamed: list[int] = []
     if stream:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
     stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None,
-                     cuda_graph=args.cuda_graph and device.type == "cuda", prefill_chunk=args.prefill_chunk)
+                     cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk)
     if stream:
-        rest = tok.decode(stats.sequences[0])[len(printed[0]):]
-        sys.stdout.write(rest + "\n")
+        sys.stdout.write(tok.decode(stats.sequences[0])[len(printed[0]):] + "\n")
     else:
         for i, seq in enumerate(stats.sequences):
             print(f"--- sample {i + 1} (prompt {i // args.num_samples + 1}) ---")
             print(prompts[i // args.num_samples] + tok.decode(seq))
-    print(f"\n[{len(batch)} sequence(s), {stats.prompt_tokens} prompt tokens, {stats.new_tokens + len(batch)} new] "
+    sys.stdout.flush()
+    print(f"[{len(batch)} sequence(s), {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new] "
           f"time to first token {stats.time_to_first_token * 1e3:.1f} ms, prefill "
           f"{stats.prefill_tokens_per_s:,.0f} tok/s, decode {stats.decode_tokens_per_s:,.1f} tok/s "
-          f"({kernels.resolve_backend(model.config.attention, device)} attention, {device}, {str(dtype).replace('torch.', '')})", file=sys.stderr)
+          f"({backend} attention, {device}, {str(dtype).replace('torch.', '')})", file=sys.stderr)
     return 0
 
 
@@ -182,9 +218,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (GenerateError, CheckpointError, TokenizerError) as e:
+    except (GenerateError, CheckpointError, TokenizerError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

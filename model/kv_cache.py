@@ -42,8 +42,12 @@ class KVCache(nn.Module):
         k_all, v_all = self.k[:B], self.v[:B]  # (B, Hkv, max_len, D)
         if backend == "flash" and T <= DECODE_MAX_TOKENS and q.dtype == k_all.dtype:
             from kernels.decode import decode_attention
-            lens = (input_pos[-1] + 1).expand(B) if input_pos.dim() == 1 else input_pos[:, -1] + 1  # (B,)
-            return decode_attention(q, k_all, v_all, lens)
+            # (B,) valid lengths, new tokens included. A fresh contiguous tensor: the kernel reads lens[b] at
+            # LENS + b, so a stride-0 .expand(B) view would make it read past the end for b > 0.
+            lens = (input_pos[-1] + 1).repeat(B) if input_pos.dim() == 1 else input_pos[:, -1] + 1  # (B,)
+            # The write above already refused positions outside the cache, so on CUDA the kernel's own check of
+            # lens (a GPU→CPU sync per layer and step, which stalls eager decoding) is skipped.
+            return decode_attention(q, k_all, v_all, lens, check_lens=q.device.type != "cuda")
         if input_pos.dim() == 1:  # prefill chunk: keys 0..end-1, causal mask aligned bottom-right
             end = int(input_pos[-1]) + 1
             return kernels.attention(q, k_all[:, :, :end], v_all[:, :, :end], backend=backend, causal=True)

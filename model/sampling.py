@@ -6,7 +6,9 @@
 
 Prompts of different lengths share one batch: they are right-padded and prefilled together (padding sits
 after each prompt, so the causal mask keeps real tokens from seeing it), then each sequence decodes from its
-own position, overwriting its padding. CUDA graphs wrap the decode step from outside (DecodeGraph).
+own position, overwriting its padding. CUDA graphs (DecodeGraph) and torch.compile wrap the decode step from
+outside the model. The loop queues decode step s + 1 on the GPU before it streams step s's tokens on the host,
+so that host work (streaming, stop checks) overlaps the GPU's.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # (B, V)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > p.top_p  # keep the smallest prefix reaching top_p
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     if generator is not None and generator.device != probs.device:
@@ -66,28 +68,34 @@ def prefill(model, idx: torch.Tensor, lengths: torch.Tensor, chunk: int = 0) -> 
 
 @torch.no_grad()
 def decode_one_token(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """tok: (B, 1) the latest tokens, pos: (B, 1) their positions → logits (B, V)."""
+    """tok: (B, 1) the latest tokens, pos: (B, 1) their positions → logits (B, V) in float32."""
     logits, _ = model(tok, input_pos=pos)  # (B, 1, V)
     return logits[:, -1].float()
 
 
 class DecodeGraph:
-    """decode_one_token captured once in a CUDA graph and replayed: one launch per step instead of hundreds."""
+    """A decode step captured once in a CUDA graph and replayed: one launch per step instead of hundreds.
 
-    def __init__(self, model, batch: int, device):
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    Build it right after `model.setup_kv_cache` and BEFORE prefill: the warm-up runs before the capture are
+    real decode steps (token 0 at position 0) that write position 0 of the cache, which prefill then
+    overwrites. (Built after prefill, they would corrupt the first prompt token's keys and values.)
+    `step` is decode_one_token, or a torch.compile'd version of it.
+    """
+
+    def __init__(self, model, batch: int, device, step=decode_one_token):
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) static input
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) static input
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm up (triton autotune, cuBLAS handles) outside the capture
+        with torch.cuda.stream(stream):  # warm up (triton autotune, compilation, cuBLAS handles) outside capture
             for _ in range(2):
-                self.out = decode_one_token(model, self.tok, self.pos)
+                step(model, self.tok, self.pos)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = decode_one_token(model, self.tok, self.pos)
+            self.out = step(model, self.tok, self.pos)  # (B, V) static output, rewritten by each replay
 
-    def __call__(self, tok, pos):
+    def __call__(self, model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.tok.copy_(tok)
         self.pos.copy_(pos)
         self.graph.replay()
@@ -96,11 +104,13 @@ class DecodeGraph:
 
 @dataclass
 class GenerationStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    time_to_first_token: float = 0.0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    prompt_tokens: int = 0          # real prompt tokens (padding not counted)
+    new_tokens: int = 0             # tokens returned in `sequences` (stop tokens excluded)
+    decode_tokens: int = 0          # of those, the ones the decode steps produced (the first came from prefill)
+    setup_seconds: float = 0.0      # cache allocation, compilation, CUDA graph capture (once per call)
+    prefill_seconds: float = 0.0    # the prompt's forward pass(es)
+    time_to_first_token: float = 0.0  # prefill + sampling + the first tokens on the host
+    decode_seconds: float = 0.0     # from the first tokens on the host to the last ones
     decode_steps: int = 0
     sequences: list = field(default_factory=list)
 
@@ -110,7 +120,7 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.new_tokens / max(self.decode_seconds, 1e-9)
+        return self.decode_tokens / max(self.decode_seconds, 1e-9)
 
 
 def _sync(device):
@@ -118,54 +128,85 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _start_host_copy(t: torch.Tensor):
+    """Start copying t to the host now; the returned function waits for it and gives t.tolist()."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = t.to("cpu", non_blocking=True)  # into pinned memory, ordered after the kernels that produce t
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), host.tolist())[1]
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, generator=None, on_token=None,
-             cuda_graph: bool = False, prefill_chunk: int = 0) -> GenerationStats:
+             cuda_graph: bool = False, compile: bool = False, prefill_chunk: int = 0) -> GenerationStats:
     """Generate for a batch of token-id prompts. on_token(step, tokens (B,) list, done (B,) list) streams.
 
-    Returns stats with `sequences`: each prompt's new tokens (stopping at params.stop_token, excluded).
+    cuda_graph: replay the decode step as a CUDA graph (CUDA only). compile: torch.compile the decode step
+    (inside the graph when both are on). Returns stats with `sequences`: each prompt's new tokens, stopping
+    at params.stop_token (excluded).
     """
     device = model.lm_head.weight.device
     B = len(prompts)
+    if B == 0 or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={params.max_new_tokens}: must be >= 1")
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device}")
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     T = int(lengths.max())
-    max_len = T + params.max_new_tokens
-    idx = torch.zeros(B, T, dtype=torch.long, device=device)
+    max_len = T + params.max_new_tokens  # the longest prompt and all its new tokens fit
+    idx = torch.zeros(B, T, dtype=torch.long, device=device)  # (B, T) right-padded with token 0
     for b, p in enumerate(prompts):
         idx[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-    model.setup_kv_cache(B, max_len)
     stats = GenerationStats(prompt_tokens=int(lengths.sum()))
+    t_setup = time.perf_counter()
+    model.setup_kv_cache(B, max_len)
     try:
+        step_fn = torch.compile(decode_one_token, dynamic=False) if compile else decode_one_token
+        if cuda_graph:
+            step_fn = DecodeGraph(model, B, device, step_fn)  # before prefill: see DecodeGraph
         _sync(device)
         t0 = time.perf_counter()
+        stats.setup_seconds = t0 - t_setup
         logits = prefill(model, idx, lengths, prefill_chunk)  # (B, V)
-        tok = sample(logits, params, generator)  # (B,)
         _sync(device)
-        stats.prefill_seconds = stats.time_to_first_token = time.perf_counter() - t0
-        step_fn = DecodeGraph(model, B, device) if cuda_graph else (lambda t, p: decode_one_token(model, t, p))
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        out: list[list[int]] = [[] for _ in range(B)]
-        pos = lengths.clone()[:, None]  # (B, 1): where each sequence's next token goes
+        stats.prefill_seconds = time.perf_counter() - t0
+        tok = sample(logits, params, generator)  # (B,) on the device
+        tokens = tok.tolist()                    # (B,) on the host
         t1 = time.perf_counter()
+        stats.time_to_first_token = t1 - t0
+
+        done = [False] * B
+        out: list[list[int]] = [[] for _ in range(B)]
+        pos = lengths[:, None].clone()  # (B, 1): where each sequence's next token goes
         for step in range(params.max_new_tokens):
-            if params.stop_token is not None:
-                done |= tok == params.stop_token
-            tok_list, done_list = tok.tolist(), done.tolist()
+            # Queue the next decode step BEFORE handling this step's tokens on the host, so that the GPU
+            # computes step + 1 while the host streams step (after the last stop, one wasted step at most).
+            fetch_next = None
+            if step + 1 < params.max_new_tokens and not all(done):
+                tok = sample(step_fn(model, tok[:, None], pos), params, generator)  # (B,)
+                pos = pos + 1
+                stats.decode_steps += 1
+                fetch_next = _start_host_copy(tok)
             for b in range(B):
-                if not done_list[b]:
-                    out[b].append(tok_list[b])
+                if not done[b]:
+                    if tokens[b] == params.stop_token:
+                        done[b] = True
+                    else:
+                        out[b].append(tokens[b])
+                        stats.new_tokens += 1
+                        stats.decode_tokens += step > 0
             if on_token is not None:
-                on_token(step, tok_list, done_list)
-            if bool(done.all()) or step == params.max_new_tokens - 1:
+                on_token(step, tokens, done)
+            if fetch_next is None or all(done):
                 break
-            logits = step_fn(tok[:, None], pos)
-            tok = sample(logits, params, generator)
-            pos = pos + 1
-            stats.decode_steps += 1
+            tokens = fetch_next()
         _sync(device)
         stats.decode_seconds = time.perf_counter() - t1
         stats.sequences = out
-        stats.new_tokens = sum(len(o) for o in out) - sum(1 for o in out if o)  # first tokens came from prefill
     finally:
         model.clear_kv_cache()
     return stats

@@ -248,7 +248,8 @@ def main():
     import triton
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]))
+                command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
+                + (f" (run by `{os.environ['ATTN_BENCH_VIA']}`)" if os.environ.get("ATTN_BENCH_VIA") else ""))
     dtype = torch.bfloat16
     results = []
     for shape in shapes:

@@ -25,6 +25,7 @@ timeout -k 20 -s INT "${TEST_S:-200}" $PY -m pytest tests/test_flash_attention.p
   -p no:cacheprovider -rs --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee -a "$LOG"
 echo "pytest exit status ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s" | tee -a "$LOG"
 wait $WARM; echo "flex warm-up exit status $? after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/attention_flex_warm.log"
+ATTN_BENCH_VIA="${ATTN_BENCH_VIA:-bash bench/gpu_kernel_check.sh}" \
 timeout -k 10 "${BENCH_S:-280}" $PY bench/attention.py --out "$OUT" --deadline-s "${BENCH_DEADLINE_S:-230}" \
   ${BENCH_ARGS:-} 2>&1 | tee "$OUT/attention_bench.log"
 echo "bench exit status ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/attention_bench.log"

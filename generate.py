@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prefill-chunk", type=int, default=0, help="prefill long prompts in chunks (0 = whole)")
     inp = p.add_argument_group("prompts")
     inp.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of prompts")
-    inp.add_argument("--prompt-file", help="read one prompt from a file ('-' = stdin)")
+    inp.add_argument("--prompt-file", help="read one prompt from a file ('-' = stdin); one final newline is dropped")
     smp = p.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=200)
     smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -76,21 +76,25 @@ def load_model(args, device: torch.device):
         model.load_state_dict(ckpt["model"])
         tokenizer = tokenizer_from_spec(ckpt["tokenizer"])
     except (TypeError, KeyError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"incompatible checkpoint {ckpt['path']}: {str(e).splitlines()[0]}") from None
+        detail = " ".join(str(e).replace("Error(s) in loading state_dict for GPT:", "").split())  # one line
+        raise CheckpointError(f"incompatible checkpoint {ckpt['path']}: {detail[:400]}") from None
     return model, tokenizer
 
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
-    if args.prompt_file:
-        if args.prompt_file == "-":
-            prompts.append(sys.stdin.read())
-        else:
-            try:
+    if args.prompt_file:  # the file's text as it is, less one final newline (`echo text |` adds one)
+        try:
+            if args.prompt_file == "-":
+                text = sys.stdin.read()
+            else:
                 with open(args.prompt_file, encoding="utf-8") as f:
-                    prompts.append(f.read())
-            except OSError as e:
-                raise GenerateError(f"cannot read prompt file {args.prompt_file!r}: {e.strerror}") from None
+                    text = f.read()
+        except OSError as e:
+            raise GenerateError(f"cannot read prompt file {args.prompt_file!r}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise GenerateError(f"prompt file {args.prompt_file!r} is not UTF-8 text") from None
+        prompts.append(text[:-1] if text.endswith("\n") else text)
     if not prompts:
         raise GenerateError("no prompt: give --prompt TEXT or --prompt-file FILE (or - for stdin)")
     for i, text in enumerate(prompts):

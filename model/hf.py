@@ -98,23 +98,56 @@ def from_hf_gpt2(model_or_state_dict, *, n_head: int | None = None):
     return model.eval()
 
 
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    """A TCP connection to the hub's host within `timeout` seconds (instead of the hub client's long retries)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_hf_gpt2(name: str):
-    """Download (or read from the local hub cache) one of the GPT-2 sizes → GPT. One-line HFError on failure."""
+    """One of the GPT-2 sizes from the local hub cache, else downloaded → GPT. One-line HFError on failure.
+
+    With HF_HUB_OFFLINE=1 (or an unreachable hub) and nothing cached, it fails at once, without retries.
+    """
+    import os
     if name not in HF_NAMES:
         raise HFError(f"unknown GPT-2 model {name!r}; choose one of {', '.join(HF_NAMES)}")
     try:
+        from huggingface_hub.utils import logging as hub_logging
         from transformers import GPT2LMHeadModel
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise HFError(f"--init-from {name} needs the transformers package: pip install transformers") from None
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()  # no "Retrying in 1s" lines
+    try:
+        cached = GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
+    except OSError:
+        cached = None  # not in the local cache
+    except Exception as e:
+        raise HFError(f"cannot load GPT-2 weights {name!r} from the local Hugging Face cache "
+                      f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if cached is not None:
+        return from_hf_gpt2(cached)
+    offline = any(os.environ.get(k, "") not in ("", "0", "false", "False")
+                  for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline:
+        raise HFError(f"cannot load GPT-2 weights {name!r}: HF_HUB_OFFLINE is set and they are not in the "
+                      "local Hugging Face cache")
+    if not _hub_reachable():
+        raise HFError(f"cannot load GPT-2 weights {name!r}: the Hugging Face hub is unreachable and they are not "
+                      "in the local cache")
     try:
         hf = GPT2LMHeadModel.from_pretrained(name)
-    except Exception as e:  # OSError (offline, not cached), connection errors, corrupt downloads
-        import os
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or \
-            os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0")
-        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else \
-            f"the Hugging Face hub is unreachable or the download failed ({type(e).__name__})"
-        raise HFError(f"cannot load GPT-2 weights {name!r}: {why}") from None
+    except Exception as e:  # connection errors mid-download, corrupt files
+        raise HFError(f"cannot load GPT-2 weights {name!r}: the download failed "
+                      f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     return from_hf_gpt2(hf)

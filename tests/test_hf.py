@@ -101,3 +101,20 @@ def test_init_from_gpt2_offline_cli():
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot load GPT-2 weights 'gpt2'"), r.stderr
     assert "HF_HUB_OFFLINE" in lines[0]
+
+
+def test_load_uses_the_local_cache_first(monkeypatch):
+    """A cached model loads with local_files_only=True: no network, even offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls = []
+
+    def fake_from_pretrained(name, **kwargs):
+        calls.append((name, kwargs))
+        return hf_model()
+
+    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", fake_from_pretrained)
+    model = load_hf_gpt2("gpt2")
+    assert calls == [("gpt2", {"local_files_only": True})]
+    idx = torch.randint(0, 100, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf_model()(idx).logits, atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@
 For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and backward TFLOP/s and peak memory
 (one forward + backward, above the inputs) of
 
-* flash       kernels/flash_attention.py (autotuned on first use of each shape bucket),
+* flash       kernels/flash.py (autotuned on first use of each shape bucket),
 * sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
 * sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend,
 * flex        torch.compile(flex_attention) with a causal block mask (no mask when non-causal),
@@ -48,7 +48,7 @@ def flops(B, H, N, D, causal, mode):
 def make_provider(name, N, causal):
     """Returns fn(q, k, v) -> o, or raises if the provider cannot run here."""
     if name == "flash":
-        from kernels.flash_attention import flash_attention
+        from kernels.flash import flash_attention
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
     if name in ("sdpa-flash", "sdpa-cudnn"):
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
@@ -99,7 +99,7 @@ def fwd_bwd(fn, q, k, v, do):
 
 def _tuners():
     try:
-        import kernels.flash_attention as fa
+        import kernels.flash as fa
     except Exception:  # noqa: BLE001
         return {}
     return {k: t for k, t in getattr(fa, "_TUNED", {}).items() if t is not None}
@@ -155,7 +155,7 @@ def measure(name, fn, q, k, v, do, ref, warmup, rep):
 def autotune_picks():
     """The configs the flash autotuners chose, per key (for bench/NOTES.md)."""
     try:
-        import kernels.flash_attention as fa
+        import kernels.flash as fa
     except Exception:  # noqa: BLE001
         return {}
     out = {}

@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The Triton kernel is imported here, not inside attention(): an import inside a region that torch.compile
+# traces is a graph break. On a machine without CUDA, kernels.flash turns Triton's interpreter on.
+from .flash import flash_attention
 from .naive import check_qkv, naive_attention
 
 BACKENDS = ("naive", "sdpa", "flash")
@@ -28,12 +31,6 @@ def sdpa_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = Non
                                               enable_gqa=q.shape[1] != k.shape[1])
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
-
-
-def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
-    """The Triton FlashAttention kernel (see kernels/flash_attention.py)."""
-    from .flash_attention import flash_attention as _flash  # imported lazily: triton is heavy
-    return _flash(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
 _IMPLS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}

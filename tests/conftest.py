@@ -5,7 +5,7 @@ import torch
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU only through the interpreter, which must be on before any kernel module
-    # decorates its kernels (i.e. before anything imports kernels.flash_attention).
+    # decorates its kernels (i.e. before anything imports kernels.flash).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

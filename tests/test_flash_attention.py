@@ -18,12 +18,9 @@ import zlib
 import pytest
 import torch
 
-import kernels.flash_attention as fa
-from kernels import naive_attention
-
-# The implementation itself. (`kernels.flash_attention`, the package attribute, is the lazy wrapper function
-# until the submodule is imported and the submodule afterwards: see test_public_api_import.)
-flash_attention = fa.flash_attention
+import kernels
+import kernels.flash as fa
+from kernels import flash_attention, naive_attention
 from kernels.naive import causal_mask
 
 CUDA = torch.cuda.is_available()

@@ -433,7 +433,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 if INTERPRET and not type(_attn_fwd).__name__.startswith("Interpreted"):
-    raise RuntimeError("TRITON_INTERPRET=1 did not take effect for kernels/flash_attention.py; set it in the "
+    raise RuntimeError("TRITON_INTERPRET=1 did not take effect for kernels/flash.py; set it in the "
                        "environment before starting Python (or before anything imports this module)")
 
 
@@ -599,7 +599,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> fl
                              f"expects CPU tensors, got {q.device}")
     elif q.device.type != "cuda":
         raise ValueError(f"flash_attention needs CUDA tensors, got {q.device} (on a machine without a GPU, "
-                         "set TRITON_INTERPRET=1 before importing kernels.flash_attention to run the kernels "
+                         "set TRITON_INTERPRET=1 before importing kernels.flash to run the kernels "
                          "on the CPU through Triton's interpreter)")
     if max(q.shape[0], q.shape[1]) > 65535:
         raise ValueError(f"flash_attention: batch and head count must be <= 65535 (grid limits), got {q.shape}")

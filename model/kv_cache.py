@@ -41,19 +41,24 @@ class KVCache(nn.Module):
             self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
         k_all, v_all = self.k[:B], self.v[:B]  # (B, Hkv, max_len, D)
         if backend == "flash" and T <= DECODE_MAX_TOKENS and q.dtype == k_all.dtype:
-            from kernels.decode import decode_attention
             # (B,) valid lengths, new tokens included. A fresh contiguous tensor: the kernel reads lens[b] at
             # LENS + b, so a stride-0 .expand(B) view would make it read past the end for b > 0.
             lens = (input_pos[-1] + 1).repeat(B) if input_pos.dim() == 1 else input_pos[:, -1] + 1  # (B,)
             # The write above already refused positions outside the cache, so on CUDA the kernel's own check of
             # lens (a GPU→CPU sync per layer and step, which stalls eager decoding) is skipped.
-            return decode_attention(q, k_all, v_all, lens, check_lens=q.device.type != "cuda")
+            return _decode_attention(q, k_all, v_all, lens, check_lens=q.device.type != "cuda")
         if input_pos.dim() == 1:  # prefill chunk: keys 0..end-1, causal mask aligned bottom-right
             end = int(input_pos[-1]) + 1
             return kernels.attention(q, k_all[:, :, :end], v_all[:, :, :end], backend=backend, causal=True)
         # per-sequence positions without the decode kernel: an explicit mask over the whole cache
         visible = torch.arange(self.max_len, device=q.device)[None, None, :] <= input_pos[:, :, None]  # (B, T, L)
         return masked_attention(q, k_all, v_all, visible[:, None], exact=backend == "naive")
+
+
+@torch.compiler.disable  # a torch.compile'd decode step calls the kernel as is (dynamo need not trace its launch)
+def _decode_attention(q, k_all, v_all, lens, check_lens: bool) -> torch.Tensor:
+    from kernels.decode import decode_attention
+    return decode_attention(q, k_all, v_all, lens, check_lens=check_lens)  # (B, Hq, T, D)
 
 
 def masked_attention(q, k, v, visible: torch.Tensor, exact: bool = False) -> torch.Tensor:

@@ -44,11 +44,11 @@ def random_prompts(lens=PROMPT_LENS, seed: int = 1) -> list[list[int]]:
 @torch.no_grad()
 def recompute_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
     """The oracle: no cache, naive attention, the full sequence again at every step."""
-    backend, model.config.attention = model.config.attention, "naive"
+    backend = model.config.attention
     model.set_attention_backend("naive")
     seq, out = list(prompt), []
     for _ in range(n):
-        logits, _ = model(torch.tensor([seq]))  # (1, T, V)
+        logits, _ = model(torch.tensor([seq], device=model.lm_head.weight.device))  # (1, T, V)
         out.append(int(logits[0, -1].argmax()))
         seq.append(out[-1])
     model.set_attention_backend(backend)
@@ -145,12 +145,13 @@ def test_generate_refuses_bad_input(oracle):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["flash", "sdpa"])
-def test_cuda_graph_decode_equals_eager(backend):
+@pytest.mark.parametrize("compile_step", [False, True], ids=["graph", "compile+graph"])
+def test_cuda_graph_decode_equals_eager(backend, compile_step):
     """The graph's warm-up steps write cache position 0: it must be built before prefill (a bug it was not)."""
     model = random_model(2, attention=backend).cuda()
     prompts = random_prompts()
     eager = generate(model, prompts, GREEDY).sequences
-    graphed = generate(model, prompts, GREEDY, cuda_graph=True).sequences
+    graphed = generate(model, prompts, GREEDY, cuda_graph=True, compile=compile_step).sequences
     assert graphed == eager == [recompute_greedy(model, p, N_NEW) for p in prompts]
 
 

@@ -10,7 +10,7 @@
    tokens/s and peak memory.
 3. (CUDA) the largest context each backend fits: one model forward+backward at doubling block_size.
 
-Writes report.md, results.json and PNG plots into --out (default runs/ablate-<timestamp>), and logs them to
+Writes report.md, results.json, readme_section.md and PNG plots into --out (default runs/ablate-<timestamp>), and logs them to
 wandb when --wandb or train.wandb is on. On CUDA the full version runs by default; elsewhere a reduced one
 (tiny sizes, flash through Triton's interpreter) that finishes in a few minutes. Config keys are validated
 as in train.py: a bad key or value prints one line and exits with status 2.
@@ -30,6 +30,9 @@ sys.path.insert(0, ROOT)
 # numpy's BLAS threads (used by Triton's interpreter) spin after each call and would steal the cores from
 # the next torch op being timed; the interpreter's matmuls are tiny anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Flash runs its default tile configs (measured best or near-best on an H200) instead of autotuning ~20
+# configs on first use: that would cost tens of seconds of compiling inside the first timed training step.
+os.environ.setdefault("FLASHGPT_AUTOTUNE", "0")
 
 import torch  # noqa: E402
 
@@ -55,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0], allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other --key=value (or --section.key=value) overrides the config, as in train.py.\n"
-               "Outputs: report.md, results.json, sweep_time.png, sweep_memory.png, sweep_bytes_time.png,\n"
-               "train_loss.png, probe_memory.png (CUDA), train-<backend>/ (each run's metrics and checkpoints).")
+               "Outputs: report.md, results.json, readme_section.md, sweep_time.png, sweep_memory.png,\n"
+               "sweep_bytes_time.png, train_loss.png, probe_memory.png (CUDA), train-<backend>/ (each run's\n"
+               "metrics; checkpoints only with --keep-checkpoints).")
     p.add_argument("config", nargs="?", default=None,
                    help=f"TOML config of the matched training runs (default {os.path.relpath(DEFAULT_CONFIG)})")
     p.add_argument("--out", help="run directory (default runs/ablate-<timestamp>); must be new or empty")
@@ -72,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention backends of the matched runs; the first is the reference (default %(default)s)")
     p.add_argument("--probe-batch", type=int, default=4, help="batch of the context probe (default %(default)s)")
     p.add_argument("--probe-max", type=int, default=65536, help="longest context the probe tries (default %(default)s)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep the matched runs' *.pt files")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole ablation (default 210 in full CUDA mode, else none): the sweep "
                         "stops starting new lengths after 30%%, each training run gets train.max_time ≤ 40%% "
@@ -127,8 +132,26 @@ def prepare_run(argv):
     return args, cfg, device, full
 
 
-def run(args, cfg, device, full, command: str) -> tuple[dict, int]:
+def write_outputs(results: dict, out: str, t0: float) -> list[str]:
+    """Plots, results.json and report.md from what has been measured so far (called after every part, so an
+    interrupted run still leaves a report)."""
     from ablation import report
+    results["meta"]["seconds"] = time.time() - t0
+    images = []
+    if results.get("sweep"):
+        images += report.plot_sweep(results["sweep"], out)
+    if results.get("matched"):
+        images.append(report.plot_training(results["matched"], out))
+    if results.get("probe"):
+        images.append(report.plot_probe(results["probe"], out))
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    report.write_report(results, out)
+    report.write_readme_section(results, out)
+    return images
+
+
+def run(args, cfg, device, full, command: str) -> tuple[dict, int]:
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     results = {"meta": {"command": command, "mode": "full" if full else "reduced", "device": str(device),
@@ -143,30 +166,24 @@ def run(args, cfg, device, full, command: str) -> tuple[dict, int]:
         s.deadline = t0 + 0.3 * args.budget if args.budget else 0.0
         print(f"kernel sweep: B={s.B} H={s.H} D={s.D} {s.dtype} N={s.seq_lens}", flush=True)
         results["sweep"] = run_sweep(s)
+        write_outputs(results, args.out, t0)
     if args.skip_train:
         results["matched_note"] = results["probe_note"] = "Skipped (--skip-train)."
     else:
         status = _train_part(args, cfg, device, results, t0)
-    results["meta"]["seconds"] = time.time() - t0
-    images = []
-    if results.get("sweep"):
-        images += report.plot_sweep(results["sweep"], args.out)
-    if results.get("matched"):
-        images.append(report.plot_training(results["matched"], args.out))
-    if results.get("probe"):
-        images.append(report.plot_probe(results["probe"], args.out))
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    path = report.write_report(results, args.out)
+    images = write_outputs(results, args.out, t0)
     if cfg.train.wandb:
-        report.log_wandb(results, args.out, images, cfg.train.wandb_project, cfg.train.wandb_run_name)
-    print(f"report: {path} ({len(images)} plots) in {results['meta']['seconds']:.0f} s")
+        from ablation.report import log_wandb
+        log_wandb(results, args.out, images, cfg.train.wandb_project, cfg.train.wandb_run_name)
+    print(f"report: {os.path.join(args.out, 'report.md')} ({len(images)} plots) in "
+          f"{results['meta']['seconds']:.0f} s")
     return results, status
 
 
 def _train_part(args, cfg, device, results, t0) -> int:
     from ablation.matched import probe_context, run_matched
     from data.prepare import DataError
+    from data.tokenizers import TokenizerError
     from train import TrainError
     backends = args.train_backends
     if args.budget:
@@ -179,14 +196,17 @@ def _train_part(args, cfg, device, results, t0) -> int:
         f"{cfg.data.dataset!r} ({cfg.data.tokenizer}), {cfg.train.max_iters} steps"
         + (f" (stopped after {cfg.train.max_time:.0f} s if not done)" if cfg.train.max_time else "")
         + f", seed {cfg.train.seed}, dtype {cfg.train.dtype} (auto = bf16 autocast on CUDA, fp32 on CPU). "
-        f"Only model.attention differs. Δ is measured against {backends[0]}; sdpa (PyTorch's fused kernel) is the "
+        f"Only model.attention differs (flash with {'autotuned' if os.environ.get('FLASHGPT_AUTOTUNE') != '0' else 'its default'} "
+        "tile configs). Δ is measured against {backends[0]}; sdpa (PyTorch's fused kernel) is the "
         "noise reference: a gap of the same size as sdpa's is the rounding of mixed precision, not a bug.")
     try:
-        results["matched"] = run_matched(cfg, backends, args.out)
-    except (DataError, TrainError, ConfigError) as e:
+        results["matched"] = run_matched(cfg, backends, args.out, keep_checkpoints=args.keep_checkpoints)
+    except (DataError, TokenizerError, TrainError, ConfigError) as e:
         results["matched_note"] += f"\n\n**Training failed:** {e}"
+        results["probe_note"] = "Not run: the training runs failed."
         print(f"error: matched training: {e}", file=sys.stderr)
         return 1
+    write_outputs(results, args.out, t0)
     if device.type != "cuda":
         results["probe_note"] = ("Skipped on the CPU: there is no device memory to run out of, and the flash "
                                  "interpreter would take hours at long contexts. Run on a GPU.")

@@ -18,8 +18,11 @@ import torch
 from runlog import read_metrics
 
 
-def run_matched(cfg, backends: list[str], out_dir: str, log=print) -> dict:
-    """Train once per backend; returns {"runs": {backend: summary}, "compare": {...}}."""
+def run_matched(cfg, backends: list[str], out_dir: str, *, keep_checkpoints: bool = False, log=print) -> dict:
+    """Train once per backend; returns {"runs": {backend: summary}, "compare": {...}}.
+
+    The checkpoints (*.pt) are deleted after each run unless keep_checkpoints: the ablation needs only the
+    metrics, and the run directory stays small enough to commit."""
     import train as train_mod
     runs = {}
     for backend in backends:
@@ -36,6 +39,10 @@ def run_matched(cfg, backends: list[str], out_dir: str, log=print) -> dict:
             torch.cuda.reset_peak_memory_stats()
         summary = train_mod.train(c)
         runs[backend] = summarise_run(c.train.out_dir, summary)
+        if not keep_checkpoints:
+            for name in os.listdir(c.train.out_dir):
+                if name.endswith(".pt"):
+                    os.remove(os.path.join(c.train.out_dir, name))
     return {"runs": runs, "compare": compare_runs(runs, backends[0])}
 
 
@@ -82,7 +89,7 @@ def probe_context(model_cfg, backends: list[str], *, batch: int, start: int, max
     Returns {backend: {"fits": [{"T", "peak_gib", "tokens_per_s"}], "oom_at": T or None, "stopped": why}}.
     The optimizer is left out: its state does not depend on the context length.
     """
-    from kernels.flash_attention import forced_configs, gpu_configs
+    from kernels.flash import forced_configs, gpu_configs
     from model import GPT
     device = torch.device("cuda")
     hd = model_cfg.n_embd // model_cfg.n_head

@@ -51,7 +51,7 @@ def default_settings(device: torch.device, full: bool) -> SweepSettings:
 def flash_tiles(device: torch.device, dtype: torch.dtype, D: int) -> dict:
     """The (BLOCK_M, BLOCK_N, warps, stages) of each flash kernel: the default (first) GPU config, or the
     interpreter's. The sweep pins these (no autotuning), so the I/O model knows the tile sizes."""
-    import kernels.flash_attention as fa
+    import kernels.flash as fa
     if device.type != "cuda":
         return {k: fa._INTERPRET_CFG for k in ("fwd", "dkdv", "dq")}
     return {k: fa.gpu_configs(k, dtype, D)[0] for k in ("fwd", "dkdv", "dq")}
@@ -120,8 +120,10 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def measure_one(backend: str, s: SweepSettings, N: int, ref: torch.Tensor | None):
-    """One (backend, N) row; raises torch.cuda.OutOfMemoryError when it does not fit."""
+def measure_one(row: dict, s: SweepSettings, N: int, ref: torch.Tensor | None) -> None:
+    """Fill one (backend, N) row in place; raises torch.cuda.OutOfMemoryError when it does not fit (what was
+    measured before, e.g. the forward, stays in the row)."""
+    backend = row["backend"]
     g = torch.Generator(device=s.device).manual_seed(N)
     q, k, v = (torch.randn(s.B, s.H, N, s.D, device=s.device, dtype=s.dtype, generator=g).requires_grad_()
                for _ in range(3))
@@ -135,7 +137,6 @@ def measure_one(backend: str, s: SweepSettings, N: int, ref: torch.Tensor | None
     def fwd_bwd():
         attn(q, k, v).backward(do)
 
-    row = {"N": N, "backend": backend}
     out = fwd()
     row["err_vs_sdpa"] = None if ref is None else (
         (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
@@ -148,15 +149,32 @@ def measure_one(backend: str, s: SweepSettings, N: int, ref: torch.Tensor | None
         for t in (q, k, v):
             t.grad = None
         row["mem_fwdbwd"] = _peak_bytes(fwd_bwd, s)
-    return row
 
 
 def run_sweep(s: SweepSettings, log=print) -> dict:
     """All rows, plus where naive ran out of memory and the copy bandwidth."""
-    from kernels.flash_attention import forced_configs
     s.tiles = flash_tiles(s.device, s.dtype, s.D)
     rows, oom, skipped = [], {}, []
-    bandwidth = copy_bandwidth(s.device)
+    threads = torch.get_num_threads()
+    if s.device.type == "cpu":  # one thread: tiny ops, and a busy core would stall a second thread's barrier
+        torch.set_num_threads(1)
+    try:
+        bandwidth = copy_bandwidth(s.device)
+        _sweep_rows(s, rows, oom, skipped, log)
+    finally:
+        torch.set_num_threads(threads)
+    return {"rows": rows, "oom": oom, "skipped": skipped, "copy_bandwidth": bandwidth,
+            "settings": {"B": s.B, "H": s.H, "D": s.D, "dtype": str(s.dtype).replace("torch.", ""),
+                         "causal": s.causal, "seq_lens": s.seq_lens, "device": str(s.device),
+                         "tiles": {k: list(v) for k, v in s.tiles.items()},
+                         "timing": "triton.testing.do_bench median" if s.device.type == "cuda"
+                         else f"median of {s.cpu_reps}-25 perf_counter runs after one warm-up, one CPU thread",
+                         "memory": "measured: torch.cuda.max_memory_allocated above the inputs"
+                         if s.device.type == "cuda" else "analytical (bench/io_model.py *_activation_bytes)"}}
+
+
+def _sweep_rows(s: SweepSettings, rows: list, oom: dict, skipped: list, log) -> None:
+    from kernels.flash import forced_configs
     with forced_configs(**s.tiles):
         for N in s.seq_lens:
             if s.deadline and time.time() > s.deadline:
@@ -164,20 +182,21 @@ def run_sweep(s: SweepSettings, log=print) -> dict:
                 continue
             ref = None
             for backend in ("sdpa", "flash", "naive"):  # sdpa first: it is the reference output
-                if backend in oom:
-                    rows.append({"N": N, "backend": backend, "status": f"OOM (from N={oom[backend]})"})
-                    continue
-                failure = None
+                row, failed = {"N": N, "backend": backend}, False
                 try:
-                    row = measure_one(backend, s, N, ref)
-                    row["status"] = "ok"
+                    if backend in oom:
+                        row["status"] = f"not run (OOM from N={oom[backend]})"
+                    else:
+                        measure_one(row, s, N, ref)
+                        row["status"] = "ok"
                 except RuntimeError as e:
                     if not _is_oom(e):
                         raise
-                    failure = f"OOM at N={N}"
-                if failure:  # outside the except block, so its frames (and tensors) are freed
+                    failed = True
+                if failed:  # outside the except block, so its frames (and tensors) are freed
                     oom[backend] = N
-                    row = {"N": N, "backend": backend, "status": failure}
+                    row["status"] = f"OOM at N={N}" + (" in fwd+bwd" if "fwd_ms" in row else "")
+                    row.pop("out", None)
                     gc.collect()
                     if s.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -193,19 +212,12 @@ def run_sweep(s: SweepSettings, log=print) -> dict:
             gc.collect()
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {"rows": rows, "oom": oom, "skipped": skipped, "copy_bandwidth": bandwidth,
-            "settings": {"B": s.B, "H": s.H, "D": s.D, "dtype": str(s.dtype).replace("torch.", ""),
-                         "causal": s.causal, "seq_lens": s.seq_lens, "device": str(s.device),
-                         "tiles": {k: list(v) for k, v in s.tiles.items()},
-                         "timing": "triton.testing.do_bench median" if s.device.type == "cuda"
-                         else f"median of {s.cpu_reps}-25 perf_counter runs after one warm-up",
-                         "memory": "measured: torch.cuda.max_memory_allocated above the inputs"
-                         if s.device.type == "cuda" else "analytical (bench/io_model.py *_activation_bytes)"}}
 
 
 def _row_line(r: dict) -> str:
     if r["status"] != "ok":
-        return f"  N={r['N']:6d} {r['backend']:5s} {r['status']}"
+        return f"  N={r['N']:6d} {r['backend']:5s} {r['status']}" + (
+            f" (fwd {r['fwd_ms']:.3f} ms)" if "fwd_ms" in r else "")
     mem = r.get("mem_fwdbwd", r.get("mem_analytical", 0))
     return (f"  N={r['N']:6d} {r['backend']:5s} fwd {r['fwd_ms']:9.3f} ms  fwd+bwd {r['fwdbwd_ms']:9.3f} ms  "
             f"mem {io_model.fmt_bytes(mem):>10s}  model bytes fwd {io_model.fmt_bytes(r['model_fwd_bytes'])}")

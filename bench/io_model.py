@@ -20,7 +20,7 @@ Naive (standard) attention, per head — FlashAttention paper, Algorithms 0 and 
 
 The N² terms dominate: naive traffic (and memory: S and P are kept) grows as N².
 
-FlashAttention (FA2, as kernels/flash_attention.py runs it), per head, with query tiles of Br rows and key
+FlashAttention (FA2, as kernels/flash.py runs it), per head, with query tiles of Br rows and key
 tiles of Bc rows (the kernel's BLOCK_M and BLOCK_N). Non-causal: every program streams the whole of K and V.
 
     forward   one program per query tile (Tr = ⌈N/Br⌉ programs):

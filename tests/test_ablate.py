@@ -94,6 +94,7 @@ def test_reduced_ablation_end_to_end(tmp_path):
     for section in ("## Headline", "## 1. Kernel sweep", "## 2. Matched training runs",
                     "## 3. Largest context that fits", "## The I/O model"):
         assert section in report
+    assert "## Why FlashAttention" in (out / "readme_section.md").read_text()
     for png in ("sweep_time.png", "sweep_memory.png", "sweep_bytes_time.png", "train_loss.png"):
         assert (out / png).stat().st_size > 5000, png
         assert f"({png})" in report
@@ -126,3 +127,30 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path):
 def test_help():
     r = run_entry("ablate.py", "--help")
     assert r.returncode == 0 and "--seq-lens" in r.stdout and "--skip-train" in r.stdout
+
+
+def test_sweep_records_where_naive_runs_out_of_memory(monkeypatch):
+    """The OOM path of the GPU sweep, simulated: naive 'runs out of memory' from N=64 on."""
+    import torch
+
+    import kernels
+    from ablation import report, sweep
+
+    real = kernels._IMPLS["naive"]
+
+    def naive_with_a_memory_limit(q, k, v, **kw):
+        if q.shape[2] >= 64:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+        return real(q, k, v, **kw)
+
+    monkeypatch.setitem(kernels._IMPLS, "naive", naive_with_a_memory_limit)
+    s = sweep.SweepSettings(torch.device("cpu"), torch.float32, 1, 1, 16, [32, 64, 128], cpu_reps=1)
+    res = sweep.run_sweep(s, log=lambda line: None)
+    assert res["oom"] == {"naive": 64}
+    status = {(r["N"], r["backend"]): r["status"] for r in res["rows"]}
+    assert status[(32, "naive")] == "ok" and status[(64, "naive")] == "OOM at N=64"
+    assert status[(128, "naive")].startswith("not run") and status[(128, "flash")] == "ok"
+    oom_row = next(r for r in res["rows"] if r["N"] == 128 and r["backend"] == "naive")
+    assert oom_row["model_fwd_bytes"] == io_model.naive_fwd_bytes(1, 1, 128, 16, 4)  # still shown
+    lines = "\n".join(report.headline({"sweep": res}) + report.sweep_section(res))
+    assert "runs out of memory at N=64" in lines and "Out of memory: naive at N=64" in lines

@@ -75,6 +75,9 @@ def load_model(args, device: torch.device):
         model = GPT(cfg)
         model.load_state_dict(ckpt["model"])
         tokenizer = tokenizer_from_spec(ckpt["tokenizer"])
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"its {tokenizer.name} tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                             f"{cfg.vocab_size}")
     except (TypeError, KeyError, RuntimeError, ValueError) as e:
         detail = " ".join(str(e).replace("Error(s) in loading state_dict for GPT:", "").split())  # one line
         raise CheckpointError(f"incompatible checkpoint {ckpt['path']}: {detail[:400]}") from None

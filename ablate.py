@@ -190,15 +190,17 @@ def _train_part(args, cfg, device, results, t0) -> int:
         share = max(5.0, (t0 + 0.7 * args.budget - time.time()) / len(backends))
         cfg.train.max_time = min(cfg.train.max_time or share, share)
     m = cfg.model
+    tiles = ("the interpreter's" if device.type != "cuda" else
+             "autotuned" if os.environ.get("FLASHGPT_AUTOTUNE") != "0" else "its default (FLASHGPT_AUTOTUNE=0)")
     results["matched_note"] = (
         f"Config: {os.path.relpath(args.config or DEFAULT_CONFIG)} with {m.n_layer} layers, {m.n_head} heads, "
         f"{m.n_embd} wide, block_size {m.block_size}, batch {cfg.train.batch_size}, dataset "
         f"{cfg.data.dataset!r} ({cfg.data.tokenizer}), {cfg.train.max_iters} steps"
         + (f" (stopped after {cfg.train.max_time:.0f} s if not done)" if cfg.train.max_time else "")
         + f", seed {cfg.train.seed}, dtype {cfg.train.dtype} (auto = bf16 autocast on CUDA, fp32 on CPU). "
-        f"Only model.attention differs (flash with {'autotuned' if os.environ.get('FLASHGPT_AUTOTUNE') != '0' else 'its default'} "
-        "tile configs). Δ is measured against {backends[0]}; sdpa (PyTorch's fused kernel) is the "
-        "noise reference: a gap of the same size as sdpa's is the rounding of mixed precision, not a bug.")
+        f"Only model.attention differs (flash with {tiles} tile configs). Δ is measured against {backends[0]}; sdpa "
+        "(PyTorch's fused kernel) is the noise reference: a gap of the same size as sdpa's is the rounding of "
+        "mixed precision, not a bug.")
     try:
         results["matched"] = run_matched(cfg, backends, args.out, keep_checkpoints=args.keep_checkpoints)
     except (DataError, TokenizerError, TrainError, ConfigError) as e:

@@ -175,13 +175,18 @@ def headline(results: dict) -> list[str]:
     m = results.get("matched")
     if m and "flash" in m["compare"]:
         c, runs = m["compare"]["flash"], m["runs"]
-        tput = ""
-        if runs["naive"]["tokens_per_s"] and runs["flash"]["tokens_per_s"]:
-            tput = (f"; flash trains at {runs['flash']['tokens_per_s']:,.0f} tokens/s vs naive "
-                    f"{runs['naive']['tokens_per_s']:,.0f} ({runs['flash']['tokens_per_s'] / runs['naive']['tokens_per_s']:.2f}×)")
-        lines.append(f"Matched training: flash and naive losses agree to max |Δ| = {_f(c['max_abs_dloss'], '{:.2e}')} "
-                     f"per step over {c['steps']} steps, val gap {_f(c['val_gap'], '{:+.2e}')} at step "
-                     f"{c['val_iter']}{tput}.")
+        base, fl = runs[c["vs"]], runs["flash"]
+        extra = ""
+        if "sdpa" in m["compare"] and m["compare"]["sdpa"]["max_abs_dloss"] is not None:
+            extra = f" (sdpa vs {c['vs']}, the noise reference: {m['compare']['sdpa']['max_abs_dloss']:.2e})"
+        if base["tokens_per_s"] and fl["tokens_per_s"]:
+            extra += (f"; flash trains at {fl['tokens_per_s']:,.0f} tokens/s vs {c['vs']} {base['tokens_per_s']:,.0f} "
+                      f"({fl['tokens_per_s'] / base['tokens_per_s']:.2g}×)")
+        if base["peak_mem_gib"] and fl["peak_mem_gib"]:
+            extra += f", peak memory {fl['peak_mem_gib']:.2f} vs {base['peak_mem_gib']:.2f} GiB"
+        lines.append(f"Matched training: flash and {c['vs']} losses agree to max |Δ| = "
+                     f"{_f(c['max_abs_dloss'], '{:.2e}')} per step over {c['steps']} steps{extra}; val gap "
+                     f"{_f(c['val_gap'], '{:+.2e}')} at step {c['val_iter']}.")
     p = results.get("probe")
     if p and p.get("backends"):
         parts = []

@@ -6,7 +6,8 @@
     python generate.py --init-from gpt2 --prompt "Hello"      # Hugging Face GPT-2 weights (needs the hub)
 
 Context policy: prompt + max-new-tokens must fit in the model's block_size; a longer prompt keeps its last
-block_size − max_new_tokens tokens (a note says so on stderr).
+block_size − max_new_tokens tokens (a note says so on stderr). max-new-tokens >= block_size is an error; its
+default is 200, or block_size // 2 when that is smaller.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from model import GPT, GPTConfig
 from model.config import ConfigError
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.sampling import SamplingParams, generate
+
+
+DEFAULT_MAX_NEW_TOKENS = 200  # capped at block_size // 2 so that a prompt fits too
 
 
 class GenerateError(ValueError):
@@ -50,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of prompts")
     inp.add_argument("--prompt-file", help="read one prompt from a file ('-' = stdin); one final newline is dropped")
     smp = p.add_argument_group("sampling")
-    smp.add_argument("--max-new-tokens", type=int, default=200)
+    smp.add_argument("--max-new-tokens", type=int, default=None,
+                     help="tokens to generate per sample (default: 200, at most half the model's context); prompt "
+                          "+ these must fit in the context, so a longer prompt keeps only its last "
+                          "(block_size - max_new_tokens) tokens, with a note")
     smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     smp.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set with mass p")
@@ -113,7 +120,7 @@ def check_args(args) -> None:
         raise GenerateError(f"--top-p={args.top_p}: must be in (0, 1]")
     if args.top_k is not None and args.top_k < 1:
         raise GenerateError(f"--top-k={args.top_k}: must be >= 1")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
     if args.num_samples < 1:
         raise GenerateError(f"--num-samples={args.num_samples}: must be >= 1")
@@ -167,6 +174,8 @@ def run(args) -> int:
     model, tok = load_model(args, device)
     model.set_attention_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()
+    if args.max_new_tokens is None:
+        args.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, model.config.block_size // 2)
     encoded = []
     for text in prompts:
         try:

@@ -291,6 +291,10 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     assert re.search(r"^note: prompt of 10\d tokens truncated to its last 24 \(context 32 = prompt \+ 8 new",
                      r.stderr, re.M)
     assert r.stdout.startswith("the king and the queen") and "[1 sequence(s), 24 prompt tokens, 8 new]" in r.stderr
+    # without --max-new-tokens: 200, capped at half the context (16 of 32), so that the demo's defaults work
+    r = gen("--ckpt", ckpt / "run", "--prompt", "the king and the queen " * 20, "--no-stop")
+    assert r.returncode == 0, r.stderr
+    assert "truncated to its last 16" in r.stderr and "[1 sequence(s), 16 prompt tokens, 16 new]" in r.stderr
 
 
 @pytest.mark.parametrize("args, stdin, message", [

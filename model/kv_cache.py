@@ -35,10 +35,10 @@ class KVCache(nn.Module):
         if input_pos.dim() == 1:  # (T,): the same positions for every sequence
             self.k[:B, :, input_pos] = k.to(self.k.dtype)
             self.v[:B, :, input_pos] = v.to(self.v.dtype)
-        else:                     # (B, T): per-sequence positions
-            rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
-            self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, Hkv, D) scattered
-            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
+        else:                     # (B, T): per-sequence positions, one scatter kernel each for k and v
+            where = input_pos[:, None, :, None].expand(k.shape)  # (B, Hkv, T, D): the position of each element
+            self.k[:B].scatter_(2, where, k.to(self.k.dtype))
+            self.v[:B].scatter_(2, where, v.to(self.v.dtype))
         k_all, v_all = self.k[:B], self.v[:B]  # (B, Hkv, max_len, D)
         if backend == "flash" and T <= DECODE_MAX_TOKENS and q.dtype == k_all.dtype:
             # (B,) valid lengths, new tokens included. A fresh contiguous tensor: the kernel reads lens[b] at

@@ -247,7 +247,8 @@ def ckpt(tmp_path_factory):
 
 
 def gen(*args, stdin=None):
-    return run_entry("generate.py", *args, stdin=stdin)
+    """generate.py on the CPU (the same on every machine); a later --device in args overrides it."""
+    return run_entry("generate.py", "--device", "cpu", *args, stdin=stdin)
 
 
 def test_cli_prompt_streams_and_reports_stats(ckpt):
@@ -334,8 +335,8 @@ def test_cli_streams_token_by_token_in_process(ckpt, monkeypatch):
             return super().write(s)
 
     monkeypatch.setattr(sys, "stdout", Recorder())
-    rc = gen_mod.main(["--ckpt", str(ckpt / "run"), "--prompt", "the king", "--max-new-tokens", "12",
-                       "--no-stop", "--seed", "3"])
+    rc = gen_mod.main(["--ckpt", str(ckpt / "run"), "--device", "cpu", "--prompt", "the king",
+                       "--max-new-tokens", "12", "--no-stop", "--seed", "3"])
     assert rc == 0
     text = "".join(writes)
     assert writes[0] == "the king" and len(writes) >= 8 and text.endswith("\n")
@@ -343,13 +344,26 @@ def test_cli_streams_token_by_token_in_process(ckpt, monkeypatch):
 
 def test_cli_flash_backend_on_cpu_decodes_a_batch(ckpt):
     """--attention flash on the CPU: the Triton kernels through the interpreter, prompts of different lengths."""
-    common = ["--ckpt", ckpt / "run", "--device", "cpu", "--max-new-tokens", "4", "--temperature", "0", "--no-stop",
+    common = ["--ckpt", ckpt / "run", "--max-new-tokens", "4", "--temperature", "0", "--no-stop",
               "--prompt", "the king", "--prompt", "thou art fair and the crown"]
     f = gen(*common, "--attention", "flash")
     s = gen(*common, "--attention", "sdpa")
     assert f.returncode == 0 and s.returncode == 0, f.stderr + s.stderr
     assert f.stderr.startswith("attention: flash (prefill: flash, decode: split-KV decode kernel)")
     assert f.stdout == s.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cli_on_the_gpu_graph_equals_eager(ckpt):
+    """The CLI's GPU defaults (bf16, flash, CUDA graph) stream, and the graph changes no token."""
+    common = ["--ckpt", ckpt / "run", "--device", "cuda", "--prompt", "the king", "--max-new-tokens", "12",
+              "--temperature", "0", "--no-stop"]
+    g = gen(*common)
+    e = gen(*common, "--no-cuda-graph")
+    assert g.returncode == 0 and e.returncode == 0, g.stderr + e.stderr
+    assert g.stderr.startswith("attention: flash (prefill: flash, decode: split-KV decode kernel, CUDA graph) on "
+                               "cuda, bfloat16")
+    assert g.stdout == e.stdout and g.stdout.startswith("the king")
 
 
 def test_bench_generate_smoke(tmp_path):

@@ -12,7 +12,6 @@ default is 200, or block_size // 2 when that is smaller.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -166,11 +165,14 @@ def run(args) -> int:
     dtype = torch.bfloat16 if args.dtype == "auto" and device.type == "cuda" else \
         torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     backend = kernels.resolve_backend(args.attention, device)
-    if backend == "flash" and device.type == "cpu":
+    if backend == "flash" and device.type == "cpu":  # the Triton kernels on CPU tensors: only the interpreter
+        from kernels.flash import INTERPRET  # on when the process started without CUDA, or with TRITON_INTERPRET=1
+        if not INTERPRET:
+            raise GenerateError("--attention flash on the CPU needs Triton's interpreter: start with "
+                                "TRITON_INTERPRET=1 (slow), or use --attention sdpa")
         if dtype == torch.bfloat16:
             raise GenerateError("--attention flash on CPU runs in Triton's interpreter, which gets bfloat16 wrong: "
                                 "use --dtype float32 or --attention sdpa")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are (lazily) imported
     model, tok = load_model(args, device)
     model.set_attention_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()

@@ -342,6 +342,7 @@ def test_cli_streams_token_by_token_in_process(ckpt, monkeypatch):
     assert writes[0] == "the king" and len(writes) >= 8 and text.endswith("\n")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, the interpreter is off unless TRITON_INTERPRET=1")
 def test_cli_flash_backend_on_cpu_decodes_a_batch(ckpt):
     """--attention flash on the CPU: the Triton kernels through the interpreter, prompts of different lengths."""
     common = ["--ckpt", ckpt / "run", "--max-new-tokens", "4", "--temperature", "0", "--no-stop",

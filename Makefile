@@ -23,8 +23,9 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
+	rm -rf runs/demo
 	$(PY) train.py configs/demo.toml
-	$(PY) generate.py --ckpt runs/demo --prompt "ROMEO:" --max-new-tokens 300
+	$(PY) generate.py --ckpt runs/demo --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
 
 test: install
 	$(PY) -m pytest -q tests

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                      help="replay the decode step as a CUDA graph (CUDA only)")
     src.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start)")
-    src.add_argument("--prefill-chunk", type=int, default=0, help="prefill long prompts in chunks (0 = whole)")
+    src.add_argument("--prefill-chunk", type=int, default=512,
+                     help="prompts longer than this are prefilled in chunks against the cache (0 = whole prompt)")
     inp = p.add_argument_group("prompts")
     inp.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of prompts")
     inp.add_argument("--prompt-file", help="read one prompt from a file ('-' = stdin); one final newline is dropped")

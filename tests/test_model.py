@@ -86,3 +86,21 @@ def test_unknown_backend_is_refused():
     model.set_attention_backend("magic")
     with pytest.raises(ValueError, match="unknown attention backend"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_compiled_model_with_flash_has_no_graph_break():
+    """torch.compile(fullgraph=True) of the whole model with the flash kernel inside: the kernel is a custom op,
+    so the model traces in one graph (aot_eager on CPU; inductor is what a GPU run uses)."""
+    torch.manual_seed(4)
+    model = GPT(tiny(attention="flash", n_kv_head=2))
+    idx = torch.randint(0, 97, (2, 17))
+    targets = torch.randint(0, 97, (2, 17))
+    eager_logits, eager_loss = model(idx, targets)
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    logits, loss = compiled(idx, targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

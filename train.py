@@ -161,15 +161,15 @@ def train(cfg: RunConfig) -> dict:
         raise TrainError(f"run directory {t.out_dir!r} already holds checkpoints: pass --resume to continue "
                          "it, or choose another --out_dir")
 
-    # Data: tokenised once (rank 0 first), then memmapped by every rank.
+    # Data: tokenised once by rank 0; the other ranks wait, then find the token files in the cache.
+    def prepare_data() -> str:
+        return prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
+                       num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=master)
+    folder = prepare_data() if master else None
     if world > 1:
         import torch.distributed as dist
-        if master:
-            folder = prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
-                             num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=master)
         dist.barrier()
-    folder = prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
-                     num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=master)
+    folder = folder or prepare_data()
     data = TokenData(folder, cfg.model.block_size, seed=t.seed)
     tok_vocab = data.meta["vocab_size"]
     if cfg.model.vocab_size == 0:

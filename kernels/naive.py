@@ -37,13 +37,15 @@ def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    sm_scale: float | None = None) -> torch.Tensor:
+                    sm_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · sm_scale + mask) V, computed in q's dtype.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq % Hkv == 0 (GQA/MQA: each group of Hq/Hkv query
     heads shares one key/value head). Causal masks are bottom-right aligned (query i sees keys
     j <= i + Nk - Nq), so a query block at the end of a KV cache sees the whole prefix. A query row
     that sees no key at all (only when Nq > Nk) returns zeros. Returns (B, Hq, Nq, D).
+    mask (optional): a bool tensor broadcastable to (B, Hq, Nq, Nk), True where a query may see a key; it is
+    combined with the causal mask (the KV cache's per-sequence lengths use it with causal=False).
     """
     check_qkv(q, k, v)
     B, Hq, Nq, D = q.shape
@@ -56,7 +58,9 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if causal:
         visible = causal_mask(Nq, Nk, device=q.device)  # (Nq, Nk)
         s = s.masked_fill(~visible, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)  # (B, Hq, Nq, Nk)
-    if causal and Nq > Nk:  # rows with no visible key: softmax gave NaN, define them as 0
+    if (causal and Nq > Nk) or mask is not None:  # rows with no visible key: softmax gave NaN, define them as 0
         p = torch.nan_to_num(p, nan=0.0)
     return p @ v  # (B, Hq, Nq, D)

@@ -62,13 +62,8 @@ def _decode_attention(q, k_all, v_all, lens, check_lens: bool) -> torch.Tensor:
 
 
 def masked_attention(q, k, v, visible: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    """softmax(Q Kᵀ/√D, visible) V with GQA; visible broadcasts to (B, Hq, T, L). exact: plain math, no SDPA."""
-    group = q.shape[1] // k.shape[1]
-    if not exact:
-        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible,
-                                              enable_gqa=group > 1)
-    k = k.to(q.dtype).repeat_interleave(group, dim=1)  # (B, Hq, L, D)
-    v = v.to(q.dtype).repeat_interleave(group, dim=1)
-    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, Hq, T, L)
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")).float(), dim=-1).to(q.dtype)
-    return p @ v  # (B, Hq, T, D)
+    """softmax(Q Kᵀ/√D, visible) V with GQA; visible broadcasts to (B, Hq, T, L). exact: the naive reference."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if exact:
+        return kernels.naive_attention(q, k, v, causal=False, mask=visible)  # (B, Hq, T, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])

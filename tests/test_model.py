@@ -104,3 +104,20 @@ def test_compiled_model_with_flash_has_no_graph_break():
     torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, eager_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_naive_attention_mask_equals_per_sequence_prefixes():
+    """The reference's optional mask (used by the KV cache with per-sequence lengths): each sequence attends
+    to its own valid prefix exactly as if the cache were cut there; a row that sees nothing is zero."""
+    from kernels import naive_attention
+    torch.manual_seed(5)
+    q = torch.randn(2, 4, 1, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 16, dtype=torch.float64) for _ in range(2))
+    lens = torch.tensor([4, 9])
+    visible = (torch.arange(9)[None, :] < lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    out = naive_attention(q, k, v, causal=False, mask=visible)
+    for b in range(2):
+        want = naive_attention(q[b:b + 1], k[b:b + 1, :, :lens[b]], v[b:b + 1, :, :lens[b]], causal=False)
+        torch.testing.assert_close(out[b:b + 1], want)
+    nothing = naive_attention(q, k, v, causal=False, mask=torch.zeros(1, 1, 1, 9, dtype=torch.bool))
+    assert torch.equal(nothing, torch.zeros_like(nothing))

@@ -172,6 +172,7 @@ def train(cfg: RunConfig) -> dict:
     folder = folder or prepare_data()
     data = TokenData(folder, cfg.model.block_size, seed=t.seed)
     tok_vocab = data.meta["vocab_size"]
+    baseline = data.unigram_loss()  # what a model that ignores context scores on val
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = (tok_vocab + 63) // 64 * 64 if tok_vocab > 1000 else tok_vocab
     elif cfg.model.vocab_size < tok_vocab:
@@ -206,7 +207,7 @@ def train(cfg: RunConfig) -> dict:
         print(f"device {device} ({dtype}), attention backend: {cfg.model.attention}, world size {world}, "
               f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step"
               + (f", resuming at step {start_iter}" if resume else ""))
-        print(f"unigram baseline val loss: {data.unigram_loss():.4f} (uniform: {math.log(tok_vocab):.4f})")
+        print(f"unigram baseline val loss: {baseline:.4f} (uniform: {math.log(tok_vocab):.4f})")
         with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
             f.write(format_config(cfg) + "\n")
     log = RunLog(t.out_dir, cfg.to_dict(), use_wandb=t.wandb, project=t.wandb_project,
@@ -301,7 +302,7 @@ def train(cfg: RunConfig) -> dict:
         import torch.distributed as dist
         dist.destroy_process_group()
     summary = {"iters": it, "val_loss": last_eval.get("val"), "train_loss": last_eval.get("train"),
-               "best_val": best_val, "unigram_val_loss": data.unigram_loss(), "checkpoint": last_ckpt,
+               "best_val": best_val, "unigram_val_loss": baseline, "checkpoint": last_ckpt,
                "seconds": time.time() - t_start}
     if master:
         print(f"done: {it} steps in {summary['seconds']:.0f}s, val loss {summary['val_loss']:.4f} "

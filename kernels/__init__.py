@@ -12,7 +12,7 @@ import torch.nn.functional as F
 # The Triton kernel is imported here, not inside attention(): an import inside a region that torch.compile
 # traces is a graph break. On a machine without CUDA, kernels.flash turns Triton's interpreter on.
 from .flash import flash_attention
-from .naive import check_qkv, naive_attention
+from .naive import causal_mask, check_qkv, naive_attention
 
 BACKENDS = ("naive", "sdpa", "flash")
 
@@ -23,7 +23,6 @@ def sdpa_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = Non
     Nq, Nk = q.shape[2], k.shape[2]
     if causal and Nq != Nk:
         # SDPA's is_causal is top-left aligned; use an explicit bottom-right mask instead.
-        from .naive import causal_mask
         mask = causal_mask(Nq, Nk, device=q.device)
         if Nq > Nk:  # fully masked rows would be NaN: route through the reference semantics
             return naive_attention(q, k, v, causal=True, sm_scale=sm_scale)

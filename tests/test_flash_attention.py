@@ -263,7 +263,6 @@ def test_torch_compile_fullgraph(entry, request):
     On the CPU the aot_eager backend (the interpreter has no inductor codegen to test); inductor on a GPU.
     "dispatch" goes through kernels.attention(backend="flash"), the model's path.
     """
-    import kernels
     torch._dynamo.reset()
     g = _gen(request)
     q, k, v = (_make((1, 4, 65, 64), torch.float16, g) for _ in range(3))

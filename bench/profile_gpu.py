@@ -6,7 +6,9 @@
    flash (split-KV decode kernel) and sdpa: the kernels of 20 replays by GPU time, and the count per step.
 2. flash attention forward + backward at (B, H, N, D) = (8, 12, 1024, 64) causal bf16 (the GPT-2 124M training
    shape), eager: GPU kernel time against wall time, to separate kernel time from host overhead.
-Writes profile_gpu.txt into --out (default bench/results/).
+3. One GPT-2 124M training step (batch 16 x 1024, bf16 autocast, torch.compile, fused AdamW) with flash and
+   with sdpa attention: the kernels by GPU time, to show where the two differ (`--only train`).
+Writes profile_gpu.txt (profile_train.txt for --only train) into --out (default bench/results/).
 """
 from __future__ import annotations
 
@@ -87,22 +89,65 @@ def profile_attention(out: io.StringIO) -> None:
     out.write(table(prof) + "\n")
 
 
+def profile_train(out: io.StringIO, backend: str) -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
+                    attention=backend)
+    model = GPT(cfg).cuda()
+    opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
+    compiled = torch.compile(model)
+    x, y = (torch.randint(0, 50304, (16, 1024), device="cuda") for _ in range(2))
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = compiled(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / steps / 1e3
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / 5 * 1e3
+    out.write(f"\n## training step, {backend} + compile: {gpu_ms:.2f} ms kernel time, {wall_ms:.2f} ms wall per step, "
+              f"{len(kernels) / steps:.0f} kernels per step\n")
+    out.write(table(prof, 30) + "\n")
+    torch._dynamo.reset()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--only", choices=["all", "train"], default="all")
     args = p.parse_args()
     out = io.StringIO()
     out.write(f"# GPU profile — {torch.cuda.get_device_name()}, torch {torch.__version__}\n"
               f"`python bench/profile_gpu.py`\n")
-    for fn, fargs in ((profile_attention, ()), (profile_decode, ("flash", 1)), (profile_decode, ("sdpa", 1)),
-                      (profile_decode, ("flash", 16))):
+    parts = ((profile_attention, ()), (profile_decode, ("flash", 1)), (profile_decode, ("sdpa", 1)),
+             (profile_decode, ("flash", 16)))
+    if args.only == "train":
+        parts = ((profile_train, ("flash",)), (profile_train, ("sdpa",)))
+    for fn, fargs in parts:
         try:
             fn(out, *fargs)
         except Exception as e:  # keep what the other parts measured
             out.write(f"\n## {fn.__name__}{fargs}: failed: {type(e).__name__}: {e}\n")
         print(out.getvalue().split("\n## ")[-1][:3000], flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_gpu.txt"), "w") as f:
+    name = "profile_train.txt" if args.only == "train" else "profile_gpu.txt"
+    with open(os.path.join(args.out, name), "w") as f:
         f.write(out.getvalue())
     return 0
 

@@ -576,6 +576,27 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """t's dims from outermost to innermost in memory (stride-0 broadcast dims count as outermost)."""
+    return sorted(range(4), key=lambda i: (-(t.stride(i) or 2**62), i))
+
+
+def _alloc_in_order_of(t: torch.Tensor, alloc) -> torch.Tensor:
+    """A (B, H, N, D) buffer of t's shape from alloc(shape), its memory order following t's strides.
+
+    A model hands q, k, v as (B, N, H, D) memory seen as (B, H, N, D); returning O and dQ/dK/dV in that same
+    order makes the model's `y.transpose(1, 2).contiguous()` (and the gradients' way back) free instead of a
+    copy, as with PyTorch's SDPA. The head dim stays innermost; ties keep the (B, H, N, D) order.
+    """
+    order = _memory_order(t) if t.stride(3) == 1 else [0, 1, 2, 3]
+    buf = alloc(tuple(t.shape[i] for i in order))
+    return buf.permute(*[order.index(i) for i in range(4)])
+
+
+def _empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
+    return _alloc_in_order_of(t, lambda shape: _empty(shape, t.dtype, t.device))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -620,7 +641,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    o = _empty((B, Hq, Nq, D), q.dtype, q.device)
+    o = _empty_in_order_of(q)  # (B, Hq, Nq, D), laid out like q
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _bucket(Nq), _bucket(Nk))
@@ -636,9 +657,7 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
     Hkv, Nk = k.shape[1], k.shape[2]
     BLOCK_D = _block_d(D)
     delta = _empty((B, Hq, Nq), torch.float32, q.device)
-    dq = _empty(q.shape, q.dtype, q.device)
-    dk = _empty(k.shape, k.dtype, k.device)
-    dv = _empty(v.shape, v.dtype, v.device)
+    dq, dk, dv = _empty_in_order_of(q), _empty_in_order_of(k), _empty_in_order_of(v)  # laid out like q, k, v
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     qk_scale = sm_scale * LOG2E
     with _device_guard(q):
@@ -673,7 +692,7 @@ def _flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 @_flash_attn_fwd_op.register_fake
 def _(q, k, v, causal, sm_scale):
     B, Hq, Nq, D = q.shape
-    return q.new_empty((B, Hq, Nq, D)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return _fake_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgpt::flash_attn_bwd", mutates_args=())
@@ -685,7 +704,13 @@ def _flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 @_flash_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, sm_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _fake_like(q), _fake_like(k), _fake_like(v)
+
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    """The fake (meta) twin of _empty_in_order_of: the same shape AND strides as the real launch returns."""
+    return _alloc_in_order_of(t, t.new_empty)
 
 
 def _setup_context(ctx, inputs, output):

@@ -165,7 +165,11 @@ def test_any_strides(request):
                 t.grad = None
             v = v_base.expand(B, Hkv, Nk, D)  # stride 0 over heads
             o = fn(q, k, v, causal=causal)
+            if fn is flash_attention:  # O comes back in q's (B, N, H, D) memory order: the model's
+                assert o.transpose(1, 2).is_contiguous()  # transpose(1, 2).contiguous() is then free
             o.backward(do)
+            if fn is flash_attention:
+                assert q.grad.transpose(1, 2).is_contiguous() and k.grad.transpose(1, 2).is_contiguous()
             outs.append([o.detach(), q.grad.clone(), k.grad.clone(), v_base.grad.clone()])
         for a, b in zip(*outs):
             assert not torch.isnan(a).any()

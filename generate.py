@@ -22,7 +22,7 @@ from data.tokenizers import TokenizerError, tokenizer_from_spec
 from model import GPT, GPTConfig
 from model.config import ConfigError
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.sampling import SamplingParams, generate
+from model.sampling import SamplingParams, generate, use_fused_decode
 
 
 DEFAULT_MAX_NEW_TOKENS = 200  # capped at block_size // 2 so that a prompt fits too
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                      help="replay the decode step as a CUDA graph (CUDA only)")
     src.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start)")
+    src.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                     help="decode with the fused Triton kernels of model/fused_decode.py (default: on CUDA with "
+                          "flash attention and without --compile)")
     src.add_argument("--prefill-chunk", type=int, default=512,
                      help="prompts longer than this are prefilled in chunks against the cache (0 = whole prompt)")
     inp = p.add_argument_group("prompts")
@@ -194,8 +197,13 @@ def run(args) -> int:
                             stop_token=None if args.no_stop else tok.eot_token)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     cuda_graph = args.cuda_graph and device.type == "cuda"
+    try:
+        fused = use_fused_decode(model, args.fused, args.compile, check_cache=False)
+    except ValueError as e:
+        raise GenerateError(str(e)) from None
     decode_path = {"flash": "split-KV decode kernel", "sdpa": "SDPA over the cache",
                    "naive": "naive attention"}[backend]
+    decode_path = f"fused LN/matmul kernels + {decode_path}" if fused else decode_path
     print(f"attention: {backend} (prefill: {backend}, decode: {decode_path}"
           f"{', CUDA graph' if cuda_graph else ''}{', torch.compile' if args.compile else ''}) on {device}, "
           f"{str(dtype).replace('torch.', '')}", file=sys.stderr, flush=True)
@@ -218,7 +226,7 @@ def run(args) -> int:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
     stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None,
-                     cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk)
+                     cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk, fused=fused)
     if stream:
         sys.stdout.write(tok.decode(stats.sequences[0])[len(printed[0]):] + "\n")
     else:

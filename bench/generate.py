@@ -8,7 +8,12 @@ One randomly initialised model (n_layer 12, n_head 12, n_embd 768, block_size 10
 weights cost the same time as trained ones), random prompt tokens, and `model.sampling.generate` for every
 variant, so all of them share the static KV cache, the prefill/decode split and the host loop:
 
-    flashgpt+graph   flash prefill + split-KV decode kernel, the decode step replayed as a CUDA graph
+    flashgpt-fused+graph   flash prefill, then model/fused_decode.py (fused LayerNorm/matmul/bias/GELU/residual
+                     Triton kernels, k/v written into the cache by the QKV kernel, split-KV decode attention)
+                     replayed as a CUDA graph: generate()'s default on a GPU
+    flashgpt-fused   the same, eager
+    flashgpt+graph   flash prefill + the model's own decode step (split-KV decode kernel for attention, PyTorch
+                     for the rest) replayed as a CUDA graph
     flashgpt         the same, eager
     sdpa             plain PyTorch: attention="sdpa" (F.scaled_dot_product_attention over the same static cache,
                      with a mask), eager
@@ -23,7 +28,7 @@ Per variant and batch, medians over --reps runs after one warm-up run:
     step µs      that time / decode steps
     graph replay µs   (graph variants) the GPU time of one bare replay of the captured step, at cache length
                  prompt + new/2, without the host loop or sampling: what the loop could reach
-Correctness first: the greedy tokens of flashgpt+graph against plain PyTorch (sdpa, eager); bf16 rounding may
+Correctness first: the greedy tokens of flashgpt-fused+graph (flashgpt-fused on CPU) against plain PyTorch (sdpa, eager); bf16 rounding may
 flip a near-tie and the sequences then diverge, so the agreement is reported, not required. Each variant runs
 in its own try/except: a failure is recorded and the others go on. Then bench/decode_attention.py (imported, not
 copied) sweeps the decode attention kernel over cache lengths 1k..32k against the non-split kernel and SDPA.
@@ -68,10 +73,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
+from model.fused_decode import fused_decode_step  # noqa: E402
 from model.sampling import DecodeGraph, SamplingParams, decode_one_token, generate  # noqa: E402
 
 COPY_BW = 4.30e12  # bytes/s, the H200's device-to-device copy (ANCHORS.md): the memory-bandwidth limit below
-TARGETS = {1: 3000.0, 16: 40000.0}  # decode tok/s of flashgpt+graph on the H200 (the issue)
+TARGETS = {1: 3000.0, 16: 40000.0}  # decode tok/s of the best flashgpt graph variant on the H200 (the issue)
 
 
 def build_model(smoke: bool, device, dtype) -> GPT:
@@ -86,21 +92,22 @@ def build_model(smoke: bool, device, dtype) -> GPT:
 
 
 def variants(device, compile_variant: bool):
-    """name → (attention backend, cuda_graph, compile)."""
-    out = {"flashgpt+graph": ("flash", True, False), "flashgpt": ("flash", False, False),
-           "sdpa": ("sdpa", False, False), "sdpa+graph": ("sdpa", True, False)}
+    """name → (attention backend, cuda_graph, compile, fused)."""
+    out = {"flashgpt-fused+graph": ("flash", True, False, True), "flashgpt-fused": ("flash", False, False, True),
+           "flashgpt+graph": ("flash", True, False, False), "flashgpt": ("flash", False, False, False),
+           "sdpa": ("sdpa", False, False, False), "sdpa+graph": ("sdpa", True, False, False)}
     if compile_variant:
-        out["flashgpt+compile+graph"] = ("flash", True, True)
+        out["flashgpt+compile+graph"] = ("flash", True, True, False)
     return out
 
 
-def run_variant(model, prompts, new_tokens, backend, cuda_graph, compile_step, reps):
+def run_variant(model, prompts, new_tokens, backend, cuda_graph, compile_step, fused, reps):
     """One warm-up run, then `reps` timed runs → dict of medians and the greedy tokens of the last run."""
     model.set_attention_backend(backend)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
 
     def once():
-        return generate(model, prompts, params, cuda_graph=cuda_graph, compile=compile_step)
+        return generate(model, prompts, params, cuda_graph=cuda_graph, compile=compile_step, fused=fused)
 
     t = time.perf_counter()
     once()  # warm-up: autotuning, compilation, cuBLAS handles
@@ -116,12 +123,14 @@ def run_variant(model, prompts, new_tokens, backend, cuda_graph, compile_step, r
                 decode_steps=runs[-1].decode_steps), runs[-1].sequences
 
 
-def graph_replay_us(model, B: int, max_len: int, pos: int, compile_step: bool, iters: int = 200) -> float:
+def graph_replay_us(model, B: int, max_len: int, pos: int, compile_step: bool, fused: bool,
+                    iters: int = 200) -> float:
     """GPU time of one decode step as a bare graph replay (no host loop, no sampling): the loop's floor."""
     device = model.lm_head.weight.device
     model.setup_kv_cache(B, max_len)
     try:
-        step = torch.compile(decode_one_token, dynamic=False) if compile_step else decode_one_token
+        step = fused_decode_step if fused else decode_one_token
+        step = torch.compile(step, dynamic=False) if compile_step else step
         graph = DecodeGraph(model, B, device, step)
         graph(model, torch.randint(0, model.config.vocab_size, (B, 1), device=device),
               torch.full((B, 1), pos, device=device))  # attend to pos + 1 cached keys
@@ -274,16 +283,16 @@ def main() -> int:
         kv_bytes = 2 * c.n_layer * B * c.kv_heads * c.head_dim * (prompt_len + new_tokens // 2) * dtype.itemsize
         limit = B * COPY_BW / (wbytes + kv_bytes)
         tokens = {}
-        for vname, (backend, graph, comp) in variants(device, ARGS.compile and not smoke).items():
+        for vname, (backend, graph, comp, fused) in variants(device, ARGS.compile and not smoke).items():
             if graph and device.type != "cuda":
                 rows.append(dict(batch=B, variant=vname, error="skipped: CUDA graphs need a GPU"))
                 continue
             try:
-                res, tokens[vname] = run_variant(model, prompts, new_tokens, backend, graph, comp, reps)
+                res, tokens[vname] = run_variant(model, prompts, new_tokens, backend, graph, comp, fused, reps)
                 if graph:  # the same step's GPU time alone, at the middle of the generation's cache lengths
                     try:
                         res["graph_replay_us"] = graph_replay_us(model, B, prompt_len + new_tokens,
-                                                                 prompt_len + new_tokens // 2, comp)
+                                                                 prompt_len + new_tokens // 2, comp, fused)
                     except Exception as e:
                         res["graph_replay_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
                 rows.append(dict(batch=B, variant=vname, **res, bandwidth_limit_tok_s=round(limit)))
@@ -301,7 +310,8 @@ def main() -> int:
             if r["batch"] == B and "error" not in r:
                 r["vs_sdpa"] = base.get("sdpa") and round(r["decode_tok_s"] / base["sdpa"], 2)
                 r["vs_sdpa_graph"] = base.get("sdpa+graph") and round(r["decode_tok_s"] / base["sdpa+graph"], 2)
-        mine = "flashgpt+graph" if "flashgpt+graph" in tokens else "flashgpt"
+        mine = next((v for v in ("flashgpt-fused+graph", "flashgpt-fused", "flashgpt+graph", "flashgpt")
+                     if v in tokens), None)
         ours = tokens.get(mine)
         if ours is not None and "sdpa" in tokens:
             a = dict(compared=f"{mine} vs sdpa", **agreement(ours, tokens["sdpa"]))

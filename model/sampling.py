@@ -6,16 +6,23 @@
 
 Prompts of different lengths share one batch: they are right-padded and prefilled together (padding sits
 after each prompt, so the causal mask keeps real tokens from seeing it), then each sequence decodes from its
-own position, overwriting its padding. CUDA graphs (DecodeGraph) and torch.compile wrap the decode step from
-outside the model. The loop queues decode step s + 1 on the GPU before it streams step s's tokens on the host,
-so that host work (streaming, stop checks) overlaps the GPU's.
+own position, overwriting its padding. CUDA graphs (DecodeGraph), torch.compile and the fused kernels of
+model/fused_decode.py wrap the decode step from outside the model. The loop keeps LOOKAHEAD decode steps
+queued on the GPU while it streams earlier tokens on the host, so that host work (streaming, stop checks)
+overlaps the GPU's.
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .fused_decode import fused_decode_step, supported, unsupported_reason
+
+
+LOOKAHEAD = 2  # decode steps the generation loop keeps queued on the GPU ahead of the host
 
 
 @dataclass
@@ -113,6 +120,7 @@ class GenerationStats:
     decode_seconds: float = 0.0     # from the first tokens on the host to the last ones
     decode_steps: int = 0
     sequences: list = field(default_factory=list)
+    decode_path: str = ""           # "fused" (model/fused_decode.py) or "model" (the model's own forward)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -121,6 +129,24 @@ class GenerationStats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / max(self.decode_seconds, 1e-9)
+
+
+def use_fused_decode(model, fused: bool | None, compile: bool, check_cache: bool = True) -> bool:
+    """Whether the decode step runs through model/fused_decode.py (see generate's `fused`).
+
+    check_cache=False answers before the KV cache is attached (the CLI asks first, to print the path)."""
+    import kernels
+    device = model.lm_head.weight.device
+    if fused is None:
+        backends = {kernels.resolve_backend(b.attn.backend, device) for b in model.transformer.h}
+        return device.type == "cuda" and backends == {"flash"} and not compile and supported(model, check_cache)
+    if fused:
+        if compile:
+            raise ValueError("fused=True and compile=True: the fused decode step is not for torch.compile")
+        reason = unsupported_reason(model, check_cache)
+        if reason is not None:
+            raise ValueError(f"fused decode step unavailable: {reason}")
+    return bool(fused)
 
 
 def _sync(device):
@@ -140,12 +166,15 @@ def _start_host_copy(t: torch.Tensor):
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, generator=None, on_token=None,
-             cuda_graph: bool = False, compile: bool = False, prefill_chunk: int = 0) -> GenerationStats:
+             cuda_graph: bool = False, compile: bool = False, prefill_chunk: int = 0,
+             fused: bool | None = None) -> GenerationStats:
     """Generate for a batch of token-id prompts. on_token(step, tokens (B,) list, done (B,) list) streams.
 
     cuda_graph: replay the decode step as a CUDA graph (CUDA only). compile: torch.compile the decode step
-    (inside the graph when both are on). Returns stats with `sequences`: each prompt's new tokens, stopping
-    at params.stop_token (excluded).
+    (inside the graph when both are on). fused: decode with model/fused_decode.py (a few fused Triton kernels
+    per layer); None = automatically on CUDA with the flash backend and without compile; True where it cannot
+    run raises ValueError. Returns stats with `sequences`: each prompt's new tokens, stopping at
+    params.stop_token (excluded); stats.decode_path says which step ran.
     """
     device = model.lm_head.weight.device
     B = len(prompts)
@@ -165,7 +194,10 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     t_setup = time.perf_counter()
     model.setup_kv_cache(B, max_len)
     try:
-        step_fn = torch.compile(decode_one_token, dynamic=False) if compile else decode_one_token
+        use_fused = use_fused_decode(model, fused, compile)
+        stats.decode_path = "fused" if use_fused else "model"
+        step_fn = fused_decode_step if use_fused else decode_one_token
+        step_fn = torch.compile(step_fn, dynamic=False) if compile else step_fn
         if cuda_graph:
             step_fn = DecodeGraph(model, B, device, step_fn)  # before prefill: see DecodeGraph
         _sync(device)
@@ -182,15 +214,18 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
         done = [False] * B
         out: list[list[int]] = [[] for _ in range(B)]
         pos = lengths[:, None].clone()  # (B, 1): where each sequence's next token goes
+        pending = collections.deque()  # host fetches of the queued steps' tokens, oldest first
+        launched = 0                     # decode steps queued so far (at most max_new_tokens - 1)
         for step in range(params.max_new_tokens):
-            # Queue the next decode step BEFORE handling this step's tokens on the host, so that the GPU
-            # computes step + 1 while the host streams step (after the last stop, one wasted step at most).
-            fetch_next = None
-            if step + 1 < params.max_new_tokens and not all(done):
+            # Keep LOOKAHEAD decode steps queued on the GPU BEFORE handling this step's tokens on the host: each
+            # step feeds the next on the device, so the GPU never waits for the host's streaming and stop
+            # checks (after the last stop, at most LOOKAHEAD wasted steps).
+            while launched < params.max_new_tokens - 1 and len(pending) < LOOKAHEAD and not all(done):
                 tok = sample(step_fn(model, tok[:, None], pos), params, generator)  # (B,)
                 pos = pos + 1
+                launched += 1
                 stats.decode_steps += 1
-                fetch_next = _start_host_copy(tok)
+                pending.append(_start_host_copy(tok))
             for b in range(B):
                 if not done[b]:
                     if tokens[b] == params.stop_token:
@@ -201,9 +236,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
                         stats.decode_tokens += step > 0
             if on_token is not None:
                 on_token(step, tokens, done)
-            if fetch_next is None or all(done):
+            if not pending or all(done):
                 break
-            tokens = fetch_next()
+            tokens = pending.popleft()()
         _sync(device)
         stats.decode_seconds = time.perf_counter() - t1
         stats.sequences = out

@@ -145,6 +145,19 @@ def test_generate_refuses_bad_input(oracle):
         generate(model, [[1] * 60], GREEDY)
 
 
+@pytest.mark.parametrize("n_kv_head", [0, 2])
+def test_greedy_fused_decode_equals_recompute(oracle, n_kv_head):
+    """model/fused_decode.py as the decode step (on CPU through the interpreter; generate's default on a GPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors go through the Triton interpreter only without a GPU (see the CUDA tests)")
+    model, prompts, expected = oracle[n_kv_head]
+    stats = generate(model, prompts, GREEDY, fused=True)
+    assert stats.decode_path == "fused" and stats.sequences == expected
+    assert generate(model, prompts[:1], GREEDY).decode_path == "model"  # auto: the fused path is for CUDA
+    with pytest.raises(ValueError, match="not for torch.compile"):
+        generate(model, prompts, GREEDY, fused=True, compile=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["flash", "sdpa"])
 @pytest.mark.parametrize("compile_step", [False, True], ids=["graph", "compile+graph"])
@@ -155,6 +168,9 @@ def test_cuda_graph_decode_equals_eager(backend, compile_step):
     eager = generate(model, prompts, GREEDY).sequences
     graphed = generate(model, prompts, GREEDY, cuda_graph=True, compile=compile_step).sequences
     assert graphed == eager == [recompute_greedy(model, p, N_NEW) for p in prompts]
+    if backend == "flash" and not compile_step:  # the GPU default is the fused step; the model's own step too
+        assert generate(model, prompts, GREEDY, cuda_graph=True).decode_path == "fused"
+        assert generate(model, prompts, GREEDY, cuda_graph=True, fused=False).sequences == eager
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -362,9 +378,11 @@ def test_cli_on_the_gpu_graph_equals_eager(ckpt):
     g = gen(*common)
     e = gen(*common, "--no-cuda-graph")
     assert g.returncode == 0 and e.returncode == 0, g.stderr + e.stderr
-    assert g.stderr.startswith("attention: flash (prefill: flash, decode: split-KV decode kernel, CUDA graph) on "
-                               "cuda, bfloat16")
+    assert g.stderr.startswith("attention: flash (prefill: flash, decode: fused LN/matmul kernels + split-KV decode "
+                               "kernel, CUDA graph) on cuda, bfloat16")
     assert g.stdout == e.stdout and g.stdout.startswith("the king")
+    n = gen(*common, "--no-fused")
+    assert n.returncode == 0 and "decode: split-KV decode kernel, CUDA graph" in n.stderr, n.stderr
 
 
 def test_bench_generate_smoke(tmp_path):

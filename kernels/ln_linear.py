@@ -1,0 +1,237 @@
+"""Fused LayerNorm → linear → bias → GELU / residual for a few rows: the matmuls of a decode step.
+
+    ln_linear(x, weight, bias=None, *, ln=None, gelu=False, residual=None) -> (M, N)
+    ln_qkv_to_cache(x, weight, bias, ln, k_cache, v_cache, pos, n_q) -> q (M, n_q)   [k, v go into the caches]
+
+At decode time every linear layer of a small GPT is a matrix-vector product: a few kilobytes of activations
+against megabytes of weights. Each such op is bound by its launch and memory latency, not by FLOPs, so the
+lever is the number of kernels: this one kernel does what eager PyTorch does in up to five (LayerNorm, matmul,
+bias, GELU, residual add), and the QKV variant also writes k and v straight into the KV cache at each
+sequence's position (no scatter kernels).
+
+    y = act(LN(x) @ Wᵀ + b) + residual       LN, b, act (GELU, tanh approximation) and residual optional
+
+Supported (checked with a ValueError before any launch):
+    dtypes     float16, bfloat16, float32; x, weight, residual, output and caches of one dtype; LayerNorm
+               statistics and accumulation in float32; float32 uses exact ("ieee") dots
+    shapes     x (M, K) with unit stride along K, any M >= 1 (rows in blocks of 16); weight (N, K) as
+               nn.Linear stores it, unit stride along K; any N, K >= 1 (tails masked)
+    devices    CUDA; CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, for tests)
+Rounding follows eager PyTorch in the model's dtype: LN(x) is rounded to the dtype before the matmul, the
+linear output (with bias) is rounded before GELU and before the residual add. Inference only (no backward).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size rows
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the GPU autotune list; the interpreter uses the first.
+_CONFIGS = [(16, 256, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
+            (16, 512, 4, 2), (32, 64, 4, 4)]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+@triton.jit
+def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS,
+                      M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+                      N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
+                      HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): BLOCK_N output columns of BLOCK_M rows per program.
+
+    QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, N) values,
+    column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC (B, Hkv, max_len, D)
+    at row m's position POS[m].
+    """
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)                # (BLOCK_M,)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                # (BLOCK_N,)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                      # (BLOCK_M, 1)
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                      # (BLOCK_N, 1)
+
+    if HAS_LN:  # row statistics over all K (two passes: mean, then the centred variance)
+        s = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            s += tl.sum(tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
+                                other=0.0).to(tl.float32), 1)
+        mean = s / K                                                            # (BLOCK_M,)
+        s = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (offs_k < K)[None, :]
+            xc = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+            xc = tl.where(k_ok, xc - mean[:, None], 0.0)
+            s += tl.sum(xc * xc, 1)
+        rstd = 1.0 / tl.sqrt(s / K + eps)                                       # (BLOCK_M,)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)                                     # (BLOCK_K,)
+        k_ok = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+        xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        if HAS_LN:
+            g = tl.load(LN_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            xn = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :]
+            if LN_HAS_BIAS:
+                xn += tl.load(LN_B + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            xk = xn.to(w.dtype)                                                 # eager rounds LN(x) here
+        acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)          # (BLOCK_M, BLOCK_N)
+
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(OUT.dtype.element_ty).to(tl.float32)                            # the linear's output dtype
+    if GELU:  # tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
+        z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+        y = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        y = y.to(OUT.dtype.element_ty).to(tl.float32) + tl.load(
+            RES + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0).to(tl.float32)
+    y = y.to(OUT.dtype.element_ty)
+    out_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if QKV_CACHE:
+        tl.store(out_ptrs, y, mask=mn_ok & (offs_n < N_Q)[None, :])
+        pos = tl.load(POS + offs_m * stride_pos, mask=m_ok, other=0).to(tl.int64)  # (BLOCK_M,)
+        row = offs_m.to(tl.int64)[:, None] * stride_cb + pos[:, None] * stride_cn  # (BLOCK_M, 1)
+        c = tl.where(offs_n >= N_Q + N_KV, offs_n - N_Q - N_KV, tl.maximum(offs_n - N_Q, 0))  # within k or v
+        col = (c // HEAD_DIM) * stride_ch + (c % HEAD_DIM) * stride_cd             # (BLOCK_N,)
+        is_k = (offs_n >= N_Q) & (offs_n < N_Q + N_KV)
+        tl.store(KC + row + col[None, :], y, mask=mn_ok & is_k[None, :])
+        tl.store(VC + row + col[None, :], y, mask=mn_ok & (offs_n >= N_Q + N_KV)[None, :])
+    else:
+        tl.store(out_ptrs, y, mask=mn_ok)
+
+
+if _interpreting():
+    _tuned = None
+else:
+    _tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                 for bn, bk, w, s in _CONFIGS],
+        key=["M", "N", "K", "HAS_LN", "GELU", "HAS_RES", "QKV_CACHE"],
+    )(_ln_linear_kernel)
+
+
+def _check(x, weight, bias, ln, residual, caches) -> None:
+    tensors = [("x", x), ("weight", weight)] + [(n, t) for n, t in (("bias", bias), ("residual", residual))
+                                                if t is not None]
+    if ln is not None:
+        tensors += [("ln weight", ln[0])] + ([("ln bias", ln[1])] if ln[1] is not None else [])
+    tensors += [(f"cache {i}", t) for i, t in enumerate(caches)]
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"ln_linear: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != x.device:
+            raise ValueError(f"ln_linear: {name} is on {t.device}, x on {x.device}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"ln_linear: expected x (M, K) and weight (N, K), got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.shape[0] == 0 or weight.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"ln_linear: empty input x{tuple(x.shape)} weight{tuple(weight.shape)}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or any(t.dtype != x.dtype for t in caches) or (
+            residual is not None and residual.dtype != x.dtype):
+        raise ValueError(f"ln_linear: x, weight, residual and caches must share one of float16/bfloat16/float32, "
+                         f"got x {x.dtype}, weight {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("ln_linear: x and weight need unit stride along K")
+    N, K = weight.shape
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"ln_linear: bias must have shape ({N},), got {tuple(bias.shape)}")
+    if ln is not None and (tuple(ln[0].shape) != (K,) or (ln[1] is not None and tuple(ln[1].shape) != (K,))):
+        raise ValueError(f"ln_linear: LayerNorm weight/bias must have shape ({K},)")
+    if residual is not None and (tuple(residual.shape) != (x.shape[0], N) or residual.stride(1) != 1):
+        raise ValueError(f"ln_linear: residual must be ({x.shape[0]}, {N}) with unit stride along N")
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpreting()):
+        raise ValueError(f"ln_linear runs on CUDA (CPU only under TRITON_INTERPRET=1), got {x.device}")
+    if torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors):
+        raise ValueError("ln_linear is inference-only (no backward): call it under torch.no_grad()")
+
+
+def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None):
+    M, K = x.shape
+    N = weight.shape[0]
+    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
+    if qkv is None:
+        kc = vc = pos = out  # unused
+        n_q = n_kv = head_dim = 1
+        cache_strides, stride_pos = (0, 0, 0, 0), 0
+    else:
+        kc, vc, pos, n_q = qkv
+        head_dim = kc.shape[3]
+        n_kv = kc.shape[1] * head_dim
+        cache_strides, stride_pos = kc.stride(), pos.stride(0)
+    dummy = weight  # pointer for the absent optional tensors (never read: their flags are off)
+    args = (x, weight, bias if bias is not None else dummy, ln_w if ln_w is not None else dummy,
+            ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos,
+            M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+            out.stride(0), float(eps), n_q, n_kv, *cache_strides, stride_pos)
+    flags = dict(HAS_LN=ln is not None, LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
+                 HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
+                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M)
+    row_blocks = triton.cdiv(M, BLOCK_M)
+    if _tuned is None:
+        bn, bk, warps, stages = _CONFIGS[0]
+        _ln_linear_kernel[(triton.cdiv(N, bn), row_blocks)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk,
+                                                             num_warps=warps, num_stages=stages)
+    else:
+        with torch.cuda.device(x.device):
+            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), row_blocks)](
+                *args, **flags)
+    return out
+
+
+def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K), weight (N, K) → act(LN(x) @ weightᵀ + bias) + residual, (M, N) in x's dtype.
+
+    ln: (weight (K,), bias (K,) or None, eps) of a LayerNorm applied to x first, or None. out: an optional
+    (M, N) buffer for the result (unit stride along N; it must not overlap x).
+    """
+    _check(x, weight, bias, ln, residual, ())
+    shape = (x.shape[0], weight.shape[0])
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
+          or out.device != x.device or out.stride(1) != 1):
+        raise ValueError(f"ln_linear: out must be a {x.dtype} tensor of shape {shape} on {x.device} with unit "
+                         "stride along N")
+    return _launch(x, weight, bias, ln, residual, out, gelu)
+
+
+def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ln: tuple | None,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int) -> torch.Tensor:
+    """The attention input projection of one decode token per row, its keys and values written to the cache.
+
+    x (B, K); weight (n_q + 2·Hkv·D, K) (queries, then keys, then values, as the model's c_attn); caches
+    (B', Hkv, max_len, D) with B' >= B; pos (B,) int the position of row b's token. Returns q (B, n_q).
+    Positions are not range-checked here (the caller's KV cache owns them).
+    """
+    _check(x, weight, bias, ln, None, (k_cache, v_cache))
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("ln_qkv_to_cache: k_cache and v_cache must be (B, Hkv, max_len, D) with equal strides")
+    n_kv = k_cache.shape[1] * k_cache.shape[3]
+    if weight.shape[0] != n_q + 2 * n_kv or k_cache.shape[0] < x.shape[0]:
+        raise ValueError(f"ln_qkv_to_cache: weight rows {weight.shape[0]} != n_q {n_q} + 2 x {n_kv}, or the "
+                         f"cache batch {k_cache.shape[0]} < {x.shape[0]} rows")
+    if pos.dim() != 1 or pos.shape[0] != x.shape[0] or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},)")
+    q = torch.empty(x.shape[0], n_q, dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q))
+
+
+__all__ = ["ln_linear", "ln_qkv_to_cache"]

@@ -1,0 +1,181 @@
+"""The fused decode path: kernels/ln_linear.py against a float64 reference, and model/fused_decode.py against
+the model's own decode step.
+
+CUDA when present (bf16 included), otherwise CPU through the Triton interpreter (fp16/fp32). Outputs and the
+KV cache are poisoned with NaN before each call, so a missed write or a stray one shows up.
+"""
+import copy
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (triton decorates then)
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.ln_linear import ln_linear, ln_qkv_to_cache  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
+from model.sampling import decode_one_token, prefill  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def reference(x, w, b, ln, gelu, res, dtype):
+    """The eager op sequence in `dtype` (float64: the oracle; x's dtype: the error a naive version makes)."""
+    x, w = x.to(dtype), w.to(dtype)
+    if ln is not None:
+        g, lb, eps = ln
+        x = F.layer_norm(x, (x.shape[1],), g.to(dtype), None if lb is None else lb.to(dtype), eps)
+    y = F.linear(x, w, None if b is None else b.to(dtype))
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    return y if res is None else y + res.to(dtype)
+
+
+def check_close(out, x, w, b, ln, gelu, res):
+    assert torch.isfinite(out).all(), "NaN/inf in the output: an element was not written"
+    exact = reference(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in (x, w, b)),
+                      None if ln is None else tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in ln),
+                      gelu, None if res is None else res.cpu(), torch.float64)
+    naive = reference(x, w, b, ln, gelu, res, x.dtype).cpu().double()
+    err = (out.cpu().double() - exact).abs().max().item()
+    naive_err = (naive - exact).abs().max().item()
+    assert err <= 2 * naive_err + FLOOR[x.dtype] * (1 + exact.abs().max().item()), (err, naive_err)
+
+
+def make(M, N, K, dtype, seed, ln=True, bias=True, ln_bias=True, res=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+    x = r(M, K, scale=3.0) + 1.5  # an offset so that LayerNorm's centring matters
+    w = r(N, K, scale=K ** -0.5)
+    b = r(N) if bias else None
+    lnp = (r(K) + 1.0, r(K) if ln_bias else None, 1e-5) if ln else None
+    return x, w, b, lnp, (r(M, N) if res else None)
+
+
+VARIANTS = {  # (ln, bias, ln_bias, gelu, residual)
+    "ln": (True, True, True, False, False),              # LN₁ → c_attn
+    "residual": (False, True, False, False, True),       # c_proj + residual
+    "ln-gelu": (True, True, True, True, False),          # LN₂ → c_fc → GELU
+    "ln-nobias": (True, False, False, False, False),     # LN_f → lm_head (no biases anywhere)
+    "gelu-residual": (False, False, False, True, True),   # every epilogue without a prologue
+}
+CASES = [(shape, v) for shape in [(1, 37, 50), (5, 100, 129), (17, 16, 300)] for v in VARIANTS]
+CASES += [((3, 2304, 768), "ln")]  # GPT-2's c_attn at batch 3 (one variant: the interpreter is slow)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,variant", CASES, ids=[f"{v}-{'x'.join(map(str, s))}" for s, v in CASES])
+@torch.no_grad()
+def test_ln_linear_matches_reference(shape, variant, dtype, request):
+    M, N, K = shape
+    ln, bias, ln_bias, gelu, res = VARIANTS[variant]
+    seed = abs(hash(request.node.name)) % 2**31
+    x, w, b, lnp, r = make(M, N, K, dtype, seed, ln, bias, ln_bias, res)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    assert ln_linear(x, w, b, ln=lnp, gelu=gelu, residual=r, out=out) is out
+    check_close(out, x, w, b, lnp, gelu, r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 16), (6, 2, 32), (3, 1, 24)])  # MHA, GQA, MQA with D not 2^k
+@torch.no_grad()
+def test_qkv_goes_to_the_cache_at_each_position(Hq, Hkv, D, dtype):
+    B, C, max_len = 3, 40, 11
+    n_q, n_kv = Hq * D, Hkv * D
+    x, w, b, lnp, _ = make(B, n_q + 2 * n_kv, C, dtype, seed=Hq * 100 + D)
+    kc = torch.full((B + 1, Hkv, max_len, D), float("nan"), dtype=dtype, device=DEVICE)  # one spare row
+    vc = torch.full_like(kc, float("nan"))
+    pos = torch.tensor([0, 7, max_len - 1], device=DEVICE)
+    q = ln_qkv_to_cache(x, w, b, lnp, kc, vc, pos, n_q)  # (B, n_q)
+    full = torch.empty(B, n_q + 2 * n_kv, dtype=dtype, device=DEVICE)
+    ln_linear(x, w, b, ln=lnp, out=full)  # the same projection, not split
+    check_close(full, x, w, b, lnp, False, None)
+    torch.testing.assert_close(q, full[:, :n_q], rtol=0, atol=0)
+    for bi, p in enumerate(pos.tolist()):
+        torch.testing.assert_close(kc[bi, :, p], full[bi, n_q:n_q + n_kv].view(Hkv, D), rtol=0, atol=0)
+        torch.testing.assert_close(vc[bi, :, p], full[bi, n_q + n_kv:].view(Hkv, D), rtol=0, atol=0)
+        kc[bi, :, p] = vc[bi, :, p] = float("nan")
+    assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
+
+
+def test_bad_input_raises_value_error():
+    x = torch.randn(2, 8, device=DEVICE)
+    w = torch.randn(5, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x \(M, K\) and weight \(N, K\)"):
+        ln_linear(x, torch.randn(5, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="share one of"):
+        ln_linear(x, w.half())
+    with pytest.raises(ValueError, match="unit stride"):
+        ln_linear(torch.randn(8, 2, device=DEVICE).t(), w)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ln_linear(x, w, torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match="residual must be"):
+        ln_linear(x, w, residual=torch.zeros(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="inference-only"):
+        ln_linear(x, w.requires_grad_())
+    with pytest.raises(ValueError, match="weight rows"):
+        ln_qkv_to_cache(x, torch.randn(12, 8, device=DEVICE), None, None, torch.zeros(2, 1, 4, 2, device=DEVICE),
+                        torch.zeros(2, 1, 4, 2, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE), 4)
+
+
+def tiny_gpt(bias: bool, n_kv_head: int, dtype) -> GPT:
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(block_size=48, vocab_size=61, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=64,
+                          bias=bias, attention="naive")).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial LayerNorm gains and biases, weights with clear margins
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 0.5) + (1.0 if p.dim() == 1 else 0.0))
+    return model.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias,n_kv_head", [(True, 0), (False, 2)], ids=["gpt2-mha", "nobias-gqa"])
+@torch.no_grad()
+def test_fused_step_equals_the_models_step(bias, n_kv_head, dtype):
+    """Prefill three prompts of different lengths, then decode 5 steps both ways from the same caches."""
+    model = tiny_gpt(bias, n_kv_head, dtype)
+    twin = copy.deepcopy(model)
+    B, max_len = 3, 24
+    lengths = torch.tensor([1, 6, 13], device=DEVICE)
+    idx = torch.randint(0, 61, (B, 13), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for m in (model, twin):
+        m.setup_kv_cache(B, max_len)
+    for block in twin.transformer.h:  # the fused path must never read past a sequence's length
+        block.attn.kv_cache.k.fill_(float("nan"))  # (the model's exact path masks the whole cache: zeros there)
+        block.attn.kv_cache.v.fill_(float("nan"))
+    for m in (model, twin):
+        prefill(m, idx, lengths)
+    assert unsupported_reason(model) is None
+    pos = lengths[:, None].clone()                                # (B, 1)
+    tok = torch.tensor([[3], [17], [60]], device=DEVICE)          # (B, 1)
+    atol = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 2.5e-1}[dtype]
+    for _ in range(5):
+        want = decode_one_token(model, tok, pos)                  # (B, V) the model's own step (naive attention)
+        got = fused_decode_step(twin, tok, pos)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=atol, rtol=0.05 if dtype != torch.float32 else 1e-4)
+        for a, b in zip(model.transformer.h, twin.transformer.h):  # the same cache contents where valid
+            for bi, p in enumerate(pos[:, 0].tolist()):
+                torch.testing.assert_close(b.attn.kv_cache.k[bi, :, :p + 1], a.attn.kv_cache.k[bi, :, :p + 1],
+                                           atol=atol, rtol=0.05)
+                torch.testing.assert_close(b.attn.kv_cache.v[bi, :, :p + 1], a.attn.kv_cache.v[bi, :, :p + 1],
+                                           atol=atol, rtol=0.05)
+        tok = want.argmax(-1, keepdim=True)
+        pos = pos + 1
+
+
+def test_unsupported_reason_names_the_problem():
+    model = tiny_gpt(True, 0, torch.float32)
+    assert "no KV cache" in unsupported_reason(model)
+    assert unsupported_reason(model, check_cache=False) is None
+    model.setup_kv_cache(1, 8, dtype=torch.float16)
+    assert "KV cache dtype" in unsupported_reason(model)

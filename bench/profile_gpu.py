@@ -3,7 +3,8 @@
     python bench/profile_gpu.py [--out DIR]
 
 1. One GPT-2 124M decode step (bf16, KV cache of 384, prompt 128), replayed as a CUDA graph, batch 1 and 16,
-   flash (split-KV decode kernel) and sdpa: the kernels of 20 replays by GPU time, and the count per step.
+   flash (split-KV decode kernel) and sdpa: the kernels of 20 replays by GPU time, and the count per step
+   (`--only decode`: the fused step of model/fused_decode.py, batch 1 and 16).
 2. flash attention forward + backward at (B, H, N, D) = (8, 12, 1024, 64) causal bf16 (the GPT-2 124M training
    shape), eager: GPU kernel time against wall time, to separate kernel time from host overhead.
 3. One GPT-2 124M training step (batch 16 x 1024, bf16 autocast, torch.compile, fused AdamW) with flash and
@@ -27,19 +28,20 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from kernels import flash_attention  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from model.sampling import DecodeGraph, prefill  # noqa: E402
+from model.fused_decode import fused_decode_step  # noqa: E402
+from model.sampling import DecodeGraph, decode_one_token, prefill  # noqa: E402
 
 
 def table(prof, n=18) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
 
 
-def profile_decode(out: io.StringIO, backend: str, batch: int) -> None:
+def profile_decode(out: io.StringIO, backend: str, batch: int, fused: bool = False) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768,
                           attention=backend)).cuda().to(torch.bfloat16).eval()
     model.setup_kv_cache(batch, 384)
-    graph = DecodeGraph(model, batch, "cuda")
+    graph = DecodeGraph(model, batch, "cuda", fused_decode_step if fused else decode_one_token)
     idx = torch.randint(0, 50304, (batch, 128), device="cuda")
     prefill(model, idx, torch.full((batch,), 128, device="cuda"))
     tok = torch.randint(0, 50304, (batch, 1), device="cuda")
@@ -59,7 +61,7 @@ def profile_decode(out: io.StringIO, backend: str, batch: int) -> None:
         graph(model, tok, pos)
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - t0) / 100 * 1e6
-    out.write(f"\n## decode step, {backend}, batch {batch}: {len(kernels) / steps:.0f} kernels per step, "
+    out.write(f"\n## decode step, {backend}{' fused' if fused else ''}, batch {batch}: {len(kernels) / steps:.0f} kernels per step, "
               f"{gpu_us:.0f} µs of kernel time per step, {wall_us:.0f} µs per replay (wall)\n")
     out.write(table(prof) + "\n")
     model.clear_kv_cache()
@@ -130,7 +132,7 @@ def profile_train(out: io.StringIO, backend: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--only", choices=["all", "train"], default="all")
+    p.add_argument("--only", choices=["all", "train", "decode"], default="all")
     args = p.parse_args()
     out = io.StringIO()
     out.write(f"# GPU profile — {torch.cuda.get_device_name()}, torch {torch.__version__}\n"
@@ -139,6 +141,8 @@ def main() -> int:
              (profile_decode, ("flash", 16)))
     if args.only == "train":
         parts = ((profile_train, ("flash",)), (profile_train, ("sdpa",)))
+    elif args.only == "decode":
+        parts = ((profile_decode, ("flash", 1, True)), (profile_decode, ("flash", 16, True)))
     for fn, fargs in parts:
         try:
             fn(out, *fargs)
@@ -146,7 +150,7 @@ def main() -> int:
             out.write(f"\n## {fn.__name__}{fargs}: failed: {type(e).__name__}: {e}\n")
         print(out.getvalue().split("\n## ")[-1][:3000], flush=True)
     os.makedirs(args.out, exist_ok=True)
-    name = "profile_train.txt" if args.only == "train" else "profile_gpu.txt"
+    name = {"all": "profile_gpu.txt", "train": "profile_train.txt", "decode": "profile_decode.txt"}[args.only]
     with open(os.path.join(args.out, name), "w") as f:
         f.write(out.getvalue())
     return 0

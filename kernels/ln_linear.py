@@ -22,6 +22,8 @@ linear output (with bias) is rounded before GELU and before the residual add. In
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -31,24 +33,26 @@ import triton.language as tl
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size rows
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): the GPU autotune list; the interpreter uses the first.
-_CONFIGS = [(16, 256, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
-            (16, 512, 4, 2), (32, 64, 4, 4)]
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-@triton.jit
-def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS,
+@triton.jit(do_not_specialize=["M"])  # one binary serves every batch size
+def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT,
                       M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
                       N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
                       HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): BLOCK_N output columns of BLOCK_M rows per program.
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): BLOCK_N output columns of BLOCK_M rows per program,
+    over the program's share of K.
+
+    SPLIT_K > 1 (split-K, for few output tiles over a long K): each program adds its partial sums into the fp32
+    workspace WS (rows x N, zeros) with atomics and counts itself in CNT[tile]; the last one of a tile reads
+    the sums, zeroes the workspace tile and the counter again (for the next call) and runs the epilogue. The LayerNorm statistics are computed over the whole row by every program.
 
     QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, N) values,
     column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC (B, Hkv, max_len, D)
@@ -61,26 +65,25 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS,
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                      # (BLOCK_M, 1)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                      # (BLOCK_N, 1)
 
-    if HAS_LN:  # row statistics over all K (two passes: mean, then the centred variance)
-        s = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_LN:  # row statistics over all K, one pass: var = E[x²] - mean² in fp32
+        s1 = tl.zeros([BLOCK_M], tl.float32)
+        s2 = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            s += tl.sum(tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
-                                other=0.0).to(tl.float32), 1)
-        mean = s / K                                                            # (BLOCK_M,)
-        s = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (offs_k < K)[None, :]
-            xc = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-            xc = tl.where(k_ok, xc - mean[:, None], 0.0)
-            s += tl.sum(xc * xc, 1)
-        rstd = 1.0 / tl.sqrt(s / K + eps)                                       # (BLOCK_M,)
+            xs = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
+                         other=0.0).to(tl.float32)                              # (BLOCK_M, BLOCK_K)
+            s1 += tl.sum(xs, 1)
+            s2 += tl.sum(xs * xs, 1)
+        mean = s1 / K                                                           # (BLOCK_M,)
+        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)       # (BLOCK_M,)
 
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K                     # this program's share of K
+    k_lo = tl.program_id(2) * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)                                     # (BLOCK_K,)
-        k_ok = offs_k < K
+        k_ok = offs_k < k_hi
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
         xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
         if HAS_LN:
@@ -91,6 +94,30 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS,
             xk = xn.to(w.dtype)                                                 # eager rounds LN(x) here
         acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)          # (BLOCK_M, BLOCK_N)
 
+    epi = (BIAS, RES, OUT, KC, VC, POS, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
+           N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos)
+    if SPLIT_K == 1:
+        _epilogue(acc, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM)
+    else:
+        ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]      # (BLOCK_M, BLOCK_N)
+        mn_ok = m_ok[:, None] & n_ok[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=mn_ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums are in before this program counts itself
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(CNT + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last program of this tile
+            zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            total = tl.atomic_add(ws_ptrs, zero, mask=mn_ok)  # read at the point of coherence (not a stale L1)
+            tl.store(ws_ptrs, zero, mask=mn_ok)  # left zeroed: every other program of the tile is done with it
+            tl.atomic_xchg(CNT + tile, 0)
+            _epilogue(total, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM)
+
+
+@triton.jit
+def _epilogue(acc, BIAS, RES, OUT, KC, VC, POS, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
+              N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
+              HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
+    """bias, GELU, residual, store (or the q / k-cache / v-cache split) of one (BLOCK_M, BLOCK_N) fp32 tile."""
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(OUT.dtype.element_ty).to(tl.float32)                            # the linear's output dtype
@@ -116,14 +143,56 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS,
         tl.store(out_ptrs, y, mask=mn_ok)
 
 
-if _interpreting():
-    _tuned = None
-else:
-    _tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                 for bn, bk, w, s in _CONFIGS],
-        key=["M", "N", "K", "HAS_LN", "GELU", "HAS_RES", "QKV_CACHE"],
-    )(_ln_linear_kernel)
+_forced: tuple | None = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for every launch
+
+
+@contextlib.contextmanager
+def forced_config(cfg: tuple):
+    """Run every launch with one config (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): tests, sweeps."""
+    global _forced
+    old, _forced = _forced, cfg
+    try:
+        yield
+    finally:
+        _forced = old
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def pick_config(M: int, N: int, K: int, device: torch.device) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for one launch; shapes only, so graph-safe.
+
+    Narrow column tiles for parallelism, then split-K until the grid covers the SMs (each split keeps at
+    least two BLOCK_K steps). See bench/ln_linear_sweep.py for the measurements behind it.
+    """
+    if _forced is not None:
+        return _forced
+    block_n, block_k = 16, 256
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
+    split = 1
+    while split < 16 and tiles * split < _sm_count(device) and K // (2 * split) >= 2 * block_k:
+        split *= 2
+    return block_n, block_k, 4, 3, split
+
+
+_workspaces: dict = {}
+
+
+def _workspace(device: torch.device, rows: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K fp32 sums (rows, N) and per-tile counters, zeros; every launch leaves them zeroed again.
+
+    Allocated once per (device, rows, N) and kept, so that a CUDA graph captures stable addresses. Launches
+    on one device run in stream order, so consecutive ones can share them.
+    """
+    key = (device, rows, N)
+    if key not in _workspaces:
+        _workspaces[key] = (torch.zeros(rows, N, dtype=torch.float32, device=device),
+                            torch.zeros(triton.cdiv(rows, BLOCK_M) * triton.cdiv(N, 16), dtype=torch.int32,
+                                        device=device))
+    return _workspaces[key]
 
 
 def _check(x, weight, bias, ln, residual, caches) -> None:
@@ -176,21 +245,19 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None):
         cache_strides, stride_pos = kc.stride(), pos.stride(0)
     dummy = weight  # pointer for the absent optional tensors (never read: their flags are off)
     args = (x, weight, bias if bias is not None else dummy, ln_w if ln_w is not None else dummy,
-            ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos,
-            M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+            ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos)
+    scalars = (M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
             out.stride(0), float(eps), n_q, n_kv, *cache_strides, stride_pos)
     flags = dict(HAS_LN=ln is not None, LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M)
     row_blocks = triton.cdiv(M, BLOCK_M)
-    if _tuned is None:
-        bn, bk, warps, stages = _CONFIGS[0]
-        _ln_linear_kernel[(triton.cdiv(N, bn), row_blocks)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk,
-                                                             num_warps=warps, num_stages=stages)
-    else:
-        with torch.cuda.device(x.device):
-            _tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), row_blocks)](
-                *args, **flags)
+    block_n, block_k, warps, stages, split = pick_config(M, N, K, x.device)
+    ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, N) if split > 1 else (out, out)
+    grid = (triton.cdiv(N, block_n), row_blocks, split)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _ln_linear_kernel[grid](*args, ws, cnt, *scalars, **flags, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                                num_warps=warps, num_stages=stages)
     return out
 
 

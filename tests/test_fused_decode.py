@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.ln_linear import ln_linear, ln_qkv_to_cache  # noqa: E402
+from kernels.ln_linear import forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
 from model.sampling import decode_one_token, prefill  # noqa: E402
@@ -83,6 +83,30 @@ def test_ln_linear_matches_reference(shape, variant, dtype, request):
     out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
     assert ln_linear(x, w, b, ln=lnp, gelu=gelu, residual=r, out=out) is out
     check_close(out, x, w, b, lnp, gelu, r)
+
+
+@pytest.mark.parametrize("cfg", [(16, 64, 4, 1, 3), (32, 128, 4, 2, 2), (16, 32, 2, 1, 8), (64, 64, 4, 2, 1)],
+                         ids=lambda c: "bn{}-bk{}-w{}-s{}-split{}".format(*c))
+@pytest.mark.parametrize("variant", ["ln", "residual", "ln-gelu"])
+@torch.no_grad()
+def test_split_k_and_other_tiles(cfg, variant):
+    """Split-K sums through the fp32 workspace and must leave it zeroed: a second call gives the same result."""
+    ln, bias, ln_bias, gelu, res = VARIANTS[variant]
+    x, w, b, lnp, r = make(5, 100, 300, torch.float32, seed=sum(cfg), ln=ln, bias=bias, ln_bias=ln_bias, res=res)
+    with forced_config(cfg):
+        outs = [ln_linear(x, w, b, ln=lnp, gelu=gelu, residual=r,
+                          out=torch.full((5, 100), float("nan"), device=DEVICE)) for _ in range(2)]
+    check_close(outs[0], x, w, b, lnp, gelu, r)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_pick_config_splits_k_only_when_the_grid_is_small():
+    gpu = torch.device("cuda") if torch.cuda.is_available() else None
+    for device in filter(None, [torch.device("cpu"), gpu]):
+        assert pick_config(1, 50304, 768, device)[4] == 1         # the LM head: thousands of tiles already
+        bn, bk, _, _, split = pick_config(1, 768, 3072, device)   # the MLP's down projection: 48 tiles
+        assert split >= 2 or 768 // bn >= (132 if device.type == "cuda" else 4)
+        assert 3072 // split >= 2 * bk
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

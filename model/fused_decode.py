@@ -11,9 +11,9 @@ each layer as four fused Triton launches plus the split-KV decode attention:
     h = GELU(LN₂(x) W_fcᵀ + b)                           ln_linear(ln=..., gelu=True)
     x = x + h W_mlpᵀ + b                                 ln_linear(residual=x)
 
-then LN_f + the LM head in one more launch: about 6 kernels per layer instead of the ~16 of the eager
-model (layer norms, GEMVs, bias adds, cache scatters, GELU, residual adds), which is what bounds a small
-model's decode speed (bench/NOTES.md). Rounding follows the eager model in its dtype, so the logits agree
+then LN_f and the LM head (PyTorch: cuBLAS streams the big matrix fastest): about 6 kernels per layer instead
+of the ~16 of the eager model (layer norms, GEMVs, bias adds, cache scatters, GELU, residual adds), which is
+what bounds a small model's decode speed (bench/NOTES.md). Rounding follows the eager model in its dtype, so the logits agree
 to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA graph
 (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
 Positions are not range-checked here: the caller keeps them inside the cache (generate() sizes it).
@@ -81,4 +81,6 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x)  # (B, C)
         h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=_ln(block.ln_2), gelu=True)  # (B, 4C)
         x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)                 # (B, C)
-    return ln_linear(x, model.lm_head.weight, None, ln=_ln(tr.ln_f)).float()             # (B, V)
+    # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than
+    # the fused kernel (bench/results/ln_linear_sweep.md: 25 µs with the LayerNorm vs 33 µs on the H200).
+    return model.lm_head(tr.ln_f(x)).float()                                             # (B, V)

@@ -1,7 +1,8 @@
 """Fused LayerNorm → linear → bias → GELU / residual for a few rows: the matmuls of a decode step.
 
-    ln_linear(x, weight, bias=None, *, ln=None, gelu=False, residual=None) -> (M, N)
+    ln_linear(x, weight, bias=None, *, ln=None, gelu=False, residual=None, ln_stats=None, stats_out=None)
     ln_qkv_to_cache(x, weight, bias, ln, k_cache, v_cache, pos, n_q) -> q (M, n_q)   [k, v go into the caches]
+    embed_with_stats(tok, pos, wte, wpe, stats) -> x (M, C)                            [token + position embedding]
 
 At decode time every linear layer of a small GPT is a matrix-vector product: a few kilobytes of activations
 against megabytes of weights. Each such op is bound by its launch and memory latency, not by FLOPs, so the
@@ -10,6 +11,10 @@ bias, GELU, residual add), and the QKV variant also writes k and v straight into
 sequence's position (no scatter kernels).
 
     y = act(LN(x) @ Wᵀ + b) + residual       LN, b, act (GELU, tanh approximation) and residual optional
+
+The LayerNorm needs each row's mean and variance before the first matmul step. Computed in place, that is a
+pass over x that every program makes before it streams its weights; instead, the kernel that writes a residual
+stream can leave the row sums (Σy, Σy²) behind (stats_out) and the next LayerNorm read them (ln_stats).
 
 Supported (checked with a ValueError before any launch):
     dtypes     float16, bfloat16, float32; x, weight, residual, output and caches of one dtype; LayerNorm
@@ -40,10 +45,11 @@ def _interpreting() -> bool:
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary serves every batch size
-def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT,
+def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, STATS_IN, STATS_OUT,
                       M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
                       N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
-                      HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT_ON: tl.constexpr,
+                      LN_HAS_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -53,6 +59,10 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT,
     SPLIT_K > 1 (split-K, for few output tiles over a long K): each program adds its partial sums into the fp32
     workspace WS (rows x N, zeros) with atomics and counts itself in CNT[tile]; the last one of a tile reads
     the sums, zeroes the workspace tile and the counter again (for the next call) and runs the epilogue. The LayerNorm statistics are computed over the whole row by every program.
+
+    LN_STATS_IN: the LayerNorm's row sums (Σx, Σx²) come from STATS_IN (M, 2) instead of a pass over x.
+    STATS_OUT_ON: the epilogue adds its stored outputs' (Σy, Σy²) per row into STATS_OUT (M, 2) (zeros before the
+    launch): the next LayerNorm's statistics, produced by the kernel that writes the residual stream.
 
     QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, N) values,
     column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC (B, Hkv, max_len, D)
@@ -66,14 +76,18 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT,
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                      # (BLOCK_N, 1)
 
     if HAS_LN:  # row statistics over all K, one pass: var = E[x²] - mean² in fp32
-        s1 = tl.zeros([BLOCK_M], tl.float32)
-        s2 = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
-                         other=0.0).to(tl.float32)                              # (BLOCK_M, BLOCK_K)
-            s1 += tl.sum(xs, 1)
-            s2 += tl.sum(xs * xs, 1)
+        if LN_STATS_IN:
+            s1 = tl.load(STATS_IN + offs_m * 2, mask=m_ok, other=0.0)           # (BLOCK_M,)
+            s2 = tl.load(STATS_IN + offs_m * 2 + 1, mask=m_ok, other=0.0)
+        else:
+            s1 = tl.zeros([BLOCK_M], tl.float32)
+            s2 = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
+                             other=0.0).to(tl.float32)                          # (BLOCK_M, BLOCK_K)
+                s1 += tl.sum(xs, 1)
+                s2 += tl.sum(xs * xs, 1)
         mean = s1 / K                                                           # (BLOCK_M,)
         rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)       # (BLOCK_M,)
 
@@ -94,29 +108,32 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT,
             xk = xn.to(w.dtype)                                                 # eager rounds LN(x) here
         acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)          # (BLOCK_M, BLOCK_N)
 
-    epi = (BIAS, RES, OUT, KC, VC, POS, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
+    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
            N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos)
     if SPLIT_K == 1:
-        _epilogue(acc, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM)
+        _epilogue(acc, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON)
     else:
         ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]      # (BLOCK_M, BLOCK_N)
         mn_ok = m_ok[:, None] & n_ok[None, :]
-        tl.atomic_add(ws_ptrs, acc, mask=mn_ok, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial sums are in before this program counts itself
+        # acq_rel: each thread's adds are performed before it reaches the barrier, so that the counter's release
+        # below (one thread) covers the whole tile's partial sums
+        tl.atomic_add(ws_ptrs, acc, mask=mn_ok, sem="acq_rel")
+        tl.debug_barrier()
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(CNT + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last program of this tile
             zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             total = tl.atomic_add(ws_ptrs, zero, mask=mn_ok)  # read at the point of coherence (not a stale L1)
+            total = tl.where(mn_ok, total, 0.0)  # masked lanes of an atomic return nothing defined
             tl.store(ws_ptrs, zero, mask=mn_ok)  # left zeroed: every other program of the tile is done with it
             tl.atomic_xchg(CNT + tile, 0)
-            _epilogue(total, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM)
+            _epilogue(total, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON)
 
 
 @triton.jit
-def _epilogue(acc, BIAS, RES, OUT, KC, VC, POS, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
+def _epilogue(acc, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
               N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
               HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr,
-              HEAD_DIM: tl.constexpr):
+              HEAD_DIM: tl.constexpr, STATS_OUT_ON: tl.constexpr):
     """bias, GELU, residual, store (or the q / k-cache / v-cache split) of one (BLOCK_M, BLOCK_N) fp32 tile."""
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -141,6 +158,10 @@ def _epilogue(acc, BIAS, RES, OUT, KC, VC, POS, offs_m, offs_n, m_ok, n_ok, stri
         tl.store(VC + row + col[None, :], y, mask=mn_ok & (offs_n >= N_Q + N_KV)[None, :])
     else:
         tl.store(out_ptrs, y, mask=mn_ok)
+    if STATS_OUT_ON:  # this tile's share of the next LayerNorm's row sums, from the values as stored
+        ys = tl.where(mn_ok, y.to(tl.float32), 0.0)
+        tl.atomic_add(STATS_OUT + offs_m * 2, tl.sum(ys, 1), mask=m_ok, sem="relaxed")
+        tl.atomic_add(STATS_OUT + offs_m * 2 + 1, tl.sum(ys * ys, 1), mask=m_ok, sem="relaxed")
 
 
 _forced: tuple | None = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for every launch
@@ -234,7 +255,16 @@ def _check(x, weight, bias, ln, residual, caches) -> None:
         raise ValueError("ln_linear is inference-only (no backward): call it under torch.no_grad()")
 
 
-def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None):
+def _check_stats(x, ln_stats, stats_out, ln) -> None:
+    for name, t in (("ln_stats", ln_stats), ("stats_out", stats_out)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != x.device
+                              or tuple(t.shape) != (x.shape[0], 2) or t.stride() != (2, 1)):
+            raise ValueError(f"ln_linear: {name} must be a contiguous float32 ({x.shape[0]}, 2) tensor on {x.device}")
+    if ln_stats is not None and ln is None:
+        raise ValueError("ln_linear: ln_stats given without a LayerNorm (ln=None)")
+
+
+def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None):
     M, K = x.shape
     N = weight.shape[0]
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
@@ -252,7 +282,8 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None):
             ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos)
     scalars = (M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
             out.stride(0), float(eps), n_q, n_kv, *cache_strides, stride_pos)
-    flags = dict(HAS_LN=ln is not None, LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
+    flags = dict(HAS_LN=ln is not None, LN_STATS_IN=ln_stats is not None, STATS_OUT_ON=stats_out is not None,
+                 LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M)
     row_blocks = triton.cdiv(M, BLOCK_M)
@@ -260,20 +291,25 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None):
     ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, N) if split > 1 else (out, out)
     grid = (triton.cdiv(N, block_n), row_blocks, split)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _ln_linear_kernel[grid](*args, ws, cnt, *scalars, **flags, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        _ln_linear_kernel[grid](*args, ws, cnt, ln_stats if ln_stats is not None else ws,
+                                stats_out if stats_out is not None else ws, *scalars, **flags, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
                                 num_warps=warps, num_stages=stages)
     return out
 
 
 def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
               ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, ln_stats: torch.Tensor | None = None,
+              stats_out: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K), weight (N, K) → act(LN(x) @ weightᵀ + bias) + residual, (M, N) in x's dtype.
 
     ln: (weight (K,), bias (K,) or None, eps) of a LayerNorm applied to x first, or None. out: an optional
     (M, N) buffer for the result (unit stride along N; it must not overlap x).
+    ln_stats: (M, 2) float32 row sums (Σx, Σx²) of x, used by the LayerNorm instead of a pass over x.
+    stats_out: (M, 2) float32, zeros: receives the row sums (Σy, Σy²) of the result, for the next LayerNorm.
     """
     _check(x, weight, bias, ln, residual, ())
+    _check_stats(x, ln_stats, stats_out, ln)
     shape = (x.shape[0], weight.shape[0])
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -281,18 +317,20 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
           or out.device != x.device or out.stride(1) != 1):
         raise ValueError(f"ln_linear: out must be a {x.dtype} tensor of shape {shape} on {x.device} with unit "
                          "stride along N")
-    return _launch(x, weight, bias, ln, residual, out, gelu)
+    return _launch(x, weight, bias, ln, residual, out, gelu, ln_stats=ln_stats, stats_out=stats_out)
 
 
 def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ln: tuple | None,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int,
+                    ln_stats: torch.Tensor | None = None) -> torch.Tensor:
     """The attention input projection of one decode token per row, its keys and values written to the cache.
 
     x (B, K); weight (n_q + 2·Hkv·D, K) (queries, then keys, then values, as the model's c_attn); caches
     (B', Hkv, max_len, D) with B' >= B; pos (B,) int the position of row b's token. Returns q (B, n_q).
-    Positions are not range-checked here (the caller's KV cache owns them).
+    Positions are not range-checked here (the caller's KV cache owns them). ln_stats: as for ln_linear.
     """
     _check(x, weight, bias, ln, None, (k_cache, v_cache))
+    _check_stats(x, ln_stats, None, ln)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("ln_qkv_to_cache: k_cache and v_cache must be (B, Hkv, max_len, D) with equal strides")
     n_kv = k_cache.shape[1] * k_cache.shape[3]
@@ -302,7 +340,62 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if pos.dim() != 1 or pos.shape[0] != x.shape[0] or pos.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},)")
     q = torch.empty(x.shape[0], n_q, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q))
+    return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats)
 
 
-__all__ = ["ln_linear", "ln_qkv_to_cache"]
+@triton.jit
+def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_pos, stride_wte, stride_wpe,
+                  stride_slot, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """grid = (B,): x[b] = wte[tok[b]] + wpe[pos[b]] (rounded as eager), its (Σx, Σx²) into STATS[0, b], and
+    STATS[1:, b] zeroed for the producers of the later LayerNorms' statistics."""
+    b = tl.program_id(0)
+    t = tl.load(TOK + b * stride_tok).to(tl.int64)
+    p = tl.load(POS + b * stride_pos).to(tl.int64)
+    s1 = tl.zeros([BLOCK_C], tl.float32)
+    s2 = tl.zeros([BLOCK_C], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs = c0 + tl.arange(0, BLOCK_C)
+        ok = offs < C
+        e = tl.load(WTE + t * stride_wte + offs, mask=ok, other=0.0)
+        x = (e.to(tl.float32) + tl.load(WPE + p * stride_wpe + offs, mask=ok, other=0.0).to(tl.float32)).to(e.dtype)
+        tl.store(X + b.to(tl.int64) * C + offs, x, mask=ok)
+        s1 += x.to(tl.float32)
+        s2 += x.to(tl.float32) * x.to(tl.float32)
+    tl.store(STATS + b * 2, tl.sum(s1, 0))
+    tl.store(STATS + b * 2 + 1, tl.sum(s2, 0))
+    slots = 1 + tl.arange(0, BLOCK_S)
+    zero = tl.zeros([BLOCK_S], tl.float32)
+    tl.store(STATS + slots * stride_slot + b * 2, zero, mask=slots < n_slots)
+    tl.store(STATS + slots * stride_slot + b * 2 + 1, zero, mask=slots < n_slots)
+
+
+def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
+                     stats: torch.Tensor) -> torch.Tensor:
+    """tok, pos (B,) int → x (B, C) = wte[tok] + wpe[pos] in one launch.
+
+    stats (S, B, 2) float32: slot 0 receives x's row sums (Σx, Σx²) for the first LayerNorm; slots 1..S-1 are
+    zeroed, ready for the ln_linear(stats_out=...) calls of the same step. Token ids and positions are not
+    range-checked here (the caller's embedding tables and cache own them).
+    """
+    for name, t in (("tok", tok), ("pos", pos)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"embed_with_stats: {name} must be a 1-d int tensor")
+    B, C = tok.shape[0], wte.shape[1]
+    if (pos.shape[0] != B or wpe.shape[1] != C or wte.dtype != wpe.dtype or wte.stride(1) != 1
+            or wpe.stride(1) != 1 or wte.dtype not in DTYPES):
+        raise ValueError("embed_with_stats: tok and pos of one length, wte and wpe (rows, C) of one float dtype "
+                         "with unit stride along C")
+    if (stats.dtype != torch.float32 or stats.dim() != 3 or stats.shape[1:] != (B, 2)
+            or stats.stride()[1:] != (2, 1) or stats.shape[0] < 1):
+        raise ValueError(f"embed_with_stats: stats must be float32 (S, {B}, 2), contiguous in its last two dims")
+    if len({t.device for t in (tok, pos, wte, wpe, stats)}) != 1:
+        raise ValueError("embed_with_stats: all tensors must be on one device")
+    x = torch.empty(B, C, dtype=wte.dtype, device=wte.device)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _embed_kernel[(B,)](tok, pos, wte, wpe, x, stats, C, stats.shape[0], tok.stride(0), pos.stride(0),
+                            wte.stride(0), wpe.stride(0), stats.stride(0), BLOCK_C=min(1024, triton.next_power_of_2(C)),
+                            BLOCK_S=triton.next_power_of_2(max(stats.shape[0], 2)), num_warps=4)
+    return x
+
+
+__all__ = ["ln_linear", "ln_qkv_to_cache", "embed_with_stats"]

@@ -2,8 +2,8 @@
 
     logits = fused_decode_step(model, tok, pos)   # same contract as sampling.decode_one_token
 
-It wraps a GPT from outside (reads its weights and its attached KV caches; changes nothing else) and runs
-each layer as four fused Triton launches plus the split-KV decode attention:
+It wraps a GPT from outside (reads its weights and its attached KV caches; changes nothing else). One launch
+embeds the tokens; then each layer is four fused Triton launches plus the split-KV decode attention:
 
     q, k→cache, v→cache = LN₁(x) W_attnᵀ + b           kernels.ln_linear.ln_qkv_to_cache
     y = decode_attention(q, cache)                       kernels.decode (split-KV; 1 or 2 launches)
@@ -16,14 +16,16 @@ of the ~16 of the eager model (layer norms, GEMVs, bias adds, cache scatters, GE
 what bounds a small model's decode speed (bench/NOTES.md). Rounding follows the eager model in its dtype, so the logits agree
 to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA graph
 (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
-Positions are not range-checked here: the caller keeps them inside the cache (generate() sizes it).
+Each LayerNorm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so
+no kernel waits on a pass over the residual stream before streaming its weights. Positions and token ids are
+not range-checked here: the caller keeps them inside the cache and the vocabulary (generate() does).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.decode import decode_attention
-from kernels.ln_linear import DTYPES, ln_linear, ln_qkv_to_cache
+from kernels.ln_linear import DTYPES, embed_with_stats, ln_linear, ln_qkv_to_cache
 
 
 def _ln(norm) -> tuple:
@@ -69,18 +71,25 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     """
     B = tok.shape[0]
     tr = model.transformer
+    n_layer = len(tr.h)
     p = pos[:, 0]                                               # (B,) positions of the new tokens
     lens = p + 1                                                # (B,) valid cache lengths after this step
-    x = tr.wte(tok[:, 0]) + tr.wpe(p)                           # (B, C) residual stream
-    for block in tr.h:
+    # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's LN₁ / LN₂, written by the kernel that
+    # produces that residual stream (the embedding, then each residual add), so no LayerNorm re-reads x for them
+    stats = torch.empty(2 * n_layer, B, 2, dtype=torch.float32, device=tok.device)
+    x = embed_with_stats(tok[:, 0], p, tr.wte.weight, tr.wpe.weight, stats)  # (B, C); stats[0] set, rest zeroed
+    for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
         q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, _ln(block.ln_1), cache.k, cache.v, p,
-                            attn.n_head * attn.head_dim)        # (B, Hq·D); k, v now in the cache
+                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i])  # (B, Hq·D); k, v in the cache
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
                              check_lens=False)                  # (B, Hq, 1, D)
-        x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x)  # (B, C)
-        h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=_ln(block.ln_2), gelu=True)  # (B, 4C)
-        x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)                 # (B, C)
+        x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
+                      stats_out=stats[2 * i + 1])               # (B, C)
+        h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=_ln(block.ln_2), gelu=True,
+                      ln_stats=stats[2 * i + 1])                # (B, 4C)
+        x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x,
+                      stats_out=stats[2 * i + 2] if i + 1 < n_layer else None)  # (B, C)
     # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than
     # the fused kernel (bench/results/ln_linear_sweep.md: 25 µs with the LayerNorm vs 33 µs on the H200).
     return model.lm_head(tr.ln_f(x)).float()                                             # (B, V)

@@ -84,29 +84,54 @@ class DecodeGraph:
     """A decode step captured once in a CUDA graph and replayed: one launch per step instead of hundreds.
 
     Build it right after `model.setup_kv_cache` and BEFORE prefill: the warm-up runs before the capture are
-    real decode steps (token 0 at position 0) that write position 0 of the cache, which prefill then
-    overwrites. (Built after prefill, they would corrupt the first prompt token's keys and values.)
-    `step` is decode_one_token, or a torch.compile'd version of it.
+    real decode steps (token 0 at positions 0 and 1) that write those cache positions, which prefill or the
+    first decode steps overwrite before anything reads them. (Built after prefill, they would corrupt the
+    first prompt tokens' keys and values.) `step` is decode_one_token, or a torch.compile'd or fused version.
+
+    greedy=True also captures the argmax and feeds it back: each replay reads the static (tok, pos), writes
+    the next tokens into tok and advances pos, so that a greedy loop is `prime(tok, pos)` once and then one
+    `advance()` per step, with no copies or sampling kernels outside the graph.
     """
 
-    def __init__(self, model, batch: int, device, step=decode_one_token):
+    def __init__(self, model, batch: int, device, step=decode_one_token, greedy: bool = False):
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) static input
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) static input
+        self.greedy = greedy
+
+        def body():
+            out = step(model, self.tok, self.pos)  # (B, V)
+            if greedy:
+                self.tok.copy_(out.argmax(dim=-1, keepdim=True))  # the next tokens become the next inputs
+                self.pos.add_(1)
+            return out
+
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm up (triton autotune, compilation, cuBLAS handles) outside capture
+        with torch.cuda.stream(stream):  # warm up (triton compilation, cuBLAS handles) outside capture
             for _ in range(2):
-                step(model, self.tok, self.pos)
+                body()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = step(model, self.tok, self.pos)  # (B, V) static output, rewritten by each replay
+            self.out = body()  # (B, V) static output, rewritten by each replay
 
     def __call__(self, model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One step from (tok, pos) → logits (B, V) (a static buffer: read it before the next replay)."""
         self.tok.copy_(tok)
         self.pos.copy_(pos)
         self.graph.replay()
         return self.out
+
+    def prime(self, tok: torch.Tensor, pos: torch.Tensor) -> None:
+        """greedy: set the first inputs, tok (B, 1) and pos (B, 1)."""
+        self.tok.copy_(tok)
+        self.pos.copy_(pos)
+
+    def advance(self) -> torch.Tensor:
+        """greedy: one step → the next tokens (B,), a view of the static input (copy it before the next one)."""
+        assert self.greedy, "advance() needs DecodeGraph(..., greedy=True)"
+        self.graph.replay()
+        return self.tok[:, 0]
 
 
 @dataclass
@@ -198,8 +223,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
         stats.decode_path = "fused" if use_fused else "model"
         step_fn = fused_decode_step if use_fused else decode_one_token
         step_fn = torch.compile(step_fn, dynamic=False) if compile else step_fn
-        if cuda_graph:
-            step_fn = DecodeGraph(model, B, device, step_fn)  # before prefill: see DecodeGraph
+        in_graph_argmax = cuda_graph and params.temperature == 0
+        if cuda_graph:  # before prefill: see DecodeGraph
+            step_fn = DecodeGraph(model, B, device, step_fn, greedy=in_graph_argmax)
         _sync(device)
         t0 = time.perf_counter()
         stats.setup_seconds = t0 - t_setup
@@ -214,6 +240,17 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
         done = [False] * B
         out: list[list[int]] = [[] for _ in range(B)]
         pos = lengths[:, None].clone()  # (B, 1): where each sequence's next token goes
+        if in_graph_argmax:
+            step_fn.prime(tok[:, None], pos)
+
+        def next_tokens() -> torch.Tensor:  # queue one decode step → its tokens (B,) on the device
+            nonlocal tok, pos
+            if in_graph_argmax:
+                return step_fn.advance()  # the graph feeds itself: no sampling or copies out here
+            tok = sample(step_fn(model, tok[:, None], pos), params, generator)  # (B,)
+            pos = pos + 1
+            return tok
+
         pending = collections.deque()  # host fetches of the queued steps' tokens, oldest first
         launched = 0                     # decode steps queued so far (at most max_new_tokens - 1)
         for step in range(params.max_new_tokens):
@@ -221,11 +258,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
             # step feeds the next on the device, so the GPU never waits for the host's streaming and stop
             # checks (after the last stop, at most LOOKAHEAD wasted steps).
             while launched < params.max_new_tokens - 1 and len(pending) < LOOKAHEAD and not all(done):
-                tok = sample(step_fn(model, tok[:, None], pos), params, generator)  # (B,)
-                pos = pos + 1
                 launched += 1
                 stats.decode_steps += 1
-                pending.append(_start_host_copy(tok))
+                pending.append(_start_host_copy(next_tokens()))
             for b in range(B):
                 if not done[b]:
                     if tokens[b] == params.stop_token:

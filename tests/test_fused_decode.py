@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.ln_linear import forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
+from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
 from model.sampling import decode_one_token, prefill  # noqa: E402
@@ -131,6 +131,48 @@ def test_qkv_goes_to_the_cache_at_each_position(Hq, Hkv, D, dtype):
     assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
 
 
+def row_sums(t: torch.Tensor) -> torch.Tensor:
+    """(M, K) → (M, 2) float32 (Σt, Σt²) computed in float64."""
+    t = t.double()
+    return torch.stack([t.sum(1), (t * t).sum(1)], dim=1).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("split", [1, 4])
+@torch.no_grad()
+def test_layer_norm_statistics_handed_between_kernels(dtype, split):
+    """stats_out of a residual-add kernel = the row sums of what it stored; ln_stats = computing them in place."""
+    M, C = 5, 300
+    x, w, b, _, r = make(M, C, C, dtype, seed=11 + split, ln=False, res=True)
+    stats = torch.full((M, 2), float("nan"), device=DEVICE)
+    stats.zero_()
+    with forced_config((16, 64, 4, 1, split)):
+        y = ln_linear(x, w, b, residual=r, stats_out=stats)  # (M, C): the next residual stream
+    torch.testing.assert_close(stats, row_sums(y), rtol=1e-5, atol=1e-3)
+    _, w2, b2, lnp, _ = make(M, 64, C, dtype, seed=12)
+    with_stats = ln_linear(y, w2, b2, ln=lnp, ln_stats=stats)
+    in_place = ln_linear(y, w2, b2, ln=lnp)
+    check_close(with_stats, y, w2, b2, lnp, False, None)
+    torch.testing.assert_close(with_stats, in_place, rtol=1e-2, atol=FLOOR[dtype] * 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.no_grad()
+def test_embedding_kernel(dtype):
+    B, C, V, T, S = 4, 200, 50, 30, 5
+    wte = torch.randn(V, C).to(DEVICE, dtype)
+    wpe = torch.randn(T, C).to(DEVICE, dtype)
+    tok = torch.tensor([0, 49, 7, 7], device=DEVICE)
+    pos = torch.tensor([29, 0, 3, 3], device=DEVICE)
+    stats = torch.full((S, B, 2), float("nan"), device=DEVICE)
+    x = embed_with_stats(tok, pos, wte, wpe, stats)
+    torch.testing.assert_close(x, wte[tok] + wpe[pos], rtol=0, atol=0)  # the eager sum, rounded the same way
+    torch.testing.assert_close(stats[0], row_sums(x), rtol=1e-5, atol=1e-3)
+    assert (stats[1:] == 0).all(), "the later slots must be zeroed for the producers of the next statistics"
+    with pytest.raises(ValueError, match="stats must be float32"):
+        embed_with_stats(tok, pos, wte, wpe, torch.zeros(S, B, 3, device=DEVICE))
+
+
 def test_bad_input_raises_value_error():
     x = torch.randn(2, 8, device=DEVICE)
     w = torch.randn(5, 8, device=DEVICE)
@@ -146,6 +188,10 @@ def test_bad_input_raises_value_error():
         ln_linear(x, w, residual=torch.zeros(2, 4, device=DEVICE))
     with pytest.raises(ValueError, match="inference-only"):
         ln_linear(x, w.requires_grad_())
+    with pytest.raises(ValueError, match="ln_stats given without a LayerNorm"):
+        ln_linear(x, w.detach(), ln_stats=torch.zeros(2, 2, device=DEVICE))
+    with pytest.raises(ValueError, match="stats_out must be a contiguous float32"):
+        ln_linear(x, w.detach(), stats_out=torch.zeros(2, 3, device=DEVICE))
     with pytest.raises(ValueError, match="weight rows"):
         ln_qkv_to_cache(x, torch.randn(12, 8, device=DEVICE), None, None, torch.zeros(2, 1, 4, 2, device=DEVICE),
                         torch.zeros(2, 1, 4, 2, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE), 4)

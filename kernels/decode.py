@@ -47,7 +47,10 @@ MAX_NQ = 16           # new tokens per call
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
-MIN_KEYS_PER_SPLIT = 256  # the auto heuristic never cuts the static cache finer than this
+# The auto heuristic never cuts the static cache finer than this (FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT overrides it,
+# for benchmarks: bench/NOTES.md).
+MIN_KEYS_PER_SPLIT = int(os.environ.get("FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "256"))
+SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 
@@ -178,6 +181,8 @@ def auto_num_splits(n_programs: int, max_len: int, device: torch.device) -> int:
     Depends only on shapes (no GPU sync), so it is safe inside CUDA graphs.
     """
     want = triton.cdiv(4 * _sm_count(device), n_programs)
+    if max_len <= SINGLE_SPLIT_MAX_LEN:
+        return 1  # a short cache: the merge launch costs more than the split saves (bench/NOTES.md)
     useful = triton.cdiv(max_len, MIN_KEYS_PER_SPLIT)
     return max(1, min(want, useful, MAX_SPLITS))
 

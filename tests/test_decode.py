@@ -141,6 +141,7 @@ def test_auto_num_splits_heuristic():
     assert auto_num_splits(1, 100, cpu) == 1               # short cache: nothing to split
     assert 1 < auto_num_splits(1, 32768, cpu) <= MAX_SPLITS
     assert auto_num_splits(1, 1024, cpu) <= 4              # never finer than 256 keys of max_len
+    assert auto_num_splits(1, 512, cpu) == 1               # a short cache runs unsplit (no merge launch)
 
 
 def _good():

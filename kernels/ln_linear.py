@@ -39,8 +39,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size rows
 
 
-
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (kernels then run on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
@@ -58,7 +58,7 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
 
     SPLIT_K > 1 (split-K, for few output tiles over a long K): each program adds its partial sums into the fp32
     workspace WS (rows x N, zeros) with atomics and counts itself in CNT[tile]; the last one of a tile reads
-    the sums, zeroes the workspace tile and the counter again (for the next call) and runs the epilogue. The LayerNorm statistics are computed over the whole row by every program.
+    the sums, zeroes the workspace tile and the counter again (for the next call) and runs the epilogue.
 
     LN_STATS_IN: the LayerNorm's row sums (Σx, Σx²) come from STATS_IN (M, 2) instead of a pass over x.
     STATS_OUT_ON: the epilogue adds its stored outputs' (Σy, Σy²) per row into STATS_OUT (M, 2) (zeros before the
@@ -196,7 +196,6 @@ def pick_config(M: int, N: int, K: int, device: torch.device) -> tuple:
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
     if K >= 2048 and tiles < _sm_count(device):  # a long reduction over few tiles: split K
         block_n, block_k, split = 32, 128, 1
-        tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
         while split < 8 and K // (2 * split) >= 3 * block_k:
             split *= 2
         return block_n, block_k, 4, 3, split
@@ -249,7 +248,7 @@ def _check(x, weight, bias, ln, residual, caches) -> None:
         raise ValueError(f"ln_linear: LayerNorm weight/bias must have shape ({K},)")
     if residual is not None and (tuple(residual.shape) != (x.shape[0], N) or residual.stride(1) != 1):
         raise ValueError(f"ln_linear: residual must be ({x.shape[0]}, {N}) with unit stride along N")
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpreting()):
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
         raise ValueError(f"ln_linear runs on CUDA (CPU only under TRITON_INTERPRET=1), got {x.device}")
     if torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors):
         raise ValueError("ln_linear is inference-only (no backward): call it under torch.no_grad()")
@@ -292,8 +291,8 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
     grid = (triton.cdiv(N, block_n), row_blocks, split)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         _ln_linear_kernel[grid](*args, ws, cnt, ln_stats if ln_stats is not None else ws,
-                                stats_out if stats_out is not None else ws, *scalars, **flags, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-                                num_warps=warps, num_stages=stages)
+                                stats_out if stats_out is not None else ws, *scalars, **flags, BLOCK_N=block_n,
+                                BLOCK_K=block_k, SPLIT_K=split, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -337,8 +336,9 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if weight.shape[0] != n_q + 2 * n_kv or k_cache.shape[0] < x.shape[0]:
         raise ValueError(f"ln_qkv_to_cache: weight rows {weight.shape[0]} != n_q {n_q} + 2 x {n_kv}, or the "
                          f"cache batch {k_cache.shape[0]} < {x.shape[0]} rows")
-    if pos.dim() != 1 or pos.shape[0] != x.shape[0] or pos.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},)")
+    if (not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.shape[0] != x.shape[0]
+            or pos.dtype not in (torch.int32, torch.int64) or pos.device != x.device):
+        raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},) on {x.device}")
     q = torch.empty(x.shape[0], n_q, dtype=x.dtype, device=x.device)
     return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.decode import decode_attention
-from kernels.ln_linear import DTYPES, embed_with_stats, ln_linear, ln_qkv_to_cache
+from kernels.ln_linear import DTYPES, embed_with_stats, interpreting, ln_linear, ln_qkv_to_cache
 
 
 def _ln(norm) -> tuple:
@@ -35,7 +35,7 @@ def _ln(norm) -> tuple:
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
     w = model.lm_head.weight
-    if w.device.type != "cuda" and not (w.device.type == "cpu" and _interpreting()):
+    if w.device.type != "cuda" and not (w.device.type == "cpu" and interpreting()):
         return f"the model is on {w.device} (the fused step runs on CUDA)"
     if w.dtype not in DTYPES:
         return f"weights of dtype {w.dtype}"
@@ -56,11 +56,6 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
 
 def supported(model, check_cache: bool = True) -> bool:
     return unsupported_reason(model, check_cache) is None
-
-
-def _interpreting() -> bool:
-    from kernels.ln_linear import _interpreting as interpreting
-    return interpreting()
 
 
 @torch.no_grad()

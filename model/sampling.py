@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
+
 from .fused_decode import fused_decode_step, supported, unsupported_reason
 
 
@@ -84,8 +86,8 @@ class DecodeGraph:
     """A decode step captured once in a CUDA graph and replayed: one launch per step instead of hundreds.
 
     Build it right after `model.setup_kv_cache` and BEFORE prefill: the warm-up runs before the capture are
-    real decode steps (token 0 at positions 0 and 1) that write those cache positions, which prefill or the
-    first decode steps overwrite before anything reads them. (Built after prefill, they would corrupt the
+    real decode steps (token 0 at position 0, and 1 when greedy) that write those cache positions, which
+    prefill or the first decode steps overwrite before anything reads them. (Built after prefill, they would corrupt the
     first prompt tokens' keys and values.) `step` is decode_one_token, or a torch.compile'd or fused version.
 
     greedy=True also captures the argmax and feeds it back: each replay reads the static (tok, pos), writes
@@ -160,7 +162,6 @@ def use_fused_decode(model, fused: bool | None, compile: bool, check_cache: bool
     """Whether the decode step runs through model/fused_decode.py (see generate's `fused`).
 
     check_cache=False answers before the KV cache is attached (the CLI asks first, to print the path)."""
-    import kernels
     device = model.lm_head.weight.device
     if fused is None:
         backends = {kernels.resolve_backend(b.attn.backend, device) for b in model.transformer.h}

@@ -14,6 +14,7 @@ Writes profile_gpu.txt (profile_train.txt for --only train) into --out (default 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
 import pathlib
@@ -92,22 +93,11 @@ def profile_attention(out: io.StringIO) -> None:
 
 
 def profile_train(out: io.StringIO, backend: str) -> None:
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
-                    attention=backend)
-    model = GPT(cfg).cuda()
-    opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
-    compiled = torch.compile(model)
-    x, y = (torch.randint(0, 50304, (16, 1024), device="cuda") for _ in range(2))
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = compiled(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    # bench/train.py's model, batch and optimizer step (loaded by path: the root's train.py has the same name)
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    bench_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_train)
+    _, step = bench_train.make_train_step(backend, compiled=True, batch=16, block=1024)
     for _ in range(4):
         step()
     torch.cuda.synchronize()

@@ -30,7 +30,8 @@ from model import GPT, GPTConfig  # noqa: E402
 PEAK = 989e12
 
 
-def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int) -> dict:
+def make_train_step(attention: str, compiled: bool, batch: int, block: int):
+    """The benchmark's GPT-2 124M and one optimizer step on fixed random tokens → (model, step); step() → loss."""
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=block, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
                     attention=attention)
@@ -49,6 +50,11 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return model, step
+
+
+def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int) -> dict:
+    model, step = make_train_step(attention, compiled, batch, block)
     t0 = time.perf_counter()
     for _ in range(warmup):
         loss = step()

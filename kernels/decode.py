@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import interpreting, pdl_enabled
+
 MAX_NQ = 16           # new tokens per call
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
@@ -90,13 +92,20 @@ def _decode_split_kernel(
         stride_ob, stride_oh, stride_on, stride_od,
         qk_scale, H_KV,
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+        USE_GDC: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
+
+    USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
+    the previous one before reading anything (q, the cache and the lengths may all be its output).
 
     Row r of the GROUP * N_Q rows of a kv head is query head h_kv * GROUP + r // N_Q, new token r % N_Q.
     NUM_SPLITS > 1: writes O_PART (B*Hq*N_Q, NUM_SPLITS, HEAD_DIM) fp32 and LSE (B*Hq*N_Q, NUM_SPLITS) fp32.
     NUM_SPLITS == 1: writes the normalised result straight into OUT (B, Hq, N_Q, HEAD_DIM).
     """
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     b = (tl.program_id(1) // H_KV).to(tl.int64)
     h_kv = (tl.program_id(1) % H_KV).to(tl.int64)
@@ -187,10 +196,6 @@ def auto_num_splits(n_programs: int, max_len: int, device: torch.device) -> int:
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens) -> None:
     """Every ValueError the kernels could run into, raised before anything is launched."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_lens", cache_lens)):
@@ -222,7 +227,7 @@ def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens) -> None
     if not (q.device == k_cache.device == v_cache.device == cache_lens.device):
         raise ValueError(f"all inputs must be on one device, got q on {q.device}, k_cache on {k_cache.device}, "
                          f"v_cache on {v_cache.device}, cache_lens on {cache_lens.device}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         raise ValueError(f"decode_attention runs on CUDA (CPU only under TRITON_INTERPRET=1), got {q.device}")
     if cache_lens.dtype not in (torch.int32, torch.int64) or tuple(cache_lens.shape) != (B,):
         raise ValueError(f"cache_lens must be an int32/int64 tensor of shape ({B},), got {cache_lens.dtype} "
@@ -268,6 +273,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     # Three K/V tiles in flight, two when a tile row is wide (fp32 or D > 128) to stay within shared memory.
     launch = dict(num_warps=4 if BLOCK_D <= 128 else 8, num_stages=3 if BLOCK_D * q.element_size() <= 256 else 2)
+    pdl = pdl_enabled(q.device)
 
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
@@ -279,7 +285,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         scale * LOG2E, Hkv,
         N_Q=Nq, GROUP=group, HEAD_DIM=D, NUM_SPLITS=num_splits,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, **launch)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, USE_GDC=pdl,
+        **launch, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1:
         _decode_merge_kernel[(B * Hq * Nq,)](
             o_part, lse, out, Hq, *out.stride(),

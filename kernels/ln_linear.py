@@ -29,19 +29,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import interpreting, pdl_enabled
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size rows
 
 
-def interpreting() -> bool:
-    """Whether Triton's interpreter is on (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+@triton.jit
+def _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, dtype: tl.constexpr,
+            HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) activation tile at columns offs_k, LayerNorm'd and rounded to dtype if HAS_LN."""
+    xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+    if HAS_LN:
+        g = tl.load(LN_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        xn = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :]
+        if LN_HAS_BIAS:
+            xn += tl.load(LN_B + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        xk = xn.to(dtype)                                                       # eager rounds LN(x) here
+    return xk
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary serves every batch size
@@ -52,9 +62,15 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                       LN_HAS_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                      USE_GDC: tl.constexpr):
     """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): BLOCK_N output columns of BLOCK_M rows per program,
     over the program's share of K.
+
+    ONE_TILE: the share is at most BLOCK_K long, so the program loads its weights as one tile, first.
+    USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): the program signals the next kernel
+    at once, loads its weight tile (ONE_TILE), then waits for the previous kernel before it reads anything that
+    kernel may have written (x, statistics, residual, positions, workspace) or writes anything.
 
     SPLIT_K > 1 (split-K, for few output tiles over a long K): each program adds its partial sums into the fp32
     workspace WS (rows x N, zeros) with atomics and counts itself in CNT[tile]; the last one of a tile reads
@@ -74,7 +90,21 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
     n_ok = offs_n < N
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                      # (BLOCK_M, 1)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                      # (BLOCK_N, 1)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K                     # this program's share of K
+    k_lo = tl.program_id(2) * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
 
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start streaming its own weights
+    if ONE_TILE:  # weights first: with USE_GDC this load overlaps the end of the previous kernel
+        offs_k1 = k_lo + tl.arange(0, BLOCK_K)                                  # (BLOCK_K,)
+        k_ok1 = offs_k1 < k_hi
+        w1 = tl.load(w_rows + offs_k1[None, :], mask=n_ok[:, None] & k_ok1[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # the previous kernel is done and its writes are visible
+
+    mean = tl.zeros([BLOCK_M], tl.float32)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
     if HAS_LN:  # row statistics over all K, one pass: var = E[x²] - mean² in fp32
         if LN_STATS_IN:
             s1 = tl.load(STATS_IN + offs_m * 2, mask=m_ok, other=0.0)           # (BLOCK_M,)
@@ -91,22 +121,18 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
         mean = s1 / K                                                           # (BLOCK_M,)
         rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)       # (BLOCK_M,)
 
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K                     # this program's share of K
-    k_lo = tl.program_id(2) * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)                                     # (BLOCK_K,)
-        k_ok = offs_k < k_hi
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
-        xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        if HAS_LN:
-            g = tl.load(LN_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            xn = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :]
-            if LN_HAS_BIAS:
-                xn += tl.load(LN_B + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            xk = xn.to(w.dtype)                                                 # eager rounds LN(x) here
-        acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)          # (BLOCK_M, BLOCK_N)
+    if ONE_TILE:
+        xk = _x_tile(x_rows, LN_W, LN_B, offs_k1, k_ok1, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN, LN_HAS_BIAS)
+        acc = tl.dot(xk, tl.trans(w1), acc, input_precision=PRECISION)        # (BLOCK_M, BLOCK_N)
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)                                 # (BLOCK_K,)
+            k_ok = offs_k < k_hi
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+            xk = _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN,
+                         LN_HAS_BIAS)                                           # (BLOCK_M, BLOCK_K)
+            acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)      # (BLOCK_M, BLOCK_N)
 
     epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
            N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos)
@@ -183,15 +209,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def pick_config(M: int, N: int, K: int, device: torch.device) -> tuple:
+# Tiles under programmatic dependent launch (kernels/pdl.py), from the H200 sweep of whole decode steps
+# (bench/pdl_sweep.py): every program's share of K is one tile, loaded before the wait on the previous kernel.
+PDL_TILES = dict(preload=True, block_n=16, warps=4, split_block_k=512, split_block_n=32, max_one_tile_k=1024)
+
+
+def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False) -> tuple:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for one launch; shapes only, so graph-safe.
 
-    From the H200 sweep of the GPT-2 decode shapes (bench/results/ln_linear_sweep.md, batch 1 and 16): 16-column
-    tiles for N <= 1024, 32 above; split-K (32 x 128 tiles, up to 8 splits of >= 3 steps) only for a long K
-    over fewer tiles than SMs (the MLP's down projection: 5.0 µs instead of 5.9 without the split).
+    Without PDL, from the H200 sweep of the GPT-2 decode shapes (bench/results/ln_linear_sweep.md, batch 1 and
+    16): 16-column tiles for N <= 1024, 32 above; split-K (32 x 128 tiles, up to 8 splits of >= 3 steps) only
+    for a long K over fewer tiles than SMs (the MLP's down projection: 5.0 µs instead of 5.9 without the split).
+    With PDL (pdl=True): K up to PDL_TILES["max_one_tile_k"] in one tile per program; a longer K over fewer
+    tiles than SMs split into one-tile shares of split_block_k; otherwise (or with preload off) the non-PDL choice.
     """
     if _forced is not None:
         return _forced
+    if pdl and PDL_TILES["preload"]:
+        t = PDL_TILES
+        if K <= t["max_one_tile_k"]:
+            return t["block_n"], triton.next_power_of_2(K), t["warps"], 1, 1
+        tiles = triton.cdiv(N, t["split_block_n"]) * triton.cdiv(M, BLOCK_M)
+        if tiles < _sm_count(device):
+            return t["split_block_n"], t["split_block_k"], t["warps"], 1, triton.cdiv(K, t["split_block_k"])
     block_n = 16 if N <= 1024 else 32  # more, narrower tiles for the short outputs
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
     if K >= 2048 and tiles < _sm_count(device):  # a long reduction over few tiles: split K
@@ -286,13 +326,17 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M)
     row_blocks = triton.cdiv(M, BLOCK_M)
-    block_n, block_k, warps, stages, split = pick_config(M, N, K, x.device)
+    pdl = pdl_enabled(x.device)
+    block_n, block_k, warps, stages, split = pick_config(M, N, K, x.device, pdl)
     ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, N) if split > 1 else (out, out)
     grid = (triton.cdiv(N, block_n), row_blocks, split)
+    one_tile = triton.cdiv(K, split) <= block_k  # each program's share of K is a single tile
+    launch = dict(launch_pdl=True) if pdl else {}
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         _ln_linear_kernel[grid](*args, ws, cnt, ln_stats if ln_stats is not None else ws,
                                 stats_out if stats_out is not None else ws, *scalars, **flags, BLOCK_N=block_n,
-                                BLOCK_K=block_k, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                                BLOCK_K=block_k, SPLIT_K=split, ONE_TILE=one_tile, USE_GDC=pdl, num_warps=warps,
+                                num_stages=stages, **launch)
     return out
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from kernels.decode import decode_attention
-from kernels.ln_linear import DTYPES, embed_with_stats, interpreting, ln_linear, ln_qkv_to_cache
+from kernels.ln_linear import DTYPES, embed_with_stats, ln_linear, ln_qkv_to_cache
+from kernels.pdl import interpreting
 
 
 def _ln(norm) -> tuple:

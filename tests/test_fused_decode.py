@@ -13,12 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (triton decorates then)
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
-from model.sampling import decode_one_token, prefill  # noqa: E402
+from model.sampling import DecodeGraph, decode_one_token, prefill  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -85,7 +86,9 @@ def test_ln_linear_matches_reference(shape, variant, dtype, request):
     check_close(out, x, w, b, lnp, gelu, r)
 
 
-@pytest.mark.parametrize("cfg", [(16, 64, 4, 1, 3), (32, 128, 4, 2, 2), (16, 32, 2, 1, 8), (64, 64, 4, 2, 1)],
+# the last two: each program's share of K (300) is one tile, loaded whole before the activations (ONE_TILE)
+@pytest.mark.parametrize("cfg", [(16, 64, 4, 1, 3), (32, 128, 4, 2, 2), (16, 32, 2, 1, 8), (64, 64, 4, 2, 1),
+                                 (16, 512, 4, 1, 1), (32, 128, 4, 1, 3)],
                          ids=lambda c: "bn{}-bk{}-w{}-s{}-split{}".format(*c))
 @pytest.mark.parametrize("variant", ["ln", "residual", "ln-gelu"])
 @torch.no_grad()
@@ -107,6 +110,12 @@ def test_pick_config_splits_k_only_when_the_grid_is_small():
         bn, bk, _, _, split = pick_config(1, 768, 3072, device)   # the MLP's down projection: 48 tiles
         assert split >= 2 or 768 // bn >= (132 if device.type == "cuda" else 4)
         assert 3072 // split >= 3 * bk
+        # under programmatic dependent launch every program's share of K is one tile (on the H200's 132 SMs
+        # also the long K of the down projection, split; the CPU's token 4 "SMs" need no split there)
+        for M, N, K in [(1, 2304, 768), (16, 3072, 768), (1, 768, 3072), (16, 768, 3072)]:
+            bn, bk, _, _, split = pick_config(M, N, K, device, pdl=True)
+            if K <= 1024 or device.type == "cuda":
+                assert triton.cdiv(K, split) <= bk and (split > 1) == (K > 1024)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -239,6 +248,44 @@ def test_fused_step_equals_the_models_step(bias, n_kv_head, dtype):
                                            atol=atol, rtol=0.05)
                 torch.testing.assert_close(b.attn.kv_cache.v[bi, :, :p + 1], a.attn.kv_cache.v[bi, :, :p + 1],
                                            atol=atol, rtol=0.05)
+        tok = want.argmax(-1, keepdim=True)
+        pos = pos + 1
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs and programmatic dependent launch need a GPU")
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no-pdl"])
+@torch.no_grad()
+def test_fused_step_replayed_in_a_cuda_graph_at_gpt2_widths(pdl, monkeypatch):
+    """GPT-2's widths in bf16 (768, MLP 3072: the down projection splits K), the fused step captured in a CUDA
+    graph with and without programmatic dependent launch (FLASHGPT_PDL): every replay's logits and cache writes
+    match the model's own step. A kernel reading its input before the previous kernel finished writing it
+    (a broken wait) would read the last step's activations and fail this."""
+    monkeypatch.setenv("FLASHGPT_PDL", pdl)
+    torch.manual_seed(7)
+    model = GPT(GPTConfig(block_size=320, vocab_size=512, n_layer=3, n_head=12, n_embd=768,
+                          attention="naive")).to(DEVICE, torch.bfloat16).eval()
+    twin = copy.deepcopy(model)
+    B, max_len = 3, 320
+    lengths = torch.tensor([1, 77, 300], device=DEVICE)
+    idx = torch.randint(0, 512, (B, 300), device=DEVICE)
+    for m in (model, twin):
+        m.setup_kv_cache(B, max_len)
+    graph = DecodeGraph(twin, B, DEVICE, fused_decode_step)  # before prefill (its warm-up steps write position 0)
+    for m in (model, twin):
+        prefill(m, idx, lengths)
+    pos = lengths[:, None].clone()                                # (B, 1)
+    tok = torch.randint(0, 512, (B, 1), device=DEVICE)            # (B, 1)
+    for _ in range(6):
+        want = decode_one_token(model, tok, pos)                  # (B, V)
+        got = graph(twin, tok, pos).clone()
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+        for a, b in zip(model.transformer.h, twin.transformer.h):
+            for bi, p in enumerate(pos[:, 0].tolist()):
+                torch.testing.assert_close(b.attn.kv_cache.k[bi, :, p], a.attn.kv_cache.k[bi, :, p], atol=0.1,
+                                           rtol=0.05)
+                torch.testing.assert_close(b.attn.kv_cache.v[bi, :, p], a.attn.kv_cache.v[bi, :, p], atol=0.1,
+                                           rtol=0.05)
         tok = want.argmax(-1, keepdim=True)
         pos = pos + 1
 

@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel starts while the one before it finishes.
+
+A decode step is a chain of small kernels, each bound by its own start-up and memory latency rather than by
+bandwidth. With PDL a kernel is launched as soon as every program of the previous kernel has signalled
+(`gdc_launch_dependents`), so its programs can already stream the step's weights — which no kernel of the
+step writes — and only then block in `gdc_wait` until the previous kernel has finished and its writes are
+visible. CUDA-graph capture keeps these programmatic edges.
+
+The contract every kernel launched with `launch_pdl=True` here keeps: before its `gdc_wait` it reads only
+tensors that no kernel of the chain writes (weights, LayerNorm parameters) and writes nothing. Because each
+kernel waits for its predecessor, which waited for its own, a kernel's wait also covers every earlier kernel.
+
+    pdl_enabled(device) -> bool    CUDA, compute capability >= 9, not the interpreter, FLASHGPT_PDL != "0"
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_ok(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Launch with PDL on this device? FLASHGPT_PDL=0 turns it off (for benchmarks and bisecting)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("FLASHGPT_PDL", "1") == "0":
+        return False
+    return _capability_ok(device)

@@ -37,16 +37,25 @@ from model.fused_decode import fused_decode_step  # noqa: E402
 from model.sampling import DecodeGraph, SamplingParams, generate  # noqa: E402
 
 DEFAULT_TILES = dict(ln_linear.PDL_TILES)
-SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes)
+SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes); "bnX wY splitKxN wZ": one-tile launches of X columns
+    # with Y warps, the split-K down projection in shares of K columns, N wide, with Z warps
     "no-pdl": ("0", {}),
     "pdl-no-preload": ("1", dict(preload=False)),
-    "pdl bn16 w4 split512x32": ("1", dict(block_n=16, warps=4)),
-    "pdl bn16 w8 split512x32": ("1", dict(block_n=16, warps=8)),
-    "pdl bn32 w4 split512x32": ("1", dict(block_n=32, warps=4)),
-    "pdl bn32 w8 split512x32": ("1", dict(block_n=32, warps=8)),
-    "pdl bn16 w4 split256x32": ("1", dict(block_n=16, warps=4, split_block_k=256)),
-    "pdl bn16 w4 split512x16": ("1", dict(block_n=16, warps=4, split_block_n=16)),
-    "pdl bn16 w4 split1024x32": ("1", dict(block_n=16, warps=4, split_block_k=1024)),
+    "pdl bn16 w4 split512x32 w4": ("1", dict(block_n=16, warps=4, split_warps=4)),
+    "pdl bn16 w8 split512x32 w8": ("1", dict(block_n=16, warps=8, split_warps=8)),
+    "pdl bn32 w4 split512x32 w4": ("1", dict(block_n=32, warps=4, split_warps=4)),
+    "pdl bn32 w8 split512x32 w8": ("1", dict(block_n=32, warps=8, split_warps=8)),
+    "pdl bn16 w4 split256x32 w4": ("1", dict(block_n=16, warps=4, split_block_k=256, split_warps=4)),
+    "pdl bn16 w4 split512x16 w4": ("1", dict(block_n=16, warps=4, split_block_n=16, split_warps=4)),
+    "pdl bn16 w4 split1024x32 w4": ("1", dict(block_n=16, warps=4, split_block_k=1024, split_warps=4)),
+    # round 2, around the best of round 1 (bn32 w8 split512x32 w8)
+    "pdl bn32 w8 split512x16 w8": ("1", dict(block_n=32, warps=8, split_block_n=16)),
+    "pdl bn32 w8 split512x32 w4": ("1", dict(block_n=32, warps=8, split_warps=4)),
+    "pdl bn32 w8 split512x64 w8": ("1", dict(block_n=32, warps=8, split_block_n=64)),
+    "pdl bn32 w8 split1024x32 w8": ("1", dict(block_n=32, warps=8, split_block_k=1024)),
+    "pdl bn32 w16 split512x32 w8": ("1", dict(block_n=32, warps=16)),
+    "pdl bn64 w8 split512x32 w8": ("1", dict(block_n=64, warps=8)),
+    "pdl bn64 w16 split512x32 w8": ("1", dict(block_n=64, warps=16)),
 }
 
 

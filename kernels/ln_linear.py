@@ -211,7 +211,9 @@ def _sm_count(device: torch.device) -> int:
 
 # Tiles under programmatic dependent launch (kernels/pdl.py), from the H200 sweep of whole decode steps
 # (bench/pdl_sweep.py): every program's share of K is one tile, loaded before the wait on the previous kernel.
-PDL_TILES = dict(preload=True, block_n=16, warps=4, split_block_k=512, split_block_n=32, max_one_tile_k=1024)
+# Round 1 (bench/results/pdl/sweep1.md): 32 x K tiles with 8 warps, the down projection in 6 shares of 512.
+PDL_TILES = dict(preload=True, block_n=32, warps=8, split_block_k=512, split_block_n=32, split_warps=8,
+                 max_one_tile_k=1024)
 
 
 def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False) -> tuple:
@@ -222,6 +224,8 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False)
     for a long K over fewer tiles than SMs (the MLP's down projection: 5.0 µs instead of 5.9 without the split).
     With PDL (pdl=True): K up to PDL_TILES["max_one_tile_k"] in one tile per program; a longer K over fewer
     tiles than SMs split into one-tile shares of split_block_k; otherwise (or with preload off) the non-PDL choice.
+    With PDL a kernel's own time matters less than how it overlaps its neighbours, so PDL_TILES comes from
+    whole decode steps (bench/pdl_sweep.py).
     """
     if _forced is not None:
         return _forced
@@ -231,7 +235,7 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False)
             return t["block_n"], triton.next_power_of_2(K), t["warps"], 1, 1
         tiles = triton.cdiv(N, t["split_block_n"]) * triton.cdiv(M, BLOCK_M)
         if tiles < _sm_count(device):
-            return t["split_block_n"], t["split_block_k"], t["warps"], 1, triton.cdiv(K, t["split_block_k"])
+            return t["split_block_n"], t["split_block_k"], t["split_warps"], 1, triton.cdiv(K, t["split_block_k"])
     block_n = 16 if N <= 1024 else 32  # more, narrower tiles for the short outputs
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
     if K >= 2048 and tiles < _sm_count(device):  # a long reduction over few tiles: split K

@@ -16,7 +16,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   step gpu_tests "${PIPESTATUS[0]}"
 fi
 if [ "${SWEEP:-1}" != 0 ]; then
-  timeout -k 10 "${SWEEP_S:-240}" python3 bench/pdl_sweep.py --out "$OUT" ${SWEEP_ARGS:-} 2>&1 | grep -v '^{' | tail -30
+  timeout -k 10 "${SWEEP_S:-240}" python3 bench/pdl_sweep.py --out "$OUT" ${SWEEP_SETTINGS:+--settings "$SWEEP_SETTINGS"} 2>&1 | grep -v '^{' | tail -30
   step pdl_sweep "${PIPESTATUS[0]}"
 fi
 if [ "${GEN:-1}" != 0 ]; then

@@ -56,6 +56,14 @@ SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes); "bnX wY splitKxN wZ"
     "pdl bn32 w16 split512x32 w8": ("1", dict(block_n=32, warps=16)),
     "pdl bn64 w8 split512x32 w8": ("1", dict(block_n=64, warps=8)),
     "pdl bn64 w16 split512x32 w8": ("1", dict(block_n=64, warps=16)),
+    # round 3, wider down-projection tiles (round 2's trend: 16 < 32 < 64 columns)
+    "pdl bn32 w8 split512x64 w8": ("1", dict(block_n=32, warps=8, split_block_n=64)),
+    "pdl bn32 w8 split512x128 w8": ("1", dict(block_n=32, warps=8, split_block_n=128)),
+    "pdl bn32 w8 split256x64 w8": ("1", dict(block_n=32, warps=8, split_block_k=256, split_block_n=64)),
+    "pdl bn32 w8 split256x128 w8": ("1", dict(block_n=32, warps=8, split_block_k=256, split_block_n=128)),
+    "pdl bn32 w8 split512x64 w4": ("1", dict(block_n=32, warps=8, split_block_n=64, split_warps=4)),
+    "pdl bn64 w8 split512x64 w8": ("1", dict(block_n=64, warps=8, split_block_n=64)),
+    "pdl bn32 w8 split1024x64 w8": ("1", dict(block_n=32, warps=8, split_block_k=1024, split_block_n=64)),
 }
 
 

@@ -40,6 +40,7 @@ DEFAULT_TILES = dict(ln_linear.PDL_TILES)
 SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes); "bnX wY splitKxN wZ": one-tile launches of X columns
     # with Y warps, the split-K down projection in shares of K columns, N wide, with Z warps
     "no-pdl": ("0", {}),
+    "pdl default": ("1", {}),  # kernels.ln_linear.PDL_TILES as committed
     "pdl-no-preload": ("1", dict(preload=False)),
     "pdl bn16 w4 split512x32 w4": ("1", dict(block_n=16, warps=4, split_warps=4)),
     "pdl bn16 w8 split512x32 w8": ("1", dict(block_n=16, warps=8, split_warps=8)),
@@ -109,6 +110,8 @@ def main() -> int:
         os.environ["FLASHGPT_PDL"] = env
         ln_linear.PDL_TILES.clear()
         ln_linear.PDL_TILES.update(DEFAULT_TILES, **tiles)
+        if "block_n" in tiles:  # "bnX" settings: X columns at every batch size
+            ln_linear.PDL_TILES["block_n_few_rows"] = tiles["block_n"]
         for B in (1, 16):
             prompts = torch.randint(0, 50304, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
             try:

@@ -211,9 +211,13 @@ def _sm_count(device: torch.device) -> int:
 
 # Tiles under programmatic dependent launch (kernels/pdl.py), from the H200 sweep of whole decode steps
 # (bench/pdl_sweep.py): every program's share of K is one tile, loaded before the wait on the previous kernel.
-# Round 1 (bench/results/pdl/sweep1.md): 32 x K tiles with 8 warps, the down projection in 6 shares of 512.
-PDL_TILES = dict(preload=True, block_n=32, warps=8, split_block_k=512, split_block_n=32, split_warps=8,
-                 max_one_tile_k=1024)
+# bench/results/pdl/sweep{1,2,3}.md: one-tile launches 32 columns wide with 8 warps for up to PDL_FEW_ROWS rows
+# (batch 1: 3,293 tok/s against 3,194 with 64), 64 wide above (batch 16: 40,543 against 39,831 with 32); the down
+# projection in shares of 512 x 64 with 8 warps. Measured at batch 1 and 16 only: where between them the
+# 64-column tiles start to win is not measured.
+PDL_TILES = dict(preload=True, block_n_few_rows=32, block_n=64, warps=8, split_block_k=512, split_block_n=64,
+                 split_warps=8, max_one_tile_k=1024)
+PDL_FEW_ROWS = 4
 
 
 def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False) -> tuple:
@@ -232,7 +236,8 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False)
     if pdl and PDL_TILES["preload"]:
         t = PDL_TILES
         if K <= t["max_one_tile_k"]:
-            return t["block_n"], triton.next_power_of_2(K), t["warps"], 1, 1
+            block_n = t["block_n_few_rows"] if M <= PDL_FEW_ROWS else t["block_n"]
+            return block_n, triton.next_power_of_2(K), t["warps"], 1, 1
         tiles = triton.cdiv(N, t["split_block_n"]) * triton.cdiv(M, BLOCK_M)
         if tiles < _sm_count(device):
             return t["split_block_n"], t["split_block_k"], t["split_warps"], 1, triton.cdiv(K, t["split_block_k"])

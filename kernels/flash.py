@@ -39,11 +39,11 @@ registers tile by tile):
   causal mask the key blocks come in three kinds: fully visible ones (the unmasked loop), the blocks crossing
   the diagonal (a separate masked loop) and fully hidden ones (skipped: never loaded). The forward saves only O
   and the per-row log-sum-exp (base 2, scaled; +inf for rows that see no key).
-* backward: delta = rowsum(dO * O) (one small kernel); a dK/dV kernel with one program per (BLOCK_N keys,
-  batch, kv head) that loops over the query heads of its group and over the query blocks, recomputing
-  P = exp2(S * scale - lse) tile by tile (so GQA needs no atomics and the result is deterministic); a dQ kernel
-  with one program per (BLOCK_M queries, batch, query head) looping over the key blocks. Both skip hidden
-  causal blocks and mask only the diagonal ones.
+* backward: a dQ kernel with one program per (BLOCK_M queries, batch, query head) looping over the key blocks,
+  which also stores each row's delta = rowsum(dO * O) (computed from tiles it loads anyway); then a dK/dV
+  kernel with one program per (BLOCK_N keys, batch, kv head) that loops over the query heads of its group and
+  over the query blocks, recomputing P = exp2(S * scale - lse) tile by tile (so GQA needs no atomics and the
+  result is deterministic). Both skip hidden causal blocks and mask only the diagonal ones.
 
 Tile shapes: on a GPU each kernel is autotuned (``triton.autotune``) over a short list of configs per head dim
 and dtype, keyed on (head dim, causal, power-of-two buckets of Nq and Nk, dtypes). ``FLASHGPT_AUTOTUNE=0``
@@ -199,27 +199,6 @@ def _attn_fwd(Q, K, V, O, LSE,
 # ----------------------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["Hq", "Nq"])
-def _attn_bwd_delta(O, DO, DELTA,
-                    stride_ob, stride_oh, stride_om, stride_od,
-                    stride_dob, stride_doh, stride_dom, stride_dod,
-                    Hq, Nq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d] in fp32 (the softmax backward's row term)."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    bh = b * Hq + h
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
-    tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
-
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
@@ -379,16 +358,21 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
 
 
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_ob, stride_oh, stride_om, stride_od,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # grid: (cdiv(Nq, BLOCK_M), Hq, B), heaviest query blocks first under a causal mask (as the forward)
+    """dQ of BLOCK_M query rows, and the rows' delta = rowsum(O * dO) in fp32 (the softmax backward's row term),
+    computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
+    runs after this one (no separate delta pass over O and dO).
+
+    grid: (cdiv(Nq, BLOCK_M), Hq, B), heaviest query blocks first under a causal mask (as the forward)."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -407,8 +391,11 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
                  + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=qd_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
+    tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
-    delta = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -652,7 +639,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
 
 
 def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
-    """Launch the backward: delta, then dK/dV and dQ. Returns dq, dk, dv shaped like q, k, v."""
+    """Launch the backward: dQ (which also stores delta), then dK/dV. Returns dq, dk, dv shaped like q, k, v."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     BLOCK_D = _block_d(D)
@@ -661,16 +648,13 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     qk_scale = sm_scale * LOG2E
     with _device_guard(q):
-        delta_bm = 16 if INTERPRET else max(16, min(128, 8192 // BLOCK_D))
-        _attn_bwd_delta[(triton.cdiv(Nq, delta_bm), Hq, B)](
-            o, do, delta, *o.stride(), *do.stride(), Hq, Nq, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=delta_bm)
-        _launch("dkdv", Nk, Hkv, B, q.dtype,
+        _launch("dq", Nq, Hq, B, q.dtype,
+                (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
+                 _bucket(Nq), _bucket(Nk)), kwargs)
+        _launch("dkdv", Nk, Hkv, B, q.dtype,  # after dQ: reads its delta
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
-                 _bucket(Nq), _bucket(Nk)), kwargs)
-        _launch("dq", Nq, Hq, B, q.dtype,
-                (q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  _bucket(Nq), _bucket(Nk)), kwargs)
     return dq, dk, dv
 

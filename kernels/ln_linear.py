@@ -1,7 +1,7 @@
 """Fused LayerNorm → linear → bias → GELU / residual for a few rows: the matmuls of a decode step.
 
-    ln_linear(x, weight, bias=None, *, ln=None, gelu=False, residual=None, ln_stats=None, stats_out=None)
-    ln_qkv_to_cache(x, weight, bias, ln, k_cache, v_cache, pos, n_q) -> q (M, n_q)   [k, v go into the caches]
+    ln_linear(x, weight, bias=None, *, ln=None, gelu=False, residual=None, ln_stats=None, stats_out=None, pdl=False)
+    ln_qkv_to_cache(x, weight, bias, ln, k_cache, v_cache, pos, n_q, pdl=False) -> q (M, n_q)   [k, v into caches]
     embed_with_stats(tok, pos, wte, wpe, stats) -> x (M, C)                            [token + position embedding]
 
 At decode time every linear layer of a small GPT is a matrix-vector product: a few kilobytes of activations
@@ -312,7 +312,7 @@ def _check_stats(x, ln_stats, stats_out, ln) -> None:
         raise ValueError("ln_linear: ln_stats given without a LayerNorm (ln=None)")
 
 
-def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None):
+def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None, pdl=False):
     M, K = x.shape
     N = weight.shape[0]
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
@@ -335,7 +335,7 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M)
     row_blocks = triton.cdiv(M, BLOCK_M)
-    pdl = pdl_enabled(x.device)
+    pdl = bool(pdl) and pdl_enabled(x.device)
     block_n, block_k, warps, stages, split = pick_config(M, N, K, x.device, pdl)
     ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, N) if split > 1 else (out, out)
     grid = (triton.cdiv(N, block_n), row_blocks, split)
@@ -352,13 +352,16 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
 def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
               ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
               out: torch.Tensor | None = None, ln_stats: torch.Tensor | None = None,
-              stats_out: torch.Tensor | None = None) -> torch.Tensor:
+              stats_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x (M, K), weight (N, K) → act(LN(x) @ weightᵀ + bias) + residual, (M, N) in x's dtype.
 
     ln: (weight (K,), bias (K,) or None, eps) of a LayerNorm applied to x first, or None. out: an optional
     (M, N) buffer for the result (unit stride along N; it must not overlap x).
     ln_stats: (M, 2) float32 row sums (Σx, Σx²) of x, used by the LayerNorm instead of a pass over x.
     stats_out: (M, 2) float32, zeros: receives the row sums (Σy, Σy²) of the result, for the next LayerNorm.
+    pdl: launch with programmatic dependent launch where the device has it (kernels/pdl.py): the weights are
+    loaded while the previous kernel in the stream may still run, so the caller guarantees that no kernel
+    queued before this one writes weight (a decode step's chain: model/fused_decode.py). Off by default.
     """
     _check(x, weight, bias, ln, residual, ())
     _check_stats(x, ln_stats, stats_out, ln)
@@ -369,17 +372,17 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
           or out.device != x.device or out.stride(1) != 1):
         raise ValueError(f"ln_linear: out must be a {x.dtype} tensor of shape {shape} on {x.device} with unit "
                          "stride along N")
-    return _launch(x, weight, bias, ln, residual, out, gelu, ln_stats=ln_stats, stats_out=stats_out)
+    return _launch(x, weight, bias, ln, residual, out, gelu, ln_stats=ln_stats, stats_out=stats_out, pdl=pdl)
 
 
 def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ln: tuple | None,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int,
-                    ln_stats: torch.Tensor | None = None) -> torch.Tensor:
+                    ln_stats: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The attention input projection of one decode token per row, its keys and values written to the cache.
 
     x (B, K); weight (n_q + 2·Hkv·D, K) (queries, then keys, then values, as the model's c_attn); caches
     (B', Hkv, max_len, D) with B' >= B; pos (B,) int the position of row b's token. Returns q (B, n_q).
-    Positions are not range-checked here (the caller's KV cache owns them). ln_stats: as for ln_linear.
+    Positions are not range-checked here (the caller's KV cache owns them). ln_stats, pdl: as for ln_linear.
     """
     _check(x, weight, bias, ln, None, (k_cache, v_cache))
     _check_stats(x, ln_stats, None, ln)
@@ -393,7 +396,8 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             or pos.dtype not in (torch.int32, torch.int64) or pos.device != x.device):
         raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},) on {x.device}")
     q = torch.empty(x.shape[0], n_q, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats)
+    return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats,
+                   pdl=pdl)
 
 
 @triton.jit

@@ -6,9 +6,12 @@ bandwidth. With PDL a kernel is launched as soon as every program of the previou
 step writes — and only then block in `gdc_wait` until the previous kernel has finished and its writes are
 visible. CUDA-graph capture keeps these programmatic edges.
 
-The contract every kernel launched with `launch_pdl=True` here keeps: before its `gdc_wait` it reads only
-tensors that no kernel of the chain writes (weights, LayerNorm parameters) and writes nothing. Because each
-kernel waits for its predecessor, which waited for its own, a kernel's wait also covers every earlier kernel.
+The contract every kernel launched with `launch_pdl=True` here keeps: before its `gdc_wait` it writes nothing
+and reads only tensors that no kernel of the chain writes. The decode attention (kernels/decode.py) reads
+nothing before its wait, so it uses PDL wherever the device has it. The fused matmuls (kernels/ln_linear.py)
+read their weights before the wait, so they use it only when the caller says that no kernel queued before
+them writes those weights (`pdl=True`, as model/fused_decode.py does). Because each kernel waits for its
+predecessor, which waited for its own, a kernel's wait also covers every earlier kernel.
 
     pdl_enabled(device) -> bool    CUDA, compute capability >= 9, not the interpreter, FLASHGPT_PDL != "0"
 """

@@ -17,7 +17,9 @@ what bounds a small model's decode speed (bench/NOTES.md). Rounding follows the 
 to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA graph
 (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
 Each LayerNorm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so
-no kernel waits on a pass over the residual stream before streaming its weights. Positions and token ids are
+no kernel waits on a pass over the residual stream before streaming its weights. On Hopper the fused kernels
+are launched with programmatic dependent launch (pdl=True: nothing in this chain writes a weight), so each
+streams its weights while the kernel before it finishes (kernels/pdl.py). Positions and token ids are
 not range-checked here: the caller keeps them inside the cache and the vocabulary (generate() does).
 """
 from __future__ import annotations
@@ -77,15 +79,15 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
         q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, _ln(block.ln_1), cache.k, cache.v, p,
-                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i])  # (B, Hq·D); k, v in the cache
+                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True)  # (B, Hq·D); k, v in the cache
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
                              check_lens=False)                  # (B, Hq, 1, D)
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
-                      stats_out=stats[2 * i + 1])               # (B, C)
+                      stats_out=stats[2 * i + 1], pdl=True)     # (B, C)
         h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=_ln(block.ln_2), gelu=True,
-                      ln_stats=stats[2 * i + 1])                # (B, 4C)
+                      ln_stats=stats[2 * i + 1], pdl=True)      # (B, 4C)
         x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x,
-                      stats_out=stats[2 * i + 2] if i + 1 < n_layer else None)  # (B, C)
+                      stats_out=stats[2 * i + 2] if i + 1 < n_layer else None, pdl=True)  # (B, C)
     # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than
     # the fused kernel (bench/results/ln_linear_sweep.md: 25 µs with the LayerNorm vs 33 µs on the H200).
     return model.lm_head(tr.ln_f(x)).float()                                             # (B, V)

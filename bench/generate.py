@@ -66,8 +66,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-ARGS = parse_args()
-if ARGS.smoke:
+ARGS = parse_args() if __name__ == "__main__" else None  # imported (bench/pdl_sweep.py): its helpers only
+if ARGS is not None and ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 sys.path.insert(0, str(ROOT))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import statistics
@@ -33,8 +34,11 @@ import torch  # noqa: E402
 
 import kernels.ln_linear as ln_linear  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from model.fused_decode import fused_decode_step  # noqa: E402
-from model.sampling import DecodeGraph, SamplingParams, generate  # noqa: E402
+from model.sampling import SamplingParams, generate  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
+bench_generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_generate)  # for graph_replay_us: one bare replay of the captured decode step
 
 DEFAULT_TILES = dict(ln_linear.PDL_TILES)
 SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes); "bnX wY splitKxN wZ": one-tile launches of X columns
@@ -68,26 +72,6 @@ SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes); "bnX wY splitKxN wZ"
 }
 
 
-def replay_us(model, B: int, iters: int = 200) -> float:
-    """GPU time of one bare replay of the fused step's graph at cache length 256."""
-    device = model.lm_head.weight.device
-    model.setup_kv_cache(B, 384)
-    try:
-        graph = DecodeGraph(model, B, device, fused_decode_step)
-        graph(model, torch.randint(0, model.config.vocab_size, (B, 1), device=device), torch.full((B, 1), 255,
-                                                                                                   device=device))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(iters):
-            graph.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / iters
-    finally:
-        model.clear_kv_cache()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -119,7 +103,8 @@ def main() -> int:
                 runs = [generate(model, prompts, params, cuda_graph=True) for _ in range(args.reps)]
                 tok_s = statistics.median(r.decode_tokens_per_s for r in runs)
                 same = reference.setdefault(B, runs[-1].sequences) == runs[-1].sequences
-                row = dict(setting=name, batch=B, decode_tok_s=round(tok_s), replay_us=round(replay_us(model, B), 1),
+                replay = bench_generate.graph_replay_us(model, B, max_len=384, pos=255, compile_step=False, fused=True)
+                row = dict(setting=name, batch=B, decode_tok_s=round(tok_s), replay_us=round(replay, 1),
                            tokens_equal_first_setting=same)
             except Exception as e:  # record and go on
                 row = dict(setting=name, batch=B, error=f"{type(e).__name__}: {e}"[:300])

@@ -13,7 +13,8 @@ read their weights before the wait, so they use it only when the caller says tha
 them writes those weights (`pdl=True`, as model/fused_decode.py does). Because each kernel waits for its
 predecessor, which waited for its own, a kernel's wait also covers every earlier kernel.
 
-    pdl_enabled(device) -> bool    CUDA, compute capability >= 9, not the interpreter, FLASHGPT_PDL != "0"
+    pdl_enabled(device) -> bool    CUDA, compute capability >= 9, a Triton with grid dependency control
+                                   (3.3 and later), not the interpreter, FLASHGPT_PDL != "0"
 """
 from __future__ import annotations
 
@@ -28,9 +29,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
+def triton_has_gdc() -> bool:
+    """Whether this Triton exposes gdc_wait / gdc_launch_dependents (older ones launch everything plainly)."""
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
 @functools.lru_cache(maxsize=None)
 def _capability_ok(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return triton_has_gdc() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -17,6 +17,7 @@ import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
+from kernels.pdl import pdl_enabled  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
 from model.sampling import DecodeGraph, decode_one_token, prefill  # noqa: E402
@@ -288,6 +289,16 @@ def test_fused_step_replayed_in_a_cuda_graph_at_gpt2_widths(pdl, monkeypatch):
                                            rtol=0.05)
         tok = want.argmax(-1, keepdim=True)
         pos = pos + 1
+
+
+def test_pdl_only_where_it_can_run(monkeypatch):
+    """Programmatic dependent launch: never on CPU or under the interpreter, and FLASHGPT_PDL=0 turns it off."""
+    assert not pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("FLASHGPT_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda"))
+    monkeypatch.setenv("FLASHGPT_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl_enabled(torch.device("cuda"))
 
 
 def test_unsupported_reason_names_the_problem():

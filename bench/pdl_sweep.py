@@ -41,34 +41,23 @@ bench_generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_generate)  # for graph_replay_us: one bare replay of the captured decode step
 
 DEFAULT_TILES = dict(ln_linear.PDL_TILES)
-SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes); "bnX wY splitKxN wZ": one-tile launches of X columns
-    # with Y warps, the split-K down projection in shares of K columns, N wide, with Z warps
+# (block_n, warps, split_block_k, split_block_n, split_warps): "pdl bnX wY splitKxN wZ" = one-tile launches of X
+# columns (at every batch size) with Y warps, the split-K down projection in shares of K x N with Z warps.
+TILE_SETTINGS = [
+    (16, 4, 512, 32, 4), (16, 8, 512, 32, 8), (32, 4, 512, 32, 4), (32, 8, 512, 32, 8),  # round 1
+    (16, 4, 256, 32, 4), (16, 4, 512, 16, 4), (16, 4, 1024, 32, 4),
+    (32, 8, 512, 16, 8), (32, 8, 512, 32, 4), (32, 8, 512, 64, 8), (32, 8, 1024, 32, 8),  # round 2, around
+    (32, 16, 512, 32, 8), (64, 8, 512, 32, 8), (64, 16, 512, 32, 8),                      # round 1's best
+    (32, 8, 512, 128, 8), (32, 8, 256, 64, 8), (32, 8, 256, 128, 8), (32, 8, 512, 64, 4),  # round 3: wider
+    (64, 8, 512, 64, 8), (32, 8, 1024, 64, 8),                                             # split tiles
+]
+SETTINGS = {  # name → (FLASHGPT_PDL, PDL_TILES changes)
     "no-pdl": ("0", {}),
     "pdl default": ("1", {}),  # kernels.ln_linear.PDL_TILES as committed
     "pdl-no-preload": ("1", dict(preload=False)),
-    "pdl bn16 w4 split512x32 w4": ("1", dict(block_n=16, warps=4, split_warps=4)),
-    "pdl bn16 w8 split512x32 w8": ("1", dict(block_n=16, warps=8, split_warps=8)),
-    "pdl bn32 w4 split512x32 w4": ("1", dict(block_n=32, warps=4, split_warps=4)),
-    "pdl bn32 w8 split512x32 w8": ("1", dict(block_n=32, warps=8, split_warps=8)),
-    "pdl bn16 w4 split256x32 w4": ("1", dict(block_n=16, warps=4, split_block_k=256, split_warps=4)),
-    "pdl bn16 w4 split512x16 w4": ("1", dict(block_n=16, warps=4, split_block_n=16, split_warps=4)),
-    "pdl bn16 w4 split1024x32 w4": ("1", dict(block_n=16, warps=4, split_block_k=1024, split_warps=4)),
-    # round 2, around the best of round 1 (bn32 w8 split512x32 w8)
-    "pdl bn32 w8 split512x16 w8": ("1", dict(block_n=32, warps=8, split_block_n=16)),
-    "pdl bn32 w8 split512x32 w4": ("1", dict(block_n=32, warps=8, split_warps=4)),
-    "pdl bn32 w8 split512x64 w8": ("1", dict(block_n=32, warps=8, split_block_n=64)),
-    "pdl bn32 w8 split1024x32 w8": ("1", dict(block_n=32, warps=8, split_block_k=1024)),
-    "pdl bn32 w16 split512x32 w8": ("1", dict(block_n=32, warps=16)),
-    "pdl bn64 w8 split512x32 w8": ("1", dict(block_n=64, warps=8)),
-    "pdl bn64 w16 split512x32 w8": ("1", dict(block_n=64, warps=16)),
-    # round 3, wider down-projection tiles (round 2's trend: 16 < 32 < 64 columns)
-    "pdl bn32 w8 split512x64 w8": ("1", dict(block_n=32, warps=8, split_block_n=64)),
-    "pdl bn32 w8 split512x128 w8": ("1", dict(block_n=32, warps=8, split_block_n=128)),
-    "pdl bn32 w8 split256x64 w8": ("1", dict(block_n=32, warps=8, split_block_k=256, split_block_n=64)),
-    "pdl bn32 w8 split256x128 w8": ("1", dict(block_n=32, warps=8, split_block_k=256, split_block_n=128)),
-    "pdl bn32 w8 split512x64 w4": ("1", dict(block_n=32, warps=8, split_block_n=64, split_warps=4)),
-    "pdl bn64 w8 split512x64 w8": ("1", dict(block_n=64, warps=8, split_block_n=64)),
-    "pdl bn32 w8 split1024x64 w8": ("1", dict(block_n=32, warps=8, split_block_k=1024, split_block_n=64)),
+    **{f"pdl bn{bn} w{w} split{sk}x{sn} w{sw}": ("1", dict(block_n_few_rows=bn, block_n=bn, warps=w, split_block_k=sk,
+                                                          split_block_n=sn, split_warps=sw))
+       for bn, w, sk, sn, sw in TILE_SETTINGS},
 }
 
 
@@ -94,8 +83,6 @@ def main() -> int:
         os.environ["FLASHGPT_PDL"] = env
         ln_linear.PDL_TILES.clear()
         ln_linear.PDL_TILES.update(DEFAULT_TILES, **tiles)
-        if "block_n" in tiles:  # "bnX" settings: X columns at every batch size
-            ln_linear.PDL_TILES["block_n_few_rows"] = tiles["block_n"]
         for B in (1, 16):
             prompts = torch.randint(0, 50304, (B, 128), generator=torch.Generator().manual_seed(B)).tolist()
             try:

@@ -1,8 +1,10 @@
 """Attention implementations and the one dispatch point the model calls.
 
     attention(q, k, v, backend="flash" | "sdpa" | "naive", causal=True, sm_scale=None)
+    attention_qkvpacked(qkv, n_head, n_kv_head, backend=..., causal=True, sm_scale=None)
 
 q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq a multiple of Hkv; causal masks are bottom-right aligned.
+qkv: one packed projection (B, N, (Hq + 2·Hkv)·D), the model's training/prefill path without a KV cache.
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import torch.nn.functional as F
 
 # The Triton kernel is imported here, not inside attention(): an import inside a region that torch.compile
 # traces is a graph break. On a machine without CUDA, kernels.flash turns Triton's interpreter on.
-from .flash import flash_attention
-from .naive import causal_mask, check_qkv, naive_attention
+from .flash import flash_attention, flash_attention_qkvpacked
+from .naive import causal_mask, check_qkv, naive_attention, split_qkv
 
 BACKENDS = ("naive", "sdpa", "flash")
 
@@ -45,6 +47,18 @@ def attention(q, k, v, *, backend: str = "naive", causal: bool = True,
     return impl(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
+def attention_qkvpacked(qkv, n_head: int, n_kv_head: int, *, backend: str = "naive", causal: bool = True,
+                        sm_scale: float | None = None) -> torch.Tensor:
+    """attention() over the views q, k, v = split_qkv(qkv, n_head, n_kv_head). Returns (B, Hq, N, D).
+
+    "flash" runs its packed form, whose backward writes d(qkv) in one buffer (no concatenation of dq, dk,
+    dv); the other backends attend over the views exactly as attention() does.
+    """
+    if backend == "flash":
+        return flash_attention_qkvpacked(qkv, n_head, n_kv_head, causal=causal, sm_scale=sm_scale)
+    return attention(*split_qkv(qkv, n_head, n_kv_head), backend=backend, causal=causal, sm_scale=sm_scale)
+
+
 def resolve_backend(name: str, device) -> str:
     """"auto" → "flash" on CUDA (the Triton kernel), "sdpa" elsewhere; other names pass through."""
     if name != "auto":
@@ -52,5 +66,5 @@ def resolve_backend(name: str, device) -> str:
     return "flash" if torch.device(device).type == "cuda" else "sdpa"
 
 
-__all__ = ["attention", "resolve_backend", "naive_attention", "sdpa_attention", "flash_attention",
-           "BACKENDS", "check_qkv"]
+__all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
+           "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "check_qkv"]

@@ -1,6 +1,7 @@
 """FlashAttention (the FA2 algorithm) in Triton: forward and backward.
 
     flash_attention(q, k, v, *, causal=True, sm_scale=None) -> (B, Hq, Nq, D)
+    flash_attention_qkvpacked(qkv, n_head, n_kv_head, *, causal=True, sm_scale=None) -> (B, Hq, N, D)
 
 Same semantics as ``kernels.naive.naive_attention`` (the reference and test oracle):
 
@@ -12,6 +13,9 @@ Same semantics as ``kernels.naive.naive_attention`` (the reference and test orac
   KV cache or chunked prefill needs. With Nq > Nk the first Nq - Nk query rows see no key at all: those rows
   are defined to be **zero** in the output, and they give **zero** gradients (no NaN anywhere).
 * The result has q's dtype and is differentiable in q, k and v.
+* The packed form takes one projection qkv (B, N, (Hq + 2·Hkv)·D) — what a fused QKV matmul gives — and runs
+  the same kernels on its views (``kernels.naive.split_qkv``); its backward writes dQ, dK, dV straight into
+  one d(qkv) buffer, so a model's gradient needs no concatenation copy.
 
 Supported, forward and backward (anything else raises ValueError before any launch):
 
@@ -69,7 +73,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .naive import check_qkv  # noqa: E402
+from .naive import check_qkv, split_qkv  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,23 +91,27 @@ _CFG_FWD = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                lo, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Stream key/value blocks [lo, hi) through the online softmax of one query tile.
 
     MASKED=False: every key of every block is visible (no bounds or causal checks at all).
     MASKED=True: blocks that cross the causal diagonal or the Nk tail; hidden scores become -inf.
+    TMA: k_base, v_base are tensor descriptors over this head's (Nk, HEAD_DIM) (the loads fill zeros past
+    either end); otherwise pointers, loaded with masks.
     """
     d_ok = offs_d < HEAD_DIM  # (BLOCK_D,) padding lanes of a non-power-of-two head dim
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,) key indices
-        kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
-        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
-        if MASKED:
-            kT = tl.load(kT_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+        if TMA:
+            kT = tl.trans(k_base.load([start_n, 0]))  # (BLOCK_D, BLOCK_N)
         else:
-            kT = tl.load(kT_ptrs)
+            kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
+            if MASKED:
+                kT = tl.load(kT_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+            else:
+                kT = tl.load(kT_ptrs)
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32, unscaled
         if MASKED:
             visible = cols[None, :] < Nk  # (1, BLOCK_N)
@@ -121,12 +129,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         alpha = tl.math.exp2(m_i - m_sub)  # (BLOCK_M,) rescales the old statistics; 0 on the first block
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=d_ok[None, :] & (cols[:, None] < Nk), other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if TMA:
+            v = v_base.load([start_n, 0])  # (BLOCK_N, BLOCK_D)
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
+            if MASKED:
+                v = tl.load(v_ptrs, mask=d_ok[None, :] & (cols[:, None] < Nk), other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
         m_i = m_new
     return acc, l_i, m_i
@@ -141,7 +153,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_ob, stride_oh, stride_om, stride_od,
               Hq, GROUP, Nq, Nk, offset, qk_scale, q_bucket, k_bucket,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # grid: (cdiv(Nq, BLOCK_M), Hq, B); axis 0 fastest, so the query blocks of one head run side by side and
     # share its K/V in L2. Causal: the blocks at the bottom see the most keys, so they go first.
     pid_m = tl.program_id(0)
@@ -157,6 +170,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    if TMA:
+        k_base = tl.make_tensor_descriptor(k_base, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[Nk, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
 
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -181,10 +199,10 @@ def _attn_fwd(Q, K, V, O, LSE,
         hi = Nk
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                0, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
-                               False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                               False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
-                               True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                               True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
 
     # rows that saw no key (causal with Nq > Nk): output 0 and lse = +inf, so the backward's P is exactly 0
     empty = l_i == 0.0
@@ -205,27 +223,32 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                 stride_qm, stride_qd, stride_dom, stride_dod,
                 lo, hi, Nq, offset, qk_scale, offs_n, offs_d,
                 MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV of one key tile over query blocks [lo, hi) of one query head.
 
     Works transposed (keys along rows): sT = K Qᵀ is (BLOCK_N, BLOCK_M). MASK: 0 = full query blocks, no checks;
     1 = the Nq tail (rows past Nq load as q = dO = 0 with lse = +inf, so their P is 0); 2 = causal diagonal
-    blocks (causal mask + the row checks of 1).
+    blocks (causal mask + the row checks of 1). TMA: q_base, do_base are tensor descriptors over this head's
+    (Nq, HEAD_DIM) (zeros past either end), else pointers.
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-        qT_ptrs = q_base + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd  # (BLOCK_D, BLOCK_M)
-        do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
-        if MASK == 0:
-            if BLOCK_D != HEAD_DIM:
-                qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
+        row_ok = offs_m < Nq
+        if TMA:
+            qT = tl.trans(q_base.load([start_m, 0]))  # (BLOCK_D, BLOCK_M)
+        else:
+            qT_ptrs = q_base + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd  # (BLOCK_D, BLOCK_M)
+            if MASK == 0:
+                if BLOCK_D != HEAD_DIM:
+                    qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
+                else:
+                    qT = tl.load(qT_ptrs)
             else:
-                qT = tl.load(qT_ptrs)
+                qT = tl.load(qT_ptrs, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+        if MASK == 0:
             lse = tl.load(lse_base + offs_m)
         else:
-            row_ok = offs_m < Nq
-            qT = tl.load(qT_ptrs, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
         sT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         if MASK == 2:
@@ -234,14 +257,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
             pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         else:
             pT = tl.math.exp2(sT * qk_scale - lse[None, :])
-        if MASK == 0:
-            if BLOCK_D != HEAD_DIM:
-                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+        if TMA:
+            do = do_base.load([start_m, 0])  # (BLOCK_M, BLOCK_D)
+        else:
+            do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
+            if MASK == 0:
+                if BLOCK_D != HEAD_DIM:
+                    do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+                else:
+                    do = tl.load(do_ptrs)
             else:
-                do = tl.load(do_ptrs)
+                do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if MASK == 0:
             delta = tl.load(delta_base + offs_m)
         else:
-            do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO Vᵀ)ᵀ
@@ -260,7 +289,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so the natural order already starts with the heaviest programs.
     pid_n = tl.program_id(0)
@@ -297,21 +327,26 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         bhq = b * Hq + h
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        if TMA:
+            q_base = tl.make_tensor_descriptor(q_base, shape=[Nq, HEAD_DIM], strides=[stride_qm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_base = tl.make_tensor_descriptor(do_base, shape=[Nq, HEAD_DIM], strides=[stride_dom, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
         lse_base = LSE + bhq.to(tl.int64) * Nq
         delta_base = DELTA + bhq.to(tl.int64) * Nq
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_qd, stride_dom, stride_dod,
                                  lo, full_lo, Nq, offset, qk_scale, offs_n, offs_d,
-                                 2, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                                 2, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod,
                              full_lo, m_full, Nq, offset, qk_scale, offs_n, offs_d,
-                             0, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                             0, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                              stride_qm, stride_qd, stride_dom, stride_dod,
                              tail_lo, m_end, Nq, offset, qk_scale, offs_n, offs_d,
-                             1, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                             1, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
     dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
@@ -325,23 +360,27 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               lo, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Accumulate dQ of one query tile over key blocks [lo, hi); MASKED as in _fwd_inner."""
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Accumulate dQ of one query tile over key blocks [lo, hi); MASKED and TMA as in _fwd_inner."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,)
-        kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
-        vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd  # (BLOCK_D, BLOCK_N)
-        if MASKED:
-            kv_mask = d_ok[:, None] & (cols[None, :] < Nk)
-            kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
-            vT = tl.load(vT_ptrs, mask=kv_mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
-            vT = tl.load(vT_ptrs, mask=d_ok[:, None], other=0.0)
+        if TMA:
+            kT = tl.trans(k_base.load([start_n, 0]))  # (BLOCK_D, BLOCK_N)
+            vT = tl.trans(v_base.load([start_n, 0]))  # (BLOCK_D, BLOCK_N)
         else:
-            kT = tl.load(kT_ptrs)
-            vT = tl.load(vT_ptrs)
+            kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
+            vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd  # (BLOCK_D, BLOCK_N)
+            if MASKED:
+                kv_mask = d_ok[:, None] & (cols[None, :] < Nk)
+                kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
+                vT = tl.load(vT_ptrs, mask=kv_mask, other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+                vT = tl.load(vT_ptrs, mask=d_ok[:, None], other=0.0)
+            else:
+                kT = tl.load(kT_ptrs)
+                vT = tl.load(vT_ptrs)
         s = tl.dot(q, kT, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             visible = cols[None, :] < Nk
@@ -367,7 +406,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of BLOCK_M query rows, and the rows' delta = rowsum(O * dO) in fp32 (the softmax backward's row term),
     computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
     runs after this one (no separate delta pass over O and dO).
@@ -398,6 +438,11 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
     lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    if TMA:
+        k_base = tl.make_tensor_descriptor(k_base, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[Nk, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     n_full = (Nk // BLOCK_N) * BLOCK_N
@@ -409,10 +454,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
         hi = Nk
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
-                   False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                   False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
-                   True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                   True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -482,7 +527,7 @@ def _tuned(fn):
     for (name, dcls, bd), cfgs in _GPU_CFGS.items():
         out[(name, dcls, bd)] = triton.autotune(
             configs=[_as_config(c) for c in cfgs],
-            key=["HEAD_DIM", "CAUSAL", "q_bucket", "k_bucket"],  # + the tensor dtypes, added by triton
+            key=["HEAD_DIM", "CAUSAL", "TMA", "q_bucket", "k_bucket"],  # + the tensor dtypes, added by triton
         )(fn[name]) if not INTERPRET else None
     return out
 
@@ -513,8 +558,15 @@ def _autotune_enabled() -> bool:
     return not INTERPRET and os.environ.get("FLASHGPT_AUTOTUNE", "1") not in ("0", "", "false", "False")
 
 
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for the descriptors the kernels build on the device (128 bytes per descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: _launch runs under its guard
+
+
 def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args, kwargs):
     """Launch kernel `name` with a forced config, the autotuner, or the default config."""
+    if kwargs["TMA"] and not INTERPRET:
+        triton.set_allocator(_tma_scratch)  # a context variable: set per launch (autograd runs in its own thread)
     if name in _forced or INTERPRET or not _autotune_enabled():
         if name in _forced:
             cfg = _forced[name]
@@ -529,7 +581,7 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
     else:
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
-        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], args[-2], args[-1],  # buckets are last
+        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], args[-2], args[-1],  # buckets last
                 args[0].device.index)
         cfg = _picked.get(tkey)
         if cfg is not None:
@@ -584,6 +636,29 @@ def _empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
     return _alloc_in_order_of(t, lambda shape: _empty(shape, t.dtype, t.device))
 
 
+def _tma_available(device: torch.device) -> bool:
+    """Triton with on-device tensor descriptors, on a Hopper-or-newer GPU (or the interpreter); FLASHGPT_TMA=0
+    turns the descriptor path off."""
+    if os.environ.get("FLASHGPT_TMA", "1") in ("0", "", "false", "False"):
+        return False
+    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+        return False
+    return INTERPRET or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read these (B, H, N, D) tensors: unit stride along D, and every head's
+    start and row stride a multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
+    if not _tma_available(tensors[0].device):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        sb, sh, sn, sd = t.stride()
+        if sd != 1 or sn <= 0 or (sn * size) % 16 or (sb * size) % 16 or (sh * size) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -632,30 +707,35 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _bucket(Nq), _bucket(Nk))
-    kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+                  TMA=_tma_ok(k, v))
     with _device_guard(q):
         _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
     return o, lse
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
-    """Launch the backward: dQ (which also stores delta), then dK/dV. Returns dq, dk, dv shaped like q, k, v."""
+def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
+    """Launch the backward: dQ (which also stores delta), then dK/dV. Returns dq, dk, dv shaped like q, k, v,
+    written into `out` = (dq, dk, dv) when given (views of one packed gradient), else new buffers."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     BLOCK_D = _block_d(D)
     delta = _empty((B, Hq, Nq), torch.float32, q.device)
-    dq, dk, dv = _empty_in_order_of(q), _empty_in_order_of(k), _empty_in_order_of(v)  # laid out like q, k, v
+    if out is None:
+        dq, dk, dv = _empty_in_order_of(q), _empty_in_order_of(k), _empty_in_order_of(v)  # laid out like q, k, v
+    else:
+        dq, dk, dv = out
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     qk_scale = sm_scale * LOG2E
     with _device_guard(q):
         _launch("dq", Nq, Hq, B, q.dtype,
                 (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                  *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
-                 _bucket(Nq), _bucket(Nk)), kwargs)
+                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(k, v)))
         _launch("dkdv", Nk, Hkv, B, q.dtype,  # after dQ: reads its delta
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
-                 _bucket(Nq), _bucket(Nk)), kwargs)
+                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(q, do)))
     return dq, dk, dv
 
 
@@ -735,6 +815,97 @@ class _FlashAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# ---- packed projections: qkv (B, N, (Hq + 2·Hkv)·D) in, O out; the backward returns d(qkv) in one buffer ----
+# A model's fused QKV matmul gives one tensor; q, k, v are views of it. Through flash_attention, autograd
+# would concatenate dq, dk, dv into d(qkv) with a copy kernel (a read and a write of the whole gradient per
+# layer); here the two backward kernels write their slices of d(qkv) directly.
+
+@torch.library.custom_op("flashgpt::flash_attn_qkvpacked_fwd", mutates_args=())
+def _packed_fwd_op(qkv: torch.Tensor, n_head: int, n_kv_head: int, causal: bool,
+                   sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(*split_qkv(qkv, n_head, n_kv_head), causal, sm_scale)
+
+
+@_packed_fwd_op.register_fake
+def _(qkv, n_head, n_kv_head, causal, sm_scale):
+    q = split_qkv(qkv, n_head, n_kv_head)[0]
+    B, Hq, Nq, D = q.shape
+    return _fake_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgpt::flash_attn_qkvpacked_bwd", mutates_args=())
+def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, n_head: int,
+                   n_kv_head: int, causal: bool, sm_scale: float) -> torch.Tensor:
+    return _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale)
+
+
+@_packed_bwd_op.register_fake
+def _(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale):
+    return qkv.new_empty(qkv.shape)
+
+
+def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_scale: float) -> torch.Tensor:
+    dqkv = _empty(tuple(qkv.shape), qkv.dtype, qkv.device)  # (B, N, (Hq + 2·Hkv)·D), contiguous
+    _bwd(do, *split_qkv(qkv, n_head, n_kv_head), o, lse, causal, sm_scale,
+         out=split_qkv(dqkv, n_head, n_kv_head))
+    return dqkv
+
+
+def _packed_setup_context(ctx, inputs, output):
+    qkv, n_head, n_kv_head, causal, sm_scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(qkv, o, lse)
+    ctx.heads = (n_head, n_kv_head)
+    ctx.causal = causal
+    ctx.sm_scale = sm_scale
+
+
+def _packed_backward(ctx, do, dlse):
+    qkv, o, lse = ctx.saved_tensors
+    dqkv = _packed_bwd_op(do, qkv, o, lse, *ctx.heads, ctx.causal, ctx.sm_scale)
+    return dqkv, None, None, None, None
+
+
+_packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+
+
+class _FlashAttnQKVPackedFunction(torch.autograd.Function):
+    """The eager path of flash_attention_qkvpacked (as _FlashAttnFunction for flash_attention)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, n_kv_head, causal, sm_scale):
+        o, lse = _fwd(*split_qkv(qkv, n_head, n_kv_head), causal, sm_scale)
+        ctx.save_for_backward(qkv, o, lse)
+        ctx.heads = (n_head, n_kv_head)
+        ctx.causal = causal
+        ctx.sm_scale = sm_scale
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        qkv, o, lse = ctx.saved_tensors
+        return _packed_bwd(do, qkv, o, lse, *ctx.heads, ctx.causal, ctx.sm_scale), None, None, None, None
+
+
+def flash_attention_qkvpacked(qkv: torch.Tensor, n_head: int, n_kv_head: int | None = None, *,
+                              causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+    """flash_attention over the views q, k, v = split_qkv(qkv, n_head, n_kv_head) of one packed projection.
+
+    qkv: (B, N, (Hq + 2·Hkv)·D) (per token: all query heads, then the key heads, then the value heads);
+    n_kv_head defaults to n_head. Returns (B, Hq, N, D) in qkv's dtype, exactly flash_attention's result;
+    its gradient w.r.t. qkv is written by the backward kernels into one (B, N, (Hq + 2·Hkv)·D) buffer.
+    """
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    q, k, v = split_qkv(qkv, n_head, n_kv_head)
+    scale = _validate(q, k, v, sm_scale)
+    if torch.compiler.is_compiling():
+        o, _ = _packed_fwd_op(qkv, n_head, n_kv_head, bool(causal), scale)
+        return o
+    return _FlashAttnQKVPackedFunction.apply(qkv, n_head, n_kv_head, bool(causal), scale)
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     sm_scale: float | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · sm_scale + mask) V with the FlashAttention kernels; see the module docstring.
@@ -749,4 +920,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return _FlashAttnFunction.apply(q, k, v, bool(causal), scale)
 
 
-__all__ = ["flash_attention", "forced_configs", "gpu_configs", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["flash_attention", "flash_attention_qkvpacked", "forced_configs", "gpu_configs", "SUPPORTED_DTYPES",
+           "MAX_HEAD_DIM"]

@@ -29,6 +29,29 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+def split_qkv(qkv: torch.Tensor, n_head: int, n_kv_head: int):
+    """Views q (B, Hq, N, D), k and v (B, Hkv, N, D) of one packed projection qkv (B, N, (Hq + 2·Hkv)·D).
+
+    The packed layout is what a fused QKV matmul gives: per token all query heads, then the key heads, then
+    the value heads, D values each. Nothing is copied. Raises ValueError on a shape that does not split.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        raise ValueError(f"packed qkv must be a 3-d (B, N, (Hq + 2*Hkv) * D) tensor, got "
+                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    if not (isinstance(n_head, int) and isinstance(n_kv_head, int) and n_head > 0 and n_kv_head > 0):
+        raise ValueError(f"n_head and n_kv_head must be positive ints, got {n_head!r}, {n_kv_head!r}")
+    B, N, W = qkv.shape
+    if W % (n_head + 2 * n_kv_head) != 0:
+        raise ValueError(f"packed qkv width {W} is not (n_head + 2 * n_kv_head) * head_dim for "
+                         f"n_head={n_head}, n_kv_head={n_kv_head}")
+    D = W // (n_head + 2 * n_kv_head)
+    q, k, v = qkv.split([n_head * D, n_kv_head * D, n_kv_head * D], dim=2)
+    q = q.view(B, N, n_head, D).transpose(1, 2)  # (B, Hq, N, D)
+    k = k.view(B, N, n_kv_head, D).transpose(1, 2)  # (B, Hkv, N, D)
+    v = v.view(B, N, n_kv_head, D).transpose(1, 2)  # (B, Hkv, N, D)
+    return q, k, v
+
+
 def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
     """(Nq, Nk) bool, True where query i may see key j: j <= i + (Nk - Nq) (bottom-right aligned)."""
     i = torch.arange(Nq, device=device)[:, None]

@@ -29,15 +29,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        hd = self.head_dim
-        q, k, v = self.c_attn(x).split([self.n_head * hd, self.n_kv_head * hd, self.n_kv_head * hd], dim=2)
-        q = q.view(B, T, self.n_head, hd).transpose(1, 2)     # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        qkv = self.c_attn(x)  # (B, T, (nh + 2·nkv)·hd)
         backend = kernels.resolve_backend(self.backend, x.device)
         if self.kv_cache is None:
-            y = kernels.attention(q, k, v, backend=backend, causal=True)  # (B, nh, T, hd)
+            # packed: flash's backward then writes d(qkv) in one buffer, no concatenation of dq, dk, dv
+            y = kernels.attention_qkvpacked(qkv, self.n_head, self.n_kv_head, backend=backend,
+                                           causal=True)  # (B, nh, T, hd)
         else:
+            q, k, v = kernels.split_qkv(qkv, self.n_head, self.n_kv_head)  # (B, nh | nkv, T, hd) views
             y = self.kv_cache.attend(q, k, v, input_pos, backend=backend)  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))

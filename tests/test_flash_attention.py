@@ -125,10 +125,47 @@ def _id(c):
     return f"B{B}-H{Hq}/{Hkv}-{Nq}x{Nk}-d{D}-{'causal' if causal else 'full'}"
 
 
+def _spy_tma(monkeypatch) -> list:
+    """Record, per kernel launch, whether it read its inputs through TMA descriptors (kernel name, TMA)."""
+    seen = []
+    launch = fa._launch
+
+    def spy(name, *args):
+        seen.append((name, args[-1]["TMA"]))
+        return launch(name, *args)
+
+    monkeypatch.setattr(fa, "_launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["tma", "pointers"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_matches_reference(case, dtype, request):
+def test_matches_reference(case, dtype, path, request, monkeypatch):
+    """Both load paths: tensor descriptors (TMA on Hopper; these inputs are aligned) and masked pointer loads."""
+    monkeypatch.setenv("FLASHGPT_TMA", "1" if path == "tma" else "0")
+    seen = _spy_tma(monkeypatch)
     _check(*case, dtype, _gen(request))
+    want = path == "tma" and fa._tma_available(torch.device(DEVICE))
+    assert [name for name, _ in seen] == ["fwd", "dq", "dkdv"] and all(t == want for _, t in seen)
+
+
+def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
+    """Rows whose stride is not a multiple of 16 bytes (or a unit head dim) cannot be TMA-loaded: the kernels
+    fall back to pointer loads for those tensors (per kernel), with the same results."""
+    seen = _spy_tma(monkeypatch)
+    g = _gen(request)
+    q = _make((1, 2, 113, 65), torch.float16, g)[..., :64].detach().requires_grad_()  # rows 130 bytes apart
+    k, v = _make((1, 2, 203, 64), torch.float16, g), _make((1, 2, 203, 64), torch.float16, g)
+    do = torch.randn(1, 2, 113, 64, generator=g).to(DEVICE, torch.float16)
+    ref = _run(naive_attention, *[t.detach().double().requires_grad_() for t in (q, k, v)], do.double(), True)
+    out = _run(flash_attention, q, k, v, do, True)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o.double(), r, atol=1e-2, rtol=1e-2)
+    tma = fa._tma_available(torch.device(DEVICE))
+    # fwd and dq read k, v (aligned); dK/dV reads q and dO (q is not)
+    assert seen == [("fwd", tma), ("dq", tma), ("dkdv", False)]
+    assert not fa._tma_ok(torch.randn(1, 1, 4, 1))  # D = 1: a 2-byte row stride
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -244,6 +281,57 @@ def test_dispatch_and_custom_op(request):
     torch.library.opcheck(fa._flash_attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, True, 0.17))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("heads,N,D,causal", [((2, 2), 113, 64, True), ((4, 2), 17, 48, False),
+                                             ((4, 1), 203, 32, True)])
+def test_qkvpacked_matches_split(heads, N, D, causal, dtype, request):
+    """The packed form gives exactly flash_attention's output and gradients on the views (the same kernels),
+    its d(qkv) is one buffer holding dq | dk | dv per token, and it is within the error budget of float64."""
+    Hq, Hkv = heads
+    g = _gen(request)
+    qkv = _make((2, N, (Hq + 2 * Hkv) * D), dtype, g)
+    do = torch.randn((2, Hq, N, D), generator=g).to(DEVICE, dtype)
+
+    o = fa.flash_attention_qkvpacked(qkv, Hq, Hkv, causal=causal)
+    (dqkv,) = torch.autograd.grad(o, qkv, do)
+    q, k, v = (t.detach().requires_grad_() for t in kernels.split_qkv(qkv.detach(), Hq, Hkv))
+    o_split = flash_attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(o_split, (q, k, v), do)
+    assert torch.equal(o, o_split)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous() and not torch.isnan(dqkv).any()
+    for got, want in zip(kernels.split_qkv(dqkv, Hq, Hkv), grads):
+        assert torch.equal(got, want)
+
+    ref_qkv = qkv.detach().double().requires_grad_()
+    ref_o = naive_attention(*kernels.split_qkv(ref_qkv, Hq, Hkv), causal=causal)
+    (ref_d,) = torch.autograd.grad(ref_o, ref_qkv, do.double())
+    low_o = naive_attention(*kernels.split_qkv(qkv, Hq, Hkv), causal=causal)
+    (low_d,) = torch.autograd.grad(low_o, qkv, do)
+    for name, got, ref, low in (("out", o, ref_o, low_o), ("dqkv", dqkv, ref_d, low_d)):
+        err = (got.double() - ref).abs().max().item()
+        budget = 2 * (low.double() - ref).abs().max().item() + 1e-5 * max(ref.abs().max().item(), 1.0)
+        assert err <= budget, f"{name}: max error {err:.3g} > budget {budget:.3g}"
+
+
+def test_qkvpacked_dispatch_and_custom_ops(request):
+    """attention_qkvpacked: flash reaches the packed kernel, the other backends the views; both custom ops
+    pass opcheck; a width that does not split is a ValueError."""
+    g = _gen(request)
+    qkv = _make((1, 17, 6 * 32), torch.float32, g)  # 4 query heads, 1 kv head, D = 32
+    want = naive_attention(*kernels.split_qkv(qkv, 4, 1))
+    for backend in kernels.BACKENDS:
+        torch.testing.assert_close(kernels.attention_qkvpacked(qkv, 4, 1, backend=backend), want,
+                                   atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(fa._packed_fwd_op, (qkv, 4, 1, True, 0.17))
+    x = qkv.detach()
+    o, lse = fa._packed_fwd_op(x, 4, 1, True, 0.17)
+    torch.library.opcheck(fa._packed_bwd_op, (torch.randn_like(o), x, o, lse, 4, 1, True, 0.17))
+    with pytest.raises(ValueError, match="packed qkv width"):
+        kernels.attention_qkvpacked(qkv, 3, 1, backend="flash")
+    with pytest.raises(ValueError, match="3-d"):
+        kernels.attention_qkvpacked(qkv[0], 4, 1, backend="flash")
+
+
 def test_public_api_import():
     """`from kernels import flash_attention, naive_attention` in a fresh interpreter: same function as naive."""
     import subprocess
@@ -260,16 +348,25 @@ def test_public_api_import():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("entry", ["function", "dispatch"])
+@pytest.mark.parametrize("entry", ["function", "dispatch", "packed"])
 def test_torch_compile_fullgraph(entry, request):
     """A function calling flash_attention compiles with fullgraph=True (no graph break), forward and backward.
 
     On the CPU the aot_eager backend (the interpreter has no inductor codegen to test); inductor on a GPU.
-    "dispatch" goes through kernels.attention(backend="flash"), the model's path.
+    "dispatch" goes through kernels.attention(backend="flash"); "packed" through kernels.attention_qkvpacked,
+    the model's training path.
     """
     torch._dynamo.reset()
     g = _gen(request)
     q, k, v = (_make((1, 4, 65, 64), torch.float16, g) for _ in range(3))
+    if entry == "packed":  # the model's path: one projection in, d(qkv) out of the backward op
+        qkv = _make((1, 65, 3 * 4 * 64), torch.float16, g)
+        f = lambda qkv: kernels.attention_qkvpacked(qkv * 1.5, 4, 4, backend="flash").float().square().sum()  # noqa
+        compiled = torch.compile(f, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+        (want,) = torch.autograd.grad(f(qkv), qkv)
+        (got,) = torch.autograd.grad(compiled(qkv), qkv)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        return
     fn = {"function": fa.flash_attention,
           "dispatch": lambda q, k, v, causal: kernels.attention(q, k, v, backend="flash", causal=causal)}[entry]
 

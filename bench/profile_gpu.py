@@ -115,7 +115,7 @@ def profile_train(out: io.StringIO, backend: str) -> None:
     wall_ms = (time.perf_counter() - t0) / 5 * 1e3
     out.write(f"\n## training step, {backend} + compile: {gpu_ms:.2f} ms kernel time, {wall_ms:.2f} ms wall per step, "
               f"{len(kernels) / steps:.0f} kernels per step\n")
-    out.write(table(prof, 30) + "\n")
+    out.write(table(prof, 60) + "\n")
     torch._dynamo.reset()
 
 

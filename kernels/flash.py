@@ -486,7 +486,8 @@ _GPU_CFGS = {
                          (128, 32, 4, 4), (128, 128, 8, 3)],
     ("fwd", "16", 256): [(64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3)],
     ("dkdv", "16", 64): [(32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 4), (32, 128, 8, 3), (16, 128, 4, 3),
-                         (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+                         (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2), (16, 64, 4, 3), (32, 64, 4, 4),
+                         (16, 64, 4, 4)],
     ("dkdv", "16", 128): [(32, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (32, 64, 4, 2), (16, 64, 4, 3),
                           (64, 64, 8, 3), (32, 128, 8, 3), (16, 128, 8, 3)],
     ("dkdv", "16", 256): [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
@@ -646,10 +647,20 @@ def _tma_available(device: torch.device) -> bool:
     return INTERPRET or torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Head dims (padded, BLOCK_D) from which the kernels read through TMA descriptors. Measured on the H200
+# (bench/NOTES.md, "TMA"): at BLOCK_D = 128 descriptors free the registers that pointer tiles take and the
+# dK/dV kernel stops spilling (its best config 4-6% faster); at BLOCK_D = 64 they were 5-18% slower in
+# the forward and no faster in the backward, so pointer loads stay there.
+TMA_MIN_BLOCK_D = int(os.environ.get("FLASHGPT_TMA_MIN_D", "128"))  # the env var: for A/B benchmarks
+
+
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can read these (B, H, N, D) tensors: unit stride along D, and every head's
-    start and row stride a multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
+    """Whether TMA descriptors can and should read these (B, H, N, D) tensors: head dim padded to at least
+    TMA_MIN_BLOCK_D (the interpreter: any), unit stride along D, and every head's start and row stride a
+    multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
     if not _tma_available(tensors[0].device):
+        return False
+    if _block_d(tensors[0].shape[-1]) < TMA_MIN_BLOCK_D and not INTERPRET:
         return False
     for t in tensors:
         size = t.element_size()

@@ -5,7 +5,8 @@
 #   ptr      the same, flash only, with FLASHGPT_TMA=0 (pointer loads everywhere): the A/B of the load path,
 #   forced   the same, flash only, with FLASHGPT_TMA_MIN_D=16 (descriptors at every head dim),
 #   train    the compiled training-step pair (flash + compile vs sdpa + compile), the model's packed-QKV path,
-#   profile  bench/profile_gpu.py --only train (kernels by GPU time, flash vs sdpa, under compile).
+#   profile  bench/profile_gpu.py --only train (kernels by GPU time, flash vs sdpa, under compile),
+#   lpt      bench/lpt_ab.py (causal grid order: longest-first vs per-head, CUDA-graph timed).
 # STEPS picks them (default: all but forced), SHAPES the attention shapes. Results into $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -30,6 +31,10 @@ bench() {  # tag, providers, env...
 has tma && bench tma flash,sdpa-flash,sdpa-cudnn FLASHGPT_TMA=1
 has ptr && bench ptr flash FLASHGPT_TMA=0
 has forced && bench forced flash FLASHGPT_TMA_MIN_D=16
+if has lpt; then
+  timeout -k 10 "${LPT_S:-150}" $PY bench/lpt_ab.py --out "$OUT" > "$OUT/lpt_ab.log" 2>&1
+  echo "lpt exit $? after $(( $(date +%s) - T0 )) s"; tail -8 "$OUT/lpt_ab.log"
+fi
 if has train; then
   mkdir -p "$OUT/train"
   timeout -k 10 "${TRAIN_S:-170}" $PY bench/train.py --out "$OUT/train" --steps 30 --variants flash+compile,sdpa+compile \

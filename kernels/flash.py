@@ -144,24 +144,52 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     return acc, l_i, m_i
 
 
+@triton.jit
+def _lpt_tile(n_blocks, heads, lpt_group, HEAVY_LAST: tl.constexpr):
+    """Causal masks make tiles unequal (the work of a block grows with its distance from the top-left corner).
+    With a 1-D grid of n_blocks x heads x batch programs this returns (block, head, batch) in longest-first
+    order: the (batch, head) pairs are taken in groups of lpt_group (sized on the host so that one group's
+    K/V, or Q/dO, stays in L2); within a group all heads' heaviest blocks come first, then the next level.
+    The hardware starts programs in grid order, so the short ones fill the tail instead of a long one
+    starting last. HEAVY_LAST: the heaviest block is the last one (query blocks), else the first (key blocks).
+    """
+    pid = tl.program_id(0)
+    per_group = lpt_group * n_blocks
+    g = pid // per_group
+    r = pid - g * per_group
+    total = tl.num_programs(0) // n_blocks  # batch x heads
+    g_heads = tl.minimum(lpt_group, total - g * lpt_group)  # the last group may be smaller
+    level = r // g_heads  # 0 = heaviest
+    hb = g * lpt_group + (r - level * g_heads)
+    if HEAVY_LAST:
+        block = n_blocks - 1 - level
+    else:
+        block = level
+    return block, hb % heads, hb // heads
+
+
 # Scalars are not specialised (no ==1 / %16 variants): one compiled kernel serves every length and head count.
-@triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+@triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
-              Hq, GROUP, Nq, Nk, offset, qk_scale, q_bucket, k_bucket,
+              Hq, GROUP, Nq, Nk, offset, qk_scale, lpt_group, q_bucket, k_bucket,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # grid: (cdiv(Nq, BLOCK_M), Hq, B); axis 0 fastest, so the query blocks of one head run side by side and
-    # share its K/V in L2. Causal: the blocks at the bottom see the most keys, so they go first.
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    # share its K/V in L2. LPT (causal): a 1-D grid in longest-first order instead (_lpt_tile): the blocks at
+    # the bottom see the most keys.
+    if LPT:
+        pid_m, h, b = _lpt_tile(tl.cdiv(Nq, BLOCK_M), Hq, lpt_group, True)
+    else:
+        pid_m = tl.program_id(0)
+        if CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        h = tl.program_id(1)
+        b = tl.program_id(2)
     bh = b * Hq + h
     hk = h // GROUP  # kv head of this query head
     start_m = pid_m * BLOCK_M
@@ -279,7 +307,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Hq", "Hkv", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+@triton.jit(do_not_specialize=["Hq", "Hkv", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -287,15 +315,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_dob, stride_doh, stride_dom, stride_dod,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                   Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
+                   Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
-    # queries, so the natural order already starts with the heaviest programs.
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
+    # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid
+    # in longest-first order across heads (_lpt_tile).
+    if LPT:
+        pid_n, hk, b = _lpt_tile(tl.cdiv(Nk, BLOCK_N), Hkv, lpt_group, False)
+    else:
+        pid_n = tl.program_id(0)
+        hk = tl.program_id(1)
+        b = tl.program_id(2)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows
     offs_d = tl.arange(0, BLOCK_D)
@@ -396,7 +428,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
     return dq
 
 
-@triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "q_bucket", "k_bucket"])
+@triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
 def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -404,20 +436,24 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  stride_ob, stride_oh, stride_om, stride_od,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                 Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, q_bucket, k_bucket,
+                 Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of BLOCK_M query rows, and the rows' delta = rowsum(O * dO) in fp32 (the softmax backward's row term),
     computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
     runs after this one (no separate delta pass over O and dO).
 
-    grid: (cdiv(Nq, BLOCK_M), Hq, B), heaviest query blocks first under a causal mask (as the forward)."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    grid: (cdiv(Nq, BLOCK_M), Hq, B), heaviest query blocks first under a causal mask, or the forward's LPT
+    order."""
+    if LPT:
+        pid_m, h, b = _lpt_tile(tl.cdiv(Nq, BLOCK_M), Hq, lpt_group, True)
+    else:
+        pid_m = tl.program_id(0)
+        if CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        h = tl.program_id(1)
+        b = tl.program_id(2)
     bh = b * Hq + h
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
@@ -528,7 +564,7 @@ def _tuned(fn):
     for (name, dcls, bd), cfgs in _GPU_CFGS.items():
         out[(name, dcls, bd)] = triton.autotune(
             configs=[_as_config(c) for c in cfgs],
-            key=["HEAD_DIM", "CAUSAL", "TMA", "q_bucket", "k_bucket"],  # + the tensor dtypes, added by triton
+            key=["HEAD_DIM", "CAUSAL", "TMA", "LPT", "q_bucket", "k_bucket"],  # + the tensor dtypes (triton)
         )(fn[name]) if not INTERPRET else None
     return out
 
@@ -564,6 +600,12 @@ def _tma_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: _launch runs under its guard
 
 
+def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: int, block_n: int):
+    """(blocks, heads, batch), or the same count in 1-D for the LPT order; fwd/dq tile queries, dkdv keys."""
+    blocks = triton.cdiv(length, block_m if name in ("fwd", "dq") else block_n)
+    return (blocks * heads * batch,) if lpt else (blocks, heads, batch)
+
+
 def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args, kwargs):
     """Launch kernel `name` with a forced config, the autotuner, or the default config."""
     if kwargs["TMA"] and not INTERPRET:
@@ -576,22 +618,21 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
         else:
             cfg = _GPU_CFGS[_cfg_key(name, dtype, kwargs["BLOCK_D"])][0]
         bm, bn, warps, stages = cfg
-        block = bm if name in ("fwd", "dq") else bn
-        grid = (triton.cdiv(grid_axis0_len, block), heads, batch)
+        grid = _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], bm, bn)
         _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
-        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], args[-2], args[-1],  # buckets last
-                args[0].device.index)
+        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], args[-2], args[-1],
+                args[0].device.index)  # the buckets are the last two args
         cfg = _picked.get(tkey)
         if cfg is not None:
             bm, bn, warps, stages = cfg
-            grid = (triton.cdiv(grid_axis0_len, bm if name in ("fwd", "dq") else bn), heads, batch)
+            grid = _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], bm, bn)
             _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
             return
-        block_key = "BLOCK_M" if name in ("fwd", "dq") else "BLOCK_N"
-        grid = lambda meta: (triton.cdiv(grid_axis0_len, meta[block_key]), heads, batch)  # noqa: E731
+        grid = lambda meta: _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"],  # noqa: E731
+                                  meta["BLOCK_M"], meta["BLOCK_N"])
         tuner = _TUNED[_cfg_key(name, dtype, kwargs["BLOCK_D"])]
         tuner[grid](*args, **kwargs)
         best = tuner.best_config
@@ -670,6 +711,22 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# Causal grids in longest-first order (_lpt_tile), in groups of heads whose streamed tiles stay in L2: the
+# budget is about half of an H100/H200's 50 MB L2. FLASHGPT_LPT=0: the per-head 3-D grid (for A/B runs).
+LPT_L2_BYTES = 24 << 20
+
+
+def _lpt(causal: bool) -> bool:
+    return bool(causal) and os.environ.get("FLASHGPT_LPT", "1") not in ("0", "", "false", "False")
+
+
+def _lpt_group(t: torch.Tensor, rows: int, heads: int) -> int:
+    """How many (batch, head) pairs one LPT group holds: a program streams `rows` rows of two tensors like t
+    (K and V, or Q and dO) per head; the group's share fits LPT_L2_BYTES."""
+    per_head = 2 * rows * t.shape[-1] * t.element_size()
+    return max(1, min(heads, LPT_L2_BYTES // per_head))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -717,9 +774,10 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     o = _empty_in_order_of(q)  # (B, Hq, Nq, D), laid out like q
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _bucket(Nq), _bucket(Nk))
+            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _lpt_group(k, Nk, B * Hq),
+            _bucket(Nq), _bucket(Nk))
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-                  TMA=_tma_ok(k, v))
+                  TMA=_tma_ok(k, v), LPT=_lpt(causal))
     with _device_guard(q):
         _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
     return o, lse
@@ -736,17 +794,18 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
         dq, dk, dv = _empty_in_order_of(q), _empty_in_order_of(k), _empty_in_order_of(v)  # laid out like q, k, v
     else:
         dq, dk, dv = out
-    kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+                  LPT=_lpt(causal))
     qk_scale = sm_scale * LOG2E
     with _device_guard(q):
         _launch("dq", Nq, Hq, B, q.dtype,
                 (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
+                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, _lpt_group(k, Nk, B * Hq),
                  _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(k, v)))
         _launch("dkdv", Nk, Hkv, B, q.dtype,  # after dQ: reads its delta
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
-                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(q, do)))
+                 _lpt_group(q, Nq * (Hq // Hkv), B * Hkv), _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(q, do)))
     return dq, dk, dv
 
 

@@ -155,6 +155,18 @@ def test_matches_reference(case, dtype, path, request, monkeypatch):
     assert [name for name, _ in seen] == ["fwd", "dq", "dkdv"] and all(t == want for _, t in seen)
 
 
+@pytest.mark.parametrize("heads_per_group", [1, 4, 6, None])
+def test_causal_longest_first_order(heads_per_group, monkeypatch, request):
+    """The causal kernels' 1-D longest-first grid covers every tile once: groups of 1, 4 (a partial last
+    group: 6 (batch, head) pairs) and all heads; None = the plain per-head 3-D grid (FLASHGPT_LPT=0)."""
+    if heads_per_group is None:
+        monkeypatch.setenv("FLASHGPT_LPT", "0")
+    else:
+        monkeypatch.setattr(fa, "_lpt_group", lambda t, rows, heads: heads_per_group)
+    _check(2, 3, 3, 150, 203, 32, True, torch.float16, _gen(request))
+    _check(2, 6, 3, 203, 150, 64, True, torch.float32, _gen(request))  # GQA, Nq > Nk
+
+
 def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
     """Rows whose stride is not a multiple of 16 bytes (or a unit head dim) cannot be TMA-loaded: the kernels
     fall back to pointer loads for those tensors (per kernel), with the same results."""

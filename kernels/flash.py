@@ -712,12 +712,17 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 # Causal grids in longest-first order (_lpt_tile), in groups of heads whose streamed tiles stay in L2: the
-# budget is about half of an H100/H200's 50 MB L2. FLASHGPT_LPT=0: the per-head 3-D grid (for A/B runs).
+# budget is about half of an H100/H200's 50 MB L2. Used only when a group holds at least LPT_MIN_GROUP
+# (batch, head) pairs: measured on the H200 (bench/results/lpt_ab.md, CUDA-graph timed, fixed configs) the
+# forward gained 3-4% at N = 1024 and 4096 (d64) and the backward moved within +-1%, while at N = 16384, d128
+# (groups of 3 heads) both lost 4%. FLASHGPT_LPT=0: always the per-head 3-D grid (for A/B runs).
 LPT_L2_BYTES = 24 << 20
+LPT_MIN_GROUP = 8
 
 
-def _lpt(causal: bool) -> bool:
-    return bool(causal) and os.environ.get("FLASHGPT_LPT", "1") not in ("0", "", "false", "False")
+def _lpt(causal: bool, group: int) -> bool:
+    return (bool(causal) and group >= LPT_MIN_GROUP
+            and os.environ.get("FLASHGPT_LPT", "1") not in ("0", "", "false", "False"))
 
 
 def _lpt_group(t: torch.Tensor, rows: int, heads: int) -> int:
@@ -773,11 +778,11 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     Hkv, Nk = k.shape[1], k.shape[2]
     o = _empty_in_order_of(q)  # (B, Hq, Nq, D), laid out like q
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    group = _lpt_group(k, Nk, B * Hq)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, _lpt_group(k, Nk, B * Hq),
-            _bucket(Nq), _bucket(Nk))
+            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, group, _bucket(Nq), _bucket(Nk))
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-                  TMA=_tma_ok(k, v), LPT=_lpt(causal))
+                  TMA=_tma_ok(k, v), LPT=_lpt(causal, group))
     with _device_guard(q):
         _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
     return o, lse
@@ -794,18 +799,19 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
         dq, dk, dv = _empty_in_order_of(q), _empty_in_order_of(k), _empty_in_order_of(v)  # laid out like q, k, v
     else:
         dq, dk, dv = out
-    kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-                  LPT=_lpt(causal))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    dq_group, dkdv_group = _lpt_group(k, Nk, B * Hq), _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
     qk_scale = sm_scale * LOG2E
     with _device_guard(q):
         _launch("dq", Nq, Hq, B, q.dtype,
                 (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, _lpt_group(k, Nk, B * Hq),
-                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(k, v)))
+                 *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group,
+                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(k, v), LPT=_lpt(causal, dq_group)))
         _launch("dkdv", Nk, Hkv, B, q.dtype,  # after dQ: reads its delta
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
-                 _lpt_group(q, Nq * (Hq // Hkv), B * Hkv), _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(q, do)))
+                 dkdv_group, _bucket(Nq), _bucket(Nk)),
+                dict(kwargs, TMA=_tma_ok(q, do), LPT=_lpt(causal, dkdv_group)))
     return dq, dk, dv
 
 

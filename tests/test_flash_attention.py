@@ -163,6 +163,7 @@ def test_causal_longest_first_order(heads_per_group, monkeypatch, request):
         monkeypatch.setenv("FLASHGPT_LPT", "0")
     else:
         monkeypatch.setattr(fa, "_lpt_group", lambda t, rows, heads: heads_per_group)
+        monkeypatch.setattr(fa, "LPT_MIN_GROUP", 1)
     _check(2, 3, 3, 150, 203, 32, True, torch.float16, _gen(request))
     _check(2, 6, 3, 203, 150, 64, True, torch.float32, _gen(request))  # GQA, Nq > Nk
 

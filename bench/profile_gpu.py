@@ -126,7 +126,7 @@ def main() -> int:
     args = p.parse_args()
     out = io.StringIO()
     out.write(f"# GPU profile — {torch.cuda.get_device_name()}, torch {torch.__version__}\n"
-              f"`python bench/profile_gpu.py`\n")
+              f"`python bench/profile_gpu.py {' '.join(sys.argv[1:])}`\n")
     parts = ((profile_attention, ()), (profile_decode, ("flash", 1)), (profile_decode, ("sdpa", 1)),
              (profile_decode, ("flash", 16)))
     if args.only == "train":

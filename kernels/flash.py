@@ -49,9 +49,17 @@ registers tile by tile):
   over the query blocks, recomputing P = exp2(S * scale - lse) tile by tile (so GQA needs no atomics and the
   result is deterministic). Both skip hidden causal blocks and mask only the diagonal ones.
 
+Loads: from head dim 128 (padded) on Hopper or newer, when every row stride and head start is a multiple of 16
+bytes and D is contiguous, the kernels read K/V (forward, dQ) and Q/dO (dK/dV) through TMA tensor descriptors
+built per head on the device (they fill zeros past the sequence end and the head dim, so those loads need no
+masks); otherwise, and always with ``FLASHGPT_TMA=0``, through masked pointer loads. The interpreter runs the
+descriptor path at every head dim (so CI tests both). Causal grids: where one L2-sized group holds at least 8
+(batch, head) pairs, a 1-D grid in longest-first order (``_lpt_tile``), else (blocks, heads, batch) with the
+heaviest blocks of each head first; ``FLASHGPT_LPT=0`` forces the latter.
+
 Tile shapes: on a GPU each kernel is autotuned (``triton.autotune``) over a short list of configs per head dim
 and dtype, keyed on (head dim, causal, power-of-two buckets of Nq and Nk, dtypes). ``FLASHGPT_AUTOTUNE=0``
-turns that off and takes the first config of each list (the measured default). The interpreter always uses one
+turns that off and takes the first config of each list. The interpreter always uses one
 small config. Eager calls go through a thin ``torch.autograd.Function``; under ``torch.compile`` the same
 launches are the custom ops ``flashgpt::flash_attn_fwd`` / ``flashgpt::flash_attn_bwd``, with fake (meta)
 implementations and an autograd formula (register_autograd), so ``torch.compile(fullgraph=True)`` traces
@@ -692,7 +700,15 @@ def _tma_available(device: torch.device) -> bool:
 # (bench/NOTES.md, "TMA"): at BLOCK_D = 128 descriptors free the registers that pointer tiles take and the
 # dK/dV kernel stops spilling (its best config 4-6% faster); at BLOCK_D = 64 they were 5-18% slower in
 # the forward and no faster in the backward, so pointer loads stay there.
-TMA_MIN_BLOCK_D = int(os.environ.get("FLASHGPT_TMA_MIN_D", "128"))  # the env var: for A/B benchmarks
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+TMA_MIN_BLOCK_D = _env_int("FLASHGPT_TMA_MIN_D", 128)  # the environment variable: for A/B benchmarks
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:

@@ -68,6 +68,7 @@ through them without a graph break. Double backward (a gradient of the gradient)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -610,7 +611,7 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: int, block_n: int):
     """(blocks, heads, batch), or the same count in 1-D for the LPT order; fwd/dq tile queries, dkdv keys."""
-    blocks = triton.cdiv(length, block_m if name in ("fwd", "dq") else block_n)
+    blocks = -(-length // (block_m if name in ("fwd", "dq") else block_n))  # ceil
     return (blocks * heads * batch,) if lpt else (blocks, heads, batch)
 
 
@@ -651,13 +652,19 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
+# Host-side helpers in plain integer arithmetic: triton.next_power_of_2 / triton.cdiv are constexpr-function
+# wrappers costing microseconds per call, and these run several times per launch.
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _next_pow2(head_dim))
 
 
 def _bucket(n: int) -> int:
     """Power-of-two length bucket for the autotune key (so every new length does not re-tune)."""
-    return min(triton.next_power_of_2(n), 1 << 16)
+    return min(_next_pow2(n), 1 << 16)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -686,14 +693,20 @@ def _empty_in_order_of(t: torch.Tensor) -> torch.Tensor:
     return _alloc_in_order_of(t, lambda shape: _empty(shape, t.dtype, t.device))
 
 
+_TRITON_HAS_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _tma_available(device: torch.device) -> bool:
     """Triton with on-device tensor descriptors, on a Hopper-or-newer GPU (or the interpreter); FLASHGPT_TMA=0
     turns the descriptor path off."""
-    if os.environ.get("FLASHGPT_TMA", "1") in ("0", "", "false", "False"):
+    if not _TRITON_HAS_DESCRIPTORS or os.environ.get("FLASHGPT_TMA", "1") in ("0", "", "false", "False"):
         return False
-    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
-        return False
-    return INTERPRET or torch.cuda.get_device_capability(device)[0] >= 9
+    return INTERPRET or _hopper_or_newer(torch.device(device).index or 0)
 
 
 # Head dims (padded, BLOCK_D) from which the kernels read through TMA descriptors. Measured on the H200
@@ -715,9 +728,9 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can and should read these (B, H, N, D) tensors: head dim padded to at least
     TMA_MIN_BLOCK_D (the interpreter: any), unit stride along D, and every head's start and row stride a
     multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
-    if not _tma_available(tensors[0].device):
-        return False
     if _block_d(tensors[0].shape[-1]) < TMA_MIN_BLOCK_D and not INTERPRET:
+        return False
+    if not _tma_available(tensors[0].device):
         return False
     for t in tensors:
         size = t.element_size()

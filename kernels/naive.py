@@ -45,10 +45,10 @@ def split_qkv(qkv: torch.Tensor, n_head: int, n_kv_head: int):
         raise ValueError(f"packed qkv width {W} is not (n_head + 2 * n_kv_head) * head_dim for "
                          f"n_head={n_head}, n_kv_head={n_kv_head}")
     D = W // (n_head + 2 * n_kv_head)
-    q, k, v = qkv.split([n_head * D, n_kv_head * D, n_kv_head * D], dim=2)
-    q = q.view(B, N, n_head, D).transpose(1, 2)  # (B, Hq, N, D)
-    k = k.view(B, N, n_kv_head, D).transpose(1, 2)  # (B, Hkv, N, D)
-    v = v.view(B, N, n_kv_head, D).transpose(1, 2)  # (B, Hkv, N, D)
+    heads = qkv.view(B, N, n_head + 2 * n_kv_head, D).transpose(1, 2)  # (B, Hq + 2·Hkv, N, D)
+    q = heads.narrow(1, 0, n_head)  # (B, Hq, N, D)
+    k = heads.narrow(1, n_head, n_kv_head)  # (B, Hkv, N, D)
+    v = heads.narrow(1, n_head + n_kv_head, n_kv_head)  # (B, Hkv, N, D)
     return q, k, v
 
 

@@ -177,6 +177,25 @@ def _lpt_tile(n_blocks, heads, lpt_group, HEAVY_LAST: tl.constexpr):
     return block, hb % heads, hb // heads
 
 
+@triton.jit
+def _query_tile(Nq, Hq, lpt_group, CAUSAL: tl.constexpr, LPT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(query block, head, batch) of this program in the forward and dQ grids.
+
+    Grid (cdiv(Nq, BLOCK_M), Hq, B): axis 0 fastest, so the query blocks of one head run side by side and share
+    its K/V in L2; causal: the blocks at the bottom see the most keys, so they go first. LPT (causal): a 1-D
+    grid in longest-first order across heads instead (_lpt_tile).
+    """
+    if LPT:
+        pid_m, h, b = _lpt_tile(tl.cdiv(Nq, BLOCK_M), Hq, lpt_group, True)
+    else:
+        pid_m = tl.program_id(0)
+        if CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+    return pid_m, h, b
+
+
 # Scalars are not specialised (no ==1 / %16 variants): one compiled kernel serves every length and head count.
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
 def _attn_fwd(Q, K, V, O, LSE,
@@ -188,17 +207,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # grid: (cdiv(Nq, BLOCK_M), Hq, B); axis 0 fastest, so the query blocks of one head run side by side and
-    # share its K/V in L2. LPT (causal): a 1-D grid in longest-first order instead (_lpt_tile): the blocks at
-    # the bottom see the most keys.
-    if LPT:
-        pid_m, h, b = _lpt_tile(tl.cdiv(Nq, BLOCK_M), Hq, lpt_group, True)
-    else:
-        pid_m = tl.program_id(0)
-        if CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+    pid_m, h, b = _query_tile(Nq, Hq, lpt_group, CAUSAL, LPT, BLOCK_M)
     bh = b * Hq + h
     hk = h // GROUP  # kv head of this query head
     start_m = pid_m * BLOCK_M
@@ -453,16 +462,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
     computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
     runs after this one (no separate delta pass over O and dO).
 
-    grid: (cdiv(Nq, BLOCK_M), Hq, B), heaviest query blocks first under a causal mask, or the forward's LPT
-    order."""
-    if LPT:
-        pid_m, h, b = _lpt_tile(tl.cdiv(Nq, BLOCK_M), Hq, lpt_group, True)
-    else:
-        pid_m = tl.program_id(0)
-        if CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+    grid: as the forward's (_query_tile)."""
+    pid_m, h, b = _query_tile(Nq, Hq, lpt_group, CAUSAL, LPT, BLOCK_M)
     bh = b * Hq + h
     hk = h // GROUP
     start_m = pid_m * BLOCK_M

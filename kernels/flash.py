@@ -883,13 +883,19 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
     return _alloc_in_order_of(t, t.new_empty)
 
 
+def _remember(ctx, saved, causal: bool, sm_scale: float, heads=None) -> None:
+    """What every backward here needs: the saved tensors, the mask, the scale (and the packed head counts)."""
+    ctx.save_for_backward(*saved)
+    ctx.causal = causal
+    ctx.sm_scale = sm_scale
+    ctx.heads = heads
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, sm_scale = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse)  # the forward keeps only O and the log-sum-exp beyond the inputs
-    ctx.causal = causal
-    ctx.sm_scale = sm_scale
+    _remember(ctx, (q, k, v, o, lse), causal, sm_scale)  # beyond the inputs only O and the log-sum-exp
 
 
 def _backward(ctx, do, dlse):
@@ -908,9 +914,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale):
         o, lse = _fwd(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = causal
-        ctx.sm_scale = sm_scale
+        _remember(ctx, (q, k, v, o, lse), causal, sm_scale)
         return o
 
     @staticmethod
@@ -961,10 +965,7 @@ def _packed_setup_context(ctx, inputs, output):
     qkv, n_head, n_kv_head, causal, sm_scale = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(qkv, o, lse)
-    ctx.heads = (n_head, n_kv_head)
-    ctx.causal = causal
-    ctx.sm_scale = sm_scale
+    _remember(ctx, (qkv, o, lse), causal, sm_scale, heads=(n_head, n_kv_head))
 
 
 def _packed_backward(ctx, do, dlse):
@@ -982,10 +983,7 @@ class _FlashAttnQKVPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, n_head, n_kv_head, causal, sm_scale):
         o, lse = _fwd(*split_qkv(qkv, n_head, n_kv_head), causal, sm_scale)
-        ctx.save_for_backward(qkv, o, lse)
-        ctx.heads = (n_head, n_kv_head)
-        ctx.causal = causal
-        ctx.sm_scale = sm_scale
+        _remember(ctx, (qkv, o, lse), causal, sm_scale, heads=(n_head, n_kv_head))
         return o
 
     @staticmethod

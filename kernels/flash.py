@@ -266,25 +266,38 @@ def _attn_fwd(Q, K, V, O, LSE,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                lo, hi, Nq, offset, qk_scale, offs_n, offs_d,
-                MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                lo, hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
+                MASK: tl.constexpr, GQA: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query blocks [lo, hi) of one query head.
+    """Accumulate dK, dV of one key tile over query blocks [lo, hi) of each of the GROUP query heads that
+    read it (GQA; 1 otherwise), in one flat loop: head g = step // blocks. (A loop over the heads around
+    this one kept the accumulators of both loops live: 255 registers and spills on sm_90.)
 
     Works transposed (keys along rows): sT = K Qᵀ is (BLOCK_N, BLOCK_M). MASK: 0 = full query blocks, no checks;
     1 = the Nq tail (rows past Nq load as q = dO = 0 with lse = +inf, so their P is 0); 2 = causal diagonal
-    blocks (causal mask + the row checks of 1). TMA: q_base, do_base are tensor descriptors over this head's
-    (Nq, HEAD_DIM) (zeros past either end), else pointers.
+    blocks (causal mask + the row checks of 1). q_base, do_base, lse_base, delta_base address the group's
+    first query head (head g at + g * stride_qh, ..., + g * Nq for lse and delta). TMA: q_base, do_base are
+    tensor descriptors over the group's (GROUP, Nq, HEAD_DIM) (zeros past either end), else pointers.
     """
     d_ok = offs_d < HEAD_DIM
-    for start_m in range(lo, hi, BLOCK_M):
+    blocks = tl.maximum((hi - lo) // BLOCK_M, 1)  # >= 1 only to keep the division defined when hi == lo
+    steps = ((hi - lo) // BLOCK_M) * GROUP
+    for step in range(0, steps):
+        if GQA:
+            g = step // blocks  # query head within the group
+            start_m = lo + (step - g * blocks) * BLOCK_M
+        else:
+            g = step * 0  # (one head: no division, and the compiler folds the head offsets away)
+            start_m = lo + step * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
         row_ok = offs_m < Nq
+        g_rows = g.to(tl.int64) * Nq  # this head's rows of lse and delta
         if TMA:
-            qT = tl.trans(q_base.load([start_m, 0]))  # (BLOCK_D, BLOCK_M)
+            qT = tl.trans(q_base.load([g, start_m, 0]).reshape(BLOCK_M, BLOCK_D))  # (BLOCK_D, BLOCK_M)
         else:
-            qT_ptrs = q_base + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd  # (BLOCK_D, BLOCK_M)
+            qT_ptrs = (q_base + g.to(tl.int64) * stride_qh
+                       + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd)  # (BLOCK_D, BLOCK_M)
             if MASK == 0:
                 if BLOCK_D != HEAD_DIM:
                     qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
@@ -293,9 +306,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
             else:
                 qT = tl.load(qT_ptrs, mask=row_ok[None, :] & d_ok[:, None], other=0.0)
         if MASK == 0:
-            lse = tl.load(lse_base + offs_m)
+            lse = tl.load(lse_base + g_rows + offs_m)
         else:
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
+            lse = tl.load(lse_base + g_rows + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
         sT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         if MASK == 2:
             visible = offs_n[:, None] <= offs_m[None, :] + offset  # key j <= query i + offset
@@ -304,9 +317,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         else:
             pT = tl.math.exp2(sT * qk_scale - lse[None, :])
         if TMA:
-            do = do_base.load([start_m, 0])  # (BLOCK_M, BLOCK_D)
+            do = do_base.load([g, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # (BLOCK_M, BLOCK_D)
         else:
-            do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
+            do_ptrs = (do_base + g.to(tl.int64) * stride_doh
+                       + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)  # (BLOCK_M, BLOCK_D)
             if MASK == 0:
                 if BLOCK_D != HEAD_DIM:
                     do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
@@ -315,9 +329,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
             else:
                 do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if MASK == 0:
-            delta = tl.load(delta_base + offs_m)
+            delta = tl.load(delta_base + g_rows + offs_m)
         else:
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
+            delta = tl.load(delta_base + g_rows + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO Vᵀ)ᵀ
         dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
@@ -335,7 +349,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr, GQA: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid
@@ -372,31 +386,30 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
     tail_lo = tl.maximum(full_lo, m_full)
     # query blocks: [lo, full_lo) causal diagonal (masked); [full_lo, m_full) no checks at all;
     # [tail_lo, m_end) the partial block at the Nq tail (row checks only)
-    for g in range(0, GROUP):  # every query head that reads this kv head: no atomics needed for GQA
-        h = hk * GROUP + g
-        bhq = b * Hq + h
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        if TMA:
-            q_base = tl.make_tensor_descriptor(q_base, shape=[Nq, HEAD_DIM], strides=[stride_qm, 1],
-                                               block_shape=[BLOCK_M, BLOCK_D])
-            do_base = tl.make_tensor_descriptor(do_base, shape=[Nq, HEAD_DIM], strides=[stride_dom, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
-        lse_base = LSE + bhq.to(tl.int64) * Nq
-        delta_base = DELTA + bhq.to(tl.int64) * Nq
-        if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_qd, stride_dom, stride_dod,
-                                 lo, full_lo, Nq, offset, qk_scale, offs_n, offs_d,
-                                 2, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+    # the GROUP query heads that read this kv head, all in this program: no atomics needed for GQA
+    h0 = hk * GROUP
+    q_base = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh
+    do_base = DO + b.to(tl.int64) * stride_dob + h0.to(tl.int64) * stride_doh
+    if TMA:
+        q_base = tl.make_tensor_descriptor(q_base, shape=[GROUP, Nq, HEAD_DIM], strides=[stride_qh, stride_qm, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_D])
+        do_base = tl.make_tensor_descriptor(do_base, shape=[GROUP, Nq, HEAD_DIM],
+                                            strides=[stride_doh, stride_dom, 1], block_shape=[1, BLOCK_M, BLOCK_D])
+    lse_base = LSE + (b * Hq + h0).to(tl.int64) * Nq
+    delta_base = DELTA + (b * Hq + h0).to(tl.int64) * Nq
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                         tail_lo, m_end, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
+                         1, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+    if CAUSAL:
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qm, stride_qd, stride_dom, stride_dod,
-                             full_lo, m_full, Nq, offset, qk_scale, offs_n, offs_d,
-                             0, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qm, stride_qd, stride_dom, stride_dod,
-                             tail_lo, m_end, Nq, offset, qk_scale, offs_n, offs_d,
-                             1, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+                             stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                             lo, full_lo, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
+                             2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                         full_lo, m_full, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
+                         0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
     dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
@@ -574,7 +587,7 @@ def _tuned(fn):
     for (name, dcls, bd), cfgs in _GPU_CFGS.items():
         out[(name, dcls, bd)] = triton.autotune(
             configs=[_as_config(c) for c in cfgs],
-            key=["HEAD_DIM", "CAUSAL", "TMA", "LPT", "q_bucket", "k_bucket"],  # + the tensor dtypes (triton)
+            key=["HEAD_DIM", "CAUSAL", "TMA", "LPT", "GQA", "q_bucket", "k_bucket"],  # + dtypes; GQA: dkdv only
         )(fn[name]) if not INTERPRET else None
     return out
 
@@ -633,8 +646,8 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
     else:
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
-        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], args[-2], args[-1],
-                args[0].device.index)  # the buckets are the last two args
+        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], kwargs.get("GQA"),
+                args[-2], args[-1], args[0].device.index)  # the buckets are the last two args
         cfg = _picked.get(tkey)
         if cfg is not None:
             bm, bn, warps, stages = cfg
@@ -841,7 +854,7 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  dkdv_group, _bucket(Nq), _bucket(Nk)),
-                dict(kwargs, TMA=_tma_ok(q, do), LPT=_lpt(causal, dkdv_group)))
+                dict(kwargs, TMA=_tma_ok(q, do), LPT=_lpt(causal, dkdv_group), GQA=Hq > Hkv))
     return dq, dk, dv
 
 

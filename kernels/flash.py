@@ -49,11 +49,12 @@ registers tile by tile):
   over the query blocks, recomputing P = exp2(S * scale - lse) tile by tile (so GQA needs no atomics and the
   result is deterministic). Both skip hidden causal blocks and mask only the diagonal ones.
 
-Loads: from head dim 128 (padded) on Hopper or newer, when every row stride and head start is a multiple of 16
-bytes and D is contiguous, the kernels read K/V (forward, dQ) and Q/dO (dK/dV) through TMA tensor descriptors
-built per head on the device (they fill zeros past the sequence end and the head dim, so those loads need no
-masks); otherwise, and always with ``FLASHGPT_TMA=0``, through masked pointer loads. The interpreter runs the
-descriptor path at every head dim (so CI tests both). Causal grids: where one L2-sized group holds at least 8
+Loads: the dK/dV kernel, from head dim 128 (padded) on Hopper or newer, when every row stride and head start is
+a multiple of 16 bytes and D is contiguous, reads Q/dO through TMA tensor descriptors built on the device (they
+fill zeros past the sequence end and the head dim, so those loads need no masks); otherwise, and always with
+``FLASHGPT_TMA=0``, through masked pointer loads. The forward and dQ kernels have the same descriptor path for
+K/V, off by default on the GPU (measured slower, see TMA_MIN_BLOCK_D). The interpreter runs the descriptor path
+of every kernel at every head dim (so CI tests both). Causal grids: where one L2-sized group holds at least 8
 (batch, head) pairs, a 1-D grid in longest-first order (``_lpt_tile``), else (blocks, heads, batch) with the
 heaviest blocks of each head first; ``FLASHGPT_LPT=0`` forces the latter.
 
@@ -723,10 +724,6 @@ def _tma_available(device: torch.device) -> bool:
     return INTERPRET or _hopper_or_newer(torch.device(device).index or 0)
 
 
-# Head dims (padded, BLOCK_D) from which the kernels read through TMA descriptors. Measured on the H200
-# (bench/NOTES.md, "TMA"): at BLOCK_D = 128 descriptors free the registers that pointer tiles take and the
-# dK/dV kernel stops spilling (its best config 4-6% faster); at BLOCK_D = 64 they were 5-18% slower in
-# the forward and no faster in the backward, so pointer loads stay there.
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, str(default))
     try:
@@ -735,14 +732,21 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-TMA_MIN_BLOCK_D = _env_int("FLASHGPT_TMA_MIN_D", 128)  # the environment variable: for A/B benchmarks
+# Head dims (padded, BLOCK_D) from which each kernel reads through TMA descriptors (_NEVER: pointers only).
+# Measured on the H200 (bench/NOTES.md, "TMA"): at BLOCK_D = 128 descriptors take fewer registers than pointer
+# tiles and the dK/dV kernel's best config was 2-6% faster with them; the dQ kernel and the forward were 4.6%
+# and 1.5% slower; at BLOCK_D = 64 the forward was 4-18% slower. FLASHGPT_TMA_MIN_D sets all three (A/B runs).
+_NEVER = MAX_HEAD_DIM * 2
+TMA_MIN_BLOCK_D = {"fwd": _NEVER, "dq": _NEVER, "dkdv": 128}
+if "FLASHGPT_TMA_MIN_D" in os.environ:
+    TMA_MIN_BLOCK_D = dict.fromkeys(TMA_MIN_BLOCK_D, _env_int("FLASHGPT_TMA_MIN_D", 128))
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can and should read these (B, H, N, D) tensors: head dim padded to at least
-    TMA_MIN_BLOCK_D (the interpreter: any), unit stride along D, and every head's start and row stride a
-    multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
-    if _block_d(tensors[0].shape[-1]) < TMA_MIN_BLOCK_D and not INTERPRET:
+def _tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can and should read these (B, H, N, D) tensors in `kernel`: head dim padded to at
+    least TMA_MIN_BLOCK_D[kernel] (the interpreter: any), unit stride along D, and every head's start and row
+    stride a multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
+    if _block_d(tensors[0].shape[-1]) < TMA_MIN_BLOCK_D[kernel] and not INTERPRET:
         return False
     if not _tma_available(tensors[0].device):
         return False
@@ -825,7 +829,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * LOG2E, group, _bucket(Nq), _bucket(Nk))
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-                  TMA=_tma_ok(k, v), LPT=_lpt(causal, group))
+                  TMA=_tma_ok("fwd", k, v), LPT=_lpt(causal, group))
     with _device_guard(q):
         _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
     return o, lse
@@ -849,12 +853,12 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
         _launch("dq", Nq, Hq, B, q.dtype,
                 (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
                  *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group,
-                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok(k, v), LPT=_lpt(causal, dq_group)))
+                 _bucket(Nq), _bucket(Nk)), dict(kwargs, TMA=_tma_ok("dq", k, v), LPT=_lpt(causal, dq_group)))
         _launch("dkdv", Nk, Hkv, B, q.dtype,  # after dQ: reads its delta
                 (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  dkdv_group, _bucket(Nq), _bucket(Nk)),
-                dict(kwargs, TMA=_tma_ok(q, do), LPT=_lpt(causal, dkdv_group), GQA=Hq > Hkv))
+                dict(kwargs, TMA=_tma_ok("dkdv", q, do), LPT=_lpt(causal, dkdv_group), GQA=Hq > Hkv))
     return dq, dk, dv
 
 

@@ -138,20 +138,22 @@ def _spy_tma(monkeypatch) -> list:
     return seen
 
 
-def _tma_for_head_dim(D: int) -> bool:
-    """Whether aligned inputs of head dim D take the descriptor path here (the interpreter: every D)."""
-    return fa._tma_available(torch.device(DEVICE)) and (fa.INTERPRET or fa._block_d(D) >= fa.TMA_MIN_BLOCK_D)
+def _tma_for(kernel: str, D: int) -> bool:
+    """Whether aligned inputs of head dim D take the descriptor path in `kernel` here (the interpreter: always)."""
+    return fa._tma_available(torch.device(DEVICE)) and (fa.INTERPRET or fa._block_d(D) >= fa.TMA_MIN_BLOCK_D[kernel])
 
 
 @pytest.mark.parametrize("path", ["tma", "pointers"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_reference(case, dtype, path, request, monkeypatch):
-    """Both load paths: tensor descriptors (TMA on Hopper; these inputs are aligned) and masked pointer loads."""
+    """Both load paths of every kernel: tensor descriptors (TMA on Hopper, here in all three kernels at every head
+    dim, whatever the default policy; these inputs are aligned) and masked pointer loads."""
     monkeypatch.setenv("FLASHGPT_TMA", "1" if path == "tma" else "0")
+    monkeypatch.setattr(fa, "TMA_MIN_BLOCK_D", dict.fromkeys(fa.TMA_MIN_BLOCK_D, 16))
     seen = _spy_tma(monkeypatch)
     _check(*case, dtype, _gen(request))
-    want = path == "tma" and _tma_for_head_dim(case[5])
+    want = path == "tma" and fa._tma_available(torch.device(DEVICE))
     assert [name for name, _ in seen] == ["fwd", "dq", "dkdv"] and all(t == want for _, t in seen)
 
 
@@ -180,10 +182,9 @@ def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
     out = _run(flash_attention, q, k, v, do, True)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o.double(), r, atol=1e-2, rtol=1e-2)
-    tma = _tma_for_head_dim(64)
-    # fwd and dq read k, v (aligned); dK/dV reads q and dO (q is not)
-    assert seen == [("fwd", tma), ("dq", tma), ("dkdv", False)]
-    assert not fa._tma_ok(torch.randn(1, 1, 4, 1, device=DEVICE))  # D = 1: a 2-byte row stride
+    # fwd and dq read k, v (aligned: their policy decides); dK/dV reads q and dO (q is not)
+    assert seen == [("fwd", _tma_for("fwd", 64)), ("dq", _tma_for("dq", 64)), ("dkdv", False)]
+    assert not fa._tma_ok("dkdv", torch.randn(1, 1, 4, 1, device=DEVICE))  # D = 1: a 2-byte row stride
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)

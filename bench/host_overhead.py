@@ -4,8 +4,9 @@
 
 A tiny shape (B=1, H=2, N=64, D=64, causal, bf16) keeps each kernel to a few microseconds, so a loop of calls
 without synchronisation is bound by the host: the time per call is what the CPU spends to launch it. Rows:
-the packed flash ops (forward: 1 Triton launch; backward: 2) as torch.compile's graphs call them, the same with
-the Triton launches stubbed out (our Python alone), and SDPA's cuDNN forward and backward ops for comparison.
+the packed flash ops (forward: 1 Triton launch; backward: 2) as torch.compile's graphs call them, the same through
+Triton's JITFunction.run instead of the cached launchers, the same with the Triton launches stubbed out (our
+Python alone), and SDPA's cuDNN forward and backward ops for comparison.
 In GPT-2 124M's compiled training step (bench/train.py) the step starts with an idle GPU (the loop syncs on
 every step), so host time per layer adds to the step until the CPU is ahead of the GPU again.
 Writes host_overhead.md into --out.
@@ -69,13 +70,23 @@ def main(argv=None) -> int:
     cu_o, cu_lse, philox_seed, philox_offset = out[0], out[1], out[6], out[7]
 
     def cudnn_bwd():
-        cu_bwd(do, q, k, v, cu_o, cu_lse, philox_seed, philox_offset, out[2].new_empty(0), out[2], out[3], N, N,
-               0.0, True, scale=scale)
+        cu_bwd(do, q, k, v, cu_o, cu_lse, philox_seed, philox_offset, None, out[2], out[3], N, N, 0.0, True,
+               scale=scale)
 
+    fa._compiled.clear()  # the direct launchers (FLASHGPT_FAST_LAUNCH) fill again in the warm-up
     rows = [("flash packed fwd op (1 Triton launch)",
              per_call_us(lambda: fwd_op(qkv, H, H, True, scale), args.calls)),
             ("flash packed bwd op (2 Triton launches)",
              per_call_us(lambda: bwd_op(do, qkv, o, lse, H, H, True, scale), args.calls))]
+    fast = fa._FAST_LAUNCH
+    try:
+        fa._FAST_LAUNCH = False
+        rows += [("flash fwd op, launched through JITFunction.run (FLASHGPT_FAST_LAUNCH=0)",
+                  per_call_us(lambda: fwd_op(qkv, H, H, True, scale), args.calls)),
+                 ("flash bwd op, launched through JITFunction.run (FLASHGPT_FAST_LAUNCH=0)",
+                  per_call_us(lambda: bwd_op(do, qkv, o, lse, H, H, True, scale), args.calls))]
+    finally:
+        fa._FAST_LAUNCH = fast
     raw = dict(fa._RAW)
     try:
         for name in raw:
@@ -90,7 +101,7 @@ def main(argv=None) -> int:
                  per_call_us(lambda: cu_fwd(q, k, v, None, True, 0.0, True, False, scale=scale), args.calls)))
     try:
         rows.append(("SDPA cuDNN bwd op", per_call_us(cudnn_bwd, args.calls)))
-    except RuntimeError as e:  # its private signature changes between torch versions
+    except Exception as e:  # a private op whose signature changes between torch versions
         print(f"SDPA cuDNN bwd op not measured: {e}", file=sys.stderr)
     cmd = "python bench/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"# Host time per attention op call — {torch.cuda.get_device_name()}", "",

@@ -630,6 +630,47 @@ def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: in
     return (blocks * heads * batch,) if lpt else (blocks, heads, batch)
 
 
+# Triton's compiled kernel per launch signature, so that a repeated launch calls its launcher directly and skips
+# JITFunction.run's per-call work (binding and specialising ~45 arguments, building its cache key: microseconds
+# of host time per launch, which the GPU waits for where a training step starts). FLASHGPT_FAST_LAUNCH=0 (read
+# at import) always goes through JITFunction.run.
+_FAST_LAUNCH = os.environ.get("FLASHGPT_FAST_LAUNCH", "1") not in ("0", "", "false", "False") and not INTERPRET
+_compiled: dict[tuple, object] = {}
+
+
+def _arg_class(a):
+    """What Triton specialises a kernel argument on, or stricter: a tensor on its dtype and 16-byte alignment, an
+    int on == 1, divisibility by 16 and 32/64-bit range (also where it does not specialise), a float not at all."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -2**31 <= a < 2**31
+    return type(a)
+
+
+def _run(name: str, grid: tuple, cfg, args, kwargs) -> None:
+    """Launch the plain kernel `name` with tile config cfg (the cached compiled kernel when there is one)."""
+    bm, bn, warps, stages = cfg
+    if not _FAST_LAUNCH:
+        _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return
+    key = (name, cfg, args[0].device.index, *kwargs.values(), *map(_arg_class, args))
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        # the launcher takes every parameter in the kernel's order: the positional args, then the constexprs
+        if list(_RAW[name].arg_names[len(args):]) == [*kwargs, "BLOCK_M", "BLOCK_N"] and hasattr(kernel, "run"):
+            _compiled[key] = kernel
+        return
+    vals = (*args, *kwargs.values(), bm, bn)
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    hooks = triton.knobs.runtime
+    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, kernel.launch_metadata(grid, stream, *vals), hooks.launch_enter_hook,
+               hooks.launch_exit_hook, *vals)
+
+
 def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args, kwargs):
     """Launch kernel `name` with a forced config, the autotuner, or the default config."""
     if kwargs["TMA"] and not INTERPRET:
@@ -641,9 +682,7 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
             cfg = _INTERPRET_CFG
         else:
             cfg = _GPU_CFGS[_cfg_key(name, dtype, kwargs["BLOCK_D"])][0]
-        bm, bn, warps, stages = cfg
-        grid = _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], bm, bn)
-        _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        _run(name, _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], cfg[0], cfg[1]), cfg, args, kwargs)
     else:
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
@@ -651,9 +690,7 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
                 args[-2], args[-1], args[0].device.index)  # the buckets are the last two args
         cfg = _picked.get(tkey)
         if cfg is not None:
-            bm, bn, warps, stages = cfg
-            grid = _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], bm, bn)
-            _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            _run(name, _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], cfg[0], cfg[1]), cfg, args, kwargs)
             return
         grid = lambda meta: _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"],  # noqa: E731
                                   meta["BLOCK_M"], meta["BLOCK_N"])

@@ -187,6 +187,32 @@ def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
     assert not fa._tma_ok("dkdv", torch.randn(1, 1, 4, 1, device=DEVICE))  # D = 1: a 2-byte row stride
 
 
+def test_repeated_launches_reuse_compiled_kernels(monkeypatch, request):
+    """The direct-launcher path (_run: Triton's compiled kernel reused per launch signature) gives bit-for-bit
+    what JITFunction.run gives, on a second call with the same signature and across signatures that differ in
+    dtype, head dim, GQA, strides (a transposed layout) and 16-byte alignment (an offset view). On a GPU it also
+    checks that the reuse happened; the interpreter never takes the direct path."""
+    g = _gen(request)
+    cases = []
+    for dtype, (B, Hq, Hkv, N, D) in [(torch.float16, (1, 2, 2, 113, 64)), (torch.float32, (1, 4, 2, 17, 48))]:
+        q, k, v = (_make((B, h, N, D), dtype, g) for h in (Hq, Hkv, Hkv))
+        cases.append((q, k, v))
+    base = torch.randn(1, 203 * 2 * 64 + 3, generator=g).to(DEVICE, torch.float16)
+    q = base[:, 3:].view(1, 203, 2, 64).transpose(1, 2).detach().requires_grad_()  # (B, H, N, D), misaligned
+    cases.append((q, q.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()))
+    do = [torch.randn(c[0].shape, generator=g).to(DEVICE, c[0].dtype) for c in cases]
+    monkeypatch.setattr(fa, "_FAST_LAUNCH", False)
+    want = [_run(flash_attention, *c, d, True) for c, d in zip(cases, do)]
+    monkeypatch.setattr(fa, "_FAST_LAUNCH", not fa.INTERPRET)
+    monkeypatch.setattr(fa, "_compiled", {})
+    for _ in range(2):  # the first round fills the cache, the second launches from it
+        for c, d, w in zip(cases, do, want):
+            for got, ref in zip(_run(flash_attention, *c, d, True), w):
+                assert torch.equal(got, ref)
+    if not fa.INTERPRET:
+        assert len(fa._compiled) == 3 * len(cases)  # fwd, dq, dkdv per signature
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("causal", [True, False])
 def test_peaky_softmax_and_custom_scale(causal, dtype, request):

@@ -5,6 +5,8 @@ import torch
 
 from model import GPT, GPTConfig
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the flash tests: the GPU, else the interpreter
+
 
 def tiny(**kw):
     base = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=64, attention="naive")
@@ -60,9 +62,9 @@ def test_causality():
 def test_flash_backend_matches_naive_forward_and_backward():
     """The model through the Triton kernel (the interpreter on CPU) gives the reference's logits and grads."""
     torch.manual_seed(3)
-    model = GPT(tiny(n_kv_head=2))
-    idx = torch.randint(0, 97, (2, 19))
-    targets = torch.randint(0, 97, (2, 19))
+    model = GPT(tiny(n_kv_head=2)).to(DEVICE)
+    idx = torch.randint(0, 97, (2, 19), device=DEVICE)
+    targets = torch.randint(0, 97, (2, 19), device=DEVICE)
     grads = {}
     for backend in ("naive", "flash"):
         model.zero_grad()
@@ -92,9 +94,9 @@ def test_compiled_model_with_flash_has_no_graph_break():
     """torch.compile(fullgraph=True) of the whole model with the flash kernel inside: the kernel is a custom op,
     so the model traces in one graph (aot_eager on CPU; inductor is what a GPU run uses)."""
     torch.manual_seed(4)
-    model = GPT(tiny(attention="flash", n_kv_head=2))
-    idx = torch.randint(0, 97, (2, 17))
-    targets = torch.randint(0, 97, (2, 17))
+    model = GPT(tiny(attention="flash", n_kv_head=2)).to(DEVICE)
+    idx = torch.randint(0, 97, (2, 17), device=DEVICE)
+    targets = torch.randint(0, 97, (2, 17), device=DEVICE)
     eager_logits, eager_loss = model(idx, targets)
     eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
     torch._dynamo.reset()

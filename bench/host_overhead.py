@@ -17,6 +17,7 @@ import argparse
 import datetime
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -29,16 +30,19 @@ import kernels.flash as fa  # noqa: E402
 from kernels import split_qkv  # noqa: E402
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int, repeats: int = 5) -> float:
+    """Median over `repeats` loops of `calls` unsynchronised calls: host microseconds per call."""
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+    per_loop = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_loop.append((time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_loop)
 
 
 class _NoLaunch:
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
         fa._FAST_LAUNCH = fast
     raw = dict(fa._RAW)
     try:
+        fa._FAST_LAUNCH = False  # else the cached launchers would bypass the stubs
         for name in raw:
             fa._RAW[name] = _NoLaunch()
         rows += [("flash fwd op, launches stubbed (Python only)",
@@ -97,6 +102,7 @@ def main(argv=None) -> int:
                   per_call_us(lambda: bwd_op(do, qkv, o, lse, H, H, True, scale), args.calls))]
     finally:
         fa._RAW.update(raw)
+        fa._FAST_LAUNCH = fast
     rows.append(("SDPA cuDNN fwd op",
                  per_call_us(lambda: cu_fwd(q, k, v, None, True, 0.0, True, False, scale=scale), args.calls)))
     try:
@@ -107,7 +113,7 @@ def main(argv=None) -> int:
     lines = [f"# Host time per attention op call — {torch.cuda.get_device_name()}", "",
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, "
-             f"(B, H, N, D) = ({B}, {H}, {N}, {D}) causal bf16, {args.calls} calls without sync", "",
+             f"(B, H, N, D) = ({B}, {H}, {N}, {D}) causal bf16, median of 5 loops of {args.calls} calls without sync", "",
              "| op | host µs per call |", "| --- | --- |"]
     lines += [f"| {name} | {us:.1f} |" for name, us in rows]
     text = "\n".join(lines) + "\n"

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     lines = [f"# Host time per attention op call — {torch.cuda.get_device_name()}", "",
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, "
-             f"(B, H, N, D) = ({B}, {H}, {N}, {D}) causal bf16, median of 5 loops of {args.calls} calls without sync", "",
+             f"(B, H, N, D) = ({B}, {H}, {N}, {D}) causal bf16, median of 5 loops of {args.calls} calls "
+             "without sync", "",
              "| op | host µs per call |", "| --- | --- |"]
     lines += [f"| {name} | {us:.1f} |" for name, us in rows]
     text = "\n".join(lines) + "\n"

@@ -62,9 +62,11 @@ Tile shapes: on a GPU each kernel is autotuned (``triton.autotune``) over a shor
 and dtype, keyed on (head dim, causal, power-of-two buckets of Nq and Nk, dtypes). ``FLASHGPT_AUTOTUNE=0``
 turns that off and takes the first config of each list. The interpreter always uses one
 small config. Eager calls go through a thin ``torch.autograd.Function``; under ``torch.compile`` the same
-launches are the custom ops ``flashgpt::flash_attn_fwd`` / ``flashgpt::flash_attn_bwd``, with fake (meta)
-implementations and an autograd formula (register_autograd), so ``torch.compile(fullgraph=True)`` traces
-through them without a graph break. Double backward (a gradient of the gradient) is not supported: it raises a RuntimeError.
+launches are the custom ops ``flashgpt::flash_attn_fwd`` / ``flashgpt::flash_attn_bwd`` (and the packed
+``flash_attn_qkvpacked_*``), with fake (meta) implementations and an autograd formula (register_autograd), so
+``torch.compile(fullgraph=True)`` traces through them without a graph break. Repeated launches with the same
+argument signature call Triton's compiled kernel directly (``_run``). Double backward (a gradient of the
+gradient) is not supported: it raises a RuntimeError.
 """
 from __future__ import annotations
 
@@ -634,7 +636,8 @@ def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: in
 # JITFunction.run's per-call work (binding and specialising ~45 arguments, building its cache key: microseconds
 # of host time per launch, which the GPU waits for where a training step starts). FLASHGPT_FAST_LAUNCH=0 (read
 # at import) always goes through JITFunction.run.
-_FAST_LAUNCH = os.environ.get("FLASHGPT_FAST_LAUNCH", "1") not in ("0", "", "false", "False") and not INTERPRET
+_FAST_LAUNCH = (os.environ.get("FLASHGPT_FAST_LAUNCH", "1") not in ("0", "", "false", "False")
+                and not INTERPRET)
 _compiled: dict[tuple, object] = {}
 
 

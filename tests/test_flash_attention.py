@@ -13,6 +13,7 @@ a peak-memory check.
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import pytest
@@ -39,6 +40,7 @@ def _poison_and_fix_config(monkeypatch, request):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(fa, "_empty", poisoned_empty)
+    monkeypatch.setattr(fa, "_plans", {})  # launch plans recorded by this test only
     if "autotune" not in request.keywords:
         monkeypatch.setenv("FLASHGPT_AUTOTUNE", "0")
     return allocs
@@ -135,6 +137,7 @@ def _spy_tma(monkeypatch) -> list:
         return launch(name, *args)
 
     monkeypatch.setattr(fa, "_launch", spy)
+    monkeypatch.setattr(fa, "_plan_key", lambda *args: None)  # no replays: every launch goes through _launch
     return seen
 
 
@@ -187,11 +190,12 @@ def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
     assert not fa._tma_ok("dkdv", torch.randn(1, 1, 4, 1, device=DEVICE))  # D = 1: a 2-byte row stride
 
 
-def test_repeated_launches_reuse_compiled_kernels(monkeypatch, request):
-    """The direct-launcher path (_run: Triton's compiled kernel reused per launch signature) gives bit-for-bit
-    what JITFunction.run gives, on a second call with the same signature and across signatures that differ in
-    dtype, head dim, GQA, strides (a transposed layout) and 16-byte alignment (an offset view). On a GPU it also
-    checks that the reuse happened; the interpreter never takes the direct path."""
+def test_repeated_launches_reuse_plans_and_compiled_kernels(monkeypatch, request):
+    """Launch plans (_plans: the host work of a call recorded per input signature) and the direct launchers
+    (_run: Triton's compiled kernel reused per launch signature) give bit-for-bit what a first call gives, on a
+    second call with the same signature and across signatures that differ in dtype, head dim, GQA, strides (a
+    transposed layout) and 16-byte alignment (an offset view). The interpreter runs the plans but never the
+    direct launchers; on a GPU both."""
     g = _gen(request)
     cases = []
     for dtype, (B, Hq, Hkv, N, D) in [(torch.float16, (1, 2, 2, 113, 64)), (torch.float32, (1, 4, 2, 17, 48))]:
@@ -201,14 +205,20 @@ def test_repeated_launches_reuse_compiled_kernels(monkeypatch, request):
     q = base[:, 3:].view(1, 203, 2, 64).transpose(1, 2).detach().requires_grad_()  # (B, H, N, D), misaligned
     cases.append((q, q.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()))
     do = [torch.randn(c[0].shape, generator=g).to(DEVICE, c[0].dtype) for c in cases]
+    plan_key = fa._plan_key
     monkeypatch.setattr(fa, "_FAST_LAUNCH", False)
+    monkeypatch.setattr(fa, "_plan_key", lambda *args: None)
     want = [_run(flash_attention, *c, d, True) for c, d in zip(cases, do)]
+    # plans and direct launchers on, fresh caches (outputs still NaN-poisoned by the fixture)
+    monkeypatch.setattr(fa, "_plan_key", plan_key)
     monkeypatch.setattr(fa, "_FAST_LAUNCH", not fa.INTERPRET)
     monkeypatch.setattr(fa, "_compiled", {})
-    for _ in range(2):  # the first round fills the cache, the second launches from it
+    monkeypatch.setattr(fa, "_plans", {})
+    for _ in range(2):  # the first round records, the second replays
         for c, d, w in zip(cases, do, want):
             for got, ref in zip(_run(flash_attention, *c, d, True), w):
                 assert torch.equal(got, ref)
+    assert len(fa._plans) == 2 * len(cases)  # forward and backward per signature
     if not fa.INTERPRET:
         assert len(fa._compiled) == 3 * len(cases)  # fwd, dq, dkdv per signature
 
@@ -390,6 +400,19 @@ def test_public_api_import():
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_compiled_kernel_module_imports():
+    """kernels.flash imported for a GPU (TRITON_INTERPRET=0) builds its autotuners: newer Triton checks their keys
+    against each kernel's arguments at import (the GPU path, which CI otherwise never imports)."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = "import kernels.flash as fa\nassert not fa.INTERPRET and len(fa._TUNED) == len(fa._GPU_CFGS)\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

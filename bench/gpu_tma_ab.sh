@@ -6,7 +6,8 @@
 #   forced   the same, flash only, with FLASHGPT_TMA_MIN_D=16 (descriptors at every head dim),
 #   train    the compiled training-step pair (flash + compile vs sdpa + compile), the model's packed-QKV path,
 #   profile  bench/profile_gpu.py --only train (kernels by GPU time, flash vs sdpa, under compile),
-#   lpt      bench/lpt_ab.py (causal grid order: longest-first vs per-head, CUDA-graph timed).
+#   lpt      bench/lpt_ab.py (causal grid order: longest-first vs per-head, CUDA-graph timed),
+#   host     bench/host_overhead.py (host time per attention op call, flash vs cuDNN).
 # STEPS picks them (default: all but forced), SHAPES the attention shapes. Results into $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,6 +35,10 @@ has forced && bench forced flash FLASHGPT_TMA_MIN_D=16
 if has lpt; then
   timeout -k 10 "${LPT_S:-150}" $PY bench/lpt_ab.py --out "$OUT" > "$OUT/lpt_ab.log" 2>&1
   echo "lpt exit $? after $(( $(date +%s) - T0 )) s"; tail -8 "$OUT/lpt_ab.log"
+fi
+if has host; then
+  timeout -k 10 "${HOST_S:-60}" $PY bench/host_overhead.py --out "$OUT" > "$OUT/host_overhead.log" 2>&1
+  echo "host exit $? after $(( $(date +%s) - T0 )) s"; tail -12 "$OUT/host_overhead.log"
 fi
 if has train; then
   mkdir -p "$OUT/train"

@@ -388,7 +388,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         full_lo = 0
     tail_lo = tl.maximum(full_lo, m_full)
     # query blocks: [lo, full_lo) causal diagonal (masked); [full_lo, m_full) no checks at all;
-    # [tail_lo, m_end) the partial block at the Nq tail (row checks only)
+    # [tail_lo, m_end) the partial block at the Nq tail (row checks only). The tail loop runs first: entering
+    # the main loop with zero-initialised accumulators made ptxas serialise the non-causal kernel's wgmmas.
     # the GROUP query heads that read this kv head, all in this program: no atomics needed for GQA
     h0 = hk * GROUP
     q_base = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh

@@ -46,10 +46,7 @@ def split_qkv(qkv: torch.Tensor, n_head: int, n_kv_head: int):
                          f"n_head={n_head}, n_kv_head={n_kv_head}")
     D = W // (n_head + 2 * n_kv_head)
     heads = qkv.view(B, N, n_head + 2 * n_kv_head, D).transpose(1, 2)  # (B, Hq + 2·Hkv, N, D)
-    q = heads.narrow(1, 0, n_head)  # (B, Hq, N, D)
-    k = heads.narrow(1, n_head, n_kv_head)  # (B, Hkv, N, D)
-    v = heads.narrow(1, n_head + n_kv_head, n_kv_head)  # (B, Hkv, N, D)
-    return q, k, v
+    return heads.split_with_sizes([n_head, n_kv_head, n_kv_head], 1)  # q (B, Hq, N, D), k and v (B, Hkv, N, D)
 
 
 def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:

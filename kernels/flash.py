@@ -754,12 +754,6 @@ def _layout(t: torch.Tensor) -> tuple[tuple, tuple]:
     return tuple(t.shape[i] for i in order), tuple(order.index(i) for i in range(4))
 
 
-def _alloc_in_order_of(t: torch.Tensor, alloc) -> torch.Tensor:
-    """A (B, H, N, D) buffer of t's shape from alloc(shape), its memory order following t's strides."""
-    shape, perm = _layout(t)
-    return alloc(shape).permute(*perm)
-
-
 def _empty_like_layout(layout, dtype, device) -> torch.Tensor:
     shape, perm = layout
     return _empty(shape, dtype, device).permute(*perm)
@@ -1018,7 +1012,8 @@ _flash_attn_bwd_op = _define(
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
     """The fake (meta) twin of the outputs' allocation (_layout): the same shape AND strides as a real launch."""
-    return _alloc_in_order_of(t, t.new_empty)
+    shape, perm = _layout(t)
+    return t.new_empty(shape).permute(*perm)
 
 
 def _remember(ctx, saved, causal: bool, sm_scale: float, heads=None) -> None:

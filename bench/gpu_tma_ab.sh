@@ -7,7 +7,8 @@
 #   train    the compiled training-step pair (flash + compile vs sdpa + compile), the model's packed-QKV path,
 #   profile  bench/profile_gpu.py --only train (kernels by GPU time, flash vs sdpa, under compile),
 #   lpt      bench/lpt_ab.py (causal grid order: longest-first vs per-head, CUDA-graph timed),
-#   host     bench/host_overhead.py (host time per attention op call, flash vs cuDNN).
+#   host     bench/host_overhead.py (host time per attention op call, flash vs cuDNN),
+#   idle     bench/idle_gaps.py (idle GPU time between the kernels of a synchronised training step).
 # STEPS picks them (default: all but forced), SHAPES the attention shapes. Results into $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -39,6 +40,10 @@ fi
 if has host; then
   timeout -k 10 "${HOST_S:-60}" $PY bench/host_overhead.py --out "$OUT" > "$OUT/host_overhead.log" 2>&1
   echo "host exit $? after $(( $(date +%s) - T0 )) s"; tail -12 "$OUT/host_overhead.log"
+fi
+if has idle; then
+  timeout -k 10 "${IDLE_S:-200}" $PY bench/idle_gaps.py --out "$OUT" > "$OUT/idle_gaps.log" 2>&1
+  echo "idle exit $? after $(( $(date +%s) - T0 )) s"; head -8 "$OUT/idle_gaps.md"
 fi
 if has train; then
   mkdir -p "$OUT/train"

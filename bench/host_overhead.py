@@ -5,8 +5,8 @@
 A tiny shape (B=1, H=2, N=64, D=64, causal, bf16) keeps each kernel to a few microseconds, so a loop of calls
 without synchronisation is bound by the host: the time per call is what the CPU spends to launch it. Rows:
 the packed flash ops (forward: 1 Triton launch; backward: 2) as torch.compile's graphs call them, the same through
-Triton's JITFunction.run instead of the cached launchers, the same with the Triton launches stubbed out (our
-Python alone), and SDPA's cuDNN forward and backward ops for comparison.
+Triton's JITFunction.run instead of the launch plans and cached launchers, the same with the launchers' calls
+stubbed out (our Python alone), and SDPA's cuDNN forward and backward ops for comparison.
 In GPT-2 124M's compiled training step (bench/train.py) the step starts with an idle GPU (the loop syncs on
 every step), so host time per layer adds to the step until the CPU is ahead of the GPU again.
 Writes host_overhead.md into --out.
@@ -45,13 +45,6 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     return statistics.median(per_loop)
 
 
-class _NoLaunch:
-    """Stands in for a Triton kernel: indexing with a grid gives a no-op launcher."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -77,32 +70,30 @@ def main(argv=None) -> int:
         cu_bwd(do, q, k, v, cu_o, cu_lse, philox_seed, philox_offset, None, out[2], out[3], N, N, 0.0, True,
                scale=scale)
 
-    fa._compiled.clear()  # the direct launchers (FLASHGPT_FAST_LAUNCH) fill again in the warm-up
+    fa._compiled.clear()  # the direct launchers (FLASHGPT_FAST_LAUNCH) and launch plans fill again in the warm-up
+    fa._plans.clear()
     rows = [("flash packed fwd op (1 Triton launch)",
              per_call_us(lambda: fwd_op(qkv, H, H, True, scale), args.calls)),
             ("flash packed bwd op (2 Triton launches)",
              per_call_us(lambda: bwd_op(do, qkv, o, lse, H, H, True, scale), args.calls))]
-    fast = fa._FAST_LAUNCH
+    fast, launch_compiled = fa._FAST_LAUNCH, fa._launch_compiled
     try:
-        fa._FAST_LAUNCH = False
+        fa._FAST_LAUNCH = False  # plans recorded now launch through JITFunction.run
+        fa._plans.clear()
         rows += [("flash fwd op, launched through JITFunction.run (FLASHGPT_FAST_LAUNCH=0)",
                   per_call_us(lambda: fwd_op(qkv, H, H, True, scale), args.calls)),
                  ("flash bwd op, launched through JITFunction.run (FLASHGPT_FAST_LAUNCH=0)",
                   per_call_us(lambda: bwd_op(do, qkv, o, lse, H, H, True, scale), args.calls))]
-    finally:
         fa._FAST_LAUNCH = fast
-    raw = dict(fa._RAW)
-    try:
-        fa._FAST_LAUNCH = False  # else the cached launchers would bypass the stubs
-        for name in raw:
-            fa._RAW[name] = _NoLaunch()
-        rows += [("flash fwd op, launches stubbed (Python only)",
+        fa._plans.clear()
+        fa._launch_compiled = lambda kernel, grid, vals: None  # everything but the launcher's call
+        rows += [("flash fwd op, launcher calls stubbed (Python only)",
                   per_call_us(lambda: fwd_op(qkv, H, H, True, scale), args.calls)),
-                 ("flash bwd op, launches stubbed (Python only)",
+                 ("flash bwd op, launcher calls stubbed (Python only)",
                   per_call_us(lambda: bwd_op(do, qkv, o, lse, H, H, True, scale), args.calls))]
     finally:
-        fa._RAW.update(raw)
-        fa._FAST_LAUNCH = fast
+        fa._FAST_LAUNCH, fa._launch_compiled = fast, launch_compiled
+        fa._plans.clear()
     rows.append(("SDPA cuDNN fwd op",
                  per_call_us(lambda: cu_fwd(q, k, v, None, True, 0.0, True, False, scale=scale), args.calls)))
     try:

@@ -645,8 +645,10 @@ _COMPILED_MAX = 4096  # signatures kept (one per distinct shape/stride set); the
 _N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 8}  # the tensors lead each kernel's arguments
 
 
-def _run(name: str, grid: tuple, cfg, args, kwargs) -> None:
+def _run(name: str, grid: tuple, cfg, args, kwargs):
     """Launch the plain kernel `name` with tile config cfg (the cached compiled kernel when there is one).
+    Returns the compiled kernel that later launches of this signature can call directly (_launch_compiled),
+    or None (direct launches off, or not cacheable).
 
     The cache key is stricter than Triton's specialisation: the tensors' dtypes and 16-byte alignment (what
     Triton specialises a pointer on) and every other argument by value, so a hit always has the signature the
@@ -654,7 +656,7 @@ def _run(name: str, grid: tuple, cfg, args, kwargs) -> None:
     bm, bn, warps, stages = cfg
     if not _FAST_LAUNCH:
         _RAW[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        return
+        return None
     n = _N_TENSOR_ARGS[name]
     key = (name, cfg, args[0].device.index, *kwargs.values(), *args[n:],
            *[(t.dtype, t.data_ptr() % 16 == 0) for t in args[:n]])
@@ -667,8 +669,15 @@ def _run(name: str, grid: tuple, cfg, args, kwargs) -> None:
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
             _compiled[key] = kernel
-        return
-    vals = (*args, *kwargs.values(), bm, bn)
+            return kernel
+        return None
+    _launch_compiled(kernel, grid, (*args, *kwargs.values(), bm, bn))
+    return kernel
+
+
+def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
+    """Call a compiled kernel's launcher on the current device and stream. vals: every kernel parameter in
+    order (pointer parameters may be tensors or plain integer addresses)."""
     device = triton.runtime.driver.active.get_current_device()
     stream = triton.runtime.driver.active.get_current_stream(device)
     hooks = triton.knobs.runtime
@@ -677,15 +686,16 @@ def _run(name: str, grid: tuple, cfg, args, kwargs) -> None:
                hooks.launch_exit_hook, *vals)
 
 
-def _exec(name: str, grid: tuple, cfg, args, kwargs) -> None:
+def _exec(name: str, grid: tuple, cfg, args, kwargs):
     if kwargs["TMA"] and not INTERPRET:
         triton.set_allocator(_tma_scratch)  # a context variable: set per launch (autograd runs in its own thread)
-    _run(name, grid, cfg, args, kwargs)
+    return _run(name, grid, cfg, args, kwargs)
 
 
 def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args, kwargs):
-    """Launch kernel `name` with a forced config, the autotuner, or the default config. Returns (grid, config)
-    of a launch with a fixed config, None after the autotuner's first run for its key."""
+    """Launch kernel `name` with a forced config, the autotuner, or the default config. Returns (grid, config,
+    compiled kernel or None: see _run) of a launch with a fixed config, None after the autotuner's first run for
+    its key."""
     if name in _forced or INTERPRET or not _autotune_enabled():
         if name in _forced:
             cfg = _forced[name]
@@ -710,8 +720,7 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
             _picked[tkey] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
             return None
     grid = _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], cfg[0], cfg[1])
-    _exec(name, grid, cfg, args, kwargs)
-    return grid, cfg
+    return grid, cfg, _exec(name, grid, cfg, args, kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -872,21 +881,31 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> fl
 
 # ---- launch plans ---------------------------------------------------------------------------------------
 # What _fwd and _bwd compute on the host (output layouts, grids, tile configs, the stride and scalar arguments,
-# the constexprs) depends only on the inputs' shapes, strides, dtypes, device and 16-byte alignment, the mask and
-# scale, and the FLASHGPT_* switches. The first call with such a signature records a plan; later calls allocate
-# the outputs and launch from it (host time per call: bench/host_overhead.py). Not under forced_configs, and
-# not recorded from the autotuner's first run.
+# the constexprs, the compiled kernels) depends only on the inputs' shapes, strides, dtypes, device and 16-byte
+# alignment, the mask and scale, and the FLASHGPT_* switches. The first call with such a signature records a
+# plan; later calls allocate the outputs and launch from it (host time per call: bench/host_overhead.py). Not
+# under forced_configs, and not recorded from the autotuner's first run.
 _plans: dict[tuple, tuple] = {}
 _PLANS_MAX = 4096
 
 
-def _plan_key(kind: str, causal: bool, sm_scale: float, tensors) -> tuple | None:
+def _plan_key(kind: str, tensors, *scalars) -> tuple | None:
     if _forced:
         return None
     env = os.environ
-    return (kind, causal, sm_scale, env.get("FLASHGPT_TMA"), env.get("FLASHGPT_LPT"), env.get("FLASHGPT_AUTOTUNE"),
+    return (kind, *scalars, env.get("FLASHGPT_TMA"), env.get("FLASHGPT_LPT"), env.get("FLASHGPT_AUTOTUNE"),
             *TMA_MIN_BLOCK_D.values(), LPT_MIN_GROUP,
             *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _planned(name: str, launched, idx: tuple, tail: tuple, kwargs: dict):
+    """A plan's record of one launch (None when _launch gave none): the kernel, grid, config, compiled kernel,
+    the indices of its tensors in the replay's pool, the other arguments, the constexprs, and (with a compiled
+    kernel) everything after the tensors as its launcher takes it."""
+    if launched is None:
+        return None
+    grid, cfg, kernel = launched
+    return name, grid, cfg, kernel, idx, tail, kwargs, kernel and (*tail, *kwargs.values(), cfg[0], cfg[1])
 
 
 def _record(key, plan) -> None:
@@ -897,15 +916,20 @@ def _record(key, plan) -> None:
 
 
 def _replay(launches, pool, like: torch.Tensor) -> None:
-    """Run a plan's launches: (kernel, grid, config, indices of its tensors in pool, other args, constexprs)."""
+    """Run a plan's launches on the tensors (or, for compiled kernels only, integer addresses) in pool."""
     with _device_guard(like):
-        for name, grid, cfg, idx, tail, kwargs in launches:
-            _exec(name, grid, cfg, (*[pool[i] for i in idx], *tail), kwargs)
+        for name, grid, cfg, kernel, idx, tail, kwargs, after in launches:
+            if kernel is None:
+                _exec(name, grid, cfg, (*[pool[i] for i in idx], *tail), kwargs)
+                continue
+            if kwargs["TMA"]:
+                triton.set_allocator(_tma_scratch)
+            _launch_compiled(kernel, grid, (*[pool[i] for i in idx], *after))
 
 
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
     """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled)."""
-    key = _plan_key("fwd", causal, sm_scale, (q, k, v))
+    key = _plan_key("fwd", (q, k, v), causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None:
         o_layout, lse_shape, launches = plan
@@ -925,14 +949,14 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
                   TMA=_tma_ok("fwd", k, v), LPT=_lpt(causal, group))
     with _device_guard(q):
         launched = _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
-    _record(key, (o_layout, (B, Hq, Nq), [launched and ("fwd", *launched, range(5), args[5:], kwargs)]))
+    _record(key, (o_layout, (B, Hq, Nq), [_planned("fwd", launched, range(5), args[5:], kwargs)]))
     return o, lse
 
 
 def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
     """Launch the backward: dQ (which also stores delta), then dK/dV. Returns dq, dk, dv shaped like q, k, v,
     written into `out` = (dq, dk, dv) when given (views of one packed gradient), else new buffers."""
-    key = _plan_key("bwd", causal, sm_scale, (do, q, k, v, o, lse, *(out or ())))
+    key = _plan_key("bwd", (do, q, k, v, o, lse, *(out or ())), causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None:
         delta_shape, layouts, launches = plan
@@ -965,8 +989,8 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
         dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
     # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv
     _record(key, ((B, Hq, Nq), layouts,
-                  [dq_launch and ("dq", *dq_launch, (0, 1, 2, 3, 4, 5, 6, 7), dq_args[8:], dq_kwargs),
-                   dkdv_launch and ("dkdv", *dkdv_launch, (0, 1, 2, 4, 5, 6, 8, 9), dkdv_args[8:], dkdv_kwargs)]))
+                  [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7), dq_args[8:], dq_kwargs),
+                   _planned("dkdv", dkdv_launch, (0, 1, 2, 4, 5, 6, 8, 9), dkdv_args[8:], dkdv_kwargs)]))
     return dq, dk, dv
 
 
@@ -1063,14 +1087,59 @@ class _FlashAttnFunction(torch.autograd.Function):
 # would concatenate dq, dk, dv into d(qkv) with a copy kernel (a read and a write of the whole gradient per
 # layer); here the two backward kernels write their slices of d(qkv) directly.
 
+# A packed call whose launches all have compiled kernels (on a GPU) is also planned by qkv's own signature: the
+# launchers then take q, k, v (and dq, dk, dv) as integer addresses at the split's fixed byte offsets, so a
+# replay skips building the views (split_qkv) and the per-view plan key.
+
+def _offsets(packed: torch.Tensor, views) -> tuple:
+    return tuple(t.data_ptr() - packed.data_ptr() for t in views)
+
+
+def _record_packed(key, inner_key, offsets: tuple) -> None:
+    """Plan a packed call as the per-view plan `inner_key` that its first call recorded, plus the offsets
+    (or mark the signature _UNPACKABLE when that plan launches through Triton's JITFunction.run)."""
+    inner = _plans.get(inner_key) if key is not None else None
+    if inner is not None:
+        _record(key, (offsets, *inner) if all(launch[3] is not None for launch in inner[-1]) else _UNPACKABLE)
+
+
+_UNPACKABLE = ((),)  # a plan with no launches to check (_record) that replays nothing: looked up, then ignored
+
+
 def _packed_fwd(qkv, n_head: int, n_kv_head: int, causal: bool, sm_scale: float):
-    return _fwd(*split_qkv(qkv, n_head, n_kv_head), causal, sm_scale)
+    key = _plan_key("packed_fwd", (qkv,), n_head, n_kv_head, causal, sm_scale)
+    plan = _plans.get(key)
+    if plan is not None and plan is not _UNPACKABLE:
+        offsets, o_layout, lse_shape, launches = plan
+        o = _empty_like_layout(o_layout, qkv.dtype, qkv.device)
+        lse = _empty(lse_shape, torch.float32, qkv.device)
+        at = qkv.data_ptr()
+        _replay(launches, (*[at + off for off in offsets], o, lse), qkv)
+        return o, lse
+    q, k, v = split_qkv(qkv, n_head, n_kv_head)
+    o, lse = _fwd(q, k, v, causal, sm_scale)
+    if plan is None:
+        _record_packed(key, _plan_key("fwd", (q, k, v), causal, sm_scale), _offsets(qkv, (q, k, v)))
+    return o, lse
 
 
 def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_scale: float) -> torch.Tensor:
     dqkv = _empty(tuple(qkv.shape), qkv.dtype, qkv.device)  # (B, N, (Hq + 2·Hkv)·D), contiguous
-    _bwd(do, *split_qkv(qkv, n_head, n_kv_head), o, lse, causal, sm_scale,
-         out=split_qkv(dqkv, n_head, n_kv_head))
+    key = _plan_key("packed_bwd", (do, qkv, o, lse, dqkv), n_head, n_kv_head, causal, sm_scale)
+    plan = _plans.get(key)
+    if plan is not None and plan is not _UNPACKABLE:
+        offsets, delta_shape, _, launches = plan
+        delta = _empty(delta_shape, torch.float32, qkv.device)
+        at, grad_at = qkv.data_ptr(), dqkv.data_ptr()
+        _replay(launches, (*[at + off for off in offsets[:3]], o, do, lse, delta,
+                           *[grad_at + off for off in offsets[3:]]), qkv)
+        return dqkv
+    q, k, v = split_qkv(qkv, n_head, n_kv_head)
+    out = split_qkv(dqkv, n_head, n_kv_head)
+    _bwd(do, q, k, v, o, lse, causal, sm_scale, out=out)
+    if plan is None:
+        _record_packed(key, _plan_key("bwd", (do, q, k, v, o, lse, *out), causal, sm_scale),
+                       _offsets(qkv, (q, k, v)) + _offsets(dqkv, out))
     return dqkv
 
 

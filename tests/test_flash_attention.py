@@ -368,6 +368,42 @@ def test_qkvpacked_matches_split(heads, N, D, causal, dtype, request):
         assert err <= budget, f"{name}: max error {err:.3g} > budget {budget:.3g}"
 
 
+def test_qkvpacked_plans_replay_exactly(monkeypatch, request):
+    """Packed calls replayed from qkv's own plan (on a GPU: q, k, v and dq, dk, dv passed to the compiled
+    kernels as addresses at the split's offsets) give bit for bit what unplanned calls give: MHA and GQA,
+    fp16 and fp32, a qkv view at a 2-byte offset (misaligned), a transposed (non-contiguous) qkv. In the
+    interpreter the packed signatures are marked unpackable and replay through the per-view plans."""
+    g = _gen(request)
+    cases = []
+    for dtype, (B, Hq, Hkv, N, D) in [(torch.float16, (2, 4, 4, 113, 64)), (torch.float32, (1, 6, 2, 17, 48))]:
+        cases.append((_make((B, N, (Hq + 2 * Hkv) * D), dtype, g), Hq, Hkv))
+    base = torch.randn(1 * 64 * 3 * 2 * 32 + 1, generator=g).to(DEVICE, torch.float16)
+    cases.append((base[1:].view(1, 64, 3 * 2 * 32).detach().requires_grad_(), 2, 2))  # 2 bytes off alignment
+    wide = torch.randn(3 * 2 * 32, 1, 50, generator=g).to(DEVICE, torch.float16)
+    cases.append((wide.permute(1, 2, 0).detach().requires_grad_(), 2, 2))  # (1, 50, 192), stride 1 along N
+    dos = [torch.randn((qkv.shape[0], hq, qkv.shape[1], qkv.shape[2] // (hq + 2 * hkv)),
+                       generator=g).to(DEVICE, qkv.dtype) for qkv, hq, hkv in cases]
+
+    def run(qkv, hq, hkv, do):
+        o = fa.flash_attention_qkvpacked(qkv, hq, hkv, causal=True)
+        return o.detach(), *torch.autograd.grad(o, qkv, do)
+
+    plan_key = fa._plan_key
+    monkeypatch.setattr(fa, "_plan_key", lambda *args: None)
+    want = [run(*c, d) for c, d in zip(cases, dos)]
+    monkeypatch.setattr(fa, "_plan_key", plan_key)
+    for _ in range(3):  # records the per-view plans, then the packed ones, then replays them
+        for c, d, w in zip(cases, dos, want):
+            for got, ref in zip(run(*c, d), w):
+                assert torch.equal(got, ref)
+    packed = [p for key, p in fa._plans.items() if key[0].startswith("packed_")]
+    assert len(packed) == 2 * len(cases)
+    if fa._FAST_LAUNCH:
+        assert all(p is not fa._UNPACKABLE for p in packed)
+    else:
+        assert all(p is fa._UNPACKABLE for p in packed)
+
+
 def test_qkvpacked_dispatch_and_custom_ops(request):
     """attention_qkvpacked: flash reaches the packed kernel, the other backends the views; both custom ops
     pass opcheck; a width that does not split is a ValueError."""

@@ -47,7 +47,8 @@ if has idle; then
 fi
 if has train; then
   mkdir -p "$OUT/train"
-  timeout -k 10 "${TRAIN_S:-170}" $PY bench/train.py --out "$OUT/train" --steps 30 --variants flash+compile,sdpa+compile \
+  timeout -k 10 "${TRAIN_S:-300}" $PY bench/train.py --out "$OUT/train" --steps 30 --repeats "${REPEATS:-3}" \
+    --variants flash+compile,sdpa+compile \
     > "$OUT/train_pair.log" 2>&1
   echo "train exit $? after $(( $(date +%s) - T0 )) s"; tail -6 "$OUT/train_pair.log"
 fi

@@ -7,7 +7,8 @@ CUDA event recorded after the previous step's synchronisation; whatever host wor
 that window counts. This records the kernels of such steps (CUPTI only: no CPU-side profiling, which would
 inflate host time) and splits each step's event time into kernel time, idle time between kernels, and the
 lead (event start to first kernel plus last kernel to end event). The idle gaps are summed by the pair of
-kernels around them, so the table names where the host falls behind. Writes idle_gaps.md into --out.
+kernels around them, so the table names where the host falls behind; the kernels whose GPU time per step
+differs between the backends are listed too. Writes idle_gaps.md into --out.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _short(name: str) -> str:
     return name if len(name) <= 48 else name[:45] + "..."
 
 
-def measure(backend: str, steps: int, min_gap_us: float) -> tuple[dict, list]:
+def measure(backend: str, steps: int, min_gap_us: float) -> tuple[dict, list, dict]:
     _, step = _bench_train().make_train_step(backend, compiled=True, batch=16, block=1024)
     for _ in range(5):
         step()
@@ -55,7 +56,10 @@ def measure(backend: str, steps: int, min_gap_us: float) -> tuple[dict, list]:
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     per_step = len(kernels) // steps
-    rows, gaps = [], collections.defaultdict(float)
+    rows, gaps, by_name = [], collections.defaultdict(float), collections.defaultdict(lambda: [0.0, 0.0])
+    for k in kernels[:per_step * steps]:
+        by_name[k.name][0] += (k.time_range.end - k.time_range.start) / steps
+        by_name[k.name][1] += 1 / steps
     for s in range(steps):
         ks = kernels[s * per_step:(s + 1) * per_step]
         busy_until, busy, idle = ks[0].time_range.start, 0.0, 0.0
@@ -75,7 +79,7 @@ def measure(backend: str, steps: int, min_gap_us: float) -> tuple[dict, list]:
     summary["kernels"] = per_step
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return summary, sorted(gaps.items(), key=lambda kv: -kv[1])
+    return summary, sorted(gaps.items(), key=lambda kv: -kv[1]), dict(by_name)
 
 
 def main() -> int:
@@ -95,15 +99,24 @@ def main() -> int:
              f"GPT-2 124M, batch 16×1024, compile; medians of {args.steps} steps", "",
              "| backend | event step (ms) | kernel (ms) | idle between kernels (ms) | lead + tail (ms) | kernels |",
              "| --- | --- | --- | --- | --- | --- |"]
-    details = []
+    details, kernel_times = [], {}
     for backend in args.backends.split(","):
-        s, gaps = measure(backend, args.steps, args.min_gap_us)
+        s, gaps, kernel_times[backend] = measure(backend, args.steps, args.min_gap_us)
         lines.append(f"| {backend} | {s['event_ms']:.2f} | {s['kernel_ms']:.2f} | {s['idle_ms']:.2f} | "
                      f"{s['lead_ms']:.2f} | {s['kernels']} |")
         details += ["", f"## {backend}: idle gaps ≥ {args.min_gap_us:g} µs by the kernels around them "
                         "(µs per step, top 20)", "", "| µs | before | after |", "| --- | --- | --- |"]
         details += [f"| {us:.0f} | {a} | {b} |" for (a, b), us in gaps[:20]]
         print("\n".join(lines[-1:]), flush=True)
+    if len(kernel_times) == 2:
+        (a, ta), (b, tb) = kernel_times.items()
+        names = sorted(set(ta) | set(tb), key=lambda n: -abs(ta.get(n, [0])[0] - tb.get(n, [0])[0]))
+        details += ["", f"## kernels whose GPU time per step differs by ≥ 2 µs: {a} vs {b} (µs per step, calls)", "",
+                    f"| kernel | {a} µs | {a} calls | {b} µs | {b} calls |", "| --- | --- | --- | --- | --- |"]
+        for n in names:
+            x, y = ta.get(n, [0.0, 0.0]), tb.get(n, [0.0, 0.0])
+            if abs(x[0] - y[0]) >= 2:
+                details.append(f"| {n[:110]} | {x[0]:.1f} | {x[1]:.0f} | {y[0]:.1f} | {y[1]:.0f} |")
     text = "\n".join(lines + details) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "idle_gaps.md"), "w") as f:

@@ -231,12 +231,31 @@ def train(cfg: RunConfig) -> dict:
     bar = tqdm(total=t.max_iters, initial=start_iter, disable=not master, dynamic_ncols=True, desc="train")
     it, last_eval, last_ckpt = start_iter, {}, None
     t_start, t_last, tokens_since = time.time(), time.time(), 0
+    # A step's loss and grad norm stay on the device until they are needed: the loss of step i is read while
+    # step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not wait for
+    # the host to launch the next one), at once on log steps, and always before an evaluation or a
+    # checkpoint, so a checkpoint never holds weights that a non-finite step has touched.
+    pending = None  # (step, loss, grad norm) of the last step, not read back yet
+
+    def settle():
+        """Read back the pending step (waits for it on the GPU); a non-finite loss stops the run."""
+        nonlocal pending
+        step, loss_t, norm_t = pending
+        pending = None
+        loss_value = loss_t.item()
+        if not math.isfinite(loss_value):
+            raise TrainError(f"non-finite loss ({loss_value}) at step {step}: stopping; the last good "
+                             f"checkpoint is {last_ckpt or 'none (no checkpoint was written yet)'}")
+        return loss_value, norm_t.item()
+
     try:
         while True:
             snapshot = {"data": data.state_dict(), "rng": rng_state()}  # the state at the top of step `it`
             out_of_time = t.max_time > 0 and time.time() - t_start > t.max_time
             last = it >= t.max_iters or out_of_time
             if (it % t.eval_interval == 0 or last) and not (resume and it == start_iter):
+                if pending is not None:
+                    settle()
                 losses = estimate_loss(raw_model, data, t, device, autocast)
                 snapshot["data"] = data.state_dict()  # evaluation draws from its own generators
                 is_best = losses["val"] < best_val
@@ -264,20 +283,20 @@ def train(cfg: RunConfig) -> dict:
             if world > 1:
                 import torch.distributed as dist
                 dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            loss_value = step_loss.item()
-            if not math.isfinite(loss_value):
-                raise TrainError(f"non-finite loss ({loss_value}) at step {it}: stopping; the last good "
-                                 f"checkpoint is {last_ckpt or 'none (no checkpoint was written yet)'}")
+            if pending is not None:
+                settle()  # the previous step, while this one's forward and backward run on the GPU
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip if t.grad_clip > 0
-                                                       else float("inf")).item()
+                                                       else float("inf"))
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            pending = (it, step_loss, grad_norm)
             it += 1
             bar.update(1)
             tokens_since += tokens_per_step
             if it % t.log_interval == 0 or it == t.max_iters:
+                loss_value, grad_norm = settle()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 now = time.time()
@@ -292,6 +311,8 @@ def train(cfg: RunConfig) -> dict:
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:,.0f}")
     except KeyboardInterrupt:
         bar.close()
+        if pending is not None:
+            settle()  # never save the weights of a non-finite step
         path = checkpoint(it, False)
         log.close()
         raise TrainError(f"interrupted at step {it}; checkpoint saved to {path}; continue with --resume") from None

@@ -57,8 +57,9 @@ def test_checkpoint_round_trip(tmp_path):
         assert torch.equal(v, ckpt["model"][k])
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = ["--eval_interval=10", "--lr_decay_iters=40", "--dropout=0.1"]
+@pytest.mark.parametrize("log_interval", [1, 5])  # 5: four steps in five are read back a step late
+def test_resume_reproduces_the_uninterrupted_run(log_interval, tmp_path):
+    common = ["--eval_interval=10", "--lr_decay_iters=40", "--dropout=0.1", f"--log_interval={log_interval}"]
     a = cfg_for(tmp_path / "a", "--max_iters=40", *common)
     train_mod.train(a)
     b = cfg_for(tmp_path / "b", "--max_iters=20", *common)
@@ -87,8 +88,12 @@ def test_unwritable_run_directory(tmp_path):
         train_mod.train(cfg)
 
 
-def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    cfg = cfg_for(tmp_path, "--max_iters=30", "--eval_interval=5")
+@pytest.mark.parametrize("bad_step, log_interval", [(7, 1), (7, 10), (9, 10)])
+def test_non_finite_loss_stops_and_keeps_the_checkpoint(bad_step, log_interval, tmp_path, monkeypatch):
+    """Every step logged (read back at once), or read back one step late (7: while step 8 runs; 9: before the
+    evaluation and checkpoint of step 10): the run stops naming the bad step, and the last checkpoint is the
+    good one of step 5, never a later one."""
+    cfg = cfg_for(tmp_path, "--max_iters=30", "--eval_interval=5", f"--log_interval={log_interval}")
     from model import GPT
     real_forward, calls = GPT.forward, {"n": 0}
 
@@ -96,14 +101,15 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path, monkeypatch):
         logits, loss = real_forward(self, idx, targets, input_pos)
         if self.training:
             calls["n"] += 1
-            if calls["n"] > 7:
+            if calls["n"] > bad_step:
                 loss = loss * float("nan")
         return logits, loss
 
     monkeypatch.setattr(GPT, "forward", poisoned)
-    with pytest.raises(train_mod.TrainError, match=r"non-finite loss .* step 7.*ckpt_0000005\.pt"):
+    with pytest.raises(train_mod.TrainError, match=rf"non-finite loss .* step {bad_step}:.*ckpt_0000005\.pt"):
         train_mod.train(cfg)
     assert load_checkpoint(cfg.train.out_dir)["iter"] == 5
+    assert max(int(f[5:12]) for f in os.listdir(cfg.train.out_dir) if f.startswith("ckpt_")) == 5
 
 
 def test_atomic_save_keeps_the_previous_file(tmp_path, monkeypatch):

@@ -905,7 +905,8 @@ def _planned(name: str, launched, idx: tuple, tail: tuple, kwargs: dict):
     if launched is None:
         return None
     grid, cfg, kernel = launched
-    return name, grid, cfg, kernel, idx, tail, kwargs, kernel and (*tail, *kwargs.values(), cfg[0], cfg[1])
+    after = None if kernel is None else (*tail, *kwargs.values(), cfg[0], cfg[1])
+    return name, grid, cfg, kernel, idx, tail, kwargs, after
 
 
 def _record(key, plan) -> None:
@@ -1103,7 +1104,10 @@ def _record_packed(key, inner_key, offsets: tuple) -> None:
         _record(key, (offsets, *inner) if all(launch[3] is not None for launch in inner[-1]) else _UNPACKABLE)
 
 
-_UNPACKABLE = ((),)  # a plan with no launches to check (_record) that replays nothing: looked up, then ignored
+# The plan recorded for a packed signature whose per-view plan launches through JITFunction.run (the interpreter,
+# FLASHGPT_FAST_LAUNCH=0): such calls take the per-view path without trying to record again. Its last item is
+# an empty list of launches, so _record accepts it.
+_UNPACKABLE = ((),)
 
 
 def _packed_fwd(qkv, n_head: int, n_kv_head: int, causal: bool, sm_scale: float):

@@ -40,19 +40,13 @@ def _short(name: str) -> str:
 
 
 def measure(backend: str, steps: int, min_gap_us: float) -> tuple[dict, list, dict]:
-    _, step = _bench_train().make_train_step(backend, compiled=True, batch=16, block=1024)
+    bench_train = _bench_train()
+    _, step = bench_train.make_train_step(backend, compiled=True, batch=16, block=1024)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    event_ms = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            event_ms.append(start.elapsed_time(end))
+        event_ms = bench_train.timed_steps(step, steps)
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     per_step = len(kernels) // steps

@@ -59,6 +59,20 @@ def make_train_step(attention: str, compiled: bool, batch: int, block: int):
     return model, step
 
 
+def timed_steps(step, steps: int) -> list:
+    """Milliseconds of GPU time per call of step(), each between CUDA events and synchronised at its end (as a
+    training loop that reads the loss after every step; whatever host work the GPU waits for counts)."""
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int) -> dict:
     model, step = make_train_step(attention, compiled, batch, block)
     t0 = time.perf_counter()
@@ -69,15 +83,7 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    med = statistics.median(times)
+    med = statistics.median(timed_steps(step, steps)) / 1e3
     tok_s = batch * block / med
     return {"attention": attention, "compiled": compiled, "step_ms": med * 1e3, "tokens_per_s": tok_s,
             "mfu": model.flops_per_token() * tok_s / PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,

@@ -241,12 +241,12 @@ def train(cfg: RunConfig) -> dict:
         """Read back the pending step (waits for it on the GPU); a non-finite loss stops the run."""
         nonlocal pending
         step, loss_t, norm_t = pending
-        pending = None
-        loss_value = loss_t.item()
+        loss_value, norm_value = loss_t.item(), norm_t.item()
         if not math.isfinite(loss_value):
             raise TrainError(f"non-finite loss ({loss_value}) at step {step}: stopping; the last good "
                              f"checkpoint is {last_ckpt or 'none (no checkpoint was written yet)'}")
-        return loss_value, norm_t.item()
+        pending = None  # only now: a Ctrl-C during the read-back leaves the step to check in the handler
+        return loss_value, norm_value
 
     try:
         while True:

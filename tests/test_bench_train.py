@@ -1,0 +1,53 @@
+"""bench/train.py's table logic (the measurement itself needs a GPU): medians over fresh-process runs, failed runs
+kept visible, the flash/sdpa ratio and its per-round values."""
+import importlib.util
+import json
+import types
+
+import torch
+
+from tests.util import ROOT
+
+
+def _bench_train():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT + "/bench/train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(step_ms: float, mem: float = 11.5) -> dict:
+    tok_s = 16 * 1024 / (step_ms / 1e3)
+    return {"step_ms": step_ms, "tokens_per_s": tok_s, "mfu": tok_s * 8.7e8 / 989e12, "peak_mem_gib": mem}
+
+
+def test_rows_are_medians_over_runs_and_keep_failures(tmp_path, monkeypatch):
+    bt = _bench_train()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+    flash = bt.combine("flash+compile", [_run(33.0), _run(34.0, 11.6), _run(33.2)])
+    sdpa = bt.combine("sdpa+compile", [_run(33.6), {"error": "worker exit 1: OOM"}, _run(33.4)])
+    naive = bt.combine("naive", [{"error": "worker exit 1: CUDA out of memory"}])
+    assert flash["variant"] == "flash + compile" and flash["step_ms"] == 33.2 and flash["peak_mem_gib"] == 11.6
+    assert abs(flash["tokens_per_s"] - 16 * 1024 / 0.0332) < 1e-6 * flash["tokens_per_s"]
+    assert abs(flash["mfu"] - _run(33.2)["mfu"]) < 1e-12
+    assert sdpa["step_ms"] == 33.5 and sdpa["runs_step_ms"] == [33.6, None, 33.4] and len(sdpa["errors"]) == 1
+    assert "step_ms" not in naive and "out of memory" in naive["error"]
+
+    args = types.SimpleNamespace(in_process=False, repeats=3, batch=16, block=1024, steps=30, out=str(tmp_path))
+    text = bt.write_results([flash, sdpa, naive], args, ["--repeats", "3"])
+    assert "| flash + compile | 33.20 |" in text and "33.00, 34.00, 33.20" in text
+    assert "33.60, failed, 33.40" in text and "CUDA out of memory" in text
+    assert f"**{33.5 / 33.2:.3f}×** (target ≥ 1.0×: met)" in text
+    assert f"per round: {33.6 / 33.0:.3f}×, {33.4 / 33.2:.3f}×" in text  # the failed round is left out
+    saved = json.loads((tmp_path / "train_step.json").read_text())
+    assert saved["device"] == "TEST GPU" and [r["variant"] for r in saved["rows"]] == [
+        "flash + compile", "sdpa + compile", "naive"]
+    assert (tmp_path / "train_step.md").read_text() == text
+
+
+def test_needs_a_gpu_and_valid_counts():
+    bt = _bench_train()
+    if not torch.cuda.is_available():
+        assert bt.main(["--steps", "5"]) == 2
+    else:
+        assert bt.main(["--repeats", "0"]) == 2

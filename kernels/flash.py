@@ -210,6 +210,12 @@ def _attn_fwd(Q, K, V, O, LSE,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Forward: O (and the row log-sum-exp LSE, base 2, scaled) of BLOCK_M query rows of one (batch, query head).
+
+    Supports fp16, bf16 and fp32 Q/K/V (one dtype; fp32 accumulation), HEAD_DIM 1..256 padded to BLOCK_D (a power
+    of two >= 16), any Nq, Nk >= 1, causal (bottom-right aligned, offset = Nk - Nq) or not, GQA via GROUP =
+    Hq // Hkv, any strides (TMA: K/V through descriptors, needs 16-byte aligned rows). grid: _query_tile.
+    """
     pid_m, h, b = _query_tile(Nq, Hq, lpt_group, CAUSAL, LPT, BLOCK_M)
     bh = b * Hq + h
     hk = h // GROUP  # kv head of this query head
@@ -354,6 +360,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr, GQA: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV of BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that read them.
+
+    Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, GQA, strides; TMA: Q/dO through
+    descriptors). Needs DELTA = rowsum(O * dO) from _attn_bwd_dq, which runs first.
+    """
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid
     # in longest-first order across heads (_lpt_tile).
@@ -479,7 +490,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
     computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
     runs after this one (no separate delta pass over O and dO).
 
-    grid: as the forward's (_query_tile)."""
+    Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, GQA, strides). grid: as the forward's
+    (_query_tile)."""
     pid_m, h, b = _query_tile(Nq, Hq, lpt_group, CAUSAL, LPT, BLOCK_M)
     bh = b * Hq + h
     hk = h // GROUP

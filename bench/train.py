@@ -33,6 +33,8 @@ import torch  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
 
+KERNELS = ("fwd", "dq", "dkdv")
+
 PEAK = 989e12
 
 
@@ -73,27 +75,53 @@ def timed_steps(step, steps: int) -> list:
     return times
 
 
-def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int) -> dict:
-    model, step = make_train_step(attention, compiled, batch, block)
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        loss = step()
-    torch.cuda.synchronize()
-    warm_s = time.perf_counter() - t0
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss.item()}")
-    torch.cuda.reset_peak_memory_stats()
-    med = statistics.median(timed_steps(step, steps)) / 1e3
+def parse_tiles(text: str) -> dict:
+    """'fwd=128x64x8x4,dkdv=32x128x4x3' -> {"fwd": (128, 64, 8, 4), ...}: (BLOCK_M, BLOCK_N, warps, stages)."""
+    tiles = {}
+    for item in filter(None, text.split(",")):
+        name, _, cfg = item.partition("=")
+        parts = cfg.split("x")
+        if name not in KERNELS or len(parts) != 4 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"bad --tiles entry {item!r}: expected KERNEL=BMxBNxWARPSxSTAGES with KERNEL one of "
+                             f"{', '.join(KERNELS)}")
+        tiles[name] = tuple(int(p) for p in parts)
+    return tiles
+
+
+def flash_tiles() -> dict:
+    """The tile configs the flash kernels ran with in this process: the autotuner's picks (or forced ones)."""
+    from kernels import flash
+    picked = {key[0]: cfg for key, cfg in flash._picked.items()}
+    return {name: "x".join(map(str, flash._forced.get(name, picked.get(name, ())))) for name in KERNELS}
+
+
+def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int,
+                tiles: dict | None = None) -> dict:
+    from kernels.flash import forced_configs
+    with forced_configs(**(tiles or {})):
+        model, step = make_train_step(attention, compiled, batch, block)
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            loss = step()
+        torch.cuda.synchronize()
+        warm_s = time.perf_counter() - t0
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()}")
+        torch.cuda.reset_peak_memory_stats()
+        med = statistics.median(timed_steps(step, steps)) / 1e3
+        row_tiles = flash_tiles() if attention == "flash" else None
     tok_s = batch * block / med
-    return {"attention": attention, "compiled": compiled, "step_ms": med * 1e3, "tokens_per_s": tok_s,
-            "mfu": model.flops_per_token() * tok_s / PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6}
+    row = {"attention": attention, "compiled": compiled, "step_ms": med * 1e3, "tokens_per_s": tok_s,
+           "mfu": model.flops_per_token() * tok_s / PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6}
+    return {**row, "tiles": row_tiles} if row_tiles else row
 
 
 def run_isolated(variant: str, args) -> dict:
     """run_variant in a fresh Python process (this script with --worker); its JSON row, or an error row."""
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", variant, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block)]
+           "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block),
+           "--tiles", args.tiles]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -105,7 +133,8 @@ def run_isolated(variant: str, args) -> dict:
 def run_in_process(variant: str, args) -> dict:
     attention, compiled = variant.split("+")[0], variant.endswith("+compile")
     try:
-        return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block)
+        return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block,
+                           parse_tiles(args.tiles))
     except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -125,6 +154,7 @@ def combine(variant: str, runs: list) -> dict:
     tok_s = ok[0]["tokens_per_s"] * ok[0]["step_ms"] / step
     return {**row, "step_ms": step, "tokens_per_s": tok_s, "mfu": ok[0]["mfu"] / ok[0]["tokens_per_s"] * tok_s,
             "peak_mem_gib": max(r["peak_mem_gib"] for r in ok), "runs_step_ms": [r.get("step_ms") for r in runs],
+            "runs_tiles": [r.get("tiles") for r in runs],
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
@@ -156,6 +186,13 @@ def write_results(rows: list, args, argv) -> str:
         pairs = [(a, b) for a, b in zip(flash["runs_step_ms"], sdpa["runs_step_ms"]) if a and b]
         if len(pairs) > 1:
             lines.append("per round: " + ", ".join(f"{b / a:.3f}×" for a, b in pairs))
+    tiled = [(r["variant"], ms, t) for r in rows if "step_ms" in r
+             for ms, t in zip(r["runs_step_ms"], r["runs_tiles"]) if t]
+    if tiled:
+        lines += ["", "flash tile configs per run (BLOCK_M×BLOCK_N×warps×stages; the autotuner's picks unless "
+                      "--tiles fixed them):", ""]
+        lines += [f"- {v}, {'failed' if ms is None else f'{ms:.2f} ms'}: "
+                  + ", ".join(f"{k} {c}" for k, c in t.items()) for v, ms, t in tiled]
     text = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
@@ -176,6 +213,9 @@ def main(argv=None) -> int:
                    help="attention backends, '+compile' for torch.compile; the headline pair runs first")
     p.add_argument("--repeats", type=int, default=1, help="processes per variant (medians over them)")
     p.add_argument("--in-process", action="store_true", help="measure every variant in this process")
+    p.add_argument("--tiles", default="", metavar="KERNEL=BMxBNxWxS,...",
+                   help="fixed flash tile configs instead of the autotuner's, e.g. dkdv=32x128x4x3 (kernels: "
+                        "fwd, dq, dkdv; BLOCK_M x BLOCK_N x warps x stages)")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -184,10 +224,15 @@ def main(argv=None) -> int:
     if args.repeats < 1 or args.steps < 1:
         print("error: --repeats and --steps must be at least 1", file=sys.stderr)
         return 2
+    try:
+        tiles = parse_tiles(args.tiles)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.worker:
         attention, compiled = args.worker.split("+")[0], args.worker.endswith("+compile")
-        print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block)))
+        print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block, tiles)))
         return 0
     variants = args.variants.split(",")
     runs: dict[str, list] = {v: [] for v in variants}

@@ -902,10 +902,9 @@ _PLANS_MAX = 4096
 
 
 def _plan_key(kind: str, tensors, *scalars) -> tuple | None:
-    if _forced:
-        return None
     env = os.environ
     return (kind, *scalars, env.get("FLASHGPT_TMA"), env.get("FLASHGPT_LPT"), env.get("FLASHGPT_AUTOTUNE"),
+            *sorted(_forced.items()),  # a plan replays the configs it was recorded with
             *TMA_MIN_BLOCK_D.values(), LPT_MIN_GROUP,
             *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])
 

@@ -51,3 +51,25 @@ def test_needs_a_gpu_and_valid_counts():
         assert bt.main(["--steps", "5"]) == 2
     else:
         assert bt.main(["--repeats", "0"]) == 2
+
+
+def test_tiles_are_parsed_checked_and_listed_per_run(tmp_path, monkeypatch):
+    bt = _bench_train()
+    assert bt.parse_tiles("fwd=128x64x8x4,dkdv=32x128x4x3") == {"fwd": (128, 64, 8, 4), "dkdv": (32, 128, 4, 3)}
+    assert bt.parse_tiles("") == {}
+    for bad in ("dk=32x128x4x3", "dq=32x128x4", "fwd=128x64x8xfour", "fwd"):
+        try:
+            bt.parse_tiles(bad)
+        except ValueError as e:
+            assert repr(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+    runs = [dict(_run(33.3), tiles={"fwd": "128x64x8x4", "dq": "128x64x8x3", "dkdv": "32x128x4x3"}),
+            dict(_run(33.7), tiles={"fwd": "128x64x8x4", "dq": "64x64x4x3", "dkdv": "64x128x8x3"})]
+    flash = bt.combine("flash+compile", runs)
+    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path))
+    text = bt.write_results([flash, bt.combine("sdpa+compile", [_run(33.6), _run(33.6)])], args, [])
+    assert "- flash + compile, 33.30 ms: fwd 128x64x8x4, dq 128x64x8x3, dkdv 32x128x4x3" in text
+    assert "- flash + compile, 33.70 ms: fwd 128x64x8x4, dq 64x64x4x3, dkdv 64x128x8x3" in text
+    assert bt.main(["--tiles", "dkdv=1x2"]) == 2  # bad --tiles: one line, exit 2 (no GPU needed to refuse it)

@@ -4,12 +4,13 @@
 
 The autotuner times each config once, one after the other, so a config measured while the GPU's clocks or
 temperature drift can win or lose by that alone; where the top configs lie within a few percent, its pick can
-change from one process to the next. This times each config of each kernel (forward; the backward's dQ and
-dK/dV kernels, the other one held at its list's first config) in --rounds rounds, the configs in a fresh
-random order each round (triton.testing.do_bench medians, L2 flushed between calls), on the training layout:
-q, k, v as views of one packed projection (B, N, 3·H·D), causal, bf16. It prints and writes tiles.md: per
-config the median over the rounds, the spread, and the autotuner's own pick in this process. --best-out writes
-the fastest configs as a --tiles argument for bench/train.py.
+change from one process to the next. This times each config of each kernel in --rounds rounds, the configs in a
+fresh random order each round (triton.testing.do_bench medians, L2 flushed between calls): the forward; the
+split backward's dQ and dK/dV kernels (the other one held at the autotuner's pick); the fused backward's dK/dV
+kernel (FLASHGPT_BWD=fused). Inputs have the training layout: q, k, v as views of one packed projection
+(B, N, 3·H·D), causal, bf16. It prints and writes tiles.md: per config the median over the rounds, the spread,
+and the autotuner's own pick in this process. --best-out writes the fastest split-backward configs as a
+--tiles argument for bench/train.py.
 """
 from __future__ import annotations
 
@@ -54,32 +55,36 @@ def main(argv=None) -> int:
     # the autotuner's own picks in this process (its first call at this shape tunes)
     o, lse = fa._fwd(q, k, v, True, scale)
     fa._bwd(do, q, k, v, o, lse, True, scale, out=grads)
+    os.environ["FLASHGPT_BWD"] = "fused"  # the fused backward's pick too
+    fa._bwd(do, q, k, v, o, lse, True, scale, out=grads)
+    os.environ["FLASHGPT_BWD"] = "split"
     torch.cuda.synchronize()
     auto = {key[0]: cfg for key, cfg in fa._picked.items()}
 
-    lists = {name: fa.gpu_configs(name, torch.bfloat16, D) for name in ("fwd", "dq", "dkdv")}
-    calls = {
-        "fwd": lambda: fa._fwd(q, k, v, True, scale),
-        "dq": lambda: fa._bwd(do, q, k, v, o, lse, True, scale, out=grads),
-        "dkdv": lambda: fa._bwd(do, q, k, v, o, lse, True, scale, out=grads),
-    }
-    other = {"fwd": {}, "dq": {"dkdv": lists["dkdv"][0]}, "dkdv": {"dq": lists["dq"][0]}}
+    lists = {name: fa.gpu_configs(name, torch.bfloat16, D) for name in ("fwd", "dq", "dkdv", "dkdvq")}
+    bwd = lambda: fa._bwd(do, q, k, v, o, lse, True, scale, out=grads)  # noqa: E731
+    calls = {"fwd": lambda: fa._fwd(q, k, v, True, scale), "dq": bwd, "dkdv": bwd, "dkdvq": bwd}
+    other = {"fwd": {}, "dq": {"dkdv": auto["dkdv"]}, "dkdv": {"dq": auto["dq"]}, "dkdvq": {}}
     times: dict[tuple, list] = {(name, c): [] for name, cfgs in lists.items() for c in cfgs}
     rng = random.Random(0)
     for _ in range(args.rounds):
         order = list(times)
         rng.shuffle(order)
         for name, cfg in order:
+            os.environ["FLASHGPT_BWD"] = "fused" if name == "dkdvq" else "split"
             with fa.forced_configs(**{name: cfg}, **other[name]):
                 times[(name, cfg)].append(triton.testing.do_bench(calls[name], warmup=5, rep=40,
                                                                   return_mode="median"))
+    os.environ["FLASHGPT_BWD"] = "split"
 
     device = torch.cuda.get_device_name()
     lines = [f"# Flash tile configs at (B, H, N, D) = ({B}, {H}, {N}, {D}), causal bf16, packed qkv — {device}", "",
              f"`python bench/tiles.py {' '.join(argv if argv is not None else sys.argv[1:])}` — "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, torch {torch.__version__}, "
              f"triton {triton.__version__}; {args.rounds} rounds, configs in a random order each round; "
-             "dq and dkdv rows time the whole backward (dQ then dK/dV) with the other kernel at its first config", ""]
+             "dq and dkdv rows time the whole split backward (dQ then dK/dV) with the other kernel at the "
+             "autotuner's pick; dkdvq rows the whole fused backward (delta pass, dK/dV adding dQ, dQ pass; "
+             "FLASHGPT_BWD=fused)", ""]
     best = {}
     for name, cfgs in lists.items():
         med = {c: statistics.median(times[(name, c)]) for c in cfgs}
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
             lines.append(f"| {'x'.join(map(str, c))}{' (list first)' if c == cfgs[0] else ''} | {med[c] * 1e3:.1f} | "
                          f"{med[c] / med[top]:.3f} | {min(ts) * 1e3:.1f}–{max(ts) * 1e3:.1f} |")
         lines.append("")
-    tiles = ",".join(f"{name}={'x'.join(map(str, c))}" for name, c in best.items())
+    tiles = ",".join(f"{name}={'x'.join(map(str, c))}" for name, c in best.items() if name != "dkdvq")
     lines.append(f"fastest: `--tiles {tiles}`")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -274,11 +274,11 @@ def _attn_fwd(Q, K, V, O, LSE,
 # ----------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                 stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                 lo, hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
                 MASK: tl.constexpr, GQA: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FUSED_DQ: tl.constexpr):
     """Accumulate dK, dV of one key tile over query blocks [lo, hi) of each of the GROUP query heads that
     read it (GQA; 1 otherwise), in one flat loop: head g = step // blocks. (A loop over the heads around
     this one kept the accumulators of both loops live: 255 registers and spills on sm_90.)
@@ -288,6 +288,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
     blocks (causal mask + the row checks of 1). q_base, do_base, lse_base, delta_base address the group's
     first query head (head g at + g * stride_qh, ..., + g * Nq for lse and delta). TMA: q_base, do_base are
     tensor descriptors over the group's (GROUP, Nq, HEAD_DIM) (zeros past either end), else pointers.
+    FUSED_DQ: also add each tile's dQ part dS K (unscaled, fp32) into the group's rows of the accumulator at
+    dq_base ((GROUP, Nq, BLOCK_D) fp32, contiguous) with atomic adds.
     """
     d_ok = offs_d < HEAD_DIM
     blocks = tl.maximum((hi - lo) // BLOCK_M, 1)  # >= 1 only to keep the division defined when hi == lo
@@ -344,12 +346,20 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO Vᵀ)ᵀ
         dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        dsT = dsT.to(qT.dtype)
+        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        if FUSED_DQ:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) = dS K
+            dq_ptrs = dq_base + (g_rows + offs_m)[:, None] * BLOCK_D + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
+            if MASK == 0:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -359,11 +369,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr, GQA: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   FUSED_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV of BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that read them.
 
     Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, GQA, strides; TMA: Q/dO through
-    descriptors). Needs DELTA = rowsum(O * dO) from _attn_bwd_dq, which runs first.
+    descriptors). Needs DELTA = rowsum(O * dO): from _attn_bwd_dq, which runs first, or (FUSED_DQ) from
+    _attn_bwd_prep. FUSED_DQ: dQ too, accumulated unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by
+    _attn_bwd_prep) with atomic adds — 5 matmuls per tile instead of the two kernels' 7, but the summation
+    order, and so the last bits of dQ, vary from run to run; _attn_bwd_dq_out writes dQ from it.
     """
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid
@@ -412,19 +425,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                                             strides=[stride_doh, stride_dom, 1], block_shape=[1, BLOCK_M, BLOCK_D])
     lse_base = LSE + (b * Hq + h0).to(tl.int64) * Nq
     delta_base = DELTA + (b * Hq + h0).to(tl.int64) * Nq
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+    dq_base = DQACC + (b * Hq + h0).to(tl.int64) * Nq * BLOCK_D
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                          stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                          tail_lo, m_end, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
-                         1, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+                         1, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ)
     if CAUSAL:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                              stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                              lo, full_lo, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
-                             2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                          stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                          full_lo, m_full, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
-                         0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+                         0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ)
     dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
@@ -539,6 +553,47 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
              mask=qd_mask)
 
 
+@triton.jit(do_not_specialize=["Hq", "Nq"])
+def _attn_bwd_prep(O, DO, DELTA, DQACC,
+                   stride_ob, stride_oh, stride_om, stride_od,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   Hq, Nq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fused backward's first pass over BLOCK_M query rows of one (batch, head): delta = rowsum(O * dO) in
+    fp32 into DELTA (B, Hq, Nq), and zeros into the rows' dQ accumulator DQACC ((B, Hq, Nq, BLOCK_D) fp32,
+    contiguous). Any dtype of O/dO, any strides, HEAD_DIM <= BLOCK_D, any Nq. BLOCK_N is unused.
+    grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
+    pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = b * Hq + h
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Nq
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+    tl.store(DQACC + (bh.to(tl.int64) * Nq + offs_m[:, None]) * BLOCK_D + offs_d[None, :],
+             tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["Hq", "Nq"])
+def _attn_bwd_dq_out(DQACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, Hq, Nq, sm_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fused backward's last pass: dQ = sm_scale * DQACC (fp32, (B, Hq, Nq, BLOCK_D), contiguous) in DQ's
+    dtype and strides, for BLOCK_M rows of one (batch, head). BLOCK_N is unused. grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
+    pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Nq
+    acc = tl.load(DQACC + ((b * Hq + h).to(tl.int64) * Nq + offs_m[:, None]) * BLOCK_D + offs_d[None, :],
+                  mask=row_ok[:, None], other=0.0)  # (BLOCK_M, BLOCK_D)
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, (acc * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
 if INTERPRET and not type(_attn_fwd).__name__.startswith("Interpreted"):
     raise RuntimeError("TRITON_INTERPRET=1 did not take effect for kernels/flash.py; set it in the "
                        "environment before starting Python (or before anything imports this module)")
@@ -582,6 +637,12 @@ _GPU_CFGS = {
     ("dq", "32", 128): [(32, 32, 4, 2), (32, 16, 4, 2)],
     ("dq", "32", 256): [(32, 16, 8, 1), (16, 16, 4, 1)],
 }
+# The fused backward (FLASHGPT_BWD=fused): "dkdvq" is the dK/dV kernel that also adds dQ (its own autotuner, which
+# zeroes the dQ accumulator before each trial), "prep" and "dqout" its two row-wise passes (one config each).
+_GPU_CFGS.update({("dkdvq", dcls, bd): list(cfgs) for (name, dcls, bd), cfgs in list(_GPU_CFGS.items())
+                  if name == "dkdv"})
+_GPU_CFGS.update({(name, dcls, bd): [(64 if bd < 256 else 32, 64, 4, 1)]
+                  for name in ("prep", "dqout") for dcls in ("16", "32") for bd in (64, 128, 256)})
 
 
 def _cfg_key(kernel: str, dtype: torch.dtype, block_d: int):
@@ -598,19 +659,24 @@ def _as_config(c):
 
 
 def _tuned(fn):
-    """One autotuner per (kernel, dtype class, BLOCK_D) so each only tries the configs meant for it."""
+    """One autotuner per (kernel, dtype class, BLOCK_D) so each only tries the configs meant for it (none for a
+    single config: _launch runs it directly)."""
     out = {}
     for (name, dcls, bd), cfgs in _GPU_CFGS.items():
+        if INTERPRET or len(cfgs) == 1:
+            continue
         key = ["HEAD_DIM", "CAUSAL", "TMA", "LPT", "q_bucket", "k_bucket"]  # + the tensor dtypes (triton)
         if "GQA" in fn[name].arg_names:  # dK/dV only (newer Triton rejects key names that are not arguments)
             key.append("GQA")
-        out[(name, dcls, bd)] = triton.autotune(configs=[_as_config(c) for c in cfgs], key=key)(fn[name]) \
-            if not INTERPRET else None
+        zero = ["DQACC"] if name == "dkdvq" else None  # each trial adds into it: start every one from zeros
+        out[(name, dcls, bd)] = triton.autotune(configs=[_as_config(c) for c in cfgs], key=key,
+                                                reset_to_zero=zero)(fn[name])
     return out
 
 
-_TUNED = _tuned({"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq})
-_RAW = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
+_RAW = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq, "dkdvq": _attn_bwd_dkdv,
+        "prep": _attn_bwd_prep, "dqout": _attn_bwd_dq_out}
+_TUNED = _tuned(_RAW)
 
 _forced: dict[str, tuple[int, int, int, int]] = {}
 _picked: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's choice per key, reused without the tuner
@@ -642,7 +708,7 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: int, block_n: int):
     """(blocks, heads, batch), or the same count in 1-D for the LPT order; fwd/dq tile queries, dkdv keys."""
-    blocks = -(-length // (block_m if name in ("fwd", "dq") else block_n))  # ceil
+    blocks = -(-length // (block_n if name in ("dkdv", "dkdvq") else block_m))  # ceil
     return (blocks * heads * batch,) if lpt else (blocks, heads, batch)
 
 
@@ -654,7 +720,7 @@ _FAST_LAUNCH = (os.environ.get("FLASHGPT_FAST_LAUNCH", "1") not in ("0", "", "fa
                 and not INTERPRET)
 _compiled: dict[tuple, object] = {}
 _COMPILED_MAX = 4096  # signatures kept (one per distinct shape/stride set); the cache starts over beyond it
-_N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 8}  # the tensors lead each kernel's arguments
+_N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 9, "dkdvq": 9, "prep": 4, "dqout": 2}  # tensors lead the arguments
 
 
 def _run(name: str, grid: tuple, cfg, args, kwargs):
@@ -699,7 +765,7 @@ def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
 
 
 def _exec(name: str, grid: tuple, cfg, args, kwargs):
-    if kwargs["TMA"] and not INTERPRET:
+    if kwargs.get("TMA") and not INTERPRET:
         triton.set_allocator(_tma_scratch)  # a context variable: set per launch (autograd runs in its own thread)
     return _run(name, grid, cfg, args, kwargs)
 
@@ -708,13 +774,14 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
     """Launch kernel `name` with a forced config, the autotuner, or the default config. Returns (grid, config,
     compiled kernel or None: see _run) of a launch with a fixed config, None after the autotuner's first run for
     its key."""
-    if name in _forced or INTERPRET or not _autotune_enabled():
+    cfgs = _GPU_CFGS[_cfg_key(name, dtype, kwargs["BLOCK_D"])]
+    if name in _forced or INTERPRET or not _autotune_enabled() or len(cfgs) == 1:
         if name in _forced:
             cfg = _forced[name]
         elif INTERPRET:
             cfg = _INTERPRET_CFG
         else:
-            cfg = _GPU_CFGS[_cfg_key(name, dtype, kwargs["BLOCK_D"])][0]
+            cfg = cfgs[0]
     else:
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
@@ -731,7 +798,7 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
             best = tuner.best_config
             _picked[tkey] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
             return None
-    grid = _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"], cfg[0], cfg[1])
+    grid = _grid(name, grid_axis0_len, heads, batch, kwargs.get("LPT", False), cfg[0], cfg[1])
     return grid, cfg, _exec(name, grid, cfg, args, kwargs)
 
 
@@ -851,6 +918,21 @@ def _lpt_group(t: torch.Tensor, rows: int, heads: int) -> int:
     return max(1, min(heads, LPT_L2_BYTES // per_head))
 
 
+# The backward's structure. "split": the dQ kernel (which also stores delta), then the dK/dV kernel — 7 matmuls per
+# pair of tiles (both kernels recompute S and dP), deterministic. "fused": a delta pass that also zeroes an fp32
+# dQ accumulator, the dK/dV kernel adding each tile's dS K into it with atomics (5 matmuls), and a pass writing
+# dQ — the FA2/cuDNN structure: less work, but dQ's last bits vary from run to run. FLASHGPT_BWD=split|fused
+# picks one (read per call; A/B runs); BWD_DEFAULT is the measured choice (bench/NOTES.md).
+BWD_DEFAULT = "split"
+
+
+def _fused_bwd() -> bool:
+    mode = os.environ.get("FLASHGPT_BWD", BWD_DEFAULT)
+    if mode not in ("split", "fused"):
+        raise ValueError(f"FLASHGPT_BWD={mode!r}: expected 'split' or 'fused'")
+    return mode == "fused"
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -904,6 +986,7 @@ _PLANS_MAX = 4096
 def _plan_key(kind: str, tensors, *scalars) -> tuple | None:
     env = os.environ
     return (kind, *scalars, env.get("FLASHGPT_TMA"), env.get("FLASHGPT_LPT"), env.get("FLASHGPT_AUTOTUNE"),
+            env.get("FLASHGPT_BWD"),
             *sorted(_forced.items()),  # a plan replays the configs it was recorded with
             *TMA_MIN_BLOCK_D.values(), LPT_MIN_GROUP,
             *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])
@@ -934,7 +1017,7 @@ def _replay(launches, pool, like: torch.Tensor) -> None:
             if kernel is None:
                 _exec(name, grid, cfg, (*[pool[i] for i in idx], *tail), kwargs)
                 continue
-            if kwargs["TMA"]:
+            if kwargs.get("TMA"):
                 triton.set_allocator(_tma_scratch)
             _launch_compiled(kernel, grid, (*[pool[i] for i in idx], *after))
 
@@ -966,20 +1049,25 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
 
 
 def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
-    """Launch the backward: dQ (which also stores delta), then dK/dV. Returns dq, dk, dv shaped like q, k, v,
-    written into `out` = (dq, dk, dv) when given (views of one packed gradient), else new buffers."""
+    """Launch the backward (split: dQ, which also stores delta, then dK/dV; fused: delta pass, dK/dV adding dQ,
+    dQ pass; see _fused_bwd). Returns dq, dk, dv shaped like q, k, v, written into `out` = (dq, dk, dv) when
+    given (views of one packed gradient), else new buffers."""
     key = _plan_key("bwd", (do, q, k, v, o, lse, *(out or ())), causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None:
-        delta_shape, layouts, launches = plan
+        delta_shape, layouts, acc_shape, launches = plan
         delta = _empty(delta_shape, torch.float32, q.device)
+        acc = delta if acc_shape is None else _empty(acc_shape, torch.float32, q.device)
         dq, dk, dv = out or [_empty_like_layout(lay, q.dtype, q.device) for lay in layouts]
-        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv), q)
+        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv, acc), q)
         return dq, dk, dv
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     BLOCK_D = _block_d(D)
+    fused = _fused_bwd()
     delta = _empty((B, Hq, Nq), torch.float32, q.device)
+    acc_shape = (B, Hq, Nq, BLOCK_D) if fused else None
+    acc = delta if acc_shape is None else _empty(acc_shape, torch.float32, q.device)  # fused: dQ accumulator
     layouts = None
     if out is None:
         layouts = [_layout(t) for t in (q, k, v)]
@@ -989,20 +1077,35 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     dq_group, dkdv_group = _lpt_group(k, Nk, B * Hq), _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
     qk_scale = sm_scale * LOG2E
-    dq_args = (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-               *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group, _bucket(Nq), _bucket(Nk))
-    dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", k, v), LPT=_lpt(causal, dq_group))
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  dkdv_group, _bucket(Nq), _bucket(Nk))
-    dkdv_kwargs = dict(kwargs, TMA=_tma_ok("dkdv", q, do), LPT=_lpt(causal, dkdv_group), GQA=Hq > Hkv)
-    with _device_guard(q):
-        dq_launch = _launch("dq", Nq, Hq, B, q.dtype, dq_args, dq_kwargs)
-        dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
-    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv
-    _record(key, ((B, Hq, Nq), layouts,
-                  [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7), dq_args[8:], dq_kwargs),
-                   _planned("dkdv", dkdv_launch, (0, 1, 2, 4, 5, 6, 8, 9), dkdv_args[8:], dkdv_kwargs)]))
+    dkdv_kwargs = dict(kwargs, TMA=_tma_ok("dkdv", q, do), LPT=_lpt(causal, dkdv_group), GQA=Hq > Hkv,
+                       FUSED_DQ=fused)
+    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused)
+    dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10)
+    if fused:
+        rows = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D)
+        prep_args = (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq)
+        out_args = (acc, dq, *dq.stride(), Hq, Nq, sm_scale)
+        with _device_guard(q):
+            launched = [_launch("prep", Nq, Hq, B, q.dtype, prep_args, rows),
+                        _launch("dkdvq", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs),
+                        _launch("dqout", Nq, Hq, B, q.dtype, out_args, rows)]
+        launches = [_planned("prep", launched[0], (3, 4, 6, 10), prep_args[4:], rows),
+                    _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[9:], dkdv_kwargs),
+                    _planned("dqout", launched[2], (10, 7), out_args[2:], rows)]
+    else:
+        dq_args = (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                   *do.stride(), *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group,
+                   _bucket(Nq), _bucket(Nk))
+        dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", k, v), LPT=_lpt(causal, dq_group))
+        with _device_guard(q):
+            dq_launch = _launch("dq", Nq, Hq, B, q.dtype, dq_args, dq_kwargs)
+            dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
+        launches = [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7), dq_args[8:], dq_kwargs),
+                    _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[9:], dkdv_kwargs)]
+    _record(key, ((B, Hq, Nq), layouts, acc_shape, launches))
     return dq, dk, dv
 
 
@@ -1143,11 +1246,12 @@ def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_s
     key = _plan_key("packed_bwd", (do, qkv, o, lse, dqkv), n_head, n_kv_head, causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None and plan is not _UNPACKABLE:
-        offsets, delta_shape, _, launches = plan
+        offsets, delta_shape, _, acc_shape, launches = plan
         delta = _empty(delta_shape, torch.float32, qkv.device)
+        acc = delta if acc_shape is None else _empty(acc_shape, torch.float32, qkv.device)
         at, grad_at = qkv.data_ptr(), dqkv.data_ptr()
         _replay(launches, (*[at + off for off in offsets[:3]], o, do, lse, delta,
-                           *[grad_at + off for off in offsets[3:]]), qkv)
+                           *[grad_at + off for off in offsets[3:]], acc), qkv)
         return dqkv
     q, k, v = split_qkv(qkv, n_head, n_kv_head)
     out = split_qkv(dqkv, n_head, n_kv_head)

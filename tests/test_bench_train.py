@@ -73,3 +73,26 @@ def test_tiles_are_parsed_checked_and_listed_per_run(tmp_path, monkeypatch):
     assert "- flash + compile, 33.30 ms: fwd 128x64x8x4, dq 128x64x8x3, dkdv 32x128x4x3" in text
     assert "- flash + compile, 33.70 ms: fwd 128x64x8x4, dq 64x64x4x3, dkdv 64x128x8x3" in text
     assert bt.main(["--tiles", "dkdv=1x2"]) == 2  # bad --tiles: one line, exit 2 (no GPU needed to refuse it)
+
+
+def test_variants_with_a_backward_mode(tmp_path, monkeypatch):
+    bt = _bench_train()
+    assert bt.parse_variant("flash+compile/fused") == ("flash", True, "fused")
+    assert bt.parse_variant("sdpa") == ("sdpa", False, None)
+    for bad in ("sdpa+compile/fused", "flash/atomic", "flash+jit", "flashy"):
+        try:
+            bt.parse_variant(bad)
+        except ValueError as e:
+            assert repr(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+    rows = [bt.combine("flash+compile/split", [_run(33.6), _run(33.4)]),
+            bt.combine("flash+compile/fused", [_run(33.0), _run(33.2)]),
+            bt.combine("sdpa+compile", [_run(33.5), _run(33.5)])]
+    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path))
+    text = bt.write_results(rows, args, [])
+    assert "| flash + compile, fused bwd | 33.10 |" in text
+    assert f"flash + compile, split bwd / sdpa + compile = **{33.5 / 33.5:.3f}×** (target ≥ 1.0×: met)" in text
+    assert f"flash + compile, fused bwd / sdpa + compile = **{33.5 / 33.1:.3f}×**" in text
+    assert bt.main(["--variants", "flash+compile/atomic"]) == 2

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
 
-KERNELS = ("fwd", "dq", "dkdv")
+KERNELS = ("fwd", "dq", "dkdv")  # --tiles accepts these (the split backward's kernels)
 
 PEAK = 989e12
 
@@ -92,10 +92,12 @@ def parse_tiles(text: str) -> dict:
 
 
 def flash_tiles() -> dict:
-    """The tile configs the flash kernels ran with in this process: the autotuner's picks (or forced ones)."""
+    """The tile configs the flash kernels ran with in this process: the autotuner's picks (or forced ones);
+    dkdvq is the fused backward's dK/dV kernel (FLASHGPT_BWD=fused)."""
     from kernels import flash
-    picked = {key[0]: cfg for key, cfg in flash._picked.items()}
-    return {name: "x".join(map(str, flash._forced.get(name, picked.get(name, ())))) for name in KERNELS}
+    used = {key[0]: cfg for key, cfg in flash._picked.items()}
+    used.update(flash._forced)  # --tiles
+    return {name: "x".join(map(str, used[name])) for name in KERNELS + ("dkdvq",) if name in used}
 
 
 def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int,

@@ -5,7 +5,8 @@
 The model of the issue (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024,
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
 random tokens. For each variant: median step time over --steps after warm-up (compile included in warm-up),
-tokens/s, MFU (nanoGPT's 6N + 12·L·H·Dh·T FLOPs per token, of 989 TFLOP/s bf16 dense) and peak memory.
+tokens/s, MFU (nanoGPT's 6N + 12·L·H·Dh·T FLOPs per token, of 989 TFLOP/s bf16 dense), peak memory, and
+(with nvidia-ml-py installed) the GPU's energy per timed step and its mean power.
 
 Each variant is measured in a fresh process (--repeats R: R processes per variant, the order of the variants
 reversed every other round; the table gives the median over the processes and each process's median). In one
@@ -64,6 +65,26 @@ def make_train_step(attention: str, compiled: bool, batch: int, block: int):
     return model, step
 
 
+def energy_meter():
+    """A function returning the GPU's energy counter in joules (NVML: energy since the driver loaded), or None
+    where nvidia-ml-py or the counter is not available. The timed steps' energy divided by their count is the
+    energy per step; under a power cap (bench/results/power_cap) step time follows it."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        try:
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+        except AttributeError:  # a torch without PCI ids in its device properties
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3  # noqa: E731  mJ -> J
+        read()
+        return read
+    except Exception:  # no pynvml, no NVML, or a GPU without the counter: the table leaves the column out
+        return None
+
+
 def timed_steps(step, steps: int) -> list:
     """Milliseconds of GPU time per call of step(), each between CUDA events and synchronised at its end (as a
     training loop that reads the loss after every step; whatever host work the GPU waits for counts)."""
@@ -113,12 +134,17 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss.item()}")
         torch.cuda.reset_peak_memory_stats()
+        energy = energy_meter()
+        e0, t0 = energy() if energy else None, time.perf_counter()
         med = statistics.median(timed_steps(step, steps)) / 1e3
+        wall, joules = time.perf_counter() - t0, energy() - e0 if energy else None
         row_tiles = flash_tiles() if attention == "flash" else None
     tok_s = batch * block / med
     row = {"attention": attention, "compiled": compiled, "step_ms": med * 1e3, "tokens_per_s": tok_s,
            "mfu": model.flops_per_token() * tok_s / PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6}
+    if joules is not None:
+        row.update(energy_j_per_step=joules / steps, power_w=joules / wall)
     return {**row, "tiles": row_tiles} if row_tiles else row
 
 
@@ -184,8 +210,14 @@ def combine(variant: str, runs: list) -> dict:
     tok_s = ok[0]["tokens_per_s"] * ok[0]["step_ms"] / step
     return {**row, "step_ms": step, "tokens_per_s": tok_s, "mfu": ok[0]["mfu"] / ok[0]["tokens_per_s"] * tok_s,
             "peak_mem_gib": max(r["peak_mem_gib"] for r in ok), "runs_step_ms": [r.get("step_ms") for r in runs],
-            "runs_tiles": [r.get("tiles") for r in runs],
-            "errors": [r["error"] for r in runs if "error" in r]}
+            "runs_tiles": [r.get("tiles") for r in runs], "errors": [r["error"] for r in runs if "error" in r],
+            "energy_j_per_step": _median_of(ok, "energy_j_per_step"), "power_w": _median_of(ok, "power_w")}
+
+
+def _median_of(runs: list, key: str):
+    """The median of a key over the runs that have it (None if none has)."""
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 def write_results(rows: list, args, argv) -> str:
@@ -198,15 +230,18 @@ def write_results(rows: list, args, argv) -> str:
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, batch {args.batch}×{args.block}, bf16 autocast, fused AdamW, "
              f"median of {args.steps} steps per run, {how}", "",
-             "| variant | step (ms) | tokens/s | MFU | peak memory (GiB) | step per run (ms) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| variant | step (ms) | tokens/s | MFU | peak memory (GiB) | energy per step (J), power (W) | "
+             "step per run (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "step_ms" not in r:
-            lines.append(f"| {r['variant']} | — | — | — | — | {r['error']} |")
+            lines.append(f"| {r['variant']} | — | — | — | — | — | {r['error']} |")
         else:
             per_run = ", ".join("failed" if ms is None else f"{ms:.2f}" for ms in r["runs_step_ms"])
+            energy = (f"{r['energy_j_per_step']:.2f}, {r['power_w']:.0f}" if r.get("energy_j_per_step") is not None
+                      else "—")
             lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-                         f"{r['peak_mem_gib']:.1f} | {per_run} |")
+                         f"{r['peak_mem_gib']:.1f} | {energy} | {per_run} |")
     by = {r["variant"]: r for r in rows if "step_ms" in r}
     sdpa = by.get("sdpa + compile")
     for name, flash in by.items():

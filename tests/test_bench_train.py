@@ -65,11 +65,15 @@ def test_tiles_are_parsed_checked_and_listed_per_run(tmp_path, monkeypatch):
         else:
             raise AssertionError(f"{bad!r} was accepted")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
-    runs = [dict(_run(33.3), tiles={"fwd": "128x64x8x4", "dq": "128x64x8x3", "dkdv": "32x128x4x3"}),
-            dict(_run(33.7), tiles={"fwd": "128x64x8x4", "dq": "64x64x4x3", "dkdv": "64x128x8x3"})]
+    runs = [dict(_run(33.3), tiles={"fwd": "128x64x8x4", "dq": "128x64x8x3", "dkdv": "32x128x4x3"},
+                 energy_j_per_step=22.0, power_w=660.0),
+            dict(_run(33.7), tiles={"fwd": "128x64x8x4", "dq": "64x64x4x3", "dkdv": "64x128x8x3"},
+                 energy_j_per_step=23.0, power_w=682.0)]
     flash = bt.combine("flash+compile", runs)
     args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path))
     text = bt.write_results([flash, bt.combine("sdpa+compile", [_run(33.6), _run(33.6)])], args, [])
+    assert "| flash + compile | 33.50 | " in text and "| 11.5 | 22.50, 671 | 33.30, 33.70 |" in text  # energy
+    assert "| sdpa + compile | 33.60 | " in text and "| 11.5 | — | 33.60, 33.60 |" in text  # not measured
     assert "- flash + compile, 33.30 ms: fwd 128x64x8x4, dq 128x64x8x3, dkdv 32x128x4x3" in text
     assert "- flash + compile, 33.70 ms: fwd 128x64x8x4, dq 64x64x4x3, dkdv 64x128x8x3" in text
     assert bt.main(["--tiles", "dkdv=1x2"]) == 2  # bad --tiles: one line, exit 2 (no GPU needed to refuse it)

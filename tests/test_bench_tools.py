@@ -1,0 +1,40 @@
+"""Small GPU-benchmark helpers that run anywhere: the power-cap summary of an nvidia-smi log, and the tile
+survey's refusal without a GPU."""
+import importlib.util
+
+import pytest
+import torch
+
+from tests.util import ROOT
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, f"{ROOT}/bench/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_power_summary_buckets_and_cap_share(tmp_path, capsys):
+    ps = _load("power_summary")
+    lines = ["2026/11/30 04:48:24.000, 345 MHz, 3201 MHz, 78.00 W, 33, 0x0000000000000001",  # idle: left out
+             "2026/11/30 04:48:25.000, 1980 MHz, 3201 MHz, 520.50 W, 34, 0x0000000000000000",
+             "2026/11/30 04:48:25.200, 1815 MHz, 3201 MHz, 695.00 W, 35, 0x0000000000000004",
+             "not a sample line",
+             "2026/11/30 04:48:25.600, 1740 MHz, 3201 MHz, 698.00 W, 35, 0x0000000000000004"]
+    path = tmp_path / "smi.csv"
+    path.write_text("\n".join(lines) + "\n")
+    assert ps.main([str(path)]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert rows == ["| 1.0 | 04:48:25 | 1815–1980 | 520–695 | 50% |", "| 1.5 | 04:48:25 | 1740–1740 | 698–698 | 100% |"]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("garbage\n")
+    assert ps.main([str(empty)]) == 1
+    assert ps.main([str(tmp_path / "missing.csv")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_tile_survey_needs_a_gpu(capsys):
+    assert _load("tiles").main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

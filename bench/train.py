@@ -6,7 +6,7 @@ The model of the issue (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, 
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
 random tokens. For each variant: median step time over --steps after warm-up (compile included in warm-up),
 tokens/s, MFU (nanoGPT's 6N + 12·L·H·Dh·T FLOPs per token, of 989 TFLOP/s bf16 dense), peak memory, and
-(with nvidia-ml-py installed) the GPU's energy per timed step and its mean power.
+(with nvidia-ml-py installed: `pip install -e ".[bench]"`) the GPU's energy per timed step and its mean power.
 
 Each variant is measured in a fresh process (--repeats R: R processes per variant, the order of the variants
 reversed every other round; the table gives the median over the processes and each process's median). In one

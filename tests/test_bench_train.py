@@ -16,6 +16,17 @@ def _bench_train():
     return module
 
 
+def _assert_rejected(parse, bad_values) -> None:
+    """parse(bad) raises a ValueError that names the bad value, for each of bad_values."""
+    for bad in bad_values:
+        try:
+            parse(bad)
+        except ValueError as e:
+            assert repr(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
 def _run(step_ms: float, mem: float = 11.5) -> dict:
     tok_s = 16 * 1024 / (step_ms / 1e3)
     return {"step_ms": step_ms, "tokens_per_s": tok_s, "mfu": tok_s * 8.7e8 / 989e12, "peak_mem_gib": mem}
@@ -57,13 +68,7 @@ def test_tiles_are_parsed_checked_and_listed_per_run(tmp_path, monkeypatch):
     bt = _bench_train()
     assert bt.parse_tiles("fwd=128x64x8x4,dkdv=32x128x4x3") == {"fwd": (128, 64, 8, 4), "dkdv": (32, 128, 4, 3)}
     assert bt.parse_tiles("") == {}
-    for bad in ("dk=32x128x4x3", "dq=32x128x4", "fwd=128x64x8xfour", "fwd"):
-        try:
-            bt.parse_tiles(bad)
-        except ValueError as e:
-            assert repr(bad) in str(e)
-        else:
-            raise AssertionError(f"{bad!r} was accepted")
+    _assert_rejected(bt.parse_tiles, ("dk=32x128x4x3", "dq=32x128x4", "fwd=128x64x8xfour", "fwd"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
     runs = [dict(_run(33.3), tiles={"fwd": "128x64x8x4", "dq": "128x64x8x3", "dkdv": "32x128x4x3"},
                  energy_j_per_step=22.0, power_w=660.0),
@@ -83,13 +88,7 @@ def test_variants_with_a_backward_mode(tmp_path, monkeypatch):
     bt = _bench_train()
     assert bt.parse_variant("flash+compile/fused") == ("flash", True, "fused")
     assert bt.parse_variant("sdpa") == ("sdpa", False, None)
-    for bad in ("sdpa+compile/fused", "flash/atomic", "flash+jit", "flashy"):
-        try:
-            bt.parse_variant(bad)
-        except ValueError as e:
-            assert repr(bad) in str(e)
-        else:
-            raise AssertionError(f"{bad!r} was accepted")
+    _assert_rejected(bt.parse_variant, ("sdpa+compile/fused", "flash/atomic", "flash+jit", "flashy"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
     rows = [bt.combine("flash+compile/split", [_run(33.6), _run(33.4)]),
             bt.combine("flash+compile/fused", [_run(33.0), _run(33.2)]),

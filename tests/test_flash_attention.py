@@ -127,18 +127,23 @@ def _id(c):
     return f"B{B}-H{Hq}/{Hkv}-{Nq}x{Nk}-d{D}-{'causal' if causal else 'full'}"
 
 
-def _spy_tma(monkeypatch) -> list:
-    """Record, per kernel launch, whether it read its inputs through TMA descriptors (kernel name, TMA)."""
+def _spy(monkeypatch, record) -> list:
+    """Collect record(kernel name, its constexpr kwargs) per kernel launch."""
     seen = []
     launch = fa._launch
 
     def spy(name, *args):
-        seen.append((name, args[-1]["TMA"]))
+        seen.append(record(name, args[-1]))
         return launch(name, *args)
 
     monkeypatch.setattr(fa, "_launch", spy)
     monkeypatch.setattr(fa, "_plan_key", lambda *args: None)  # no replays: every launch goes through _launch
     return seen
+
+
+def _spy_tma(monkeypatch) -> list:
+    """Record, per kernel launch, whether it read its inputs through TMA descriptors (kernel name, TMA)."""
+    return _spy(monkeypatch, lambda name, kwargs: (name, kwargs["TMA"]))
 
 
 def _tma_for(kernel: str, D: int) -> bool:
@@ -177,25 +182,13 @@ FUSED_CASES = [
 ]
 
 
-def _spy_names(monkeypatch) -> list:
-    seen = []
-    launch = fa._launch
-
-    def spy(name, *args):
-        seen.append(name)
-        return launch(name, *args)
-
-    monkeypatch.setattr(fa, "_launch", spy)
-    return seen
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", FUSED_CASES, ids=_id)
 def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
     """The fused backward (delta pass, dK/dV kernel adding dQ with atomics, dQ pass) against float64, both load
     paths of its dK/dV kernel."""
     monkeypatch.setenv("FLASHGPT_BWD", "fused")
-    seen = _spy_names(monkeypatch)
+    seen = _spy(monkeypatch, lambda name, kwargs: name)
     for tma in ("1", "0"):
         monkeypatch.setenv("FLASHGPT_TMA", tma)
         seen.clear()

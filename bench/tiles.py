@@ -1,6 +1,7 @@
 """Every tile config of the flash kernels at one shape, timed round-robin: which config is really the fastest?
 
-    python bench/tiles.py [--shape 16,12,1024,64] [--rounds 7] [--out DIR] [--best-out FILE]
+    python bench/tiles.py [--shape 16,12,1024,64] [--rounds 7] [--kernels fwd,dq,dkdv,dkdvq] [--out DIR]
+                          [--best-out FILE]
 
 The autotuner times each config once, one after the other, so a config measured while the GPU's clocks or
 temperature drift can win or lose by that alone; where the top configs lie within a few percent, its pick can
@@ -28,13 +29,20 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
+KERNELS = ("fwd", "dq", "dkdv", "dkdvq")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="16,12,1024,64", help="B,H,N,D (causal, packed q/k/v, bf16)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--kernels", default=",".join(KERNELS), help="which kernels' configs to time (comma-separated)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--best-out", default=None, help="file for the fastest configs as a bench/train.py --tiles value")
     args = p.parse_args(argv)
+    kernels = [name for name in args.kernels.split(",") if name]
+    if not kernels or any(name not in KERNELS for name in kernels):
+        p.error(f"--kernels: expected some of {','.join(KERNELS)}, got {args.kernels!r}")
     if not torch.cuda.is_available():
         print("error: bench/tiles.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -61,7 +69,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     auto = {key[0]: cfg for key, cfg in fa._picked.items()}
 
-    lists = {name: fa.gpu_configs(name, torch.bfloat16, D) for name in ("fwd", "dq", "dkdv", "dkdvq")}
+    lists = {name: fa.gpu_configs(name, torch.bfloat16, D) for name in kernels}
     bwd = lambda: fa._bwd(do, q, k, v, o, lse, True, scale, out=grads)  # noqa: E731
     calls = {"fwd": lambda: fa._fwd(q, k, v, True, scale), "dq": bwd, "dkdv": bwd, "dkdvq": bwd}
     other = {"fwd": {}, "dq": {"dkdv": auto["dkdv"]}, "dkdv": {"dq": auto["dq"]}, "dkdvq": {}}
@@ -98,7 +106,8 @@ def main(argv=None) -> int:
                          f"{med[c] / med[top]:.3f} | {min(ts) * 1e3:.1f}–{max(ts) * 1e3:.1f} |")
         lines.append("")
     tiles = ",".join(f"{name}={'x'.join(map(str, c))}" for name, c in best.items() if name != "dkdvq")
-    lines.append(f"fastest: `--tiles {tiles}`")
+    if tiles:
+        lines.append(f"fastest: `--tiles {tiles}`")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)

@@ -292,8 +292,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
     blocks (causal mask + the row checks of 1). q_base, do_base, lse_base, delta_base address the group's
     first query head (head g at + g * stride_qh, ..., + g * Nq for lse and delta). TMA: q_base, do_base are
     tensor descriptors over the group's (GROUP, Nq, HEAD_DIM) (zeros past either end), else pointers.
-    FUSED_DQ: also add each tile's dQ part dS K (unscaled, fp32) into the group's rows of the accumulator at
-    dq_base ((GROUP, Nq, BLOCK_D) fp32, contiguous) with atomic adds.
+    FUSED_DQ (0: off): also add each tile's dQ part dS K (unscaled, fp32) into the group's rows of the
+    accumulator ((GROUP, Nq, BLOCK_D) fp32, contiguous): 1 = element atomic adds at the pointer dq_base, 2 = one
+    TMA reduce-add per tile through the tensor descriptor dq_base (Hopper or newer; not in the interpreter).
     """
     d_ok = offs_d < HEAD_DIM
     blocks = tl.maximum((hi - lo) // BLOCK_M, 1)  # >= 1 only to keep the division defined when hi == lo
@@ -352,13 +353,16 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
         dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
         dsT = dsT.to(qT.dtype)
         dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
-        if FUSED_DQ:
+        if FUSED_DQ != 0:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) = dS K
-            dq_ptrs = dq_base + (g_rows + offs_m)[:, None] * BLOCK_D + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
-            if MASK == 0:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            if FUSED_DQ == 2:  # one bulk TMA reduce-add of the tile (rows past Nq are dropped by the unit)
+                dq_base.atomic_add([g, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))
             else:
-                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+                dq_ptrs = dq_base + (g_rows + offs_m)[:, None] * BLOCK_D + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
+                if MASK == 0:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -378,8 +382,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
 
     Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, GQA, strides; TMA: Q/dO through
     descriptors). Needs DELTA = rowsum(O * dO): from _attn_bwd_dq, which runs first, or (FUSED_DQ) from
-    _attn_bwd_prep. FUSED_DQ: dQ too, accumulated unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by
-    _attn_bwd_prep) with atomic adds — 5 matmuls per tile instead of the two kernels' 7, but the summation
+    _attn_bwd_prep. FUSED_DQ (1: element atomics, 2: TMA reduce-add per tile, Hopper+): dQ too, accumulated
+    unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by _attn_bwd_prep) with atomic adds — 5 matmuls per
+    tile instead of the two kernels' 7, but the summation
     order, and so the last bits of dQ, vary from run to run; _attn_bwd_dq_out writes dQ from it.
     """
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
@@ -430,6 +435,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
     lse_base = LSE + (b * Hq + h0).to(tl.int64) * Nq
     delta_base = DELTA + (b * Hq + h0).to(tl.int64) * Nq
     dq_base = DQACC + (b * Hq + h0).to(tl.int64) * Nq * BLOCK_D
+    if FUSED_DQ == 2:
+        dq_base = tl.make_tensor_descriptor(dq_base, shape=[GROUP, Nq, BLOCK_D], strides=[Nq * BLOCK_D, BLOCK_D, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_D])
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                          stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                          tail_lo, m_end, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
@@ -768,8 +776,13 @@ def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
                hooks.launch_exit_hook, *vals)
 
 
+def _uses_descriptors(kwargs: dict) -> bool:
+    """Whether the launch builds tensor descriptors on the device (then Triton needs its scratch allocator)."""
+    return bool(kwargs.get("TMA")) or kwargs.get("FUSED_DQ") == 2
+
+
 def _exec(name: str, grid: tuple, cfg, args, kwargs):
-    if kwargs.get("TMA") and not INTERPRET:
+    if _uses_descriptors(kwargs) and not INTERPRET:
         triton.set_allocator(_tma_scratch)  # a context variable: set per launch (autograd runs in its own thread)
     return _run(name, grid, cfg, args, kwargs)
 
@@ -790,12 +803,12 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
         tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], kwargs.get("GQA"),
-                args[-2], args[-1], args[0].device.index)  # the buckets are the last two args
+                kwargs.get("FUSED_DQ"), args[-2], args[-1], args[0].device.index)  # the buckets are the last two args
         cfg = _picked.get(tkey)
         if cfg is None:
             grid = lambda meta: _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"],  # noqa: E731
                                       meta["BLOCK_M"], meta["BLOCK_N"])
-            if kwargs["TMA"]:
+            if _uses_descriptors(kwargs):
                 triton.set_allocator(_tma_scratch)
             tuner = _TUNED[_cfg_key(name, dtype, kwargs["BLOCK_D"])]
             tuner[grid](*args, **kwargs)
@@ -937,6 +950,17 @@ def _fused_bwd() -> bool:
     return mode == "fused"
 
 
+# The fused dK/dV kernel's dQ accumulation (FUSED_DQ): 2 = one TMA reduce-add per tile (cp.reduce.async.bulk:
+# the tile goes through shared memory, the adds happen in L2) where Triton has descriptor reductions and the GPU
+# has TMA (FLASHGPT_TMA=0 turns it off); 1 = element atomic adds (older GPUs and Triton, the interpreter, which
+# has no descriptor reductions).
+_TRITON_HAS_DESC_REDUCE = _TRITON_HAS_DESCRIPTORS and hasattr(tl.core.tensor_descriptor_base, "atomic_add")
+
+
+def _fused_dq_mode(device: torch.device) -> int:
+    return 2 if not INTERPRET and _TRITON_HAS_DESC_REDUCE and _tma_available(device) else 1
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -1021,7 +1045,7 @@ def _replay(launches, pool, like: torch.Tensor) -> None:
             if kernel is None:
                 _exec(name, grid, cfg, (*[pool[i] for i in idx], *tail), kwargs)
                 continue
-            if kwargs.get("TMA"):
+            if _uses_descriptors(kwargs):
                 triton.set_allocator(_tma_scratch)
             _launch_compiled(kernel, grid, (*[pool[i] for i in idx], *after))
 
@@ -1085,7 +1109,7 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
                  *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  dkdv_group, _bucket(Nq), _bucket(Nk))
     dkdv_kwargs = dict(kwargs, TMA=_tma_ok("dkdv", q, do), LPT=_lpt(causal, dkdv_group), GQA=Hq > Hkv,
-                       FUSED_DQ=fused)
+                       FUSED_DQ=_fused_dq_mode(q.device) if fused else 0)
     # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused)
     dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10)
     if fused:

@@ -38,3 +38,9 @@ def test_power_summary_buckets_and_cap_share(tmp_path, capsys):
 def test_tile_survey_needs_a_gpu(capsys):
     assert _load("tiles").main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tile_survey_rejects_unknown_kernels(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("tiles").main(["--kernels", "fwd,attn"])
+    assert exc.value.code == 2 and "--kernels: expected some of fwd,dq,dkdv,dkdvq" in capsys.readouterr().err

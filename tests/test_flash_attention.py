@@ -186,14 +186,17 @@ FUSED_CASES = [
 @pytest.mark.parametrize("case", FUSED_CASES, ids=_id)
 def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
     """The fused backward (delta pass, dK/dV kernel adding dQ with atomics, dQ pass) against float64, both load
-    paths of its dK/dV kernel."""
+    paths of its dK/dV kernel and both ways of adding dQ: TMA reduce-adds where the GPU and Triton have them
+    (FLASHGPT_TMA=1 on Hopper), element atomics otherwise (always in the interpreter)."""
     monkeypatch.setenv("FLASHGPT_BWD", "fused")
-    seen = _spy(monkeypatch, lambda name, kwargs: name)
+    seen = _spy(monkeypatch, lambda name, kwargs: (name, kwargs.get("FUSED_DQ")))
+    reduce_mode = 2 if CUDA and fa._TRITON_HAS_DESC_REDUCE and fa._tma_available(torch.device(DEVICE)) else 1
     for tma in ("1", "0"):
         monkeypatch.setenv("FLASHGPT_TMA", tma)
         seen.clear()
         _check(*case, dtype, _gen(request))
-        assert seen == ["fwd", "prep", "dkdvq", "dqout"]
+        mode = reduce_mode if tma == "1" else 1
+        assert seen == [("fwd", None), ("prep", None), ("dkdvq", mode), ("dqout", None)]
 
 
 def test_fused_backward_other_tiles_and_bad_mode(request, monkeypatch):

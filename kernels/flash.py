@@ -294,7 +294,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
     tensor descriptors over the group's (GROUP, Nq, HEAD_DIM) (zeros past either end), else pointers.
     FUSED_DQ (0: off): also add each tile's dQ part dS K (unscaled, fp32) into the group's rows of the
     accumulator ((GROUP, Nq, BLOCK_D) fp32, contiguous): 1 = element atomic adds at the pointer dq_base, 2 = one
-    TMA reduce-add per tile through the tensor descriptor dq_base (Hopper or newer; not in the interpreter).
+    TMA reduce-add per tile through the tensor descriptor dq_base (Hopper or newer; not in the interpreter),
+    3 = as 2 with the product taken as (K^T dS^T)^T.
     """
     d_ok = offs_d < HEAD_DIM
     blocks = tl.maximum((hi - lo) // BLOCK_M, 1)  # >= 1 only to keep the division defined when hi == lo
@@ -354,8 +355,11 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
         dsT = dsT.to(qT.dtype)
         dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         if FUSED_DQ != 0:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) = dS K
-            if FUSED_DQ == 2:  # one bulk TMA reduce-add of the tile (rows past Nq are dropped by the unit)
+            if FUSED_DQ == 3:  # as (Kᵀ dSᵀ)ᵀ: dSᵀ is the shared-memory operand, no register transpose of dS
+                dq = tl.trans(tl.dot(tl.trans(k), dsT, input_precision=DOT_PRECISION))  # (BLOCK_M, BLOCK_D)
+            else:
+                dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) = dS K
+            if FUSED_DQ >= 2:  # one bulk TMA reduce-add of the tile (rows past Nq are dropped by the unit)
                 dq_base.atomic_add([g, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))
             else:
                 dq_ptrs = dq_base + (g_rows + offs_m)[:, None] * BLOCK_D + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
@@ -435,7 +439,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
     lse_base = LSE + (b * Hq + h0).to(tl.int64) * Nq
     delta_base = DELTA + (b * Hq + h0).to(tl.int64) * Nq
     dq_base = DQACC + (b * Hq + h0).to(tl.int64) * Nq * BLOCK_D
-    if FUSED_DQ == 2:
+    if FUSED_DQ >= 2:
         dq_base = tl.make_tensor_descriptor(dq_base, shape=[GROUP, Nq, BLOCK_D], strides=[Nq * BLOCK_D, BLOCK_D, 1],
                                             block_shape=[1, BLOCK_M, BLOCK_D])
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
@@ -778,7 +782,7 @@ def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
 
 def _uses_descriptors(kwargs: dict) -> bool:
     """Whether the launch builds tensor descriptors on the device (then Triton needs its scratch allocator)."""
-    return bool(kwargs.get("TMA")) or kwargs.get("FUSED_DQ") == 2
+    return bool(kwargs.get("TMA")) or kwargs.get("FUSED_DQ", 0) >= 2
 
 
 def _exec(name: str, grid: tuple, cfg, args, kwargs):
@@ -958,7 +962,12 @@ _TRITON_HAS_DESC_REDUCE = _TRITON_HAS_DESCRIPTORS and hasattr(tl.core.tensor_des
 
 
 def _fused_dq_mode(device: torch.device) -> int:
-    return 2 if not INTERPRET and _TRITON_HAS_DESC_REDUCE and _tma_available(device) else 1
+    if not INTERPRET and _TRITON_HAS_DESC_REDUCE and _tma_available(device):
+        mode = _env_int("FLASHGPT_FUSED_DQ", 2)  # 2 or 3 (A/B runs; 1 forces element atomics)
+        if mode not in (1, 2, 3):
+            raise ValueError(f"FLASHGPT_FUSED_DQ={mode}: expected 1, 2 or 3")
+        return mode
+    return 1
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -1014,7 +1023,7 @@ _PLANS_MAX = 4096
 def _plan_key(kind: str, tensors, *scalars) -> tuple | None:
     env = os.environ
     return (kind, *scalars, env.get("FLASHGPT_TMA"), env.get("FLASHGPT_LPT"), env.get("FLASHGPT_AUTOTUNE"),
-            env.get("FLASHGPT_BWD"),
+            env.get("FLASHGPT_BWD"), env.get("FLASHGPT_FUSED_DQ"),
             *sorted(_forced.items()),  # a plan replays the configs it was recorded with
             *TMA_MIN_BLOCK_D.values(), LPT_MIN_GROUP,
             *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])

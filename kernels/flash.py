@@ -353,8 +353,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO Vᵀ)ᵀ
         dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
         dsT = dsT.to(qT.dtype)
-        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
-        if FUSED_DQ != 0:
+        if FUSED_DQ != 0:  # before dK's matmul, whose result is needed only next step: it overlaps the adds
             if FUSED_DQ == 3:  # as (Kᵀ dSᵀ)ᵀ: dSᵀ is the shared-memory operand, no register transpose of dS
                 dq = tl.trans(tl.dot(tl.trans(k), dsT, input_precision=DOT_PRECISION))  # (BLOCK_M, BLOCK_D)
             else:
@@ -367,6 +366,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                     tl.atomic_add(dq_ptrs, dq, sem="relaxed")
                 else:
                     tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
@@ -657,6 +657,7 @@ _GPU_CFGS = {
 # zeroes the dQ accumulator before each trial), "prep" and "dqout" its two row-wise passes (one config each).
 _GPU_CFGS.update({("dkdvq", dcls, bd): list(cfgs) for (name, dcls, bd), cfgs in list(_GPU_CFGS.items())
                   if name == "dkdv"})
+_GPU_CFGS[("dkdvq", "16", 64)] += [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 2)]
 _GPU_CFGS.update({(name, dcls, bd): [(64 if bd < 256 else 32, 64, 4, 1)]
                   for name in ("prep", "dqout") for dcls in ("16", "32") for bd in (64, 128, 256)})
 

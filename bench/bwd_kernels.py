@@ -1,9 +1,9 @@
 """GPU time of each kernel of one flash backward at the training shape, split against fused, by torch.profiler.
 
-    python bench/bwd_kernels.py [--shape 16,12,1024,64] [--calls 20] [--modes split,fused:2,fused:3] [--out DIR]
+    python bench/bwd_kernels.py [--shape 16,12,1024,64] [--calls 20] [--modes split,fused:1,fused:2] [--out DIR]
 
 Each mode is FLASHGPT_BWD (split or fused) with, for fused, the FLASHGPT_FUSED_DQ way of adding dQ (1 element
-atomics, 2 TMA reduce-add, 3 the same with dQ taken as (K^T dS^T)^T). Inputs as bench/tiles.py's: packed
+atomics, 2 TMA reduce-adds on Hopper). Inputs as bench/tiles.py's: packed
 q/k/v views, causal, bf16; tile configs from the autotuner (tuned before profiling). Writes bwd_kernels.md:
 per mode the mean GPU time per call of each kernel and their sum.
 """
@@ -26,13 +26,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="16,12,1024,64", help="B,H,N,D (causal, packed q/k/v, bf16)")
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--modes", default="split,fused:2,fused:3")
+    p.add_argument("--modes", default="split,fused:1,fused:2")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        if m != "split" and not (m.startswith("fused:") and m[6:] in ("1", "2", "3")):
-            p.error(f"--modes: expected split or fused:1|2|3, got {m!r}")
+        if m != "split" and not (m.startswith("fused:") and m[6:] in ("1", "2")):
+            p.error(f"--modes: expected split or fused:1|2, got {m!r}")
     if not torch.cuda.is_available():
         print("error: bench/bwd_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

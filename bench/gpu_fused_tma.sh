@@ -3,7 +3,9 @@
 # repository root; STEPS picks the stages (default tiles,tests), results into $OUT:
 #   tiles  bench/tiles.py --kernels dq,dkdv,dkdvq: the split backward's configs against the fused one's
 #   tests  the fused backward's GPU tests (bf16, both dQ accumulations, every dK/dV config at d64) + replays
-#   train  bench/train.py: flash + compile with the split and the fused backward against sdpa + compile
+#   kernels bench/bwd_kernels.py: GPU time per kernel of the split backward and the fused one (both dQ adds)
+#   train  bench/train.py: VARIANTS (default flash + compile with the split and the fused backward, and
+#          sdpa + compile), REPEATS processes each
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +24,11 @@ if has tests; then
   timeout -k 10 -s INT "${TEST_S:-240}" $PY -m pytest tests/test_flash_attention.py -q $NP -p no:cacheprovider -rs \
     -k "${TEST_K:-fused or replay or (every_autotune_config and d64 and bfloat16)}" > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $? after $(( $(date +%s) - T0 )) s"; grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests.log" | tail -15
+fi
+if has kernels; then
+  timeout -k 10 "${KERNELS_S:-200}" $PY bench/bwd_kernels.py --modes split,fused:1,fused:2 --out "$OUT" \
+    > "$OUT/bwd_kernels.log" 2>&1
+  echo "bwd_kernels exit $? after $(( $(date +%s) - T0 )) s"; grep "^|\|^##" "$OUT/bwd_kernels.log"
 fi
 if has train; then
   timeout -k 10 "${TRAIN_S:-420}" $PY bench/train.py --out "$OUT/ab" --steps "${TRAIN_STEPS:-20}" --repeats "${REPEATS:-2}" \

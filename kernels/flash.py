@@ -294,8 +294,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
     tensor descriptors over the group's (GROUP, Nq, HEAD_DIM) (zeros past either end), else pointers.
     FUSED_DQ (0: off): also add each tile's dQ part dS K (unscaled, fp32) into the group's rows of the
     accumulator ((GROUP, Nq, BLOCK_D) fp32, contiguous): 1 = element atomic adds at the pointer dq_base, 2 = one
-    TMA reduce-add per tile through the tensor descriptor dq_base (Hopper or newer; not in the interpreter),
-    3 = as 2 with the product taken as (K^T dS^T)^T.
+    TMA reduce-add per tile through the tensor descriptor dq_base (Hopper or newer; not in the interpreter).
     """
     d_ok = offs_d < HEAD_DIM
     blocks = tl.maximum((hi - lo) // BLOCK_M, 1)  # >= 1 only to keep the division defined when hi == lo
@@ -353,20 +352,18 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO Vᵀ)ᵀ
         dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
         dsT = dsT.to(qT.dtype)
-        if FUSED_DQ != 0:  # before dK's matmul, whose result is needed only next step: it overlaps the adds
-            if FUSED_DQ == 3:  # as (Kᵀ dSᵀ)ᵀ: dSᵀ is the shared-memory operand, no register transpose of dS
+        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        if FUSED_DQ != 0:
+            if FUSED_DQ == 2:  # dS K as (Kᵀ dSᵀ)ᵀ (measured faster here), one bulk TMA reduce-add of the tile
                 dq = tl.trans(tl.dot(tl.trans(k), dsT, input_precision=DOT_PRECISION))  # (BLOCK_M, BLOCK_D)
+                dq_base.atomic_add([g, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))  # rows past Nq: dropped
             else:
                 dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) = dS K
-            if FUSED_DQ >= 2:  # one bulk TMA reduce-add of the tile (rows past Nq are dropped by the unit)
-                dq_base.atomic_add([g, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))
-            else:
                 dq_ptrs = dq_base + (g_rows + offs_m)[:, None] * BLOCK_D + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
                 if MASK == 0:
                     tl.atomic_add(dq_ptrs, dq, sem="relaxed")
                 else:
                     tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
-        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
@@ -439,7 +436,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
     lse_base = LSE + (b * Hq + h0).to(tl.int64) * Nq
     delta_base = DELTA + (b * Hq + h0).to(tl.int64) * Nq
     dq_base = DQACC + (b * Hq + h0).to(tl.int64) * Nq * BLOCK_D
-    if FUSED_DQ >= 2:
+    if FUSED_DQ == 2:
         dq_base = tl.make_tensor_descriptor(dq_base, shape=[GROUP, Nq, BLOCK_D], strides=[Nq * BLOCK_D, BLOCK_D, 1],
                                             block_shape=[1, BLOCK_M, BLOCK_D])
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
@@ -657,7 +654,6 @@ _GPU_CFGS = {
 # zeroes the dQ accumulator before each trial), "prep" and "dqout" its two row-wise passes (one config each).
 _GPU_CFGS.update({("dkdvq", dcls, bd): list(cfgs) for (name, dcls, bd), cfgs in list(_GPU_CFGS.items())
                   if name == "dkdv"})
-_GPU_CFGS[("dkdvq", "16", 64)] += [(64, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 2)]
 _GPU_CFGS.update({(name, dcls, bd): [(64 if bd < 256 else 32, 64, 4, 1)]
                   for name in ("prep", "dqout") for dcls in ("16", "32") for bd in (64, 128, 256)})
 
@@ -783,7 +779,7 @@ def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
 
 def _uses_descriptors(kwargs: dict) -> bool:
     """Whether the launch builds tensor descriptors on the device (then Triton needs its scratch allocator)."""
-    return bool(kwargs.get("TMA")) or kwargs.get("FUSED_DQ", 0) >= 2
+    return bool(kwargs.get("TMA")) or kwargs.get("FUSED_DQ") == 2
 
 
 def _exec(name: str, grid: tuple, cfg, args, kwargs):
@@ -963,12 +959,10 @@ _TRITON_HAS_DESC_REDUCE = _TRITON_HAS_DESCRIPTORS and hasattr(tl.core.tensor_des
 
 
 def _fused_dq_mode(device: torch.device) -> int:
-    if not INTERPRET and _TRITON_HAS_DESC_REDUCE and _tma_available(device):
-        mode = _env_int("FLASHGPT_FUSED_DQ", 2)  # 2 or 3 (A/B runs; 1 forces element atomics)
-        if mode not in (1, 2, 3):
-            raise ValueError(f"FLASHGPT_FUSED_DQ={mode}: expected 1, 2 or 3")
-        return mode
-    return 1
+    mode = _env_int("FLASHGPT_FUSED_DQ", 2)  # A/B runs: 1 forces element atomics
+    if mode not in (1, 2):
+        raise ValueError(f"FLASHGPT_FUSED_DQ={mode}: expected 1 (element atomics) or 2 (TMA reduce-adds)")
+    return 2 if mode == 2 and not INTERPRET and _TRITON_HAS_DESC_REDUCE and _tma_available(device) else 1
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

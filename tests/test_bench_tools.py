@@ -1,5 +1,5 @@
 """Small GPU-benchmark helpers that run anywhere: the power-cap summary of an nvidia-smi log, and the tile
-survey's refusal without a GPU."""
+survey's and backward-kernel profile's checks of their arguments (and refusal without a GPU)."""
 import importlib.util
 
 import pytest
@@ -44,3 +44,9 @@ def test_tile_survey_rejects_unknown_kernels(capsys):
     with pytest.raises(SystemExit) as exc:
         _load("tiles").main(["--kernels", "fwd,attn"])
     assert exc.value.code == 2 and "--kernels: expected some of fwd,dq,dkdv,dkdvq" in capsys.readouterr().err
+
+
+def test_backward_kernel_profile_rejects_unknown_modes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("bwd_kernels").main(["--modes", "split,fused:3"])
+    assert exc.value.code == 2 and "expected split or fused:1|2, got 'fused:3'" in capsys.readouterr().err

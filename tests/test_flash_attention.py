@@ -190,9 +190,7 @@ def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
     (FLASHGPT_TMA=1 on Hopper), element atomics otherwise (always in the interpreter)."""
     monkeypatch.setenv("FLASHGPT_BWD", "fused")
     seen = _spy(monkeypatch, lambda name, kwargs: (name, kwargs.get("FUSED_DQ")))
-    reduce_mode = os.environ.get("FLASHGPT_FUSED_DQ", "2")  # the GPU check runs 2 and 3 (bench/NOTES.md)
-    reduce_mode = int(reduce_mode) if CUDA and fa._TRITON_HAS_DESC_REDUCE and fa._tma_available(
-        torch.device(DEVICE)) else 1
+    reduce_mode = 2 if CUDA and fa._TRITON_HAS_DESC_REDUCE and fa._tma_available(torch.device(DEVICE)) else 1
     for tma in ("1", "0"):
         monkeypatch.setenv("FLASHGPT_TMA", tma)
         seen.clear()
@@ -203,7 +201,7 @@ def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
 
 def test_fused_backward_other_tiles_and_bad_mode(request, monkeypatch):
     """Fused dK/dV with BLOCK_M != BLOCK_N both ways, the LPT order, and replayed plans; an unknown
-    FLASHGPT_BWD is a clear error."""
+    FLASHGPT_BWD or FLASHGPT_FUSED_DQ is a clear error."""
     monkeypatch.setenv("FLASHGPT_BWD", "fused")
     g = _gen(request)
     for cfg in [(32, 64, 4, 1), (64, 16, 4, 1)]:
@@ -217,6 +215,10 @@ def test_fused_backward_other_tiles_and_bad_mode(request, monkeypatch):
     monkeypatch.setenv("FLASHGPT_BWD", "atomic")
     q = _make((1, 1, 4, 16), torch.float32, g)
     with pytest.raises(ValueError, match="FLASHGPT_BWD='atomic'"):
+        flash_attention(q, q, q).sum().backward()
+    monkeypatch.setenv("FLASHGPT_BWD", "fused")
+    monkeypatch.setenv("FLASHGPT_FUSED_DQ", "3")
+    with pytest.raises(ValueError, match="FLASHGPT_FUSED_DQ=3: expected 1"):
         flash_attention(q, q, q).sum().backward()
 
 

@@ -4,7 +4,8 @@
 
 The model of the issue (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024,
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
-random tokens. For each variant: median step time over --steps after warm-up (compile included in warm-up),
+one fixed batch: uniform random tokens, or (--tokens FILE) real text, windows of a token file from
+data/prepare.py (train.bin: uint16), spread evenly over it. For each variant: median step time over --steps after warm-up (compile included in warm-up),
 tokens/s, MFU (nanoGPT's 6N + 12·L·H·Dh·T FLOPs per token, of 989 TFLOP/s bf16 dense), peak memory, and
 (with nvidia-ml-py installed: `pip install -e ".[bench]"`) the GPU's energy per timed step and its mean power.
 
@@ -42,16 +43,30 @@ KERNELS = ("fwd", "dq", "dkdv")  # --tiles accepts these (the split backward's k
 PEAK = 989e12
 
 
-def make_train_step(attention: str, compiled: bool, batch: int, block: int):
-    """The benchmark's GPT-2 124M and one optimizer step on fixed random tokens → (model, step); step() → loss."""
+def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (batch, block): uniform random tokens, or `batch` windows of block + 1 tokens spread
+    evenly over the uint16 token file `tokens`."""
+    if not tokens:
+        return (torch.randint(0, 50304, (batch, block), device=device),
+                torch.randint(0, 50304, (batch, block), device=device))
+    import numpy as np
+    data = np.memmap(tokens, dtype=np.uint16, mode="r")  # (n,)
+    if len(data) < batch * (block + 1):
+        raise ValueError(f"--tokens {tokens}: {len(data)} tokens, fewer than batch x (block + 1)")
+    starts = np.linspace(0, len(data) - block - 1, batch).astype(np.int64)
+    rows = torch.from_numpy(np.stack([data[i:i + block + 1].astype(np.int64) for i in starts])).to(device)
+    return rows[:, :-1], rows[:, 1:]  # (batch, block) each
+
+
+def make_train_step(attention: str, compiled: bool, batch: int, block: int, tokens: str | None = None):
+    """The benchmark's GPT-2 124M and one optimizer step on one fixed batch → (model, step); step() → loss."""
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=block, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
                     attention=attention)
     model = GPT(cfg).cuda()
     opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
     step_model = torch.compile(model) if compiled else model
-    x = torch.randint(0, 50304, (batch, block), device="cuda")
-    y = torch.randint(0, 50304, (batch, block), device="cuda")
+    x, y = fixed_batch(batch, block, tokens)  # (batch, block)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -122,10 +137,10 @@ def flash_tiles() -> dict:
 
 
 def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int,
-                tiles: dict | None = None) -> dict:
+                tiles: dict | None = None, tokens: str | None = None) -> dict:
     from kernels.flash import forced_configs
     with forced_configs(**(tiles or {})):
-        model, step = make_train_step(attention, compiled, batch, block)
+        model, step = make_train_step(attention, compiled, batch, block, tokens)
         t0 = time.perf_counter()
         for _ in range(warmup):
             loss = step()
@@ -171,7 +186,7 @@ def run_isolated(variant: str, args) -> dict:
     """run_variant in a fresh Python process (this script with --worker); its JSON row, or an error row."""
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", variant, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block),
-           "--tiles", args.tiles]
+           "--tiles", args.tiles, "--tokens", args.tokens]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -185,7 +200,7 @@ def run_in_process(variant: str, args) -> dict:
     attention, compiled = use_variant(variant)
     try:
         return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block,
-                           parse_tiles(args.tiles))
+                           parse_tiles(args.tiles), args.tokens)
     except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -229,7 +244,8 @@ def write_results(rows: list, args, argv) -> str:
     lines = [f"# GPT-2 124M training step — {device}", "",
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, batch {args.batch}×{args.block}, bf16 autocast, fused AdamW, "
-             f"median of {args.steps} steps per run, {how}", "",
+             f"median of {args.steps} steps per run, {how}; "
+             f"{'tokens of ' + args.tokens if args.tokens else 'uniform random tokens'}", "",
              "| variant | step (ms) | tokens/s | MFU | peak memory (GiB) | energy per step (J), power (W) | "
              "step per run (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -283,6 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default="", metavar="KERNEL=BMxBNxWxS,...",
                    help="fixed flash tile configs instead of the autotuner's, e.g. dkdv=32x128x4x3 (kernels: "
                         "fwd, dq, dkdv; BLOCK_M x BLOCK_N x warps x stages)")
+    p.add_argument("--tokens", default="", metavar="FILE",
+                   help="real text: a uint16 token file from data/prepare.py (train.bin) instead of random tokens")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -290,6 +308,9 @@ def main(argv=None) -> int:
         return 2
     if args.repeats < 1 or args.steps < 1:
         print("error: --repeats and --steps must be at least 1", file=sys.stderr)
+        return 2
+    if args.tokens and not os.path.isfile(args.tokens):
+        print(f"error: --tokens {args.tokens}: no such file", file=sys.stderr)
         return 2
     try:
         tiles = parse_tiles(args.tiles)
@@ -306,7 +327,8 @@ def main(argv=None) -> int:
         return 2
     if args.worker:
         attention, compiled = use_variant(args.worker)
-        print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block, tiles)))
+        print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block, tiles,
+                                     args.tokens)))
         return 0
     runs: dict[str, list] = {v: [] for v in variants}
     for rnd in range(args.repeats):

@@ -1,9 +1,11 @@
 """bench/train.py's table logic (the measurement itself needs a GPU): medians over fresh-process runs, failed runs
-kept visible, the flash/sdpa ratio and its per-round values."""
+kept visible, the flash/sdpa ratio and its per-round values; its fixed batch (random or real tokens)."""
 import importlib.util
 import json
 import types
 
+import numpy as np
+import pytest
 import torch
 
 from tests.util import ROOT
@@ -44,8 +46,10 @@ def test_rows_are_medians_over_runs_and_keep_failures(tmp_path, monkeypatch):
     assert sdpa["step_ms"] == 33.5 and sdpa["runs_step_ms"] == [33.6, None, 33.4] and len(sdpa["errors"]) == 1
     assert "step_ms" not in naive and "out of memory" in naive["error"]
 
-    args = types.SimpleNamespace(in_process=False, repeats=3, batch=16, block=1024, steps=30, out=str(tmp_path))
+    args = types.SimpleNamespace(in_process=False, repeats=3, batch=16, block=1024, steps=30, out=str(tmp_path),
+                                 tokens="")
     text = bt.write_results([flash, sdpa, naive], args, ["--repeats", "3"])
+    assert "uniform random tokens" in text
     assert "| flash + compile | 33.20 |" in text and "33.00, 34.00, 33.20" in text
     assert "33.60, failed, 33.40" in text and "CUDA out of memory" in text
     assert f"**{33.5 / 33.2:.3f}×** (target ≥ 1.0×: met)" in text
@@ -75,7 +79,8 @@ def test_tiles_are_parsed_checked_and_listed_per_run(tmp_path, monkeypatch):
             dict(_run(33.7), tiles={"fwd": "128x64x8x4", "dq": "64x64x4x3", "dkdv": "64x128x8x3"},
                  energy_j_per_step=23.0, power_w=682.0)]
     flash = bt.combine("flash+compile", runs)
-    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path))
+    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path),
+                                 tokens="data/train.bin")
     text = bt.write_results([flash, bt.combine("sdpa+compile", [_run(33.6), _run(33.6)])], args, [])
     assert "| flash + compile | 33.50 | " in text and "| 11.5 | 22.50, 671 | 33.30, 33.70 |" in text  # energy
     assert "| sdpa + compile | 33.60 | " in text and "| 11.5 | — | 33.60, 33.60 |" in text  # not measured
@@ -93,9 +98,23 @@ def test_variants_with_a_backward_mode(tmp_path, monkeypatch):
     rows = [bt.combine("flash+compile/split", [_run(33.6), _run(33.4)]),
             bt.combine("flash+compile/fused", [_run(33.0), _run(33.2)]),
             bt.combine("sdpa+compile", [_run(33.5), _run(33.5)])]
-    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path))
+    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path),
+                                 tokens="data/train.bin")
     text = bt.write_results(rows, args, [])
+    assert "tokens of data/train.bin" in text
     assert "| flash + compile, fused bwd | 33.10 |" in text
     assert f"flash + compile, split bwd / sdpa + compile = **{33.5 / 33.5:.3f}×** (target ≥ 1.0×: met)" in text
     assert f"flash + compile, fused bwd / sdpa + compile = **{33.5 / 33.1:.3f}×**" in text
     assert bt.main(["--variants", "flash+compile/atomic"]) == 2
+
+
+def test_fixed_batch_random_or_windows_of_a_token_file(tmp_path):
+    bt = _bench_train()
+    x, y = bt.fixed_batch(3, 8, "", device="cpu")
+    assert x.shape == y.shape == (3, 8) and int(x.max()) < 50304
+    path = tmp_path / "train.bin"
+    np.arange(100, dtype=np.uint16).tofile(path)
+    x, y = bt.fixed_batch(3, 8, str(path), device="cpu")  # windows at 0, 45.5 -> 45, 91
+    assert x[:, 0].tolist() == [0, 45, 91] and torch.equal(y, x + 1) and x.dtype == torch.int64
+    with pytest.raises(ValueError, match="fewer than batch x"):
+        bt.fixed_batch(12, 8, str(path), device="cpu")

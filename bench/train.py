@@ -55,7 +55,7 @@ def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda") -> tu
         raise ValueError(f"--tokens {tokens}: {len(data)} tokens, fewer than batch x (block + 1)")
     starts = np.linspace(0, len(data) - block - 1, batch).astype(np.int64)
     rows = torch.from_numpy(np.stack([data[i:i + block + 1].astype(np.int64) for i in starts])).to(device)
-    return rows[:, :-1], rows[:, 1:]  # (batch, block) each
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (batch, block) each
 
 
 def make_train_step(attention: str, compiled: bool, batch: int, block: int, tokens: str | None = None):

@@ -116,5 +116,6 @@ def test_fixed_batch_random_or_windows_of_a_token_file(tmp_path):
     np.arange(100, dtype=np.uint16).tofile(path)
     x, y = bt.fixed_batch(3, 8, str(path), device="cpu")  # windows at 0, 45.5 -> 45, 91
     assert x[:, 0].tolist() == [0, 45, 91] and torch.equal(y, x + 1) and x.dtype == torch.int64
+    assert x.is_contiguous() and y.is_contiguous()
     with pytest.raises(ValueError, match="fewer than batch x"):
         bt.fixed_batch(12, 8, str(path), device="cpu")

@@ -24,6 +24,8 @@ def test_shapes_and_initial_loss():
     assert abs(loss.item() - math.log(97)) < 0.1  # an untrained model is close to uniform
     logits, loss = model(idx[:, :5])
     assert logits.shape == (3, 5, 97) and loss is None
+    rows = torch.randint(0, 97, (3, 33))  # inputs and targets as shifted slices of one buffer (not contiguous)
+    assert torch.equal(model(rows[:, :-1], rows[:, 1:])[1], model(rows[:, :-1].clone(), rows[:, 1:].clone())[1])
 
 
 def test_weight_tying_and_gpt2_names():

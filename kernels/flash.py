@@ -50,8 +50,10 @@ registers tile by tile):
   result is deterministic). Both skip hidden causal blocks and mask only the diagonal ones.
   ``FLASHGPT_BWD=fused`` (an option, measured slower at GPT-2's shape: bench/results/fused_bwd/) runs the
   FA2/cuDNN structure instead: a pass storing delta and zeroing an fp32 dQ accumulator, the same dK/dV kernel
-  also adding each tile's dS K into it with atomic adds (5 matmuls per pair of tiles instead of 7), and a pass
-  writing dQ; its dQ then varies in the last bits from run to run.
+  also adding each tile's dS K into it (5 matmuls per pair of tiles instead of 7) — one TMA reduce-add per tile
+  on Hopper with Triton's descriptor reductions, element atomic adds elsewhere and in the interpreter
+  (``FLASHGPT_FUSED_DQ=1`` forces those) — and a pass writing dQ; its dQ then varies in the last bits from run
+  to run.
 
 Loads: the dK/dV kernel, from head dim 128 (padded) on Hopper or newer, when every row stride and head start is
 a multiple of 16 bytes and D is contiguous, reads Q/dO through TMA tensor descriptors built on the device (they

@@ -356,7 +356,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
         dsT = dsT.to(qT.dtype)
         dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         if FUSED_DQ != 0:
-            # (Triton 3.6 on the H200 got (Kᵀ dSᵀ)ᵀ wrong at BLOCK_M = 32 < BLOCK_N: bench/results/fused_tma/)
+            # (taken as (Kᵀ dSᵀ)ᵀ it was 4% faster, but Triton 3.6 on the H200 got it wrong with one tile
+            # config: bench/results/fused_tma/)
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) = dS K
             if FUSED_DQ == 2:  # one bulk TMA reduce-add of the tile (rows past Nq are dropped by the unit)
                 dq_base.atomic_add([g, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))

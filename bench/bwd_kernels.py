@@ -39,16 +39,11 @@ def main(argv=None) -> int:
     import triton
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.tiles import packed_inputs
     from kernels import flash as fa
-    from kernels.naive import split_qkv
 
     B, H, N, D = (int(x) for x in args.shape.split(","))
-    torch.manual_seed(0)
-    qkv = torch.randn(B, N, 3 * H * D, device="cuda", dtype=torch.bfloat16)  # (B, N, 3·H·D)
-    q, k, v = split_qkv(qkv, H, H)  # (B, H, N, D) views
-    scale = D ** -0.5
-    do = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (B, H, N, D)
-    grads = split_qkv(torch.empty_like(qkv), H, H)
+    q, k, v, do, grads, scale = packed_inputs(args.shape)
     o, lse = fa._fwd(q, k, v, True, scale)
     lines = [f"# Flash backward kernels at (B, H, N, D) = ({B}, {H}, {N}, {D}), causal bf16 — "
              f"{torch.cuda.get_device_name()}", "",

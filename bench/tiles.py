@@ -32,6 +32,21 @@ import torch  # noqa: E402
 KERNELS = ("fwd", "dq", "dkdv", "dkdvq")
 
 
+def packed_inputs(shape: str):
+    """Attention inputs in the training layout at "B,H,N,D" (bf16, on the GPU, seeded): q, k, v as (B, H, N, D)
+    views of one packed projection (B, N, 3·H·D), dO (B, H, N, D) laid out as the model's, the views of one
+    packed gradient buffer, and the softmax scale."""
+    from kernels.naive import split_qkv
+
+    B, H, N, D = (int(x) for x in shape.split(","))
+    torch.manual_seed(0)
+    qkv = torch.randn(B, N, 3 * H * D, device="cuda", dtype=torch.bfloat16)  # (B, N, 3·H·D)
+    q, k, v = split_qkv(qkv, H, H)  # (B, H, N, D) views
+    do = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (B, H, N, D)
+    grads = split_qkv(torch.empty_like(qkv), H, H)  # dq, dk, dv: (B, H, N, D) views
+    return q, k, v, do, grads, D ** -0.5
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="16,12,1024,64", help="B,H,N,D (causal, packed q/k/v, bf16)")
@@ -49,16 +64,9 @@ def main(argv=None) -> int:
     import triton
 
     from kernels import flash as fa
-    from kernels.naive import split_qkv
 
     B, H, N, D = (int(x) for x in args.shape.split(","))
-    torch.manual_seed(0)
-    qkv = torch.randn(B, N, 3 * H * D, device="cuda", dtype=torch.bfloat16)  # (B, N, 3·H·D)
-    q, k, v = split_qkv(qkv, H, H)  # (B, H, N, D) views
-    scale = D ** -0.5
-    do = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # (B, H, N, D), as the model's
-    dqkv = torch.empty_like(qkv)
-    grads = split_qkv(dqkv, H, H)
+    q, k, v, do, grads, scale = packed_inputs(args.shape)
 
     # the autotuner's own picks in this process (its first call at this shape tunes)
     o, lse = fa._fwd(q, k, v, True, scale)

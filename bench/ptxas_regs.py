@@ -1,11 +1,12 @@
 """Registers, spills and shared memory of the attention kernels' tile configs on sm_90a, without a GPU.
 
-    TRITON_INTERPRET=0 python bench/ptxas_regs.py [--out DIR] [--kernels fwd,dq,dkdv] [--head-dims 64,128]
+    TRITON_INTERPRET=0 python bench/ptxas_regs.py [--out DIR] [--kernels fwd,dq,dkdv,dkdvq] [--head-dims 64,128]
 
 Compiles each config of kernels/flash.py's autotune lists for Hopper (Triton's ahead-of-time compile to PTX,
 then ptxas from Triton's wheel with -v) for bf16, causal and not, with the load path the host would pick
 (TMA descriptors per TMA_MIN_BLOCK_D), the per-head grid (LPT off) and the pointer/stride specialisation of
-contiguous (B, N, H, D) inputs.
+contiguous (B, N, H, D) inputs. dkdvq is the fused backward's dK/dV kernel (FLASHGPT_BWD=fused) adding dQ
+with TMA reduce-adds.
 A kernel that sits at 255 registers or spills is register-bound: the dK/dV kernel's did before its loop over
 the GQA heads was flattened (bench/NOTES.md). Static numbers only: the benchmark is bench/attention.py.
 Writes ptxas_regs.md into --out.
@@ -32,19 +33,20 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.flash as fa  # noqa: E402
 
-_PTRS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA")
-_FP32_PTRS = ("LSE", "DELTA")
+_PTRS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA", "DQACC")
+_FP32_PTRS = ("LSE", "DELTA", "DQACC")
 _SCALARS = ("qk_scale", "sm_scale")
 
 
 def compile_report(kernel: str, cfg, head_dim: int, causal: bool) -> dict:
-    fn = {"fwd": fa._attn_fwd, "dq": fa._attn_bwd_dq, "dkdv": fa._attn_bwd_dkdv}[kernel]
+    fn = {"fwd": fa._attn_fwd, "dq": fa._attn_bwd_dq, "dkdv": fa._attn_bwd_dkdv, "dkdvq": fa._attn_bwd_dkdv}[kernel]
     bm, bn, warps, stages = cfg
-    tma = fa._block_d(head_dim) >= fa.TMA_MIN_BLOCK_D[kernel]
+    tma = fa._block_d(head_dim) >= fa.TMA_MIN_BLOCK_D["dkdv" if kernel == "dkdvq" else kernel]
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=fa._block_d(head_dim), CAUSAL=causal, DOT_PRECISION="tf32", TMA=tma,
                   LPT=False, BLOCK_M=bm, BLOCK_N=bn)
     if "GQA" in fn.arg_names:
         consts["GQA"] = False
+        consts["FUSED_DQ"] = 2 if kernel == "dkdvq" else 0  # dkdvq: the fused backward's, dQ by TMA reduce-adds
     consts.update({n: 1 for n in fn.arg_names if n.startswith("stride") and n.endswith("d")})  # unit D stride
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

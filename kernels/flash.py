@@ -388,8 +388,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
     descriptors). Needs DELTA = rowsum(O * dO): from _attn_bwd_dq, which runs first, or (FUSED_DQ) from
     _attn_bwd_prep. FUSED_DQ (1: element atomics, 2: TMA reduce-add per tile, Hopper+): dQ too, accumulated
     unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by _attn_bwd_prep) with atomic adds — 5 matmuls per
-    tile instead of the two kernels' 7, but the summation
-    order, and so the last bits of dQ, vary from run to run; _attn_bwd_dq_out writes dQ from it.
+    tile instead of the two kernels' 7, but the summation order, and so the last bits of dQ, vary from run to
+    run; _attn_bwd_dq_out writes dQ from it.
     """
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid

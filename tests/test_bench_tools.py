@@ -1,5 +1,5 @@
 """Small GPU-benchmark helpers that run anywhere: the power-cap summary of an nvidia-smi log, and the tile
-survey's and backward-kernel profile's checks of their arguments (and refusal without a GPU), the register
+survey's, backward-kernel profile's and step-drift run's checks of their arguments (and refusal without a GPU), the register
 report's compile for Hopper."""
 import importlib.util
 import os
@@ -69,3 +69,13 @@ def test_register_report_compiles_the_dkdv_kernels_for_hopper():
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert [r[0] for r in rows] == ["dkdv", "dkdvq"] and all(0 < int(r[1]) <= 255 for r in rows)
     assert int(rows[1][2]) > int(rows[0][2])  # the fused kernel stages its dQ tile in shared memory
+
+
+def test_step_drift_checks_its_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("step_drift").main(["--variant", "flash+jit"])
+    assert exc.value.code == 2 and "bad variant 'flash+jit'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _load("step_drift").main(["--windows", "0,10"])
+    if not torch.cuda.is_available():
+        assert _load("step_drift").main(["--steps", "5"]) == 2

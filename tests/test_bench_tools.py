@@ -1,6 +1,6 @@
-"""Small GPU-benchmark helpers that run anywhere: the power-cap summary of an nvidia-smi log, and the tile
-survey's, backward-kernel profile's and step-drift run's checks of their arguments (and refusal without a GPU), the register
-report's compile for Hopper."""
+"""Small GPU-benchmark helpers that run anywhere: the power-cap summary of an nvidia-smi log; the tile survey's,
+backward-kernel profile's and step-drift run's checks of their arguments (and refusal without a GPU); the
+register report's compile for Hopper."""
 import importlib.util
 import os
 import subprocess

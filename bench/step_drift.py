@@ -25,12 +25,11 @@ import torch  # noqa: E402
 
 def gpu_state():
     """A function returning 'SM MHz, W, °C' of the current GPU now, or None without nvidia-ml-py."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    except Exception:
+    from bench.train import nvml_handle
+    nvml = nvml_handle()
+    if nvml is None:
         return None
+    pynvml, h = nvml
     return lambda: (f"{pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)} MHz, "
                     f"{pynvml.nvmlDeviceGetPowerUsage(h) / 1000:.0f} W, "
                     f"{pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)} °C")

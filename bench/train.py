@@ -80,23 +80,35 @@ def make_train_step(attention: str, compiled: bool, batch: int, block: int, toke
     return model, step
 
 
-def energy_meter():
-    """A function returning the GPU's energy counter in joules (NVML: energy since the driver loaded), or None
-    where nvidia-ml-py or the counter is not available. The timed steps' energy divided by their count is the
-    energy per step; under a power cap (bench/results/power_cap) step time follows it."""
+def nvml_handle():
+    """(pynvml, NVML handle of the current CUDA device, found by PCI bus id since NVML's indices need not be
+    CUDA's), or None without nvidia-ml-py or NVML."""
     try:
         import pynvml
         pynvml.nvmlInit()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         try:
             bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            return pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         except AttributeError:  # a torch without PCI ids in its device properties
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            return pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    except Exception:
+        return None
+
+
+def energy_meter():
+    """A function returning the GPU's energy counter in joules (NVML: energy since the driver loaded), or None
+    where nvidia-ml-py or the counter is not available. The timed steps' energy divided by their count is the
+    energy per step; under a power cap (bench/results/power_cap) step time follows it."""
+    nvml = nvml_handle()
+    if nvml is None:
+        return None
+    pynvml, handle = nvml
+    try:
         read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3  # noqa: E731  mJ -> J
         read()
         return read
-    except Exception:  # no pynvml, no NVML, or a GPU without the counter: the table leaves the column out
+    except Exception:  # a GPU without the energy counter: the table leaves the column out
         return None
 
 

@@ -16,7 +16,8 @@ process, the variant measured first was about 1.5% faster than the same variant 
 two compiled variants. --in-process runs them all in this process instead. Results: train_step.json / .md.
 
 A variant is ATTENTION[+compile][/BWD]: BWD (flash only) = split or fused, the flash backward's structure
-(FLASHGPT_BWD, kernels/flash.py); without it, the kernel's default.
+(FLASHGPT_BWD, kernels/flash.py); without it, the kernel's default. --loss picks the loss kernel of every
+variant (kernels.cross_entropy: auto = the Triton kernel on CUDA; torch = F.cross_entropy on fp32 logits).
 """
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def run_isolated(variant: str, args) -> dict:
     """run_variant in a fresh Python process (this script with --worker); its JSON row, or an error row."""
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", variant, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block),
-           "--tiles", args.tiles, "--tokens", args.tokens]
+           "--tiles", args.tiles, "--tokens", args.tokens, "--loss", args.loss]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -257,7 +258,7 @@ def write_results(rows: list, args, argv) -> str:
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, batch {args.batch}×{args.block}, bf16 autocast, fused AdamW, "
              f"median of {args.steps} steps per run, {how}; "
-             f"{'tokens of ' + args.tokens if args.tokens else 'uniform random tokens'}", "",
+             f"{'tokens of ' + args.tokens if args.tokens else 'uniform random tokens'}; loss kernel {args.loss}", "",
              "| variant | step (ms) | tokens/s | MFU | peak memory (GiB) | energy per step (J), power (W) | "
              "step per run (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -313,6 +314,8 @@ def main(argv=None) -> int:
                         "fwd, dq, dkdv; BLOCK_M x BLOCK_N x warps x stages)")
     p.add_argument("--tokens", default="", metavar="FILE",
                    help="real text: a uint16 token file from data/prepare.py (train.bin) instead of random tokens")
+    p.add_argument("--loss", default="auto", choices=("auto", "triton", "torch"),
+                   help="the loss kernel (kernels.cross_entropy; FLASHGPT_CE for the worker processes)")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -330,6 +333,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
+    import kernels
+    kernels.CE_DEFAULT = os.environ["FLASHGPT_CE"] = args.loss  # this process and the workers it starts
     variants = args.variants.split(",")
     try:
         for variant in [args.worker] if args.worker else variants:

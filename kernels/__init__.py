@@ -1,18 +1,22 @@
-"""Attention implementations and the one dispatch point the model calls.
+"""Attention implementations and the one dispatch point the model calls (and the loss's).
 
     attention(q, k, v, backend="flash" | "sdpa" | "naive", causal=True, sm_scale=None)
     attention_qkvpacked(qkv, n_head, n_kv_head, backend=..., causal=True, sm_scale=None)
+    cross_entropy(logits, targets, ignore_index=-1, kernel="auto" | "triton" | "torch")
 
 q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq a multiple of Hkv; causal masks are bottom-right aligned.
 qkv: one packed projection (B, N, (Hq + 2·Hkv)·D), the model's training/prefill path without a KV cache.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 # The Triton kernel is imported here, not inside attention(): an import inside a region that torch.compile
 # traces is a graph break. On a machine without CUDA, kernels.flash turns Triton's interpreter on.
+from .ce_loss import cross_entropy as triton_cross_entropy
 from .flash import flash_attention, flash_attention_qkvpacked
 from .naive import causal_mask, check_qkv, naive_attention, split_qkv
 
@@ -66,5 +70,27 @@ def resolve_backend(name: str, device) -> str:
     return "flash" if torch.device(device).type == "cuda" else "sdpa"
 
 
-__all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
+LOSS_KERNELS = ("auto", "triton", "torch")
+# "auto": the Triton loss on CUDA, F.cross_entropy elsewhere. FLASHGPT_CE=torch|triton|auto (read at import)
+# overrides it for A/B runs (bench/train.py) and as an escape hatch.
+CE_DEFAULT = os.environ.get("FLASHGPT_CE", "auto")
+if CE_DEFAULT not in LOSS_KERNELS:
+    raise ValueError(f"FLASHGPT_CE={CE_DEFAULT!r}: expected one of {', '.join(LOSS_KERNELS)}")
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -1,
+                  kernel: str | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits (N, V) against targets (N,) over the rows whose target is not ignore_index,
+    computed in fp32 whatever the logits' dtype. kernel: "triton" (kernels/ce_loss.py: one read of the
+    logits forward, one read and one write backward), "torch" (F.cross_entropy on logits.float()), "auto" /
+    None: CE_DEFAULT, where "auto" is triton on CUDA and torch elsewhere (the interpreter is for tests)."""
+    kernel = kernel or CE_DEFAULT
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
+    if kernel == "triton" or (kernel == "auto" and logits.is_cuda):
+        return triton_cross_entropy(logits, targets, ignore_index)
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+
+
+__all__ = ["cross_entropy", "triton_cross_entropy", "LOSS_KERNELS", "attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
            "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "check_qkv"]

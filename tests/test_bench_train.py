@@ -47,7 +47,7 @@ def test_rows_are_medians_over_runs_and_keep_failures(tmp_path, monkeypatch):
     assert "step_ms" not in naive and "out of memory" in naive["error"]
 
     args = types.SimpleNamespace(in_process=False, repeats=3, batch=16, block=1024, steps=30, out=str(tmp_path),
-                                 tokens="")
+                                 tokens="", loss="auto")
     text = bt.write_results([flash, sdpa, naive], args, ["--repeats", "3"])
     assert "uniform random tokens" in text
     assert "| flash + compile | 33.20 |" in text and "33.00, 34.00, 33.20" in text
@@ -80,7 +80,7 @@ def test_tiles_are_parsed_checked_and_listed_per_run(tmp_path, monkeypatch):
                  energy_j_per_step=23.0, power_w=682.0)]
     flash = bt.combine("flash+compile", runs)
     args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path),
-                                 tokens="data/train.bin")
+                                 tokens="data/train.bin", loss="torch")
     text = bt.write_results([flash, bt.combine("sdpa+compile", [_run(33.6), _run(33.6)])], args, [])
     assert "| flash + compile | 33.50 | " in text and "| 11.5 | 22.50, 671 | 33.30, 33.70 |" in text  # energy
     assert "| sdpa + compile | 33.60 | " in text and "| 11.5 | — | 33.60, 33.60 |" in text  # not measured
@@ -99,9 +99,9 @@ def test_variants_with_a_backward_mode(tmp_path, monkeypatch):
             bt.combine("flash+compile/fused", [_run(33.0), _run(33.2)]),
             bt.combine("sdpa+compile", [_run(33.5), _run(33.5)])]
     args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path),
-                                 tokens="data/train.bin")
+                                 tokens="data/train.bin", loss="torch")
     text = bt.write_results(rows, args, [])
-    assert "tokens of data/train.bin" in text
+    assert "tokens of data/train.bin; loss kernel torch" in text
     assert "| flash + compile, fused bwd | 33.10 |" in text
     assert f"flash + compile, split bwd / sdpa + compile = **{33.5 / 33.5:.3f}×** (target ≥ 1.0×: met)" in text
     assert f"flash + compile, fused bwd / sdpa + compile = **{33.5 / 33.1:.3f}×**" in text

@@ -1,0 +1,195 @@
+"""The Triton cross-entropy (kernels/ce_loss.py) against a float64 reference: loss and d(logits).
+
+Criterion (as for the attention kernels): the kernel's max error against F.cross_entropy in float64 is at most
+2x the error of the path it replaces (F.cross_entropy on logits.float(), the gradient rounded to the logits'
+dtype) plus a small floor. Fresh random inputs per test (seeded from the test id), output buffers poisoned
+with NaN, odd shapes. On the CPU through Triton's interpreter; on a GPU the same tests plus the GPT-2 size and
+torch.compile.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import kernels.ce_loss as ce
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(ce, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                              device=device))
+
+
+def _gen(request) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return g
+
+
+def _inputs(N, V, dtype, g, scale=3.0, ignore_every=0, row_pad=0):
+    """logits (N, V) (a column slice of a wider buffer when row_pad > 0: row stride V + row_pad), targets (N,)."""
+    wide = torch.randn(N, V + row_pad, generator=g) * scale
+    logits = wide.to(DEVICE, dtype)[:, :V]
+    targets = torch.randint(0, V, (N,), generator=g)
+    if ignore_every:
+        targets[::ignore_every] = -1
+    return logits, targets.to(DEVICE)
+
+
+def _loss_and_grad(fn, logits, targets, dloss=1.0, dtype=None):
+    """Loss and d(logits) of fn on a leaf copy of logits (in `dtype`: the float64 reference's gradient must
+    not be rounded back to the logits' dtype)."""
+    x = logits.detach().to(dtype or logits.dtype).requires_grad_()
+    loss = fn(x, targets)
+    (loss * dloss).backward()
+    return loss.detach(), x.grad.detach()
+
+
+def _check(logits, targets, dloss=1.0):
+    dtype = logits.dtype
+    ref_loss, ref_grad = _loss_and_grad(lambda x, t: F.cross_entropy(x, t, ignore_index=-1),
+                                        logits, targets, dloss, dtype=torch.float64)
+    old_loss, old_grad = _loss_and_grad(lambda x, t: F.cross_entropy(x.float(), t, ignore_index=-1),
+                                        logits, targets, dloss)
+    loss, grad = _loss_and_grad(lambda x, t: kernels.cross_entropy(x, t, kernel="triton"), logits, targets, dloss)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    assert not torch.isnan(grad).any(), "d(logits): NaN (an element was never written)"
+    loss_err = (loss.double() - ref_loss).abs().item()
+    assert loss_err <= 2 * (old_loss.double() - ref_loss).abs().item() + 1e-6 * max(1.0, ref_loss.abs().item()), \
+        f"loss {loss.item()} vs reference {ref_loss.item()}"
+    err = (grad.double() - ref_grad).abs()
+    floor = 1e-6 * ref_grad.abs().max().item()
+    if dtype == torch.bfloat16 and not CUDA:
+        # Triton's interpreter converts fp32 to bf16 by truncation (up to 1 ulp; a GPU rounds to nearest, half
+        # an ulp): bound each element by one bf16 ulp of the reference instead
+        bad = err > 2.0 ** -7 * ref_grad.abs() + floor
+        assert not bad.any(), f"d(logits): {int(bad.sum())} elements off by more than 1 bf16 ulp"
+    else:
+        budget = 2 * (old_grad.double() - ref_grad).abs().max().item() + floor
+        assert err.max().item() <= budget, f"d(logits) error {err.max().item():.3g} > {budget:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,V", [(1, 1), (3, 7), (5, 256), (9, 257), (4, 1000)])
+def test_matches_float64(request, dtype, N, V):
+    logits, targets = _inputs(N, V, dtype, _gen(request))
+    _check(logits, targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ignored_rows_strided_logits_and_a_scaled_gradient(request, dtype):
+    """Rows with target -1 add nothing (their gradient is exactly 0); the logits may be a column slice of a
+    wider buffer; the incoming gradient (here 0.25, as with gradient accumulation) scales d(logits)."""
+    logits, targets = _inputs(11, 300, dtype, _gen(request), ignore_every=3, row_pad=5)
+    assert logits.stride(0) == 305
+    _check(logits, targets, dloss=0.25)
+    x = logits.detach().requires_grad_()
+    kernels.cross_entropy(x, targets, kernel="triton").backward()
+    assert torch.equal(x.grad[targets == -1], torch.zeros_like(x.grad[targets == -1]))
+
+
+def test_large_logits_stay_finite(request):
+    """The online log-sum-exp rescales: logits of +-1e4 (exp overflows fp32) give the reference's loss."""
+    logits, targets = _inputs(4, 600, torch.float32, _gen(request), scale=1e4)
+    _check(logits, targets)
+
+
+def test_per_row_losses_and_edge_targets(request):
+    logits, targets = _inputs(6, 50, torch.float32, _gen(request))
+    targets[1] = -1
+    targets[2] = 49  # the last column
+    targets[3] = 0
+    rows = ce.cross_entropy_rows(logits, targets)
+    ref = F.cross_entropy(logits.double(), targets, ignore_index=-1, reduction="none")
+    assert rows[1].item() == 0.0
+    torch.testing.assert_close(rows.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_all_rows_ignored_is_nan_like_torch(request):
+    logits, targets = _inputs(3, 20, torch.float32, _gen(request))
+    targets[:] = -1
+    assert torch.isnan(kernels.cross_entropy(logits, targets, kernel="triton"))
+    assert torch.isnan(F.cross_entropy(logits, targets, ignore_index=-1))
+
+
+def test_out_of_range_target_gives_nan_not_a_crash(request):
+    logits, targets = _inputs(4, 20, torch.float32, _gen(request))
+    targets[2] = 20
+    rows = ce.cross_entropy_rows(logits, targets)
+    assert torch.isnan(rows[2]) and torch.isfinite(rows[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("logits,targets,match", [
+    (torch.zeros(4, 5, 6), torch.zeros(4, dtype=torch.long), "expected logits"),
+    (torch.zeros(4, 5), torch.zeros(3, dtype=torch.long), "expected logits"),
+    (torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), "empty logits"),
+    (torch.zeros(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long), "float64"),
+    (torch.zeros(4, 5), torch.zeros(4), "integers"),
+])
+def test_bad_input_is_one_clear_error(logits, targets, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.cross_entropy(logits.to(DEVICE), targets.to(DEVICE), kernel="triton")
+
+
+def test_dispatch(request, monkeypatch):
+    """auto: the Triton kernel on CUDA, F.cross_entropy elsewhere; an unknown name is an error."""
+    logits, targets = _inputs(4, 30, torch.float32, _gen(request))
+    calls = []
+    real = kernels.triton_cross_entropy
+    monkeypatch.setattr(kernels, "triton_cross_entropy", lambda *a: calls.append(1) or real(*a))
+    kernels.cross_entropy(logits, targets)
+    assert len(calls) == (1 if CUDA else 0)
+    kernels.cross_entropy(logits, targets, kernel="torch")
+    assert len(calls) == (1 if CUDA else 0)
+    with pytest.raises(ValueError, match="unknown loss kernel"):
+        kernels.cross_entropy(logits, targets, kernel="fused")
+
+
+def test_model_loss_is_the_same_with_either_kernel(monkeypatch):
+    """The model's loss (and its gradients) through the Triton kernel equal F.cross_entropy's."""
+    from model.config import GPTConfig
+    from model.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=97, dropout=0.0,
+                          attention="naive")).to(DEVICE)
+    idx = torch.randint(0, 97, (3, 8), device=DEVICE)
+    targets = torch.randint(0, 97, (3, 8), device=DEVICE)
+    targets[0, :2] = -1
+    results = []
+    for kernel in ("torch", "triton"):
+        monkeypatch.setattr(kernels, "CE_DEFAULT", kernel)
+        model.zero_grad()
+        _, loss = model(idx, targets)
+        loss.backward()
+        results.append((loss.detach(), model.lm_head.weight.grad.clone()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+
+
+@cuda_only
+def test_gpt2_size_bf16(request):
+    """The training shape (16 x 1024 rows of GPT-2's padded vocabulary), bf16."""
+    logits, targets = _inputs(16 * 1024, 50304, torch.bfloat16, _gen(request), scale=2.0)
+    _check(logits, targets)
+
+
+@cuda_only
+def test_compiles_without_graph_break(request):
+    logits, targets = _inputs(64, 1000, torch.bfloat16, _gen(request))
+    x = logits.detach().requires_grad_()
+    fn = torch.compile(lambda a, t: kernels.cross_entropy(a, t, kernel="triton"), fullgraph=True)
+    loss = fn(x, targets)
+    loss.backward()
+    ref = F.cross_entropy(logits.double(), targets, ignore_index=-1)
+    assert abs(loss.item() - ref.item()) < 1e-4
+    assert torch.isfinite(x.grad).all()

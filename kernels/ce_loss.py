@@ -31,7 +31,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels can read it
 
 # (BLOCK_V, num_warps): measured on the H200 at (16384, 50304) bf16, bench/cross_entropy.py. The interpreter
 # pays per program and per loop step: small blocks keep the CPU tests quick.

@@ -8,6 +8,7 @@ torch.compile.
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -193,3 +194,37 @@ def test_compiles_without_graph_break(request):
     ref = F.cross_entropy(logits.double(), targets, ignore_index=-1)
     assert abs(loss.item() - ref.item()) < 1e-4
     assert torch.isfinite(x.grad).all()
+
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.ce_loss as ce
+common = {"LOGITS": "*bf16", "TARGETS": "*i64", "stride_row": "i32", "V": "i32", "ignore_index": "i32",
+          "BLOCK_V": "constexpr"}
+fwd = {**common, "LOSS": "*fp32", "LSE": "*fp32"}
+bwd = {**common, "LSE": "*fp32", "DLOSS": "*fp32", "DLOGITS": "*bf16", "stride_drow": "i32"}
+for fn, sig in ((ce._ce_fwd, fwd), (ce._ce_bwd, bwd)):
+    sig = {name: sig[name] for name in fn.arg_names}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_V": ce.GPU_CONFIG[0]}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=ce.GPU_CONFIG[1]))
+    print(fn.__name__, "ld.global" in c.asm["ptx"])
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """Triton's GPU compiler is stricter than its interpreter (a kernel may read only constexpr globals, for
+    one): compile both kernels for sm_90 ahead of time, as on a GPU, on any machine (own process: the tests
+    run the interpreter)."""
+    import subprocess
+    import sys
+
+    from tests.util import ROOT
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["_ce_fwd", "True", "_ce_bwd", "True"]

@@ -131,6 +131,11 @@ class GPT(nn.Module):
 
         input_pos: None for training (positions 0..T-1, no cache); with a KV cache attached, the
         positions of idx's tokens: (T,) shared by the batch, or (B, T) per sequence.
+        With targets the loss is the differentiable output and the logits come back detached (for logging or
+        accuracy; a loss of your own on the logits: call without targets). Under torch.compile an output that
+        requires grad gets a gradient input of its own in the backward graph — zeros added to the loss's
+        d(logits), a full extra pass over (B, T, vocab): 1.1 ms of a GPT-2 124M step on an H200
+        (bench/results/ce_loss/).
         """
         B, T = idx.shape
         if input_pos is None:
@@ -146,6 +151,7 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = kernels.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            logits = logits.detach()
         return logits, loss
 
     def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):

@@ -22,8 +22,9 @@ def test_shapes_and_initial_loss():
     logits, loss = model(idx, targets)
     assert logits.shape == (3, 32, 97)
     assert abs(loss.item() - math.log(97)) < 0.1  # an untrained model is close to uniform
+    assert loss.requires_grad and not logits.requires_grad  # with targets only the loss is differentiable
     logits, loss = model(idx[:, :5])
-    assert logits.shape == (3, 5, 97) and loss is None
+    assert logits.shape == (3, 5, 97) and loss is None and logits.requires_grad
     rows = torch.randint(0, 97, (3, 33))  # inputs and targets as shifted slices of one buffer (not contiguous)
     assert torch.equal(model(rows[:, :-1], rows[:, 1:])[1], model(rows[:, :-1].clone(), rows[:, 1:].clone())[1])
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import kernels
 from config import SECTIONS, ConfigError, RunConfig, format_config, load_config
 from data.loader import TokenData
 from data.prepare import DataError, prepare
@@ -204,7 +205,8 @@ def train(cfg: RunConfig) -> dict:
     peak = peak_flops(t.peak_tflops, device)
     if master:
         print(format_config(cfg))
-        print(f"device {device} ({dtype}), attention backend: {cfg.model.attention}, world size {world}, "
+        print(f"device {device} ({dtype}), attention backend: {cfg.model.attention}, "
+              f"loss kernel: {kernels.resolve_loss_kernel(None, device)}, world size {world}, "
               f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step"
               + (f", resuming at step {start_iter}" if resume else ""))
         print(f"unigram baseline val loss: {baseline:.4f} (uniform: {math.log(tok_vocab):.4f})")

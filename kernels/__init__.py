@@ -84,13 +84,20 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     computed in fp32 whatever the logits' dtype. kernel: "triton" (kernels/ce_loss.py: one read of the
     logits forward, one read and one write backward), "torch" (F.cross_entropy on logits.float()), "auto" /
     None: CE_DEFAULT, where "auto" is triton on CUDA and torch elsewhere (the interpreter is for tests)."""
-    kernel = kernel or CE_DEFAULT
-    if kernel not in LOSS_KERNELS:
-        raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
-    if kernel == "triton" or (kernel == "auto" and logits.is_cuda):
+    if resolve_loss_kernel(kernel, logits.device) == "triton":
         return triton_cross_entropy(logits, targets, ignore_index)
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
 
 
-__all__ = ["cross_entropy", "triton_cross_entropy", "LOSS_KERNELS", "attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
+def resolve_loss_kernel(kernel: str | None, device) -> str:
+    """The loss kernel cross_entropy runs on `device`: "triton" or "torch" (None / "auto": see cross_entropy)."""
+    kernel = kernel or CE_DEFAULT
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
+    if kernel == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return kernel
+
+
+__all__ = ["cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS", "attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
            "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "check_qkv"]

@@ -153,6 +153,11 @@ def test_dispatch(request, monkeypatch):
     assert len(calls) == (1 if CUDA else 0)
     with pytest.raises(ValueError, match="unknown loss kernel"):
         kernels.cross_entropy(logits, targets, kernel="fused")
+    assert kernels.resolve_loss_kernel(None, "cpu") == "torch"
+    assert kernels.resolve_loss_kernel("auto", "cuda") == "triton"
+    assert kernels.resolve_loss_kernel("torch", "cuda") == "torch"
+    monkeypatch.setattr(kernels, "CE_DEFAULT", "torch")  # FLASHGPT_CE=torch
+    assert kernels.resolve_loss_kernel(None, "cuda") == "torch"
 
 
 def test_model_loss_is_the_same_with_either_kernel(monkeypatch):

@@ -99,5 +99,6 @@ def resolve_loss_kernel(kernel: str | None, device) -> str:
     return kernel
 
 
-__all__ = ["cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS", "attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
-           "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "check_qkv"]
+__all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
+           "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "check_qkv",
+           "cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS"]

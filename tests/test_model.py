@@ -126,3 +126,26 @@ def test_naive_attention_mask_equals_per_sequence_prefixes():
         torch.testing.assert_close(out[b:b + 1], want)
     nothing = naive_attention(q, k, v, causal=False, mask=torch.zeros(1, 1, 1, 9, dtype=torch.bool))
     assert torch.equal(nothing, torch.zeros_like(nothing))
+
+
+def test_compiled_backward_has_no_gradient_input_for_the_logits():
+    """With targets, the loss is the only differentiable output: the compiled backward takes one tangent (the
+    loss's), not also a (B, T, vocab) one for the logits that would be zeros added to d(logits) at run time
+    (a full extra pass over the logits' gradient per step; bench/results/ce_loss/)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    tangents = []
+
+    def backward_compiler(gm, example_inputs):
+        tangents.extend(n.target for n in gm.graph.nodes if n.op == "placeholder" and "tangent" in n.target)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    torch.manual_seed(0)
+    model = GPT(tiny(attention="naive"))
+    idx = torch.randint(0, 97, (2, 16))
+    torch._dynamo.reset()
+    _, loss = torch.compile(model, backend=backend)(idx, idx)
+    loss.backward()
+    assert len(tangents) == 1, tangents

@@ -110,12 +110,9 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"cross_entropy: targets must be integers, got {targets.dtype}")
     if logits.device != targets.device:
         raise ValueError(f"cross_entropy: logits on {logits.device}, targets on {targets.device}")
-    if INTERPRET:
-        if logits.device.type != "cpu":
-            raise ValueError("TRITON_INTERPRET=1: cross_entropy runs through Triton's interpreter and expects CPU "
-                             f"tensors, got {logits.device}")
-    elif logits.device.type != "cuda":
-        raise ValueError(f"cross_entropy's kernel needs CUDA tensors, got {logits.device}")
+    if logits.device.type != ("cpu" if INTERPRET else "cuda"):
+        raise ValueError(f"cross_entropy's kernel runs on CUDA (CPU only under TRITON_INTERPRET=1), got "
+                         f"{logits.device}")
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

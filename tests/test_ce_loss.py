@@ -141,6 +141,12 @@ def test_bad_input_is_one_clear_error(logits, targets, match):
         kernels.cross_entropy(logits.to(DEVICE), targets.to(DEVICE), kernel="triton")
 
 
+def test_unsupported_device_is_one_clear_error():
+    logits, targets = torch.zeros(4, 5, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        kernels.cross_entropy(logits, targets, kernel="triton")
+
+
 def test_dispatch(request, monkeypatch):
     """auto: the Triton kernel on CUDA, F.cross_entropy elsewhere; an unknown name is an error."""
     logits, targets = _inputs(4, 30, torch.float32, _gen(request))

@@ -19,7 +19,6 @@ torch.compile the launches are the custom ops ``flashgpt::cross_entropy_fwd`` / 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -29,6 +28,8 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from .flash import _device_guard  # noqa: E402  (launch on the tensors' GPU)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels can read it
@@ -120,11 +121,6 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _device(t: torch.Tensor):
-    """Launch on t's GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
@@ -136,7 +132,7 @@ def _fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int):
     loss = _empty((N,), torch.float32, logits.device)
     lse = _empty((N,), torch.float32, logits.device)
     block_v, warps = _config()
-    with _device(logits):
+    with _device_guard(logits):
         _ce_fwd[(N,)](logits, targets, loss, lse, logits.stride(0), V, ignore_index, BLOCK_V=block_v,
                       num_warps=warps)
     return loss, lse
@@ -149,7 +145,7 @@ def _bwd(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: 
     N, V = logits.shape
     dlogits = _empty((N, V), logits.dtype, logits.device)
     block_v, warps = _config()
-    with _device(logits):
+    with _device_guard(logits):
         _ce_bwd[(N,)](logits, targets, lse, dloss, dlogits, logits.stride(0), dlogits.stride(0), V, ignore_index,
                       BLOCK_V=block_v, num_warps=warps)
     return dlogits

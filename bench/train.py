@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import kernels  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 KERNELS = ("fwd", "dq", "dkdv")  # --tiles accepts these (the split backward's kernels)
@@ -314,8 +315,8 @@ def main(argv=None) -> int:
                         "fwd, dq, dkdv; BLOCK_M x BLOCK_N x warps x stages)")
     p.add_argument("--tokens", default="", metavar="FILE",
                    help="real text: a uint16 token file from data/prepare.py (train.bin) instead of random tokens")
-    p.add_argument("--loss", default="auto", choices=("auto", "triton", "torch"),
-                   help="the loss kernel (kernels.cross_entropy; FLASHGPT_CE for the worker processes)")
+    p.add_argument("--loss", default="auto", choices=kernels.LOSS_KERNELS,
+                   help="the loss kernel of every variant (kernels.cross_entropy)")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -333,8 +334,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
-    import kernels
-    kernels.CE_DEFAULT = os.environ["FLASHGPT_CE"] = args.loss  # this process and the workers it starts
+    kernels.CE_DEFAULT = args.loss  # (workers get --loss too)
     variants = args.variants.split(",")
     try:
         for variant in [args.worker] if args.worker else variants:

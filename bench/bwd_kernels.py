@@ -21,6 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.report import write_report  # noqa: E402
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -73,11 +75,7 @@ def main(argv=None) -> int:
         lines += [f"| **sum** | **{sum(per.values()):.1f}** |", ""]
     os.environ.pop("FLASHGPT_FUSED_DQ", None)
     os.environ["FLASHGPT_BWD"] = "split"
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bwd_kernels.md"), "w") as f:
-        f.write(text)
+    write_report(args.out, "bwd_kernels.md", lines)
     return 0
 
 

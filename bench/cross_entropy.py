@@ -21,6 +21,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.report import write_report  # noqa: E402
+
 CANDIDATES = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
 
 
@@ -78,11 +80,7 @@ def main(argv=None) -> int:
     for name, t_fwd, t_both, err in rows:
         lines.append(f"| {name} | {t_fwd * 1e3:.0f} | {t_both * 1e3:.0f} | {3 * nbytes / t_both / 1e9:.2f} | "
                      f"{base / t_both:.2f}x | {err:.1e} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cross_entropy.md"), "w") as f:
-        f.write(text)
+    write_report(args.out, "cross_entropy.md", lines)
     return 0
 
 

@@ -30,6 +30,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.report import write_report  # noqa: E402
+
 
 def per_call(fn, seconds: float, read_energy) -> tuple[float, float, float]:
     """(joules per call, microseconds per call, mean watts) of fn() looped for about `seconds`."""
@@ -121,11 +123,7 @@ def main(argv=None) -> int:
         j, us, w = (statistics.median(r[i] for r in runs) for i in range(3))
         lines.append(f"| {name} | {j * 1e3:.2f} | {us:.0f} | {w:.0f} | "
                      f"{', '.join(f'{r[0] * 1e3:.2f}' for r in runs)} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "energy.md"), "w") as f:
-        f.write(text)
+    write_report(args.out, "energy.md", lines)
     return 0
 
 

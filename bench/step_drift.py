@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import pathlib
 import statistics
 import sys
@@ -21,6 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.report import write_report  # noqa: E402
 
 
 def gpu_state():
@@ -72,11 +73,7 @@ def main(argv=None) -> int:
                      f"{state() if state else '—'} |")
         print(lines[-1], flush=True)
         done = edge
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step_drift.md"), "w") as f:
-        f.write(text)
+    write_report(args.out, "step_drift.md", lines)
     return 0
 
 

@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from bench.report import write_report  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -126,11 +128,7 @@ def main(argv=None) -> int:
     for name, t, err, note in rows:
         lines.append(f"| {name} | {'—' if t is None else f'{t * 1e3:.1f}'} | "
                      f"{'—' if err is None else f'{err:.2e}'} | {note} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ws_probe.md"), "w") as f:
-        f.write(text)
+    write_report(args.out, "ws_probe.md", lines)
     return 0
 
 

@@ -79,3 +79,11 @@ def test_step_drift_checks_its_arguments(capsys):
         _load("step_drift").main(["--windows", "0,10"])
     if not torch.cuda.is_available():
         assert _load("step_drift").main(["--steps", "5"]) == 2
+
+
+def test_write_report_prints_and_writes_one_markdown_text(tmp_path, capsys):
+    from bench.report import write_report
+
+    text = write_report(str(tmp_path / "new"), "r.md", ["# title", "", "| a |"])
+    assert text == "# title\n\n| a |\n" and (tmp_path / "new" / "r.md").read_text() == text
+    assert "| a |" in capsys.readouterr().out

@@ -111,11 +111,11 @@ def _csv(text, typ, name):
 
 def prepare_run(argv):
     """Parse everything and validate the config before any work starts. Returns (args, cfg, device, full)."""
-    from train import pick_device
+    from model.device import pick_device
     args, overrides = parse_args(argv)
     path = args.config or DEFAULT_CONFIG
     cfg = load_config(path, QUICK_OVERRIDES + MATCHED_OVERRIDES + overrides)  # validates the user's keys
-    device = pick_device(cfg.train.device, 0)
+    device = pick_device(cfg.train.device, what="train.device")
     full = args.full or (device.type == "cuda" and not args.quick)
     if full:
         cfg = load_config(path, MATCHED_OVERRIDES + overrides)

@@ -22,6 +22,7 @@ from data.tokenizers import TokenizerError, tokenizer_from_spec
 from model import GPT, GPTConfig
 from model.config import ConfigError
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.device import pick_device, pick_dtype
 from model.sampling import SamplingParams, generate, use_fused_decode
 
 
@@ -133,22 +134,6 @@ def check_args(args) -> None:
         raise GenerateError("give either --ckpt or --init-from, not both")
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise GenerateError(f"--device={name}: not a device (auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerateError(f"--device={name}: no CUDA GPU is available (use --device cpu)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise GenerateError(f"--device={name}: only {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        raise GenerateError(f"--device={name}: only cpu and cuda are supported")
-    return device
-
-
 def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
     """Apply the context policy: keep the last block_size − max_new tokens of a prompt that is too long."""
     if max_new >= block_size:
@@ -165,9 +150,8 @@ def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
 def run(args) -> int:
     check_args(args)
     prompts = read_prompts(args)
-    device = pick_device(args.device)
-    dtype = torch.bfloat16 if args.dtype == "auto" and device.type == "cuda" else \
-        torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    device = pick_device(args.device, what="--device")
+    dtype = pick_dtype(args.dtype, device, what="--dtype")
     backend = kernels.resolve_backend(args.attention, device)
     if backend == "flash" and device.type == "cpu":  # the Triton kernels on CPU tensors: only the interpreter
         from kernels.flash import INTERPRET  # on when the process started without CUDA, or with TRITON_INTERPRET=1

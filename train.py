@@ -27,6 +27,7 @@ from data.prepare import DataError, prepare
 from data.tokenizers import TokenizerError
 from model import GPT
 from model.checkpoint import CheckpointError, load_checkpoint, save_run_checkpoint
+from model.device import pick_device, pick_dtype
 from runlog import RunLog
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -62,24 +63,6 @@ def setup_distributed():
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend)
     return dist.get_rank(), local_rank, dist.get_world_size()
-
-
-def pick_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device={name!r}: CUDA is not available on this machine")
-        return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return getattr(torch, name)
 
 
 def peak_flops(cfg_tflops: float, device: torch.device) -> float | None:
@@ -147,8 +130,8 @@ def train(cfg: RunConfig) -> dict:
     rank, local_rank, world = setup_distributed()
     master = rank == 0
     t = cfg.train
-    device = pick_device(t.device, local_rank)
-    dtype = pick_dtype(t.dtype, device)
+    device = pick_device(t.device, local_rank, what="train.device")
+    dtype = pick_dtype(t.dtype, device, what="train.dtype")
     resume = t.init_from == "resume"
     ckpt = None
     if master:

@@ -49,10 +49,23 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)
-    if generator is not None and generator.device != probs.device:
-        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    if generator is not None and not same_device(generator.device, probs.device):
+        # draw where the generator lives (its state is what makes runs reproducible), then come back
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether a and b name the same device: "cuda" (no index) is the current CUDA device, so it equals
+    "cuda:0" when GPU 0 is current (torch.device("cuda") != torch.device("cuda:0") as objects)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is None and b.index is None):
+        return a.index == b.index or a.type == "cpu"
+    current = torch.cuda.current_device() if a.index is None or b.index is None else None
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 @torch.no_grad()

@@ -394,3 +394,26 @@ def test_bench_generate_smoke(tmp_path):
     assert "generate_smoke.json" in names and "generate_smoke.md" in names
     md = (tmp_path / "generate_smoke.md").read_text()
     assert "python bench/generate.py --smoke" in md and "flashgpt" in md and "sdpa" in md
+
+
+def test_same_device_ignores_index_spelling(monkeypatch):
+    """A generator made on "cuda" reports device("cuda") while the logits are on device("cuda:0"): the same GPU.
+    Comparing the device objects with != called them different and sent CUDA probabilities to the CPU with a
+    CUDA generator (a crash on every sampling run on a GPU)."""
+    from model.sampling import same_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device(torch.device("cuda"), torch.device("cuda:0"))
+    assert same_device("cuda:0", "cuda")
+    assert not same_device("cuda", "cuda:1")
+    assert not same_device("cuda:0", "cpu")
+    assert same_device("cpu", torch.device("cpu"))
+
+
+def test_sampling_draws_on_the_generator_device():
+    """Where the generator and the logits do sit on the same device, sample() uses the generator as it is:
+    the draw equals torch.multinomial with an identically seeded generator."""
+    logits = torch.randn(4, 50)
+    p = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
+    got = sample(logits, p, torch.Generator().manual_seed(3))
+    assert got.shape == (4,) and got.dtype == torch.long
+    assert torch.equal(got, sample(logits, p, torch.Generator(device="cpu").manual_seed(3)))

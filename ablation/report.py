@@ -307,8 +307,8 @@ def write_report(results: dict, out: str) -> str:
 
 
 def write_readme_section(results: dict, out: str, plot_dir: str = "bench/results/ablation") -> str:
-    """readme_section.md: the README's short ablation section with this run's headline figures and one plot
-    (linked as plot_dir/…, where the lead commits the run directory)."""
+    """readme_section.md: the README's short ablation section with this run's headline figures and one plot,
+    linked as plot_dir/… (the folder the run directory is copied to for the README: bench/results/ablation)."""
     meta, sweep = results["meta"], results.get("sweep") or {}
     s = sweep.get("settings", {})
     shape = f"B={s['B']}, H={s['H']}, D={s['D']}, {s['dtype']}, causal" if s else ""

@@ -1,4 +1,4 @@
-"""ablate.py (issue 6): the I/O byte model, the reduced ablation end to end, and its one-line errors."""
+"""ablate.py: the I/O byte model, the reduced ablation end to end, and its one-line errors."""
 import json
 import os
 

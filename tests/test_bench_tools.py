@@ -1,6 +1,6 @@
-"""Small GPU-benchmark helpers that run anywhere: the power-cap summary of an nvidia-smi log; the tile survey's,
-backward-kernel profile's and step-drift run's checks of their arguments (and refusal without a GPU); the
-register report's compile for Hopper."""
+"""The parts of the kernel-development tools that run anywhere: the tile survey's and the backward-kernel
+profile's checks of their arguments (and refusal without a GPU), the register report's compile for Hopper, and
+the shared report writer."""
 import importlib.util
 import os
 import subprocess
@@ -17,25 +17,6 @@ def _load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def test_power_summary_buckets_and_cap_share(tmp_path, capsys):
-    ps = _load("power_summary")
-    lines = ["2026/11/30 04:48:24.000, 345 MHz, 3201 MHz, 78.00 W, 33, 0x0000000000000001",  # idle: left out
-             "2026/11/30 04:48:25.000, 1980 MHz, 3201 MHz, 520.50 W, 34, 0x0000000000000000",
-             "2026/11/30 04:48:25.200, 1815 MHz, 3201 MHz, 695.00 W, 35, 0x0000000000000004",
-             "not a sample line",
-             "2026/11/30 04:48:25.600, 1740 MHz, 3201 MHz, 698.00 W, 35, 0x0000000000000004"]
-    path = tmp_path / "smi.csv"
-    path.write_text("\n".join(lines) + "\n")
-    assert ps.main([str(path)]) == 0
-    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and r[2].isdigit()]
-    assert rows == ["| 1.0 | 04:48:25 | 1815–1980 | 520–695 | 50% |", "| 1.5 | 04:48:25 | 1740–1740 | 698–698 | 100% |"]
-    empty = tmp_path / "empty.csv"
-    empty.write_text("garbage\n")
-    assert ps.main([str(empty)]) == 1
-    assert ps.main([str(tmp_path / "missing.csv")]) == 1
-    assert "cannot read" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -69,16 +50,6 @@ def test_register_report_compiles_the_dkdv_kernels_for_hopper():
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert [r[0] for r in rows] == ["dkdv", "dkdvq"] and all(0 < int(r[1]) <= 255 for r in rows)
     assert int(rows[1][2]) > int(rows[0][2])  # the fused kernel stages its dQ tile in shared memory
-
-
-def test_step_drift_checks_its_arguments(capsys):
-    with pytest.raises(SystemExit) as exc:
-        _load("step_drift").main(["--variant", "flash+jit"])
-    assert exc.value.code == 2 and "bad variant 'flash+jit'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _load("step_drift").main(["--windows", "0,10"])
-    if not torch.cuda.is_available():
-        assert _load("step_drift").main(["--steps", "5"]) == 2
 
 
 def test_write_report_prints_and_writes_one_markdown_text(tmp_path, capsys):

@@ -12,6 +12,7 @@ default is 200, or block_size // 2 when that is smaller.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -118,8 +119,8 @@ def read_prompts(args) -> list[str]:
 
 
 def check_args(args) -> None:
-    if args.temperature < 0:
-        raise GenerateError(f"--temperature={args.temperature}: must be >= 0 (0 = greedy)")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise GenerateError(f"--temperature={args.temperature}: must be a finite number >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p={args.top_p}: must be in (0, 1]")
     if args.top_k is not None and args.top_k < 1:

@@ -317,7 +317,9 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
 @pytest.mark.parametrize("args, stdin, message", [
     (["--prompt", ""], None, "prompt 1 is empty"),
     (["--prompt-file", "-"], "  \n", "prompt 1 is empty"),
-    (["--prompt", "hi", "--temperature", "-1"], None, "--temperature=-1.0: must be >= 0"),
+    (["--prompt", "hi", "--temperature", "-1"], None, "--temperature=-1.0: must be a finite number >= 0"),
+    (["--prompt", "hi", "--temperature", "nan"], None, "--temperature=nan: must be a finite number >= 0"),
+    (["--prompt", "hi", "--top-p", "nan"], None, "--top-p=nan: must be in (0, 1]"),
     (["--prompt", "hi", "--top-p", "0"], None, "--top-p=0.0: must be in (0, 1]"),
     (["--prompt", "hi", "--top-p", "1.5"], None, "--top-p=1.5: must be in (0, 1]"),
     (["--prompt", "hi", "--top-k", "0"], None, "--top-k=0: must be >= 1"),
@@ -327,7 +329,7 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--ckpt", "{tmp}/corrupt.pt", "--prompt", "hi"], None, "corrupt or unreadable checkpoint"),
     (["--ckpt", "{tmp}/wrong_shapes.pt", "--prompt", "hi"], None, "size mismatch for transformer.wpe.weight"),
     (["--prompt", "hi", "--device", "cuda:7"], None, "--device=cuda:7"),
-], ids=["empty", "empty-stdin", "temperature", "top-p-0", "top-p-1.5", "top-k", "max-new-tokens", "prompt-file",
+], ids=["empty", "empty-stdin", "temperature", "temperature-nan", "top-p-nan", "top-p-0", "top-p-1.5", "top-k", "max-new-tokens", "prompt-file",
         "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "device"])
 def test_cli_errors_are_one_line(ckpt, args, stdin, message):
     args = [a.format(tmp=ckpt) for a in args]

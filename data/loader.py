@@ -21,11 +21,12 @@ class TokenData:
     """
 
     def __init__(self, folder: str, block_size: int, *, seed: int = 0):
+        """Open the token files; DataError if they are missing, of the wrong size or hold ids outside the
+        vocabulary (load_meta reads every token once for that check)."""
         self.meta = load_meta(folder)
         self.block_size = block_size
         self.tokenizer = tokenizer_from_spec(self.meta["tokenizer"])
-        self.splits = {s: np.memmap(f"{folder}/{s}.bin", dtype=self.meta["dtype"], mode="r")
-                       for s in ("train", "val")}
+        self.splits = {s: self._open(f"{folder}/{s}.bin", s) for s in ("train", "val")}
         for split, data in self.splits.items():
             if len(data) <= block_size + 1:
                 raise DataError(f"the {split} split holds {len(data)} tokens, not enough for "
@@ -33,6 +34,11 @@ class TokenData:
         # Separate generators, so that evaluating never shifts the training data order.
         self.generators = {name: torch.Generator().manual_seed(seed * 1000 + i)
                            for i, name in enumerate(("train", "val", "train_eval"))}
+
+    def _open(self, path: str, split: str) -> np.ndarray:
+        if self.meta[f"{split}_tokens"] == 0:  # np.memmap cannot map an empty file
+            return np.zeros(0, dtype=self.meta["dtype"])
+        return np.memmap(path, dtype=self.meta["dtype"], mode="r")
 
     def _windows(self, split: str, starts: list[int]):
         data, T = self.splits[split], self.block_size

@@ -5,13 +5,19 @@ Sources (`data.dataset` in the config):
   a path                  a text file, a folder of *.txt files, or a glob such as "corpus/*.txt"
   "hf:NAME[:CONFIG]"      a Hugging Face hub dataset with a "text" column (needs internet), e.g. hf:openwebtext
 
-The output folder is keyed by a hash of the source contents, the tokenizer and the split, so the same
-corpus is tokenised once and reused; a changed file gives a new folder. Layout:
+A local source is read as bytes, one file at a time: those bytes are hashed, decoded as UTF-8 (universal
+newlines, as text-mode `open` reads them) and written into a private Arrow file that `datasets` tokenises in
+parallel, so the tokens always come from the bytes that were hashed; no cache is trusted by file size or mtime.
+A file that is not UTF-8 is refused with the byte offset of its first invalid byte.
+
+The output folder is keyed by a hash of the source contents (hub datasets: of their name), the tokenizer and the
+split, so the same corpus is tokenised once and reused; a changed file gives a new folder. Layout:
   <cache_dir>/<name>-<tokenizer>-<hash>/{train.bin, val.bin, meta.json}
 Token files are flat arrays of uint16 (vocab < 65536) or uint32, read back with np.memmap.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -25,6 +31,7 @@ import numpy as np
 from .tokenizers import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
 
 FORMAT_VERSION = 1
+ID_SCAN_CHUNK = 1 << 24  # tokens per block when a token file is scanned for ids outside the vocabulary
 
 
 class DataError(ValueError):
@@ -63,14 +70,69 @@ def resolve_files(dataset: str) -> list[str]:
                     "a glob, or 'hf:NAME'")
 
 
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise DataError(f"data.dataset: cannot read {path} ({e.strerror or e})") from None
+
+
+def _update_digest(h, path: str, raw: bytes) -> None:
+    """One file's share of the source hash: its name, its length and its bytes."""
+    h.update(os.path.basename(path).encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+
+
 def _files_digest(files: list[str]) -> str:
+    """sha256 over the files' names and bytes, in order; reads each file once, one at a time."""
     h = hashlib.sha256()
     for path in files:
-        h.update(os.path.basename(path).encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        _update_digest(h, path, _read_file(path))
     return h.hexdigest()
+
+
+def _decode(path: str, raw: bytes) -> str:
+    """UTF-8 bytes → text with universal newlines; DataError naming the file and the first invalid byte."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"data.dataset: {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset "
+                        f"{e.start} ({e.reason}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) "
+                        "or leave it out") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _write_documents(files: list[str], arrow_path: str) -> tuple[str, int]:
+    """Each non-empty file → one row of a "text" column in an Arrow stream file at `arrow_path`.
+
+    Returns (sha256 of the names and bytes that were read, number of rows). Reads each file once: the
+    digest is of exactly the bytes that are written, whatever happens to the files meanwhile.
+    """
+    import pyarrow as pa
+    schema = pa.schema([("text", pa.large_string())])  # large: a document may exceed 2 GiB
+    h, rows = hashlib.sha256(), 0
+    with pa.OSFile(arrow_path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for path in files:
+            raw = _read_file(path)
+            _update_digest(h, path, raw)
+            text = _decode(path, raw)
+            del raw
+            if text:
+                writer.write_batch(pa.record_batch([pa.array([text], type=pa.large_string())], schema=schema))
+                rows += 1
+    return h.hexdigest(), rows
+
+
+@contextlib.contextmanager
+def _datasets_progress(enabled: bool):
+    """datasets' progress bars on or off for the duration (its switch is global: restored afterwards)."""
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    was_disabled = are_progress_bars_disabled()
+    (enable_progress_bars if enabled else disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (disable_progress_bars if was_disabled else enable_progress_bars)()
 
 
 @functools.lru_cache(maxsize=4)
@@ -87,13 +149,8 @@ def _tokenize_batch(batch: dict, spec_json: str) -> dict:
     return {"ids": ids, "len": [len(doc) for doc in ids]}
 
 
-def _load_text_dataset(dataset: str, files: list[str] | None, hf_cache: str):
+def _load_hub_dataset(dataset: str, hf_cache: str):
     import datasets
-    if os.environ.get("FLASHGPT_QUIET"):
-        datasets.disable_progress_bars()
-    if files is not None:
-        return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                     cache_dir=hf_cache)
     name, _, subset = dataset[len("hf:"):].partition(":")
     try:
         ds = datasets.load_dataset(name, subset or None, split="train", cache_dir=hf_cache)
@@ -102,75 +159,114 @@ def _load_text_dataset(dataset: str, files: list[str] | None, hf_cache: str):
                         f"{str(e).splitlines()[0] if str(e) else ''}); use a local text file when offline") from None
     if "text" not in ds.column_names:
         raise DataError(f"data.dataset: hub dataset {name!r} has no 'text' column ({ds.column_names})")
-    return ds
+    return ds.filter(lambda row: len(row["text"]) > 0)
+
+
+def _cache_folder(dataset: str, files: list[str] | None, tokenizer: str, val_fraction: float, source_id: str,
+                  cache_dir: str) -> str:
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, source_id, tokenizer, val_fraction]).encode()).hexdigest()[:16]
+    label = "hub-" + dataset[3:].replace("/", "_").replace(":", "_") if files is None else (
+        "shakespeare" if dataset == "shakespeare" else os.path.splitext(os.path.basename(files[0]))[0])
+    return os.path.join(cache_dir, f"{label}-{tokenizer}-{key}")
 
 
 def prepare(dataset: str, tokenizer: str, *, val_fraction: float = 0.1, num_proc: int = 2,
-            cache_dir: str = ".cache/data", verbose: bool = True) -> str:
-    """Tokenise `dataset` with `tokenizer` ("gpt2" | "char") once; return the folder of token files."""
+            cache_dir: str = ".cache/data", verbose: bool = True, progress: bool | None = None) -> str:
+    """Tokenise `dataset` with `tokenizer` ("gpt2" | "char") once; return the folder of token files.
+
+    verbose: print one summary line when tokenising. progress: show datasets' progress bars (default: as
+    verbose; the TQDM_DISABLE environment variable still turns every bar off).
+    """
+    if tokenizer not in ("gpt2", "char"):
+        raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
     is_hub = dataset.startswith("hf:")
     files = None if is_hub else resolve_files(dataset)
     source_id = dataset if is_hub else _files_digest(files)
-    key = hashlib.sha256(json.dumps([FORMAT_VERSION, source_id, tokenizer, val_fraction]).encode()).hexdigest()[:16]
-    label = "hub-" + dataset[3:].replace("/", "_").replace(":", "_") if is_hub else (
-        "shakespeare" if dataset == "shakespeare" else os.path.splitext(os.path.basename(files[0]))[0])
-    out = os.path.join(cache_dir, f"{label}-{tokenizer}-{key}")
+    out = _cache_folder(dataset, files, tokenizer, val_fraction, source_id, cache_dir)
     if os.path.isfile(os.path.join(out, "meta.json")):
-        load_meta(out)  # validates that the cached files are whole
+        load_meta(out, check_ids=False)  # sizes only: TokenData scans the ids when it opens the files
         return out
 
     os.makedirs(cache_dir, exist_ok=True)
-    ds = _load_text_dataset(dataset, files, os.path.join(cache_dir, "hf"))
-    ds = ds.filter(lambda row: len(row["text"]) > 0)
+    work = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)  # this call's scratch folder, removed at the end
+    try:
+        with _datasets_progress(verbose if progress is None else progress):
+            return _tokenize(dataset, files, tokenizer, val_fraction, num_proc, cache_dir, work, verbose, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, val_fraction: float, num_proc: int,
+              cache_dir: str, work: str, verbose: bool, out: str) -> str:
+    """prepare()'s cache miss: documents → token ids (parallel) → train.bin / val.bin / meta.json in `out`."""
+    import datasets
+    if files is None:
+        ds, source_sha256 = _load_hub_dataset(dataset, os.path.join(cache_dir, "hf")), None
+    else:
+        source_sha256, rows = _write_documents(files, os.path.join(work, "documents.arrow"))
+        # Named by the bytes just read (the same as `out`'s unless a file changed since it was hashed).
+        out = _cache_folder(dataset, files, tokenizer, val_fraction, source_sha256, cache_dir)
+        if rows == 0:
+            raise DataError(f"data.dataset: {dataset!r} holds no text")
+        ds = datasets.Dataset.from_file(os.path.join(work, "documents.arrow"))
     if len(ds) == 0:
         raise DataError(f"data.dataset: {dataset!r} holds no text")
     if tokenizer == "char":
-        tok = CharTokenizer("".join(sorted(set().union(*(set(t) for t in ds["text"])))))
-    elif tokenizer == "gpt2":
-        tok = GPT2Tokenizer()
+        chars = set()
+        for batch in ds.iter(batch_size=64):
+            chars.update(*map(set, batch["text"]))
+        tok = CharTokenizer("".join(sorted(chars)))
     else:
-        raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
+        tok = GPT2Tokenizer()
     spec_json = json.dumps(tok.spec())
+    map_cache = {} if files is None else {"cache_file_name": os.path.join(work, "ids.arrow"),
+                                          "load_from_cache_file": False}
     ds = ds.map(_tokenize_batch, batched=True, batch_size=16, fn_kwargs={"spec_json": spec_json},
                 remove_columns=ds.column_names, num_proc=max(1, min(num_proc, len(ds))),
-                desc=f"tokenizing ({tokenizer})")
+                desc=f"tokenizing ({tokenizer})", **map_cache)
     total = int(np.sum(ds["len"], dtype=np.int64))
     n_val = int(total * val_fraction)
     if total - n_val < 2 or (val_fraction > 0 and n_val < 2):
         raise DataError(f"data.dataset: {dataset!r} is too small ({total} tokens) to split into train and val")
     dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
 
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)  # written whole, then renamed into place
-    try:
-        flat = np.memmap(os.path.join(tmp, "all.bin"), dtype=dtype, mode="w+", shape=(total,))
-        pos = 0
-        for shard in ds.iter(batch_size=256):
-            for doc in shard["ids"]:
-                flat[pos:pos + len(doc)] = doc
-                pos += len(doc)
-        flat.flush()
-        n_train = total - n_val
-        flat[:n_train].tofile(os.path.join(tmp, "train.bin"))
-        flat[n_train:].tofile(os.path.join(tmp, "val.bin"))
-        del flat
-        os.remove(os.path.join(tmp, "all.bin"))
-        meta = {"format": FORMAT_VERSION, "dataset": dataset, "tokenizer": tok.spec(),
-                "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-                "train_tokens": n_train, "val_tokens": n_val, "documents": len(ds)}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp = os.path.join(work, "tokens")  # written whole, then renamed into place (same file system)
+    os.mkdir(tmp)
+    flat = np.memmap(os.path.join(tmp, "all.bin"), dtype=dtype, mode="w+", shape=(total,))
+    pos = 0
+    for shard in ds.iter(batch_size=256):
+        for doc in shard["ids"]:
+            flat[pos:pos + len(doc)] = doc
+            pos += len(doc)
+    flat.flush()
+    n_train = total - n_val
+    flat[:n_train].tofile(os.path.join(tmp, "train.bin"))
+    flat[n_train:].tofile(os.path.join(tmp, "val.bin"))
+    del flat
+    os.remove(os.path.join(tmp, "all.bin"))
+    meta = {"format": FORMAT_VERSION, "dataset": dataset, "tokenizer": tok.spec(),
+            "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
+            "train_tokens": n_train, "val_tokens": n_val, "documents": len(ds)}
+    if source_sha256:
+        meta["source_sha256"] = source_sha256
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
     if verbose:
         print(f"data: {dataset} → {out} ({n_train:,} train / {n_val:,} val tokens, vocab {tok.vocab_size})")
     return out
 
 
-def load_meta(folder: str) -> dict:
-    """Read meta.json and check that the token files are present and of the recorded size."""
+def load_meta(folder: str, *, check_ids: bool = True) -> dict:
+    """Read meta.json and check that the token files are present, of the recorded size and (with check_ids)
+    hold only ids below the recorded vocab_size.
+
+    The id check reads every token once, ID_SCAN_CHUNK tokens at a time (vectorised max per block, memory
+    bounded by one block): about as long as reading the files, i.e. well under a second per GB from the page
+    cache, the disk's read speed otherwise.
+    """
     path = os.path.join(folder, "meta.json")
     try:
         with open(path) as f:
@@ -180,13 +276,32 @@ def load_meta(folder: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DataError(f"corrupt metadata file {path}") from None
     try:
-        itemsize = np.dtype(meta["dtype"]).itemsize
+        dtype = np.dtype(meta["dtype"])
+        vocab_size = meta["vocab_size"]
+        if dtype not in (np.uint16, np.uint32) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise TypeError
         for split in ("train", "val"):
             f = os.path.join(folder, f"{split}.bin")
             if not os.path.isfile(f):
                 raise DataError(f"token file missing: {f}")
-            if os.path.getsize(f) != meta[f"{split}_tokens"] * itemsize:
-                raise DataError(f"corrupt token file {f}: size does not match {path}")
+            if os.path.getsize(f) != meta[f"{split}_tokens"] * dtype.itemsize:
+                raise DataError(f"corrupt token file {f}: size does not match {path}; delete {folder} to "
+                                "tokenise the corpus again")
+            if check_ids:
+                _check_ids(f, dtype, vocab_size, folder)
     except (KeyError, TypeError):
         raise DataError(f"corrupt metadata file {path}") from None
     return meta
+
+
+def _check_ids(path: str, dtype: np.dtype, vocab_size: int, folder: str) -> None:
+    """DataError naming the first id >= vocab_size in a token file, and where it is."""
+    if os.path.getsize(path) == 0:
+        return
+    ids = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, len(ids), ID_SCAN_CHUNK):
+        block = ids[start:start + ID_SCAN_CHUNK]
+        if int(block.max()) >= vocab_size:
+            at = int(np.argmax(block >= vocab_size))
+            raise DataError(f"corrupt token file {path}: token id {int(block[at])} at position {start + at} is "
+                            f"outside the vocabulary of {vocab_size}; delete {folder} to tokenise the corpus again")

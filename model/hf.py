@@ -3,6 +3,8 @@
     model = from_hf_gpt2(GPT2LMHeadModel_or_its_state_dict)   # any size; tested offline on a random GPT2Config
     model = load_hf_gpt2("gpt2")                              # gpt2, gpt2-medium, gpt2-large, gpt2-xl (the hub)
 
+Hub weights are read from safetensors files only (`hf_pretrained`), never from a pickle.
+
 The two models have the same parameter names (nanoGPT kept GPT-2's). Two differences remain:
 * HF's attention and MLP layers are `Conv1D`, which stores its weight as (in, out): the c_attn, c_proj and
   c_fc weights are transposed into nn.Linear's (out, in).
@@ -112,26 +114,33 @@ def _hub_reachable(timeout: float = 5.0) -> bool:
         return False
 
 
+def hf_pretrained(name_or_folder: str, **kwargs):
+    """GPT2LMHeadModel.from_pretrained reading safetensors files only: a pickled pytorch_model.bin is never
+    opened (a name or folder without model.safetensors raises OSError)."""
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(name_or_folder, use_safetensors=True, **kwargs)
+
+
 def load_hf_gpt2(name: str):
     """One of the GPT-2 sizes from the local hub cache, else downloaded → GPT. One-line HFError on failure.
 
-    With HF_HUB_OFFLINE=1 (or an unreachable hub) and nothing cached, it fails at once, without retries.
+    Weights are read from safetensors files only. With HF_HUB_OFFLINE=1 (or an unreachable hub) and nothing
+    cached, it fails at once, without retries.
     """
     import os
     if name not in HF_NAMES:
         raise HFError(f"unknown GPT-2 model {name!r}; choose one of {', '.join(HF_NAMES)}")
     try:
         from huggingface_hub.utils import logging as hub_logging
-        from transformers import GPT2LMHeadModel
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise HFError(f"--init-from {name} needs the transformers package: pip install transformers") from None
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()  # no "Retrying in 1s" lines
     try:
-        cached = GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
+        cached = hf_pretrained(name, local_files_only=True)
     except OSError:
-        cached = None  # not in the local cache
+        cached = None  # not in the local cache (or only as a pickle, which is not read)
     except Exception as e:
         raise HFError(f"cannot load GPT-2 weights {name!r} from the local Hugging Face cache "
                       f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
@@ -146,7 +155,7 @@ def load_hf_gpt2(name: str):
         raise HFError(f"cannot load GPT-2 weights {name!r}: the Hugging Face hub is unreachable and they are not "
                       "in the local cache")
     try:
-        hf = GPT2LMHeadModel.from_pretrained(name)
+        hf = hf_pretrained(name)
     except Exception as e:  # connection errors mid-download, corrupt files
         raise HFError(f"cannot load GPT-2 weights {name!r}: the download failed "
                       f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None

@@ -16,7 +16,7 @@ def pytest_configure(config):
 # Offline and quiet: hub lookups fail fast instead of retrying, wandb and tiktoken write under the
 # test's temporary folders, progress bars stay out of the logs.
 for _key, _value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
-                     "FLASHGPT_QUIET": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}.items():
+                     "WANDB_MODE": "offline", "WANDB_SILENT": "true"}.items():
     os.environ.setdefault(_key, _value)
 
 

@@ -326,7 +326,7 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--prompt", "hi", "--max-new-tokens", "32"], None, "leaves no room for a prompt"),
     (["--prompt-file", "/nonexistent/prompt.txt"], None, "cannot read prompt file"),
     (["--ckpt", "/nonexistent/run", "--prompt", "hi"], None, "checkpoint not found"),
-    (["--ckpt", "{tmp}/corrupt.pt", "--prompt", "hi"], None, "corrupt or unreadable checkpoint"),
+    (["--ckpt", "{tmp}/corrupt.pt", "--prompt", "hi"], None, "corrupt or truncated checkpoint"),
     (["--ckpt", "{tmp}/wrong_shapes.pt", "--prompt", "hi"], None, "size mismatch for transformer.wpe.weight"),
     (["--prompt", "hi", "--device", "cuda:7"], None, "--device=cuda:7"),
 ], ids=["empty", "empty-stdin", "temperature", "temperature-nan", "top-p-nan", "top-p-0", "top-p-1.5", "top-k", "max-new-tokens", "prompt-file",

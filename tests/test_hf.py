@@ -104,7 +104,7 @@ def test_init_from_gpt2_offline_cli():
 
 
 def test_load_uses_the_local_cache_first(monkeypatch):
-    """A cached model loads with local_files_only=True: no network, even offline."""
+    """A cached model loads with local_files_only=True (no network, even offline), from safetensors only."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     calls = []
 
@@ -114,7 +114,24 @@ def test_load_uses_the_local_cache_first(monkeypatch):
 
     monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", fake_from_pretrained)
     model = load_hf_gpt2("gpt2")
-    assert calls == [("gpt2", {"local_files_only": True})]
+    assert calls == [("gpt2", {"local_files_only": True, "use_safetensors": True})]
     idx = torch.randint(0, 100, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], hf_model()(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_hub_weights_load_from_safetensors_only(tmp_path):
+    """The loader behind load_hf_gpt2 reads model.safetensors and refuses a folder holding only a pickle."""
+    from model.hf import hf_pretrained
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "safe")
+    assert (tmp_path / "safe" / "model.safetensors").is_file()
+    idx = torch.randint(0, 100, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf_gpt2(hf_pretrained(str(tmp_path / "safe")))(idx)[0], hf(idx).logits,
+                                   atol=1e-5, rtol=1e-5)
+    pickled = tmp_path / "pickled"
+    hf.config.save_pretrained(pickled)
+    torch.save(hf.state_dict(), pickled / "pytorch_model.bin")  # only a pickle: never read
+    with pytest.raises(OSError, match="safetensors"):
+        hf_pretrained(str(pickled))

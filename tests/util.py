@@ -27,6 +27,6 @@ def write_corpus(folder, n_lines: int = 400, seed: int = 0) -> str:
 
 def run_entry(script: str, *args, stdin: str | None = None, timeout: int = 300, cwd=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               FLASHGPT_QUIET="1", TQDM_DISABLE="1")
+               TQDM_DISABLE="1")
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], input=stdin,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)

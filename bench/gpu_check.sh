@@ -3,6 +3,8 @@
 #
 #   bash bench/gpu_check.sh                 # from anywhere; needs a CUDA GPU
 #   SKIP_TESTS=1 bash bench/gpu_check.sh    # the user commands only
+#   ONLY='train_shakespeare|gen_' bash bench/gpu_check.sh   # the steps whose names match (later ones may need
+#                                           # earlier ones: generation needs the trained checkpoint)
 #   SKIP_TESTS=1 CHECK_ARGS="--n_layer=1 --n_embd=32 --block_size=64" bash bench/gpu_check.sh
 #                                           # a dry run of the script itself on a CPU (overrides every train.py)
 #
@@ -41,6 +43,7 @@ T_START=$(date +%s)
 # PASS when both succeed.
 step() {
   local name=$1 check=$2; shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return; fi
   local log=$LOGS/$name.log t0 rc why=""
   t0=$(date +%s%N)
   "$@" > "$log" 2>&1
@@ -76,7 +79,9 @@ CFG=configs/shakespeare_gpt2.toml
 read -r -a XARGS <<< "${CHECK_ARGS:-}"  # extra train.py overrides (a CPU dry run)
 GEN=("$PY" generate.py --ckpt "$RUN/gpt2" --max-new-tokens 48)
 
-say "== $(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit) on $($PY -c 'import torch; print(torch.cuda.get_device_name(0), "torch", torch.__version__)') triton $($PY -c 'import triton; print(triton.__version__)')"
+say "== $(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit) on $($PY -c 'import torch, triton
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU", "torch", torch.__version__,
+      "triton", triton.__version__)')"
 
 # ---- train ----
 step help_entry_points ok bash -c "$PY train.py --help && $PY generate.py --help && $PY ablate.py --help"
@@ -91,9 +96,12 @@ step compile_train trained "$PY" train.py $CFG --out_dir="$RUN/compiled" --max_i
 # a signal during training: the run saves a checkpoint and says so; --resume continues from it
 interrupt_and_resume() {  # SIGNAL
   local sig=$1 dir=$RUN/sig_$1 pid rc last
+  # job control on: a background job of a script otherwise starts with SIGINT ignored (as a shell does)
+  set -m
   $PY train.py $CFG --out_dir="$dir" --max_iters=100000 --eval_interval=100000 --log_interval=5 "${XARGS[@]}" &
   pid=$!
-  for _ in $(seq 600); do [ -s "$dir/metrics.jsonl" ] && grep -q '"loss"' "$dir/metrics.jsonl" && break; sleep 0.1; done
+  set +m
+  for _ in $(seq 1800); do [ -s "$dir/metrics.jsonl" ] && grep -q '"loss"' "$dir/metrics.jsonl" && break; sleep 0.1; done
   kill -"$sig" "$pid"; wait "$pid"; rc=$?
   echo "exit status after SIG$sig: $rc"
   last=$(ls "$dir"/ckpt_*.pt 2>/dev/null | sed 's/.*ckpt_0*\([0-9][0-9]*\)\.pt/\1/' | sort -n | tail -1)

@@ -35,7 +35,8 @@ def _kernel_file(tmp_path, name: str, text: str) -> None:
 
 def test_site_matching_ignores_layout_but_not_tokens(tmp_path):
     """Whitespace runs (indentation, line breaks) match any whitespace; a site inside a longer name does not."""
-    _kernel_file(tmp_path, "sub/a.py", "    if CAUSAL:\n            lo = (x - offset) // B\n    full_lo = (x - offset)\n")
+    _kernel_file(tmp_path, "sub/a.py",
+                 "    if CAUSAL:\n            lo = (x - offset) // B\n    full_lo = (x - offset)\n")
     m = mutants.Mutant("t", "if CAUSAL: lo = (x - offset)", "x - offset", "x - offset + 1")
     path, match = mutants.locate(m, str(tmp_path))
     assert path == os.path.join("kernels", "sub", "a.py") and match.group(0).startswith("if CAUSAL:")

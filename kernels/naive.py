@@ -58,7 +58,8 @@ def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     sm_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(Q Kᵀ · sm_scale + mask) V, computed in q's dtype.
+    """softmax(Q Kᵀ · sm_scale + mask) V, computed in q's dtype (the softmax itself in float32, or in float64 for
+    float64 inputs; P is rounded to q's dtype before P V).
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq % Hkv == 0 (GQA/MQA: each group of Hq/Hkv query
     heads shares one key/value head). Causal masks are bottom-right aligned (query i sees keys
@@ -80,7 +81,9 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         s = s.masked_fill(~visible, float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype)  # (B, Hq, Nq, Nk)
+    # the softmax runs in float32 for 16- and 32-bit inputs (P then rounded to q's dtype, as the kernels round it)
+    # and in float64 for float64 inputs, so that the float64 oracle is float64 end to end
+    p = torch.softmax(s if s.dtype == torch.float64 else s.float(), dim=-1).to(q.dtype)  # (B, Hq, Nq, Nk)
     if (causal and Nq > Nk) or mask is not None:  # rows with no visible key: softmax gave NaN, define them as 0
         p = torch.nan_to_num(p, nan=0.0)
     return p @ v  # (B, Hq, Nq, D)

@@ -11,6 +11,17 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "autotune: run the kernel with its autotuner on (GPU only)")
+    config.addinivalue_line("markers", "slow: an exhaustive sweep, skipped unless selected with `-m slow`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests run only when the -m expression names them (`-m slow`, `-m "slow or not slow"`)."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow sweep: select it with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 # Offline and quiet: hub lookups fail fast instead of retrying, wandb and tiktoken write under the

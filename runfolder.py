@@ -210,8 +210,10 @@ def write_text_atomic(path: str, text: str) -> None:
 
 
 def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """1536 → "1.5 KiB"."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n} B"
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"

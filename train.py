@@ -528,7 +528,7 @@ class Trainer:
                    "train_loss": self.last_eval.get("train"), "best_val": self.best_val,
                    "unigram_val_loss": getattr(self, "baseline", None), "checkpoint": self.last_ckpt,
                    "seconds": time.time() - self.t_start if self.bar is not None else 0.0,
-                   "finished_before": self.finished}
+                   "already_finished": self.finished}
         if self.master and not self.finished:
             val = summary["val_loss"]
             print(f"done: {self.it} steps in {summary['seconds']:.0f}s, val loss "

@@ -5,13 +5,17 @@ Overrides name a key as `--section.key=value` or, when the name is unique, `--ke
 
     python train.py configs/demo.toml --n_layer=4 --train.learning_rate=3e-4 --attention=naive
 
-Unknown keys, wrong types and invalid values raise ConfigError with one line that names the key; the
-entry points print it and exit with status 2.
+Unknown keys, wrong types, non-finite floats (nan, inf) and invalid values raise ConfigError with one line
+that names the key; the entry points print it and exit with status 2.
+
+A loaded config remembers where each key it was given came from (`origins`: the file, or the flag), so that
+resuming a run can tell a value the user asked for from a default (`resume_config`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -102,6 +106,9 @@ class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # "section.key" → where its value came from (a config file's path, or "--key=value"); keys left at their
+    # defaults are absent. Not part of the config itself: not compared, not saved.
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def validate(self) -> "RunConfig":
         self.model.validate()
@@ -110,7 +117,7 @@ class RunConfig:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
@@ -139,17 +146,19 @@ def _coerce(value, typ: type, key: str, from_text: bool):
                 return False
             raise ConfigError(f"{key}={value!r}: expected true or false")
         try:
-            return typ(text) if typ is not str else value
+            value = typ(text) if typ is not str else value
         except ValueError:
             raise ConfigError(f"{key}={value!r}: expected {typ.__name__}") from None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+    elif typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{key}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
+    if typ is float and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: must be a finite number")
     return value
 
 
-def _apply_section(cfg: RunConfig, section: str, values, from_text: bool = False) -> None:
+def _apply_section(cfg: RunConfig, section: str, values, from_text: bool = False, origin: str | None = None) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section [{section}]; expected one of {', '.join(SECTIONS)}")
     if not isinstance(values, dict):
@@ -160,6 +169,8 @@ def _apply_section(cfg: RunConfig, section: str, values, from_text: bool = False
         if key not in types:
             raise ConfigError(f"unknown config key {section}.{key}; valid keys: {', '.join(types)}")
         setattr(obj, key, _coerce(value, types[key], f"{section}.{key}", from_text))
+        if origin is not None:
+            cfg.origins[f"{section}.{key}"] = origin
 
 
 def _resolve_key(cfg: RunConfig, key: str) -> tuple[str, str]:
@@ -180,7 +191,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             raise ConfigError(f"bad override {arg!r}: expected --key=value")
         key, _, value = arg[2:].partition("=")
         section, name = _resolve_key(cfg, key)
-        _apply_section(cfg, section, {name: value}, from_text=True)
+        _apply_section(cfg, section, {name: value}, from_text=True, origin=arg)
     return cfg
 
 
@@ -198,7 +209,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         for section, values in data.items():
-            _apply_section(cfg, section, values)
+            _apply_section(cfg, section, values, origin=path)
     apply_overrides(cfg, list(overrides))
     return cfg.validate()
 
@@ -210,3 +221,53 @@ def format_config(cfg: RunConfig) -> str:
         for key, value in dataclasses.asdict(getattr(cfg, section)).items():
             lines.append(f"{key} = {json.dumps(value)}")
     return "\n".join(lines)
+
+
+# Resuming: the checkpoint's [model] and [data] describe the weights and the data they were trained on; the
+# [train] keys may change. Of [model] and [data], these say how to work, not what: a resumed run takes them
+# from its own invocation when given there.
+RESUME_FROM_INVOCATION = ("data.num_proc", "data.cache_dir")
+# Values that mean "whatever the run resolved" and so never contradict a checkpoint.
+UNRESOLVED = {"model.attention": "auto", "model.vocab_size": 0}
+
+
+@dataclass(frozen=True)
+class Change:
+    """A [model]/[data] value asked for on resume that differs from the checkpoint's."""
+    key: str       # "section.key"
+    saved: object  # the checkpoint's value
+    asked: object  # the value asked for
+    origin: str    # where it was asked for: a config file's path or "--key=value"
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.asked!r} ({self.origin}) against the checkpoint's {self.saved!r}"
+
+
+def resume_config(requested: RunConfig, saved: RunConfig) -> tuple[RunConfig, list[Change]]:
+    """The config a resumed run uses, and the contradictions in the request.
+
+    The result holds the checkpoint's [model] and [data] (with RESUME_FROM_INVOCATION keys taken from the
+    request where it sets them) and the request's [train]. Each [model]/[data] key the request sets (in its
+    config file or as a flag; `origins`) to a value other than the checkpoint's is a Change, NOT applied:
+    the caller refuses or applies them (`apply_changes`), never drops them silently.
+    """
+    cfg = RunConfig(model=dataclasses.replace(saved.model), data=dataclasses.replace(saved.data),
+                    train=requested.train, origins=dict(requested.origins))
+    changes = []
+    for name, origin in requested.origins.items():
+        section, _, key = name.partition(".")
+        if section == "train":
+            continue
+        asked, was = getattr(getattr(requested, section), key), getattr(getattr(saved, section), key)
+        if name in RESUME_FROM_INVOCATION:
+            setattr(getattr(cfg, section), key, asked)
+        elif asked != was and UNRESOLVED.get(name, object()) != asked:
+            changes.append(Change(name, was, asked, origin))
+    return cfg, changes
+
+
+def apply_changes(cfg: RunConfig, changes: list[Change]) -> RunConfig:
+    for change in changes:
+        section, _, key = change.key.partition(".")
+        setattr(getattr(cfg, section), key, change.asked)
+    return cfg.validate()

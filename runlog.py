@@ -2,12 +2,20 @@
 
 wandb is imported only when enabled. It runs online when an API key is configured and its server answers,
 otherwise offline (a local run directory that `wandb sync` can upload later).
+
+metrics.jsonl is one JSON object per line, appended; a write cut short (a kill, a full disk) can leave a torn
+last line, which readers skip (`read_metrics`) and a resumed run drops (`rewind_metrics`). Write errors are
+raised as OSError for the caller to report.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import tempfile
+
+from runfolder import TEMP_PREFIX, write_text_atomic
 
 
 def wandb_mode() -> str:
@@ -50,7 +58,8 @@ class RunLog:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record.get("iter"))
 
     def plot(self) -> None:
-        """Redraw loss.png from metrics.jsonl: train loss per step, train/val loss at evaluations."""
+        """Redraw loss.png from metrics.jsonl: train loss per step, train/val loss at evaluations.
+        Replaces loss.png whole or not at all; raises OSError when it cannot be written."""
         if not self.enabled or not os.path.isfile(self.path):
             return
         plot_loss_curves(self.path, self.plot_path)
@@ -60,9 +69,41 @@ class RunLog:
             self.wandb.finish()
 
 
+def _parse_rows(lines) -> tuple[list[dict], list[str]]:
+    """(rows, unreadable lines): the JSON objects among `lines`, and the lines that are not one."""
+    rows, bad = [], []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(line)
+    return rows, bad
+
+
 def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics.jsonl; lines that are not a whole JSON object (a torn write) are skipped."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return _parse_rows(f)[0]
+
+
+def rewind_metrics(path: str, upto_iter: int) -> tuple[int, int]:
+    """Keep the rows with iter <= upto_iter (a resumed run drops what the interrupted one logged after its
+    checkpoint; upto_iter < 0 empties the file), and drop unreadable lines. The file is replaced atomically.
+    Returns (rows dropped, unreadable lines dropped)."""
+    if not os.path.isfile(path):
+        return 0, 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        rows, bad = _parse_rows(f)
+    kept = [r for r in rows if r.get("iter", 0) <= upto_iter]
+    if len(kept) < len(rows) or bad:
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return len(rows) - len(kept), len(bad)
 
 
 def plot_loss_curves(metrics_path: str, png_path: str, title: str = "") -> None:
@@ -85,7 +126,14 @@ def plot_loss_curves(metrics_path: str, png_path: str, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".png", dir=os.path.dirname(os.path.abspath(png_path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+        os.replace(tmp, png_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    finally:
+        plt.close(fig)

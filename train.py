@@ -1,40 +1,97 @@
 """Train a GPT from a config.
 
-    python train.py configs/demo.toml [--key=value ...] [--resume]
+    python train.py configs/demo.toml [--key=value ...] [--resume [--allow-config-change]]
     torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml          # DistributedDataParallel
 
-Writes into train.out_dir: ckpt_<step>.pt (last train.keep_last kept) and best.pt, config.toml,
-metrics.jsonl and loss.png. Ctrl-C saves a checkpoint and exits; --resume continues exactly.
+Writes into train.out_dir, while holding its lock (.lock): ckpt_<step>.pt (last train.keep_last kept) and
+best.pt, config.toml, metrics.jsonl and loss.png. Ctrl-C or SIGTERM saves a checkpoint after the step in
+flight and exits; --resume continues exactly.
+
+A run is a Trainer: setup() (checkpoint, data, model, log), then run(), whose loop is made of step(),
+log_step(), evaluate() and checkpoint().
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
+import signal
 import sys
-import tempfile
+import threading
 import time
 
 import torch
 
 import kernels
-from config import SECTIONS, ConfigError, RunConfig, format_config, load_config
+from config import SECTIONS, ConfigError, RunConfig, apply_changes, format_config, load_config, resume_config
 from data.loader import TokenData
 from data.prepare import DataError, prepare
 from data.tokenizers import TokenizerError
 from model import GPT
-from model.checkpoint import CheckpointError, load_checkpoint, save_run_checkpoint
+from model.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_run_checkpoint
 from model.device import pick_device, pick_dtype
-from runlog import RunLog
+from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic
+from runlog import RunLog, rewind_metrics
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 class TrainError(RuntimeError):
     """A problem that stops training with a one-line message (non-finite loss, unwritable run folder)."""
+
+
+class Stopped(TrainError):
+    """Training stopped on SIGINT/SIGTERM (after saving a checkpoint, or without one on a second Ctrl-C)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the run at once: during setup, or a second Ctrl-C while stopping."""
+
+    def __init__(self, signame: str):
+        super().__init__(signame)
+        self.signame = signame
+
+
+class StopSignals:
+    """SIGINT and SIGTERM (what schedulers send on preemption) for the duration of a run.
+
+    Once `armed` (the training loop runs), the first one only records its name in `received`: the loop stops
+    after the step in flight, saves a checkpoint and exits. A further SIGTERM is ignored; a further SIGINT at
+    least `repeat_after_s` after the first raises Interrupted at once, without a checkpoint (an impatient
+    user), except under torchrun, which passes a terminal's Ctrl-C on to workers that already got it, and
+    kills them itself when they take too long. Before the loop (setup), either signal raises Interrupted.
+    Handlers can only be installed in the main thread; elsewhere the process keeps its own.
+    """
+    repeat_after_s = 1.0
+
+    def __init__(self):
+        self.received: str | None = None
+        self.armed = False
+        self._first_at = 0.0
+        self._under_torchrun = "RANK" in os.environ
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.armed:
+            raise Interrupted(name)
+        if self.received is None:
+            self.received, self._first_at = name, time.monotonic()
+        elif (signum == signal.SIGINT and not self._under_torchrun
+              and time.monotonic() - self._first_at >= self.repeat_after_s):
+            raise Interrupted(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="config keys (defaults), overridable as --key=value or --section.key=value:\n" + "\n".join(keys))
     p.add_argument("config", nargs="?", help="TOML config file (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir from its last checkpoint")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: apply [model]/[data] values that differ from the checkpoint's "
+                        "(refused without it)")
     return p
 
 
@@ -63,6 +123,13 @@ def setup_distributed():
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend)
     return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def teardown_distributed(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def peak_flops(cfg_tflops: float, device: torch.device) -> float | None:
@@ -103,15 +170,6 @@ def estimate_loss(model, data: TokenData, t, device, autocast) -> dict:
     return out
 
 
-def check_writable(folder: str) -> None:
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
-            pass
-    except OSError as e:
-        raise TrainError(f"run directory {folder!r} is not writable ({e.strerror or e})") from None
-
-
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -125,206 +183,429 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def train(cfg: RunConfig) -> dict:
-    """Run training to completion; returns a summary dict. Raises TrainError/ConfigError/DataError."""
-    rank, local_rank, world = setup_distributed()
-    master = rank == 0
-    t = cfg.train
-    device = pick_device(t.device, local_rank, what="train.device")
-    dtype = pick_dtype(t.dtype, device, what="train.dtype")
-    resume = t.init_from == "resume"
-    ckpt = None
-    if master:
-        check_writable(t.out_dir)
-    if resume:
+def tokenizer_difference(saved: dict, current: dict) -> str | None:
+    """How the data's tokenizer spec differs from the checkpoint's, in words; None when they are the same."""
+    if saved == current:
+        return None
+    if saved.get("kind") != current.get("kind"):
+        return f"the checkpoint's tokenizer is {saved.get('kind')!r}, the data's is {current.get('kind')!r}"
+    if saved.get("kind") == "char":
+        old, new = saved.get("chars", ""), current.get("chars", "")
+        gone, added = "".join(sorted(set(old) - set(new))), "".join(sorted(set(new) - set(old)))
+        return (f"the data's alphabet has {len(new)} characters, the checkpoint's {len(old)}"
+                + (f" (gone: {gone!r})" if gone else "") + (f" (new: {added!r})" if added else ""))
+    return f"the checkpoint's tokenizer is {saved}, the data's is {current}"
+
+
+class Trainer:
+    """One training run of `cfg` in cfg.train.out_dir (the caller holds the folder's lock on rank 0).
+
+    setup() opens the checkpoint when resuming (returning False when the run has nothing left to do),
+    prepares the data, builds the model and starts the log; run() trains to train.max_iters (or max_time)
+    and returns a summary. Only rank 0 writes into the run folder. Problems raise TrainError, ConfigError,
+    DataError or CheckpointError with one line.
+    """
+
+    def __init__(self, cfg: RunConfig, *, rank: int = 0, local_rank: int = 0, world: int = 1,
+                 signals: StopSignals | None = None, allow_config_change: bool = False):
+        self.cfg, self.t = cfg, cfg.train
+        self.rank, self.local_rank, self.world, self.master = rank, local_rank, world, rank == 0
+        self.signals = signals or StopSignals()
+        self.allow_config_change = allow_config_change
+        self.device = pick_device(self.t.device, local_rank, what="train.device")
+        self.dtype = pick_dtype(self.t.dtype, self.device, what="train.dtype")
+        self.resume = self.t.init_from == "resume"
+        self.it = self.start_iter = 0
+        self.best_val = float("inf")
+        self.last_eval: dict = {}
+        self.last_ckpt: str | None = None  # the last checkpoint written (or resumed from)
+        self.finished = False              # resumed a run that had already reached max_iters
+        # A step's loss and grad norm stay on the device until they are needed: the loss of step i is read
+        # while step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not
+        # wait for the host to launch the next one), at once on log steps, and always before an evaluation or
+        # a checkpoint, so a checkpoint never holds weights that a non-finite step has touched.
+        self.pending = None       # (step, loss, grad norm, ranks asked to stop) of the last step, not read back
+        self.stop_agreed = False  # under DDP: a settled step says some rank was asked to stop
+        self.log = None
+        self.bar = None
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def setup(self) -> bool:
+        """Everything before the first step; False when a resumed run has already reached max_iters."""
+        ckpt = self._open_checkpoint() if self.resume else self._check_fresh_folder()
+        if self.finished:
+            return False
+        if self.master:
+            count, size = remove_stale_temp_files(self.t.out_dir)
+            if count:
+                print(f"note: removed {count} temporary file(s) ({format_bytes(size)}) that an interrupted "
+                      f"write left in {self.t.out_dir}", file=sys.stderr)
+        self._load_data(ckpt)
+        self._build_model(ckpt)
+        self._start_log()
+        return True
+
+    def _open_checkpoint(self) -> dict | None:
+        """Load the run's latest checkpoint; settle the config it resumes with (see config.resume_config)."""
+        t = self.t
         ckpt = load_checkpoint(t.out_dir, map_location="cpu")
-        saved = RunConfig.from_dict(ckpt["config"])
-        cfg.model = saved.model  # the architecture comes from the checkpoint; training keys may change
-        cfg.data = saved.data
-    elif master and any(f.startswith("ckpt_") or f == "best.pt" for f in os.listdir(t.out_dir)):
-        raise TrainError(f"run directory {t.out_dir!r} already holds checkpoints: pass --resume to continue "
-                         "it, or choose another --out_dir")
-
-    # Data: tokenised once by rank 0; the other ranks wait, then find the token files in the cache.
-    def prepare_data() -> str:
-        return prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
-                       num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=master)
-    folder = prepare_data() if master else None
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
-    folder = folder or prepare_data()
-    data = TokenData(folder, cfg.model.block_size, seed=t.seed)
-    tok_vocab = data.meta["vocab_size"]
-    baseline = data.unigram_loss()  # what a model that ignores context scores on val
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = (tok_vocab + 63) // 64 * 64 if tok_vocab > 1000 else tok_vocab
-    elif cfg.model.vocab_size < tok_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's {tok_vocab}")
-    if cfg.model.attention == "auto":
-        cfg.model.attention = "flash" if device.type == "cuda" else "sdpa"
-
-    torch.manual_seed(t.seed + rank)
-    model = GPT(cfg.model).to(device)
-    optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    start_iter, best_val = 0, float("inf")
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        data.load_state_dict(ckpt["data"])
-        set_rng_state(ckpt["rng"])
-        start_iter, best_val = ckpt["iter"], ckpt["best_val"]
-        del ckpt
-    raw_model = model
-    if t.compile:
-        model = torch.compile(model)
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
-
-    tokens_per_step = t.batch_size * t.grad_accum_steps * world * cfg.model.block_size
-    peak = peak_flops(t.peak_tflops, device)
-    if master:
-        print(format_config(cfg))
-        print(f"device {device} ({dtype}), attention backend: {cfg.model.attention}, "
-              f"loss kernel: {kernels.resolve_loss_kernel(None, device)}, world size {world}, "
-              f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step"
-              + (f", resuming at step {start_iter}" if resume else ""))
-        print(f"unigram baseline val loss: {baseline:.4f} (uniform: {math.log(tok_vocab):.4f})")
-        with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
-            f.write(format_config(cfg) + "\n")
-    log = RunLog(t.out_dir, cfg.to_dict(), use_wandb=t.wandb, project=t.wandb_project,
-                 run_name=t.wandb_run_name, enabled=master)
-    if master and resume:
-        _truncate_metrics(log.path, start_iter)
-
-    def checkpoint(it: int, is_best: bool) -> str | None:
-        if not master:
+        step = ckpt["iter"]
+        if step > t.max_iters:
+            raise ConfigError(f"train.max_iters={t.max_iters} is below the step of the checkpoint to resume "
+                              f"({ckpt['path']}, step {step}): pass a larger --max_iters")
+        self.last_ckpt = ckpt["path"]
+        if step == t.max_iters:
+            self.finished, self.it = True, step
+            if self.master:
+                print(f"{t.out_dir}: the run has already finished (its checkpoint {ckpt['path']} is at step "
+                      f"{step} = train.max_iters); nothing to do: pass a larger --max_iters to train further")
             return None
-        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "config": cfg.to_dict(),
-                 "tokenizer": data.meta["tokenizer"], "iter": it, "best_val": best_val,
-                 "data": snapshot["data"], "rng": snapshot["rng"], "version": 1}
+        cfg, changes = resume_config(self.cfg, RunConfig.from_dict(ckpt["config"]))
+        if changes and not self.allow_config_change:
+            raise ConfigError(
+                "--resume: " + "; ".join(map(str, changes)) + ". The checkpoint's [model] and [data] settings "
+                f"hold: drop these (resume with the run's own {os.path.join(t.out_dir, 'config.toml')}), or "
+                "pass --allow-config-change to apply them")
+        if changes and self.master:
+            print("note: --allow-config-change: " + "; ".join(f"{c.key} {c.saved!r} -> {c.asked!r}"
+                                                              for c in changes), file=sys.stderr)
+        apply_changes(cfg, changes)
+        self.cfg.model, self.cfg.data = cfg.model, cfg.data
+        return ckpt
+
+    def _check_fresh_folder(self) -> None:
+        if self.master and any(f.startswith("ckpt_") or f == "best.pt" for f in os.listdir(self.t.out_dir)):
+            raise TrainError(f"run directory {self.t.out_dir!r} already holds checkpoints: pass --resume to "
+                             "continue it, or choose another --out_dir")
+        return None
+
+    def _load_data(self, ckpt: dict | None) -> None:
+        """Token files (tokenised once, by rank 0; the other ranks wait, then find them in the cache)."""
+        cfg = self.cfg
+
+        def prepare_data() -> str:
+            return prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
+                           num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=self.master)
+        folder = prepare_data() if self.master else None
+        self._barrier()
+        folder = folder or prepare_data()
+        self.data = TokenData(folder, cfg.model.block_size, seed=self.t.seed)
+        if ckpt is not None and ckpt.get("tokenizer") is not None:
+            difference = tokenizer_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
+            if difference:
+                raise TrainError(f"--resume: the tokenizer of data.dataset={cfg.data.dataset!r} no longer matches "
+                                 f"the checkpoint's: {difference}; the data changed since the run started: "
+                                 "restore it, or start a new run in another --out_dir")
+        tok_vocab = self.data.meta["vocab_size"]
+        self.tok_vocab = tok_vocab
+        self.baseline = self.data.unigram_loss()  # what a model that ignores context scores on val
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = (tok_vocab + 63) // 64 * 64 if tok_vocab > 1000 else tok_vocab
+        elif cfg.model.vocab_size < tok_vocab:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's {tok_vocab}")
+        if cfg.model.attention == "auto":
+            cfg.model.attention = "flash" if self.device.type == "cuda" else "sdpa"
+
+    def _build_model(self, ckpt: dict | None) -> None:
+        """Model, optimizer and grad scaler; restored from the checkpoint when resuming; compiled, DDP-wrapped."""
+        t, device = self.t, self.device
+        torch.manual_seed(t.seed + self.rank)
+        model = GPT(self.cfg.model).to(device)
+        self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
+                                                   device.type)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
+        if ckpt is not None:
+            try:
+                model.load_state_dict(ckpt["model"])
+            except RuntimeError:
+                what = ("the changed [model] (only changes that keep every weight's shape can resume)"
+                        if self.allow_config_change else "the [model] config it holds")
+                raise TrainError(f"the weights of {ckpt['path']} do not fit {what}") from None
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.data.load_state_dict(ckpt["data"])
+            set_rng_state(ckpt["rng"])
+            self.it = self.start_iter = ckpt["iter"]
+            self.best_val = ckpt["best_val"]
+        self.raw_model = model
+        if t.compile:
+            model = torch.compile(model)
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, device_ids=[self.local_rank] if device.type == "cuda" else None)
+        self.model = model
+        self.autocast = (torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32
+                         else contextlib.nullcontext())
+
+    def _start_log(self) -> None:
+        """Print the run's set-up, write config.toml, open the metrics log (rewound to the resumed step)."""
+        cfg, t = self.cfg, self.t
+        self.tokens_per_step = t.batch_size * t.grad_accum_steps * self.world * cfg.model.block_size
+        self.peak = peak_flops(t.peak_tflops, self.device)
+        if self.master:
+            print(format_config(cfg))
+            print(f"device {self.device} ({self.dtype}), attention backend: {cfg.model.attention}, "
+                  f"loss kernel: {kernels.resolve_loss_kernel(None, self.device)}, world size {self.world}, "
+                  f"{self.raw_model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step:,} tokens/step"
+                  + (f", resuming at step {self.start_iter}" if self.resume else ""))
+            print(f"unigram baseline val loss: {self.baseline:.4f} (uniform: {math.log(self.tok_vocab):.4f})")
+            path = os.path.join(t.out_dir, "config.toml")
+            with self._writing(path):
+                write_text_atomic(path, format_config(cfg) + "\n")
+            metrics = os.path.join(t.out_dir, "metrics.jsonl")
+            with self._writing(metrics):
+                # a fresh run owns the folder: rows of an earlier run that left no checkpoint go
+                dropped, torn = rewind_metrics(metrics, self.start_iter if self.resume else -1)
+            if torn:
+                print(f"note: {metrics}: dropped {torn} unreadable line(s), the end of a write that was cut "
+                      "short", file=sys.stderr)
+            if dropped and not self.resume:
+                print(f"note: {metrics}: removed {dropped} row(s) of an earlier run", file=sys.stderr)
+        self.log = RunLog(t.out_dir, cfg.to_dict(), use_wandb=t.wandb, project=t.wandb_project,
+                          run_name=t.wandb_run_name, enabled=self.master)
+
+    # ------------------------------------------------------------------------------------------------- loop
+
+    def run(self) -> dict:
+        """Train from the current step to train.max_iters (or train.max_time); returns the summary."""
+        from tqdm import tqdm
+        t = self.t
+        self.bar = tqdm(total=t.max_iters, initial=self.start_iter, disable=not self.master, dynamic_ncols=True,
+                        desc="train")
+        self.t_start = self.t_last = time.time()
+        self.tokens_since = 0
+        self.signals.armed = True
         try:
-            return save_run_checkpoint(state, t.out_dir, it, t.keep_last, is_best)
-        except OSError as e:
-            raise TrainError(f"could not write a checkpoint into {t.out_dir!r} ({e.strerror or e}); "
-                             "the previous checkpoint is intact") from None
+            while True:
+                self.snapshot = {"data": self.data.state_dict(), "rng": rng_state()}  # the top of step `it`
+                out_of_time = t.max_time > 0 and time.time() - self.t_start > t.max_time
+                last = self.it >= t.max_iters or out_of_time
+                saved = False
+                if (self.it % t.eval_interval == 0 or last) and not (self.resume and self.it == self.start_iter):
+                    self.checkpoint(is_best=self.evaluate())
+                    saved = True
+                if last:
+                    break
+                if self._stop_requested():
+                    self._stop(saved)
+                lr = self.step()
+                if self.it % t.log_interval == 0 or self.it == t.max_iters:
+                    self.log_step(lr)
+        except Interrupted as e:
+            raise Stopped(f"interrupted again at step {self.it} ({e.signame}): stopped at once, without a "
+                          f"checkpoint; the last one is {self.last_ckpt or 'none'}") from None
+        finally:
+            self.bar.close()
+            self.log.close()
+        return self.summary()
 
-    from tqdm import tqdm
-    bar = tqdm(total=t.max_iters, initial=start_iter, disable=not master, dynamic_ncols=True, desc="train")
-    it, last_eval, last_ckpt = start_iter, {}, None
-    t_start, t_last, tokens_since = time.time(), time.time(), 0
-    # A step's loss and grad norm stay on the device until they are needed: the loss of step i is read while
-    # step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not wait for
-    # the host to launch the next one), at once on log steps, and always before an evaluation or a
-    # checkpoint, so a checkpoint never holds weights that a non-finite step has touched.
-    pending = None  # (step, loss, grad norm) of the last step, not read back yet
+    def step(self) -> float:
+        """One optimizer step over grad_accum_steps micro-batches, queued without waiting for the device: its
+        loss and grad norm become `pending` (the previous step's are read back meanwhile). Returns its lr."""
+        t, model, device = self.t, self.model, self.device
+        lr = lr_at(self.it, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = torch.zeros((), device=device)
+        micro = self.data.train_batches(t.batch_size, t.grad_accum_steps, self.rank, self.world)
+        for m, (x, y) in enumerate(micro):
+            sync = m == len(micro) - 1
+            no_sync = model.no_sync() if self.world > 1 and not sync else contextlib.nullcontext()
+            with no_sync, self.autocast:
+                _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                loss = loss / len(micro)
+            self.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        stop_votes = None
+        if self.world > 1:
+            step_loss, stop_votes = self._all_reduce(step_loss)
+        if self.pending is not None:
+            self.settle()  # the previous step, while this one's forward and backward run on the GPU
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
+                                                   t.grad_clip if t.grad_clip > 0 else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = (self.it, step_loss, grad_norm, stop_votes)
+        self.it += 1
+        self.bar.update(1)
+        self.tokens_since += self.tokens_per_step
+        return lr
 
-    def settle():
+    def _all_reduce(self, step_loss: torch.Tensor):
+        """The step's loss averaged over the ranks, and how many ranks were asked to stop, in one all-reduce:
+        every rank reads the same count for the same step (in settle), so all of them stop after the same
+        step. Built on the device (no host-to-device copy, which would wait for the GPU)."""
+        import torch.distributed as dist
+        asked = torch.full((), float(self.signals.received is not None), device=self.device)
+        stats = torch.stack([step_loss, asked])  # (2,)
+        dist.all_reduce(stats)  # sum over ranks
+        return stats[0] / self.world, stats[1]
+
+    def settle(self) -> tuple[float, float]:
         """Read back the pending step (waits for it on the GPU); a non-finite loss stops the run."""
-        nonlocal pending
-        step, loss_t, norm_t = pending
+        step, loss_t, norm_t, votes_t = self.pending
         loss_value, norm_value = loss_t.item(), norm_t.item()
         if not math.isfinite(loss_value):
             raise TrainError(f"non-finite loss ({loss_value}) at step {step}: stopping; the last good "
-                             f"checkpoint is {last_ckpt or 'none (no checkpoint was written yet)'}")
-        pending = None  # only now: a Ctrl-C during the read-back leaves the step to check in the handler
+                             f"checkpoint is {self.last_ckpt or 'none (no checkpoint was written yet)'}")
+        if votes_t is not None and votes_t.item() > 0:
+            self.stop_agreed = True
+        self.pending = None
         return loss_value, norm_value
 
+    def log_step(self, lr: float) -> None:
+        """Read back the step just taken and log its loss, lr, grad norm, throughput (and MFU, memory)."""
+        loss_value, grad_norm = self.settle()
+        device = self.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.time()
+        tok_s = self.tokens_since / (now - self.t_last)
+        self.t_last, self.tokens_since = now, 0
+        record = {"iter": self.it, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s}
+        if self.peak is not None:
+            record["mfu"] = self.raw_model.flops_per_token() * tok_s / self.world / self.peak
+        if device.type == "cuda":
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        self._log(record)
+        self.bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:,.0f}")
+
+    def evaluate(self) -> bool:
+        """Estimate train and val loss (after reading back the pending step), log them, redraw loss.png.
+        Returns whether val loss is the best so far."""
+        if self.pending is not None:
+            self.settle()
+        losses = estimate_loss(self.raw_model, self.data, self.t, self.device, self.autocast)
+        self.snapshot["data"] = self.data.state_dict()  # evaluation draws from its own generators
+        is_best = losses["val"] < self.best_val
+        self.best_val = min(self.best_val, losses["val"])
+        self.last_eval = losses
+        self._log({"iter": self.it, "train_loss": losses["train"], "val_loss": losses["val"]})
+        if self.master:
+            try:
+                self.log.plot()
+            except OSError as e:  # a missing picture does not stop a run whose metrics are safe
+                self.bar.write(f"warning: could not write {self.log.plot_path} ({e.strerror or e}); "
+                               "training continues", file=sys.stderr)
+        self.bar.write(f"step {self.it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        return is_best
+
+    def checkpoint(self, is_best: bool) -> str | None:
+        """Rank 0 writes ckpt_<it>.pt (and best.pt) holding the state at the top of step `it`; its path."""
+        if not self.master:
+            return None
+        t = self.t
+        state = {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "config": self.cfg.to_dict(), "tokenizer": self.data.meta["tokenizer"], "iter": self.it,
+                 "best_val": self.best_val, "data": self.snapshot["data"], "rng": self.snapshot["rng"],
+                 "version": 1}
+        path = os.path.join(t.out_dir, f"ckpt_{self.it:07d}.pt")
+        try:
+            self.last_ckpt = save_run_checkpoint(state, t.out_dir, self.it, t.keep_last, is_best)
+        except OSError as e:
+            raise self._write_failed(e, self._failed_checkpoint_file(e, path, is_best)) from None
+        return self.last_ckpt
+
+    def _stop_requested(self) -> bool:
+        if self.world == 1:
+            return self.signals.received is not None
+        return self.stop_agreed
+
+    def _stop(self, saved: bool) -> None:
+        """Stop on a signal: read back the step in flight (never save the weights of a non-finite step),
+        checkpoint the state at the top of this step (unless this step's evaluation just did), exit."""
+        if self.pending is not None:
+            self.settle()
+        path = self.last_ckpt if saved else self.checkpoint(is_best=False)
+        self._barrier()  # the other ranks exit only once rank 0's checkpoint is written
+        name = self.signals.received or "a signal to another rank"
+        raise Stopped(f"interrupted at step {self.it} ({name}); checkpoint saved to {path}; continue with --resume")
+
+    def summary(self) -> dict:
+        summary = {"iters": self.it, "val_loss": self.last_eval.get("val"),
+                   "train_loss": self.last_eval.get("train"), "best_val": self.best_val,
+                   "unigram_val_loss": getattr(self, "baseline", None), "checkpoint": self.last_ckpt,
+                   "seconds": time.time() - self.t_start if self.bar is not None else 0.0,
+                   "already_finished": self.finished}
+        if self.master and not self.finished:
+            val = summary["val_loss"]
+            print(f"done: {self.it} steps in {summary['seconds']:.0f}s, val loss "
+                  + (f"{val:.4f}" if val is not None else "not evaluated")
+                  + f" (unigram baseline {summary['unigram_val_loss']:.4f}); checkpoint {self.last_ckpt}")
+        return summary
+
+    # -------------------------------------------------------------------------------------------- helpers
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def _log(self, record: dict) -> None:
+        with self._writing(self.log.path):
+            self.log.log(record)
+
+    @contextlib.contextmanager
+    def _writing(self, path: str):
+        """OSError from a write of `path` (disk full, read-only, ...) → TrainError naming it."""
+        try:
+            yield
+        except OSError as e:
+            raise self._write_failed(e, path) from None
+
+    def _write_failed(self, e: OSError, path: str) -> TrainError:
+        try:
+            last = find_checkpoint(self.t.out_dir)  # written atomically: the latest one on disk is whole
+        except CheckpointError:
+            last = "none (no checkpoint was written yet)"
+        return TrainError(f"could not write {path} ({e.strerror or e}): stopping; the last whole checkpoint "
+                          f"is {last}")
+
+    def _failed_checkpoint_file(self, e: OSError, path: str, is_best: bool) -> str:
+        """Which file of a checkpoint write failed: the numbered one, else best.pt, else an old one's removal."""
+        if not os.path.isfile(path):
+            return path
+        for name in (e.filename, e.filename2):
+            name = os.fspath(name) if name is not None else ""
+            if os.path.basename(name).startswith("ckpt_") and os.path.abspath(name) != os.path.abspath(path):
+                return name
+        return os.path.join(self.t.out_dir, "best.pt") if is_best else path
+
+
+def train(cfg: RunConfig, *, allow_config_change: bool = False) -> dict:
+    """Run training to completion; returns a summary dict. Raises TrainError/ConfigError/DataError/CheckpointError
+    with one line (Stopped on SIGINT/SIGTERM, after saving a checkpoint).
+
+    Rank 0 holds the run folder's lock from before its first look at the folder until the end, however the
+    run ends. allow_config_change: on resume, apply [model]/[data] values that differ from the checkpoint's."""
+    rank, local_rank, world = setup_distributed()
     try:
-        while True:
-            snapshot = {"data": data.state_dict(), "rng": rng_state()}  # the state at the top of step `it`
-            out_of_time = t.max_time > 0 and time.time() - t_start > t.max_time
-            last = it >= t.max_iters or out_of_time
-            if (it % t.eval_interval == 0 or last) and not (resume and it == start_iter):
-                if pending is not None:
-                    settle()
-                losses = estimate_loss(raw_model, data, t, device, autocast)
-                snapshot["data"] = data.state_dict()  # evaluation draws from its own generators
-                is_best = losses["val"] < best_val
-                best_val = min(best_val, losses["val"])
-                last_eval = losses
-                log.log({"iter": it, "train_loss": losses["train"], "val_loss": losses["val"]})
-                log.plot()
-                last_ckpt = checkpoint(it, is_best) or last_ckpt
-                bar.write(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            if last:
-                break
-            lr = lr_at(it, t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            step_loss = torch.zeros((), device=device)
-            micro = data.train_batches(t.batch_size, t.grad_accum_steps, rank, world)
-            for m, (x, y) in enumerate(micro):
-                sync = m == len(micro) - 1
-                no_sync = model.no_sync() if world > 1 and not sync else contextlib.nullcontext()
-                with no_sync, autocast:
-                    _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                    loss = loss / len(micro)
-                scaler.scale(loss).backward()
-                step_loss += loss.detach()
-            if world > 1:
-                import torch.distributed as dist
-                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            if pending is not None:
-                settle()  # the previous step, while this one's forward and backward run on the GPU
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip if t.grad_clip > 0
-                                                       else float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            pending = (it, step_loss, grad_norm)
-            it += 1
-            bar.update(1)
-            tokens_since += tokens_per_step
-            if it % t.log_interval == 0 or it == t.max_iters:
-                loss_value, grad_norm = settle()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                now = time.time()
-                tok_s = tokens_since / (now - t_last)
-                t_last, tokens_since = now, 0
-                record = {"iter": it, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s}
-                if peak is not None:
-                    record["mfu"] = raw_model.flops_per_token() * tok_s / world / peak
-                if device.type == "cuda":
-                    record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                log.log(record)
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:,.0f}")
-    except KeyboardInterrupt:
-        bar.close()
-        if pending is not None:
-            settle()  # never save the weights of a non-finite step
-        path = checkpoint(it, False)
-        log.close()
-        raise TrainError(f"interrupted at step {it}; checkpoint saved to {path}; continue with --resume") from None
-    finally:
-        bar.close()
-    log.close()
-    if world > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
-    summary = {"iters": it, "val_loss": last_eval.get("val"), "train_loss": last_eval.get("train"),
-               "best_val": best_val, "unigram_val_loss": baseline, "checkpoint": last_ckpt,
-               "seconds": time.time() - t_start}
-    if master:
-        print(f"done: {it} steps in {summary['seconds']:.0f}s, val loss {summary['val_loss']:.4f} "
-              f"(unigram baseline {summary['unigram_val_loss']:.4f}); checkpoint {last_ckpt}")
+        summary = _train_holding_the_folder(cfg, rank, local_rank, world, allow_config_change)
+    except Stopped:
+        teardown_distributed(world)  # every rank stopped after the same step: the group closes cleanly
+        raise
+    teardown_distributed(world)
     return summary
 
 
-def _truncate_metrics(path: str, upto_iter: int) -> None:
-    """On resume, drop the rows an interrupted run logged after the checkpoint it resumes from."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        rows = [line for line in f if line.strip()]
-    kept = [r for r in rows if json.loads(r).get("iter", 0) <= upto_iter]
-    with open(path, "w") as f:
-        f.writelines(kept)
+def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world: int,
+                              allow_config_change: bool) -> dict:
+    with contextlib.ExitStack() as stack:
+        signals = stack.enter_context(StopSignals())
+        if rank == 0:
+            try:
+                lock = stack.enter_context(RunLock(cfg.train.out_dir))
+            except RunFolderError as e:
+                raise TrainError(str(e)) from None
+            if lock.took_over:
+                print(f"note: {cfg.train.out_dir}: took over the lock left by {lock.took_over}", file=sys.stderr)
+        trainer = Trainer(cfg, rank=rank, local_rank=local_rank, world=world, signals=signals,
+                          allow_config_change=allow_config_change)
+        if not trainer.setup():
+            return trainer.summary()
+        return trainer.run()
 
 
 def main(argv=None) -> int:
@@ -334,10 +615,18 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, overrides)
         if args.resume:
             cfg.train.init_from = "resume"
-        train(cfg)
+        if args.allow_config_change and cfg.train.init_from != "resume":
+            raise ConfigError("--allow-config-change applies to --resume only")
+        train(cfg, allow_config_change=args.allow_config_change)
     except (ConfigError, DataError, TokenizerError, CheckpointError, TrainError) as e:
+        if isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0":
+            return 0  # rank 0 reports the stop (once); a failing rank here would make torchrun kill rank 0
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt as e:  # during setup: nothing to save yet
+        name = e.signame if isinstance(e, Interrupted) else "SIGINT"
+        print(f"error: interrupted ({name}) before training started; nothing was saved", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from config import ConfigError, RunConfig, apply_overrides, format_config, load_config
+from config import ConfigError, RunConfig, apply_changes, apply_overrides, format_config, load_config, resume_config
 from tests.util import ROOT, run_entry
 
 
@@ -82,3 +82,59 @@ def test_override_ambiguity_is_reported():
     # every key is unique today; a dotted name is always accepted
     cfg = apply_overrides(RunConfig(), ["--model.n_layer=2"])
     assert cfg.model.n_layer == 2
+
+
+@pytest.mark.parametrize("toml, overrides, needle", [
+    ("", ["--grad_clip=nan"], "train.grad_clip"),
+    ("", ["--weight_decay=nan"], "train.weight_decay"),
+    ("", ["--learning_rate=inf"], "train.learning_rate"),
+    ("", ["--min_lr=NaN"], "train.min_lr"),
+    ("", ["--max_time=-inf"], "train.max_time"),
+    ("", ["--beta2=1e999"], "train.beta2"),                            # overflows to inf
+    ("", ["--peak_tflops=infinity"], "train.peak_tflops"),
+    ("", ["--dropout=nan"], "model.dropout"),
+    ("", ["--val_fraction=nan"], "data.val_fraction"),
+    ("[train]\ngrad_clip = nan\n", [], "train.grad_clip"),              # TOML has nan and inf literals
+    ("[train]\nmax_time = inf\n", [], "train.max_time"),
+])
+def test_non_finite_floats_are_rejected_by_name(tmp_path, toml, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, toml), overrides)
+    msg = str(e.value)
+    assert msg.startswith(needle + "=") and "finite" in msg and "\n" not in msg
+
+
+def test_cli_rejects_nan_with_one_line(tmp_path):
+    r = run_entry("train.py", os.path.join(ROOT, "configs", "demo.toml"), "--grad_clip=nan",
+                  f"--out_dir={tmp_path}/run")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: train.grad_clip=nan: must be a finite number"]
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_origins_name_where_each_key_was_set(tmp_path):
+    path = write(tmp_path, "[model]\nn_layer = 3\nn_head = 3\n")
+    cfg = load_config(path, ["--n_layer=5", "--lr_decay_iters=10"])
+    assert cfg.origins == {"model.n_layer": "--n_layer=5", "model.n_head": path,
+                           "train.lr_decay_iters": "--lr_decay_iters=10"}
+    assert "origins" not in cfg.to_dict() and RunConfig.from_dict(cfg.to_dict()).origins == {}
+
+
+def test_resume_config_keeps_the_checkpoints_model_and_data_and_names_contradictions():
+    saved = load_config(None, ["--n_layer=2", "--attention=sdpa", "--vocab_size=65", "--dataset=a.txt",
+                               "--num_proc=4"])
+    saved.origins.clear()
+    # defaults, "auto" and 0 ("whatever the run resolved") never contradict; [train] and how-to keys apply
+    asked = load_config(None, ["--attention=auto", "--vocab_size=0", "--learning_rate=1e-4", "--num_proc=1",
+                               "--cache_dir=/c"])
+    cfg, changes = resume_config(asked, saved)
+    assert changes == [] and cfg.model == saved.model and cfg.train.learning_rate == 1e-4
+    assert cfg.data.dataset == "a.txt" and cfg.data.num_proc == 1 and cfg.data.cache_dir == "/c"
+    asked = load_config(None, ["--n_layer=8", "--dataset=b.txt", "--attention=naive", "--dropout=0.0"])
+    cfg, changes = resume_config(asked, saved)
+    assert [(c.key, c.saved, c.asked, c.origin) for c in changes] == [
+        ("model.n_layer", 2, 8, "--n_layer=8"), ("data.dataset", "a.txt", "b.txt", "--dataset=b.txt"),
+        ("model.attention", "sdpa", "naive", "--attention=naive")]
+    assert cfg.model.n_layer == 2 and cfg.data.dataset == "a.txt"  # not applied ...
+    apply_changes(cfg, changes)
+    assert cfg.model.n_layer == 8 and cfg.data.dataset == "b.txt" and cfg.model.attention == "naive"  # ... until asked

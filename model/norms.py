@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight over the last dim, normalised in float32 and rounded back to x's dtype
-    before the weight is applied (transformers' LlamaRMSNorm, so bf16 models round the same way)."""
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, normalised in float32 (float64 for float64 x) and
+    rounded back to x's dtype before the weight is applied (transformers' LlamaRMSNorm, so bf16 models round the
+    same way)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -16,7 +17,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # (..., dim) float32
+        y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)  # (..., dim)
         return self.weight * y.to(x.dtype)
 
     def extra_repr(self) -> str:

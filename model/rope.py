@@ -40,14 +40,15 @@ def _llama3_scaled(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of the RoPE angles at given positions. inv_freq is a non-persistent buffer that stays float32
-    when the model is cast (model.to(torch.bfloat16) would otherwise round the frequencies) and is recomputed
-    whenever the module moves, so a model built on the meta device gets real values from to_empty()/reset()."""
+    """cos and sin of the RoPE angles at given positions. inv_freq is a plain float32 tensor, not a buffer: it is
+    in no state dict, DistributedDataParallel does not broadcast it every step, and a cast of the model
+    (model.to(torch.bfloat16)) does not round it. It follows the module's moves (to, cuda, to_empty), recomputed
+    from the config on the new device, so a model built on the meta device gets real values."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.inv_freq = rope_inv_freq(cfg)  # (D/2,) float32
 
     def reset(self, device=None) -> None:
         """Recompute inv_freq (float32) on `device` (default: where it is)."""
@@ -55,7 +56,7 @@ class RotaryEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.reset()
+        self.reset(fn(self.inv_freq).device)  # where the move sends tensors; the dtype stays float32
         return self
 
     def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -171,7 +171,7 @@ def test_inv_freq_stays_float32_and_meta_models_recover():
     model = GPT(cfg).to(torch.bfloat16)
     assert model.rotary.inv_freq.dtype == torch.float32
     assert torch.equal(model.rotary.inv_freq, rope_inv_freq(cfg))
-    assert "rotary.inv_freq" not in model.state_dict()
+    assert "rotary.inv_freq" not in model.state_dict() and not list(model.buffers())  # nothing for DDP to broadcast
     with torch.device("meta"):
         meta = GPT(cfg)
     meta.to_empty(device="cpu")

@@ -56,11 +56,13 @@ def resolve_model_dir(path_or_repo: str, label: str | None = None) -> str:
     label names the model in error messages (default: the repr of path_or_repo).
     """
     label = label or repr(path_or_repo)
-    if os.path.isdir(path_or_repo):
-        return path_or_repo
-    if os.path.exists(path_or_repo):
+    local = os.path.expanduser(path_or_repo)
+    if os.path.isdir(local):
+        return local
+    if os.path.exists(local):
         raise HFError(f"cannot load {label}: it is a file; give the model's folder (config.json + *.safetensors)")
-    if path_or_repo.startswith((".", "/", "~")) or os.sep + os.sep in path_or_repo or path_or_repo.count("/") > 1:
+    looks_local = path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") > 1
+    if looks_local or (os.sep != "/" and os.sep in path_or_repo):
         raise HFError(f"cannot load {label}: no such folder (and not a hub repo id like 'org/name')")
     return _snapshot(path_or_repo, label)
 

@@ -69,8 +69,9 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, T, H, D); cos, sin: (T, D) or (B, T, D) → x rotated, (B, T, H, D) in x's dtype.
 
-    rotate-half: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) for the halves x1 = x[..., :D/2], x2 = x[..., D/2:].
+    rotate-half: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) for the halves x1 = x[..., :D/2] and
+    x2 = x[..., D/2:].
     """
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D) or (B, T, 1, D): the same angle for every head
+    cos, sin = cos.to(x.dtype).unsqueeze(-2), sin.to(x.dtype).unsqueeze(-2)  # (T | B T, 1, D): one angle, all heads
     x1, x2 = x.chunk(2, dim=-1)                      # (B, T, H, D/2) each
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -79,7 +79,8 @@ def test_incompatible_models_are_refused():
         from_hf_gpt2(hf_model(scale_attn_by_inverse_layer_idx=True))
     sd = hf_model().state_dict()
     sd["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(64, 100)
-    with pytest.raises(HFError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight has shape \(64, 100\), expected \(64, 256\)"):
+    wrong = r"transformer\.h\.1\.mlp\.c_fc\.weight has shape \(64, 100\), expected \(64, 256\)"
+    with pytest.raises(HFError, match=wrong):
         from_hf_gpt2(sd, n_head=2)
     with pytest.raises(HFError, match="not a GPT-2 state dict"):
         from_hf_gpt2({"foo": torch.zeros(1)})

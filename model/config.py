@@ -1,9 +1,24 @@
-"""GPTConfig: the model's shape, validated."""
+"""GPTConfig: the model's shape, validated.
+
+The defaults are GPT-2 (learned positions, LayerNorm, GELU MLP 4·n_embd wide, biases, tied LM head), so configs
+and checkpoints written before the Llama-family options exist load unchanged. A Llama-style model sets
+
+    pos_emb = "rope", norm = "rmsnorm", mlp = "swiglu", bias = false   (+ n_kv_head for GQA)
+
+and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true. Every option is one field; validate() names the first
+bad one in one line.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comfortably in memory
+POS_EMBS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("", "llama3")
+SWIGLU_MULTIPLE = 64  # the default SwiGLU width is rounded up to a multiple of this
 
 
 class ConfigError(ValueError):
@@ -12,14 +27,30 @@ class ConfigError(ValueError):
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256      # context length in tokens (size of the position-embedding table)
+    block_size: int = 256      # context length in tokens (and the size of the learned position table)
     vocab_size: int = 0        # 0 = take it from the tokenizer (GPT-2: 50257 padded to 50304)
     n_layer: int = 6
     n_head: int = 6
     n_kv_head: int = 0         # key/value heads; 0 = n_head (multi-head), fewer = GQA, 1 = MQA
     n_embd: int = 384
     dropout: float = 0.0
-    bias: bool = True          # biases in Linear and LayerNorm layers, as GPT-2
+    bias: bool = True          # biases in every Linear and LayerNorm layer, as GPT-2
+    # Llama-family options (the defaults are GPT-2's)
+    head_size: int = 0         # width of one attention head; 0 = n_embd // n_head
+    pos_emb: str = "learned"   # "learned" (a block_size x n_embd table, GPT-2) | "rope" (rotary, Llama)
+    rope_theta: float = 10000.0  # RoPE base: head-dim pair i turns at rope_theta^(-2i/head_dim) radians per token
+    rope_scaling: str = ""     # "" | "llama3" (Llama-3.1 frequency scaling, the four rope_* fields below)
+    rope_factor: float = 8.0             # llama3: long wavelengths are stretched by this factor
+    rope_low_freq_factor: float = 1.0    # llama3: wavelengths above original_max_pos / this are fully scaled
+    rope_high_freq_factor: float = 4.0   # llama3: wavelengths below original_max_pos / this are kept
+    rope_original_max_pos: int = 8192    # llama3: the context the unscaled model was trained with
+    norm: str = "layernorm"    # "layernorm" (GPT-2) | "rmsnorm" (Llama)
+    norm_eps: float = 1e-5     # epsilon of every norm layer
+    mlp: str = "gelu"          # "gelu" (GPT-2: GELU(x W_fc) W_proj) | "swiglu" (Llama: (SiLU(x W_g) * x W_u) W_d)
+    intermediate_size: int = 0  # MLP hidden width; 0 = 4·n_embd (gelu) or 8·n_embd/3 rounded up to 64 (swiglu)
+    qkv_bias: bool = False     # biases on the QKV projection even when bias = false (Qwen2)
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weight
+    qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
 
     @property
@@ -28,7 +59,16 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: intermediate_size, or the default of the MLP kind."""
+        if self.intermediate_size:
+            return self.intermediate_size
+        if self.mlp == "swiglu":  # about the parameters of a 4·n_embd GELU MLP, in three matrices instead of two
+            return math.ceil(8 * self.n_embd / 3 / SWIGLU_MULTIPLE) * SWIGLU_MULTIPLE
+        return 4 * self.n_embd
 
     def validate(self, prefix: str = "model.") -> "GPTConfig":
         def bad(key, msg):
@@ -36,16 +76,49 @@ class GPTConfig:
         for key in ("block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
-        if self.block_size > MAX_BLOCK_SIZE:
-            bad("block_size", f"is above the largest context this model allows ({MAX_BLOCK_SIZE})")
+        if self.block_size > MAX_BLOCK_SIZE and self.pos_emb == "learned":
+            bad("block_size", f"is above the largest learned position table this model allows ({MAX_BLOCK_SIZE}; "
+                              "pos_emb = 'rope' has no table)")
         if self.vocab_size < 0:
             bad("vocab_size", "must be positive (or 0 to take it from the tokenizer)")
-        if self.n_embd % self.n_head:
-            bad("n_embd", f"must be divisible by n_head={self.n_head}")
+        if self.head_size < 0:
+            bad("head_size", "must be positive (or 0 for n_embd // n_head)")
+        if not self.head_size and self.n_embd % self.n_head:
+            bad("n_embd", f"must be divisible by n_head={self.n_head} (or set head_size)")
         if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
             bad("n_kv_head", f"must divide n_head={self.n_head} (or be 0 for n_head)")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
+        self._validate_architecture(bad)
         if self.attention not in ("auto", "flash", "sdpa", "naive"):
             bad("attention", "must be one of auto, flash, sdpa, naive")
         return self
+
+    def _validate_architecture(self, bad) -> None:
+        """The Llama-family fields: positions, norms, MLP kind and widths."""
+        if self.pos_emb not in POS_EMBS:
+            bad("pos_emb", f"must be one of {', '.join(POS_EMBS)}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1.0):
+            bad("rope_theta", "must be a finite number above 1")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            bad("head_size" if self.head_size else "n_embd", f"gives head dim {self.head_dim}: RoPE needs it even")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            bad("rope_scaling", "must be '' (none) or 'llama3'")
+        if self.rope_scaling and self.pos_emb != "rope":
+            bad("rope_scaling", "needs pos_emb = 'rope'")
+        if not (math.isfinite(self.rope_factor) and self.rope_factor >= 1.0):
+            bad("rope_factor", "must be a finite number of at least 1")
+        if not (math.isfinite(self.rope_low_freq_factor) and self.rope_low_freq_factor > 0):
+            bad("rope_low_freq_factor", "must be positive")
+        if not (math.isfinite(self.rope_high_freq_factor) and self.rope_high_freq_factor > self.rope_low_freq_factor):
+            bad("rope_high_freq_factor", f"must be above rope_low_freq_factor={self.rope_low_freq_factor}")
+        if self.rope_original_max_pos <= 0:
+            bad("rope_original_max_pos", "must be positive")
+        if self.norm not in NORMS:
+            bad("norm", f"must be one of {', '.join(NORMS)}")
+        if not (math.isfinite(self.norm_eps) and 0 < self.norm_eps < 1):
+            bad("norm_eps", "must be in (0, 1)")
+        if self.mlp not in MLPS:
+            bad("mlp", f"must be one of {', '.join(MLPS)}")
+        if self.intermediate_size < 0:
+            bad("intermediate_size", "must be positive (or 0 for the MLP kind's default)")

@@ -37,6 +37,9 @@ def _ln(norm) -> tuple:
 
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
+    c = model.config
+    if c.pos_emb != "learned" or c.norm != "layernorm" or c.mlp != "gelu" or c.qk_norm:
+        return "the fused step covers GPT-2 blocks only (not RoPE, RMSNorm, SwiGLU or qk_norm)"
     w = model.lm_head.weight
     if w.device.type != "cuda" and not (w.device.type == "cpu" and interpreting()):
         return f"the model is on {w.device} (the fused step runs on CUDA)"

@@ -1,8 +1,20 @@
-"""A GPT-2-style decoder-only transformer (nanoGPT-sized), with one hop to the attention kernels.
+"""A decoder-only transformer: GPT-2 by default, Llama-family blocks by config, with one hop to the attention kernels.
 
-Parameter names follow GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...). Attention goes through
-`kernels.attention(q, k, v, backend=...)`: "flash" (Triton), "sdpa" (PyTorch) or "naive" (the reference).
-With a KV cache attached (see model/kv_cache.py) the same forward runs prefill and decode steps.
+Parameter names follow GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...) for both families:
+
+    transformer.wte                 token embedding (V, C)
+    transformer.wpe                 learned positions (block_size, C); absent with pos_emb = "rope"
+    transformer.h.N.ln_1, ln_2      LayerNorm or RMSNorm (cfg.norm)
+    transformer.h.N.attn.c_attn     fused QKV projection: rows [q heads | k heads | v heads], head_dim rows each
+    transformer.h.N.attn.q_norm, k_norm   per-head RMSNorm of q and k (head_dim weights; only with qk_norm)
+    transformer.h.N.attn.c_proj     attention output projection (C, n_head·head_dim)
+    transformer.h.N.mlp.c_fc        GELU: up (I, C); SwiGLU: gate and up fused, rows [gate (I) | up (I)]
+    transformer.h.N.mlp.c_proj      down projection (C, I)
+    transformer.ln_f, lm_head       final norm; LM head (tied to wte unless tie_embeddings = false)
+
+Attention goes through `kernels.attention_qkvpacked(qkv, ...)` (training, no cache) or the KV cache's
+`attend` (prefill and decode): "flash" (Triton), "sdpa" (PyTorch) or "naive" (the reference). RoPE models
+rotate q and k inside the packed projection before that call (model/rope.py).
 """
 from __future__ import annotations
 
@@ -14,6 +26,8 @@ import torch.nn.functional as F
 
 import kernels
 from .config import GPTConfig
+from .norms import RMSNorm, make_norm
+from .rope import RotaryEmbedding, apply_rope
 
 
 class CausalSelfAttention(nn.Module):
@@ -21,15 +35,24 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         # q for every head, k and v for every kv head, in one matmul
-        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim,
+                                bias=cfg.bias or cfg.qkv_bias)
+        self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.backend = cfg.attention
         self.kv_cache = None  # set by GPT.setup_kv_cache for inference
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, T, C) → (B, T, C). rope: (cos, sin) of the tokens' positions, for RoPE models."""
         B, T, C = x.shape
         qkv = self.c_attn(x)  # (B, T, (nh + 2·nkv)·hd)
+        if rope is not None or self.qk_norm:
+            qkv = self.rotate_qk(qkv, rope)
         backend = kernels.resolve_backend(self.backend, x.device)
         if self.kv_cache is None:
             # packed: flash's backward then writes d(qkv) in one buffer, no concatenation of dq, dk, dv
@@ -38,31 +61,57 @@ class CausalSelfAttention(nn.Module):
         else:
             q, k, v = kernels.split_qkv(qkv, self.n_head, self.n_kv_head)  # (B, nh | nkv, T, hd) views
             y = self.kv_cache.attend(q, k, v, input_pos, backend=backend)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)  # (B, T, nh·hd)
         return self.resid_dropout(self.c_proj(y))
+
+    def rotate_qk(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The packed projection with q and k normalised (qk_norm) and rotated (rope), v as it was.
+
+        qkv: (B, T, (nh + 2·nkv)·hd) → a new packed tensor of the same shape. q and k heads are adjacent in the
+        packed layout, so one RoPE pass covers both; the result is packed again for the packed attention call.
+        """
+        B, T, _ = qkv.shape
+        nh, nkv = self.n_head, self.n_kv_head
+        heads = qkv.view(B, T, nh + 2 * nkv, self.head_dim)  # (B, T, nh + 2·nkv, hd)
+        qk, v = heads[:, :, :nh + nkv], heads[:, :, nh + nkv:]  # (B, T, nh + nkv, hd), (B, T, nkv, hd)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :, :nh]), self.k_norm(qk[:, :, nh:])), dim=2)
+        if rope is not None:
+            qk = apply_rope(qk, *rope)  # (B, T, nh + nkv, hd)
+        return torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1)  # (B, T, (nh + 2·nkv)·hd)
 
 
 class MLP(nn.Module):
+    """GELU: c_proj(GELU(c_fc(x))). SwiGLU: c_proj(SiLU(gate) * up) with [gate | up] = c_fc(x), one matmul."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        hidden = cfg.mlp_hidden
+        self.swiglu = cfg.mlp == "swiglu"
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        h = self.c_fc(x)  # (B, T, I) or (B, T, 2I)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)  # (B, T, I) each
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, input_pos=None):
-        x = x + self.attn(self.ln_1(x), input_pos)
+    def forward(self, x, input_pos=None, rope=None):
+        x = x + self.attn(self.ln_1(x), input_pos, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -73,15 +122,16 @@ class GPT(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (train.py fills it in from the tokenizer)")
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
+        layers = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
+        if cfg.pos_emb == "learned":
+            layers["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
+        layers.update(drop=nn.Dropout(cfg.dropout), h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                      ln_f=make_norm(cfg))
+        self.transformer = nn.ModuleDict(layers)
+        self.rotary = RotaryEmbedding(cfg) if cfg.pos_emb == "rope" else None
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # weight tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2·n_layer)
             if name.endswith("c_proj.weight"):
@@ -102,9 +152,23 @@ class GPT(nn.Module):
         from .hf import from_hf_gpt2
         return from_hf_gpt2(model_or_state_dict, **kwargs)
 
+    @staticmethod
+    def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None) -> "GPT":
+        """A Hugging Face model folder or hub id (GPT-2, Llama, Qwen2, Qwen3 families) → GPT in eval mode, with
+        the same logits as transformers gives; float32 on the CPU unless dtype/device say otherwise. Raises
+        model.hf.HFError with one line on anything it cannot load. See model/hf.py."""
+        from .hf import from_pretrained
+        return from_pretrained(path_or_repo, dtype=dtype, device=device)
+
     def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters; non_embedding leaves out the lookup tables (wpe, and wte when the LM head is its own)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.transformer.wte.weight.numel()
+        return n
 
     def setup_kv_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         """Attach a static KVCache of (batch, n_kv_head, max_len, head_dim) to every attention layer."""
@@ -144,9 +208,16 @@ class GPT(nn.Module):
             pos = torch.arange(T, device=idx.device)  # (T,)
         else:
             pos = input_pos
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if self.rotary is not None:
+            rope = self.rotary(pos, x.dtype if not torch.is_autocast_enabled(x.device.type)
+                               else torch.get_autocast_dtype(x.device.type))  # cos, sin: (T | B T, hd)
+        else:
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, input_pos)
+            x = block(x, input_pos, rope)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
@@ -155,7 +226,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
-        """AdamW with decay on matrices only (not biases, LayerNorm or position tables); fused on CUDA."""
+        """AdamW with decay on matrices only (not biases or norm weights); fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]

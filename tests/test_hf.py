@@ -75,16 +75,30 @@ def test_greedy_generation_matches_transformers():
 def test_incompatible_models_are_refused():
     with pytest.raises(HFError, match="activation_function"):
         from_hf_gpt2(hf_model(activation_function="relu"))
-    with pytest.raises(HFError, match="n_inner"):
-        from_hf_gpt2(hf_model(n_inner=100))
+    with pytest.raises(HFError, match="attention scaling"):
+        from_hf_gpt2(hf_model(scale_attn_by_inverse_layer_idx=True))
     sd = hf_model().state_dict()
     sd["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(64, 100)
-    with pytest.raises(HFError, match="incompatible GPT-2 weights"):
+    wrong = r"transformer\.h\.1\.mlp\.c_fc\.weight has shape \(64, 100\), expected \(64, 256\)"
+    with pytest.raises(HFError, match=wrong):
         from_hf_gpt2(sd, n_head=2)
     with pytest.raises(HFError, match="not a GPT-2 state dict"):
         from_hf_gpt2({"foo": torch.zeros(1)})
     with pytest.raises(HFError, match="expected a GPT2LMHeadModel"):
         from_hf_gpt2(42)
+
+
+@torch.no_grad()
+def test_options_gpt2_configs_may_set():
+    """n_inner (the MLP width), layer_norm_epsilon and an untied LM head map onto GPTConfig fields."""
+    hf = hf_model(n_inner=100, layer_norm_epsilon=1e-3, tie_word_embeddings=False)
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(torch.randn_like(hf.lm_head.weight) * 0.05)  # differs from wte
+    model = from_hf_gpt2(hf)
+    c = model.config
+    assert (c.intermediate_size, c.norm_eps, c.tie_embeddings) == (100, 1e-3, False)
+    idx = torch.randint(0, 100, (2, 30))
+    torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_load_offline_fails_fast_with_one_line(monkeypatch):
@@ -103,35 +117,19 @@ def test_init_from_gpt2_offline_cli():
     assert "HF_HUB_OFFLINE" in lines[0]
 
 
-def test_load_uses_the_local_cache_first(monkeypatch):
-    """A cached model loads with local_files_only=True (no network, even offline), from safetensors only."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    calls = []
-
-    def fake_from_pretrained(name, **kwargs):
-        calls.append((name, kwargs))
-        return hf_model()
-
-    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", fake_from_pretrained)
-    model = load_hf_gpt2("gpt2")
-    assert calls == [("gpt2", {"local_files_only": True, "use_safetensors": True})]
-    idx = torch.randint(0, 100, (1, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], hf_model()(idx).logits, atol=1e-5, rtol=1e-5)
-
-
-def test_hub_weights_load_from_safetensors_only(tmp_path):
-    """The loader behind load_hf_gpt2 reads model.safetensors and refuses a folder holding only a pickle."""
-    from model.hf import hf_pretrained
+def test_load_uses_the_local_cache_first(tmp_path, monkeypatch):
+    """A model in the local hub cache loads offline (HF_HUB_OFFLINE=1), through safetensors alone."""
+    import huggingface_hub.constants
     hf = hf_model()
-    hf.save_pretrained(tmp_path / "safe")
-    assert (tmp_path / "safe" / "model.safetensors").is_file()
+    snapshot = tmp_path / "hub" / "models--gpt2" / "snapshots" / ("0" * 40)
+    hf.save_pretrained(snapshot, safe_serialization=True)
+    (tmp_path / "hub" / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "hub" / "models--gpt2" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_hf_gpt2("gpt2")
     idx = torch.randint(0, 100, (1, 16))
     with torch.no_grad():
-        torch.testing.assert_close(from_hf_gpt2(hf_pretrained(str(tmp_path / "safe")))(idx)[0], hf(idx).logits,
-                                   atol=1e-5, rtol=1e-5)
-    pickled = tmp_path / "pickled"
-    hf.config.save_pretrained(pickled)
-    torch.save(hf.state_dict(), pickled / "pytorch_model.bin")  # only a pickle: never read
-    with pytest.raises(OSError, match="safetensors"):
-        hf_pretrained(str(pickled))
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(HFError, match="GPT-2 weights 'gpt2-xl': HF_HUB_OFFLINE is set"):
+        load_hf_gpt2("gpt2-xl")  # not in this cache

@@ -1,0 +1,138 @@
+"""A Hugging Face config.json → (family, GPTConfig) that gives transformers' logits, or one line saying why not.
+
+Families and the options they map:
+
+    gpt2    GPT2LMHeadModel     learned positions, LayerNorm, GELU (tanh), biases; n_inner → intermediate_size
+    llama   LlamaForCausalLM    RoPE (+ llama3 scaling), RMSNorm, SwiGLU, GQA; attention_bias with mlp_bias → bias
+    qwen2   Qwen2ForCausalLM    as llama, with biases on q, k, v only (qkv_bias)
+    qwen3   Qwen3ForCausalLM    as llama, with RMSNorm on each head's q and k (qk_norm) and its own head_dim
+
+Both the current `rope_parameters` and the older `rope_theta` + `rope_scaling` keys are read. A key that
+config.json leaves out takes the default of the transformers class it names (e.g. tie_word_embeddings is
+true for GPT-2, false for the others). Options these models cannot reproduce are refused by name: another
+activation, a sliding window, RoPE types other than default and llama3, partial rotary, biases on attention
+without the MLP's.
+"""
+from __future__ import annotations
+
+from .config import ConfigError, GPTConfig
+from .hf_files import HFError
+
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_type, when architectures is absent
+# transformers' defaults for keys a config.json may leave out, per family
+DEFAULTS = {
+    "llama": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=2048, head_dim=None),
+    "qwen2": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None),
+    "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
+}
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def family_of(hf: dict) -> str:
+    """"gpt2" | "llama" | "qwen2" | "qwen3" from config.json's architectures (or model_type)."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if archs:
+        if not isinstance(archs, list) or archs[0] not in ARCHITECTURES:
+            raise HFError(f"unsupported architecture {archs[0] if isinstance(archs, list) else archs!r} "
+                          f"(model_type {model_type!r}); supported: {', '.join(ARCHITECTURES)}")
+        return ARCHITECTURES[archs[0]]
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    raise HFError(f"unsupported model_type {model_type!r} (no architectures given); supported: "
+                  f"{', '.join(MODEL_TYPES)}")
+
+
+def gpt_config_from_hf(hf: dict) -> tuple[str, GPTConfig]:
+    """(family, GPTConfig) for a config.json dict; HFError with one line for what does not map."""
+    family = family_of(hf)
+    cfg = _gpt2(hf) if family == "gpt2" else _llama_like(hf, family)
+    try:
+        cfg.validate(prefix="config: ")
+    except ConfigError as e:
+        raise HFError(f"config.json gives an invalid model ({e})") from None
+    return family, cfg
+
+
+def _require(hf: dict, *keys: str) -> list:
+    missing = [k for k in keys if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool)]
+    if missing:
+        raise HFError(f"config.json lacks integer {', '.join(missing)}")
+    return [hf[k] for k in keys]
+
+
+def _refuse(family: str, problems: list[str]) -> None:
+    if problems:
+        raise HFError(f"unsupported {family} config: " + "; ".join(problems))
+
+
+def _gpt2(hf: dict) -> GPTConfig:
+    n_layer, n_head, n_embd, vocab = _require(hf, "n_layer", "n_head", "n_embd", "vocab_size")
+    problems = []
+    if hf.get("activation_function", "gelu_new") not in GELU_TANH:
+        problems.append(f"activation_function={hf['activation_function']!r} (only the tanh GELU, gelu_new)")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+        problems.append("attention scaling other than 1/sqrt(head_dim)")
+    if hf.get("add_cross_attention", False):
+        problems.append("cross-attention layers")
+    _refuse("GPT-2", problems)
+    return GPTConfig(block_size=hf.get("n_positions") or hf.get("n_ctx") or 1024, vocab_size=vocab, n_layer=n_layer,
+                     n_head=n_head, n_embd=n_embd, dropout=0.0, bias=True,
+                     norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), intermediate_size=hf.get("n_inner") or 0,
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
+def _rope_fields(hf: dict, problems: list[str]) -> dict:
+    """rope_theta and the llama3 scaling fields from rope_parameters (current) or rope_theta + rope_scaling."""
+    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
+        problems.append("per-layer-type rope_parameters")
+        return {}
+    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fields = dict(rope_theta=float(theta))
+    if float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        problems.append("partial_rotary_factor (RoPE on part of each head)")
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type == "llama3":
+        try:
+            fields.update(rope_scaling="llama3", rope_factor=float(rp["factor"]),
+                          rope_low_freq_factor=float(rp["low_freq_factor"]),
+                          rope_high_freq_factor=float(rp["high_freq_factor"]),
+                          rope_original_max_pos=int(rp.get("original_max_position_embeddings")
+                                                    or hf.get("max_position_embeddings") or 8192))
+        except (KeyError, TypeError, ValueError) as e:
+            problems.append(f"llama3 rope scaling without a usable {e}")
+    elif rope_type != "default":
+        problems.append(f"rope type {rope_type!r} (only default and llama3)")
+    return fields
+
+
+def _llama_like(hf: dict, family: str) -> GPTConfig:
+    d = DEFAULTS[family]
+    n_embd, n_layer, n_head, inter, vocab = _require(hf, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                     "intermediate_size", "vocab_size")
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu: SwiGLU)")
+    attention_bias = bool(hf.get("attention_bias", False)) if family != "qwen2" else False  # qwen2: q, k, v only
+    mlp_bias = bool(hf.get("mlp_bias", False)) if family == "llama" else False
+    if attention_bias != mlp_bias:
+        problems.append(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (biases on all projections "
+                        "or none)")
+    layer_types = hf.get("layer_types") or []
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    if "sliding_attention" in layer_types or (window and not layer_types
+                                              and hf.get("max_window_layers", 28) < n_layer):
+        problems.append(f"sliding-window attention (sliding_window={hf.get('sliding_window')})")
+    rope = _rope_fields(hf, problems)
+    _refuse(family, problems)
+    head_dim = hf.get("head_dim", d["head_dim"]) or n_embd // n_head
+    head_size = head_dim if head_dim * n_head != n_embd else 0
+    return GPTConfig(block_size=hf.get("max_position_embeddings", d["max_position_embeddings"]), vocab_size=vocab,
+                     n_layer=n_layer, n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
+                     n_embd=n_embd, dropout=0.0, bias=attention_bias, head_size=head_size, pos_emb="rope",
+                     norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])), mlp="swiglu",
+                     intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])), **rope)

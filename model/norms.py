@@ -1,0 +1,32 @@
+"""The norm layers: LayerNorm (GPT-2) or RMSNorm (Llama), picked by cfg.norm."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, normalised in float32 (float64 for float64 x) and
+    rounded back to x's dtype before the weight is applied (transformers' LlamaRMSNorm, so bf16 models round the
+    same way)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)  # (..., dim)
+        return self.weight * y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(cfg, dim: int | None = None) -> nn.Module:
+    """A norm over `dim` (default n_embd) of the config's kind; LayerNorm has a bias when cfg.bias."""
+    dim = dim or cfg.n_embd
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)

@@ -1,0 +1,77 @@
+"""Rotary position embeddings (RoPE) in Hugging Face's rotate-half layout, so hub weights need no permutation.
+
+    rotary = RotaryEmbedding(cfg)             # holds inv_freq (head_dim/2,), float32, not in the state dict
+    cos, sin = rotary(pos, dtype)             # pos (T,) or (B, T) → each (T, D) or (B, T, D)
+    q = apply_rope(q, cos, sin)               # q (B, T, H, D), the heads of one packed projection
+
+Head-dim pair (i, i + D/2) of a token at position p is turned by the angle p · inv_freq[i], with
+inv_freq[i] = rope_theta^(-2i/D) (and the Llama-3.1 rescaling when cfg.rope_scaling = "llama3"). The angles
+are computed in float32 and cos/sin rounded to the activations' dtype, as transformers does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def rope_inv_freq(cfg, device=None) -> torch.Tensor:
+    """(head_dim/2,) float32 angular frequencies (radians per token) of the config's RoPE."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if cfg.rope_scaling == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, cfg)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
+    """Llama-3.1's rescaling: wavelengths longer than original_max_pos / low_freq_factor are stretched by
+    rope_factor, those shorter than original_max_pos / high_freq_factor are kept, and the band between blends
+    the two linearly in original_max_pos / wavelength."""
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_pos
+    wavelen = 2 * math.pi / inv_freq                                   # (D/2,) tokens per turn
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)                  # 0 at the long end of the band, 1 at the short
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of the RoPE angles at given positions. inv_freq is a plain float32 tensor, not a buffer: it is
+    in no state dict, DistributedDataParallel does not broadcast it every step, and a cast of the model
+    (model.to(torch.bfloat16)) does not round it. It follows the module's moves (to, cuda, to_empty), recomputed
+    from the config on the new device, so a model built on the meta device gets real values."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.inv_freq = rope_inv_freq(cfg)  # (D/2,) float32
+
+    def reset(self, device=None) -> None:
+        """Recompute inv_freq (float32) on `device` (default: where it is)."""
+        self.inv_freq = rope_inv_freq(self.cfg, device if device is not None else self.inv_freq.device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.reset(fn(self.inv_freq).device)  # where the move sends tensors; the dtype stays float32
+        return self
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos: (T,) or (B, T) integer positions → cos, sin: (T, D) or (B, T, D) in `dtype`."""
+        freqs = pos[..., None].float() * self.inv_freq   # (..., D/2) angles
+        angles = torch.cat((freqs, freqs), dim=-1)       # (..., D): pair (i, i + D/2) shares angle i
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos, sin: (T, D) or (B, T, D) → x rotated, (B, T, H, D) in x's dtype.
+
+    rotate-half: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) for the halves x1 = x[..., :D/2] and
+    x2 = x[..., D/2:].
+    """
+    cos, sin = cos.to(x.dtype).unsqueeze(-2), sin.to(x.dtype).unsqueeze(-2)  # (T | B T, 1, D): one angle, all heads
+    x1, x2 = x.chunk(2, dim=-1)                      # (B, T, H, D/2) each
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,265 @@
+"""GPT.from_pretrained against transformers, offline: tiny random models of each family, saved with
+save_pretrained (safetensors), load with the same logits and the same greedy tokens; bad folders fail with
+one line that names the problem."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,  # noqa: E402
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from model import GPT  # noqa: E402
+from model.hf import HFError  # noqa: E402
+from model.sampling import SamplingParams, generate  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+VOCAB = 128
+LLAMA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=2,
+             vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+FAMILIES = {
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=128, vocab_size=VOCAB,
+                                               bos_token_id=None, eos_token_id=None)),
+    "llama-gqa-untied": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA)),
+    "llama3-scaled-tied": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, tie_word_embeddings=True,
+                                                               rope_parameters=dict(LLAMA3_ROPE))),
+    "llama-biases-mqa": lambda: LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_key_value_heads": 1},
+                                                             attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5)),
+    "qwen2-tied": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA, tie_word_embeddings=True)),
+    "qwen2-untied": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA, tie_word_embeddings=False,
+                                                         rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3-head-dim-32": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, head_dim=32)),
+}
+
+
+def randomised(hf):
+    """Every parameter moved off its init (norm weights off 1, biases off 0), so that a swapped, untransposed or
+    unused tensor changes the logits; matrices large enough that greedy choices have clear margins."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.08))
+    return hf.eval()
+
+
+def saved(family: str, folder) -> tuple:
+    hf = randomised(FAMILIES[family]())
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, str(folder)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_same_logits_and_greedy_tokens_as_transformers(family, tmp_path):
+    hf, folder = saved(family, tmp_path / family)
+    model = GPT.from_pretrained(folder)
+    assert not model.training and model.lm_head.weight.dtype == torch.float32
+    assert (model.lm_head.weight is model.transformer.wte.weight) == hf.config.tie_word_embeddings
+    idx = torch.randint(0, VOCAB, (2, 100))
+    want, got = hf(idx).logits, model(idx)[0]
+    assert want.abs().max() > 1  # not a degenerate comparison
+    assert (got - want).abs().max() <= 1e-4
+    prompt = torch.randint(0, VOCAB, (1, 9))
+    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 9:].tolist()
+    for backend in ("naive", "sdpa"):
+        model.set_attention_backend(backend)
+        ours = generate(model, prompt.tolist(), SamplingParams(temperature=0.0, max_new_tokens=20)).sequences[0]
+        assert ours == expected, backend
+
+
+def test_config_fields_per_family(tmp_path):
+    """What each family's config.json becomes (the options that make the logits above agree)."""
+    c = GPT.from_pretrained(saved("llama3-scaled-tied", tmp_path / "a")[1]).config
+    assert (c.pos_emb, c.norm, c.mlp, c.bias, c.qkv_bias, c.qk_norm, c.tie_embeddings) == \
+        ("rope", "rmsnorm", "swiglu", False, False, False, True)
+    assert (c.rope_scaling, c.rope_theta, c.rope_factor, c.rope_original_max_pos) == ("llama3", 5e5, 8.0, 16)
+    assert (c.n_head, c.kv_heads, c.head_dim, c.intermediate_size, c.block_size, c.norm_eps) == \
+        (4, 2, 16, 96, 128, 1e-6)
+    c = GPT.from_pretrained(saved("qwen2-untied", tmp_path / "b")[1]).config
+    assert (c.qkv_bias, c.bias, c.tie_embeddings, c.rope_theta, c.rope_scaling) == (True, False, False, 1e6, "")
+    c = GPT.from_pretrained(saved("qwen3-head-dim-32", tmp_path / "c")[1]).config
+    assert (c.qk_norm, c.head_size, c.head_dim) == (True, 32, 32)
+
+
+@torch.no_grad()
+def test_llama3_rope_scaling_is_what_makes_them_agree(tmp_path):
+    """The scaled model's logits differ from the same weights with plain RoPE: the comparison above sees it."""
+    hf, folder = saved("llama3-scaled-tied", tmp_path / "m")
+    idx = torch.randint(0, VOCAB, (1, 100))
+    model = GPT.from_pretrained(folder)
+    assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
+    model.config.rope_scaling = ""
+    model.rotary.reset()
+    assert (model(idx)[0] - hf(idx).logits).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_sharded_checkpoint(tmp_path):
+    hf = randomised(FAMILIES["llama-gqa-untied"]())
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    shards = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    assert "model.safetensors.index.json" in os.listdir(tmp_path) and len(shards) > 2
+    idx = torch.randint(0, VOCAB, (2, 33))
+    assert (GPT.from_pretrained(str(tmp_path))(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_dtype_and_device(tmp_path):
+    hf, folder = saved("llama3-scaled-tied", tmp_path / "m")
+    model = GPT.from_pretrained(folder, dtype=torch.bfloat16, device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary.inv_freq.dtype == torch.float32 and model.rotary.inv_freq.device.type == "cpu"
+    idx = torch.randint(0, VOCAB, (1, 40))
+    got = model(idx)[0].float()
+    want = hf(idx).logits
+    assert (got - want).abs().max() < 0.1 * want.abs().max()  # bf16 rounding, not a different model
+
+
+def test_hub_id_offline_names_the_repo(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HFError) as e:
+        GPT.from_pretrained("HuggingFaceTB/SmolLM2-135M")
+    msg = str(e.value)
+    assert "'HuggingFaceTB/SmolLM2-135M'" in msg and "HF_HUB_OFFLINE" in msg and "config.json" in msg
+    assert "\n" not in msg
+
+
+def test_hub_cache_snapshot_of_a_llama_loads_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    repo = tmp_path / "hub" / "models--org--tiny-llama"
+    hf, _ = saved("llama-gqa-untied", repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    idx = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        assert (GPT.from_pretrained("org/tiny-llama")(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    saved("llama-gqa-untied", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharded")
+    randomised(FAMILIES["llama-gqa-untied"]()).save_pretrained(folder, safe_serialization=True,
+                                                               max_shard_size="40KB")
+    return folder
+
+
+def edit_config(folder, **changes):
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+def edit_tensors(folder, fn):
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def one_line_error(folder) -> str:
+    with pytest.raises(HFError) as e:
+        GPT.from_pretrained(str(folder))
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    return msg
+
+
+def test_unsupported_architecture_is_named(llama_dir, tmp_path):
+    shutil.copytree(llama_dir, tmp_path / "m")
+    edit_config(tmp_path / "m", architectures=["MistralForCausalLM"], model_type="mistral")
+    assert "unsupported architecture 'MistralForCausalLM'" in one_line_error(tmp_path / "m")
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope type 'yarn'"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
+     "partial_rotary_factor"),
+    (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
+    (dict(num_hidden_layers="two"), "integer num_hidden_layers"),
+])
+def test_unsupported_options_are_named(llama_dir, tmp_path, changes, needle):
+    shutil.copytree(llama_dir, tmp_path / "m")
+    edit_config(tmp_path / "m", **changes)
+    assert needle in one_line_error(tmp_path / "m")
+
+
+def test_wrong_shape_names_tensor_expected_and_got(llama_dir, tmp_path):
+    shutil.copytree(llama_dir, tmp_path / "m")
+    edit_tensors(tmp_path / "m", lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(16, 64)}))
+    msg = one_line_error(tmp_path / "m")
+    assert "model.layers.1.self_attn.k_proj.weight" in msg and "(16, 64)" in msg and "expected (32, 64)" in msg
+
+
+def test_missing_and_unexpected_tensors(llama_dir, tmp_path):
+    shutil.copytree(llama_dir, tmp_path / "a")
+    edit_tensors(tmp_path / "a", lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
+    assert one_line_error(tmp_path / "a") == "missing tensors: model.layers.0.mlp.up_proj.weight"
+    shutil.copytree(llama_dir, tmp_path / "b")
+    edit_tensors(tmp_path / "b", lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.zeros(2)}))
+    msg = one_line_error(tmp_path / "b")
+    assert msg.startswith("unexpected tensors") and "model.layers.0.self_attn.extra.weight" in msg
+
+
+def test_tied_head_that_differs_from_the_embedding(llama_dir, tmp_path):
+    shutil.copytree(llama_dir, tmp_path / "m")
+    edit_config(tmp_path / "m", tie_word_embeddings=True)  # the file keeps its own (different) lm_head.weight
+    assert "lm_head.weight differs from model.embed_tokens.weight" in one_line_error(tmp_path / "m")
+
+
+def test_missing_shard_and_index_mismatches(sharded_dir, tmp_path):
+    index = "model.safetensors.index.json"
+    shutil.copytree(sharded_dir, tmp_path / "a")
+    shard = sorted(f for f in os.listdir(tmp_path / "a") if f.endswith(".safetensors"))[-1]
+    os.remove(tmp_path / "a" / shard)
+    msg = one_line_error(tmp_path / "a")
+    assert f"names shard {shard}, which is missing" in msg
+    shutil.copytree(sharded_dir, tmp_path / "b")
+    with open(tmp_path / "b" / index) as f:
+        idx = json.load(f)
+    name = sorted(idx["weight_map"])[0]
+    other = sorted(s for s in set(idx["weight_map"].values()) if s != idx["weight_map"][name])[0]
+    idx["weight_map"][name] = other  # the index places a tensor in a shard that does not hold it
+    with open(tmp_path / "b" / index, "w") as f:
+        json.dump(idx, f)
+    assert f"places tensor {name} in {other}, which does not hold it" in one_line_error(tmp_path / "b")
+
+
+def test_folders_without_usable_weights(llama_dir, tmp_path):
+    shutil.copytree(llama_dir, tmp_path / "a")
+    os.remove(tmp_path / "a" / "config.json")
+    assert "has no config.json" in one_line_error(tmp_path / "a")
+    shutil.copytree(llama_dir, tmp_path / "b")
+    os.rename(tmp_path / "b" / "model.safetensors", tmp_path / "b" / "pytorch_model.bin")
+    assert "only pickled weights" in one_line_error(tmp_path / "b")
+    shutil.copytree(llama_dir, tmp_path / "c")
+    with open(tmp_path / "c" / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "c" / "model.safetensors") // 2)
+    assert one_line_error(tmp_path / "c").startswith("cannot read")
+    assert "no such folder" in one_line_error(tmp_path / "nope" / "deeper")
+    assert "it is a file" in one_line_error(llama_dir / "config.json")

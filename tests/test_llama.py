@@ -1,0 +1,343 @@
+"""Llama-family options of GPTConfig on our side: parameter names and shapes, RoPE against an independent
+formula, backends, KV-cache greedy decoding against full recomputation, training, configs."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from config import ConfigError, load_config
+from model import GPT, GPTConfig
+from model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from model.sampling import SamplingParams, generate
+from tests.util import ROOT, run_entry, write_corpus
+
+VOCAB = 97
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, attention="naive",
+                **LLAMA)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def random_model(seed: int = 0, **kw) -> GPT:
+    """Weights large enough that greedy choices have clear margins; norm weights off 1."""
+    torch.manual_seed(seed)
+    model = GPT(tiny(**kw)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ config and shapes
+
+def test_gpt2_defaults_and_old_configs_unchanged():
+    """The defaults build GPT-2 exactly as before; a config saved before the new fields loads as GPT-2."""
+    old = dict(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_kv_head=0, n_embd=32, dropout=0.0, bias=True,
+               attention="sdpa")
+    model = GPT(GPTConfig(**old))
+    assert model.rotary is None and model.transformer.wpe.weight.shape == (32, 32)
+    assert isinstance(model.transformer.h[0].ln_1, torch.nn.LayerNorm) and model.transformer.h[0].ln_1.eps == 1e-5
+    assert model.transformer.h[0].mlp.c_fc.weight.shape == (128, 32)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert [n for n, _ in model.named_buffers()] == []  # the state dict holds what it held before
+
+
+def test_llama_parameter_names_and_shapes():
+    cfg = tiny(n_embd=64, n_head=4, n_kv_head=2, intermediate_size=80, tie_embeddings=False)
+    model = GPT(cfg)
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert "transformer.wpe.weight" not in params
+    assert params["transformer.h.0.attn.c_attn.weight"] == ((4 + 2 * 2) * 16, 64)  # [q (4 heads) | k | v]
+    assert params["transformer.h.0.mlp.c_fc.weight"] == (2 * 80, 64)               # [gate | up]
+    assert params["transformer.h.0.mlp.c_proj.weight"] == (64, 80)
+    assert params["transformer.h.0.ln_1.weight"] == (64,) and "transformer.h.0.ln_1.bias" not in params
+    assert params["lm_head.weight"] == (VOCAB, 64) and model.lm_head.weight is not model.transformer.wte.weight
+    assert not any(n.endswith(".bias") for n in params)
+    assert model.num_params() == sum(p.numel() for p in model.parameters()) - VOCAB * 64  # wte is a lookup table
+
+    qwen = GPT(tiny(qkv_bias=True, qk_norm=True, head_size=24))
+    params = {n: tuple(p.shape) for n, p in qwen.named_parameters()}
+    assert params["transformer.h.1.attn.c_attn.bias"] == ((4 + 2 * 2) * 24,)
+    assert "transformer.h.1.attn.c_proj.bias" not in params and "transformer.h.1.mlp.c_fc.bias" not in params
+    assert params["transformer.h.1.attn.q_norm.weight"] == (24,) == params["transformer.h.1.attn.k_norm.weight"]
+    assert params["transformer.h.1.attn.c_proj.weight"] == (64, 4 * 24)
+    logits, _ = qwen(torch.randint(0, VOCAB, (2, 10)))
+    assert logits.shape == (2, 10, VOCAB)
+
+
+def test_mlp_widths():
+    assert GPTConfig(n_embd=576, n_head=9, mlp="swiglu").mlp_hidden == 1536  # 8/3 · 576, a multiple of 64
+    assert GPTConfig(n_embd=128, mlp="swiglu", n_head=4).mlp_hidden == 384    # 341.3 rounded up to 64
+    assert GPTConfig(n_embd=128, n_head=4).mlp_hidden == 512                  # GELU: 4·n_embd
+    assert GPTConfig(n_embd=128, n_head=4, mlp="swiglu", intermediate_size=100).mlp_hidden == 100
+
+
+def test_smollm2_config_has_its_parameter_count():
+    cfg = load_config(os.path.join(ROOT, "configs", "smollm2_135m.toml")).model
+    with torch.device("meta"):
+        model = GPT(cfg)
+    # 49152·576 embedding + 30 × (q 576² + k, v 2·576·192 + o 576² + 3·576·1536 + 2·576) + 576
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert (cfg.kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps) == (3, 64, 100000.0, 1e-5)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["--pos_emb=alibi"], "model.pos_emb"),
+    (["--norm=batchnorm"], "model.norm="),
+    (["--mlp=relu"], "model.mlp"),
+    (["--rope_scaling=llama3"], "needs pos_emb = 'rope'"),
+    (["--pos_emb=rope", "--rope_scaling=yarn"], "model.rope_scaling"),
+    (["--pos_emb=rope", "--rope_theta=0"], "model.rope_theta"),
+    (["--pos_emb=rope", "--rope_theta=nan"], "model.rope_theta"),
+    (["--rope_factor=0.5"], "model.rope_factor"),
+    (["--rope_high_freq_factor=0.5"], "model.rope_high_freq_factor"),
+    (["--rope_original_max_pos=0"], "model.rope_original_max_pos"),
+    (["--norm_eps=0"], "model.norm_eps"),
+    (["--intermediate_size=-1"], "model.intermediate_size"),
+    (["--head_size=-2"], "model.head_size"),
+    (["--pos_emb=rope", "--head_size=15"], "RoPE needs it even"),
+    (["--qk_norm=maybe"], "model.qk_norm"),
+    (["--block_size=1000000"], "model.block_size"),  # the learned table's cap
+])
+def test_bad_values_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rope_has_no_learned_position_cap():
+    cfg = load_config(None, ["--pos_emb=rope", "--block_size=1000000", "--n_head=4", "--n_embd=64"]).model
+    assert cfg.block_size == 1_000_000
+
+
+# ----------------------------------------------------------------------------------------------------- RoPE
+
+def test_rope_is_a_rotation_of_each_half_pair():
+    """Against an independent formula: pair (x_i, x_{i+D/2}) as the complex number x_i + i·x_{i+D/2}, multiplied by
+    exp(i · p · theta^(-2i/D)) for a token at position p."""
+    cfg = GPTConfig(n_embd=64, n_head=4, pos_emb="rope", rope_theta=500.0)
+    D = cfg.head_dim
+    x = torch.randn(2, 7, 3, D, dtype=torch.float64)  # (B, T, H, D)
+    pos = torch.tensor([[0, 1, 2, 5, 9, 40, 41], [3, 4, 5, 6, 7, 8, 100]])  # (B, T), per sequence
+    cos, sin = RotaryEmbedding(cfg)(pos, torch.float64)
+    got = apply_rope(x, cos, sin)
+    freq = torch.tensor([500.0 ** (-2 * i / D) for i in range(D // 2)], dtype=torch.float64)
+    z = torch.complex(x[..., :D // 2], x[..., D // 2:]) * torch.polar(torch.ones(1, dtype=torch.float64),
+                                                                      pos[:, :, None, None] * freq)
+    want = torch.cat((z.real, z.imag), dim=-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # angles in float32, as transformers
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    cfg = GPTConfig(n_embd=32, n_head=2, pos_emb="rope")
+    rot = RotaryEmbedding(cfg)
+    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+
+    def score(pq, pk):
+        cq, sq = rot(torch.tensor([pq]), torch.float64)
+        ck, sk = rot(torch.tensor([pk]), torch.float64)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
+    assert score(7, 3) == pytest.approx(score(107, 103), abs=1e-4)
+    assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
+
+
+def test_llama3_frequency_scaling():
+    base = GPTConfig(n_embd=128, n_head=2, pos_emb="rope", rope_theta=500000.0)  # head_dim 64
+    scaled = GPTConfig(**{**base.__dict__, "rope_scaling": "llama3", "rope_factor": 8.0,
+                          "rope_original_max_pos": 64})
+    f0, f1 = rope_inv_freq(base), rope_inv_freq(scaled)
+    wavelen = 2 * math.pi / f0
+    short, long_ = wavelen < 64 / 4, wavelen > 64 / 1
+    assert short.any() and long_.any() and (~short & ~long_).any()
+    assert torch.equal(f1[short], f0[short])                          # high frequencies kept
+    torch.testing.assert_close(f1[long_], f0[long_] / 8)              # low frequencies stretched 8×
+    mid = ~short & ~long_
+    assert ((f1[mid] < f0[mid]) & (f1[mid] > f0[mid] / 8)).all()      # the band in between blends
+    assert (f1[1:] < f1[:-1]).all()                                   # still decreasing
+
+
+def test_inv_freq_stays_float32_and_meta_models_recover():
+    cfg = tiny()
+    model = GPT(cfg).to(torch.bfloat16)
+    assert model.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(model.rotary.inv_freq, rope_inv_freq(cfg))
+    assert "rotary.inv_freq" not in model.state_dict() and not list(model.buffers())  # nothing for DDP to broadcast
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    meta.to_empty(device="cpu")
+    assert torch.equal(meta.rotary.inv_freq, rope_inv_freq(cfg))
+
+
+# ---------------------------------------------------------------------------------------- model behaviour
+
+def test_causality_and_positions_matter():
+    model = random_model()
+    idx = torch.randint(0, VOCAB, (1, 20))
+    a, _ = model(idx)
+    idx2 = idx.clone()
+    idx2[0, 15:] = (idx2[0, 15:] + 1) % VOCAB  # change the future
+    torch.testing.assert_close(model(idx2)[0][:, :15], a[:, :15])
+    # The last query attends to the same set of (key, value) pairs in both orders: only RoPE tells them apart.
+    swapped = idx.clone()
+    swapped[0, [3, 9]] = idx[0, [9, 3]]
+    assert idx[0, 3] != idx[0, 9] and (model(swapped)[0][0, -1] - a[0, -1]).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1, qk_norm=True, qkv_bias=True, tie_embeddings=False),
+                                dict(head_size=24, rope_scaling="llama3", rope_original_max_pos=8)])
+def test_backends_agree(kw):
+    torch.manual_seed(0)
+    model = GPT(tiny(**kw)).double()  # GPT-2's init: CPU SDPA's float64 drifts ~1e-7 relative on large scores
+    idx = torch.randint(0, VOCAB, (2, 23))
+    ref, _ = model(idx)
+    model.set_attention_backend("sdpa")
+    torch.testing.assert_close(model(idx)[0], ref)
+
+
+def test_flash_backend_matches_naive_forward_and_backward():
+    """RoPE inside the packed projection, through the Triton kernel (the interpreter on CPU): same logits and
+    gradients as the reference."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    model = GPT(tiny(qk_norm=True, n_layer=1)).to(device)
+    idx = torch.randint(0, VOCAB, (2, 19), device=device)
+    results = {}
+    for backend in ("naive", "flash"):
+        model.zero_grad()
+        model.set_attention_backend(backend)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results["flash"][1], results["naive"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_rope_model_has_no_graph_break():
+    torch.manual_seed(4)
+    model = GPT(tiny(attention="sdpa", qk_norm=True))
+    idx = torch.randint(0, VOCAB, (2, 17))
+    eager_logits, eager_loss = model(idx, idx)
+    torch._dynamo.reset()
+    logits, loss = torch.compile(model, fullgraph=True, backend="aot_eager")(idx, idx)
+    torch.testing.assert_close(logits, eager_logits)
+    torch.testing.assert_close(loss, eager_loss)
+
+
+def test_autocast_keeps_the_packed_projection_in_its_dtype():
+    """Under bf16 autocast, q and k come out of RoPE and qk_norm in bf16 (no silent float32 attention)."""
+    model = GPT(tiny(attention="sdpa", qk_norm=True))
+    seen = []
+    model.transformer.h[0].attn.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    orig = model.transformer.h[0].attn.rotate_qk
+    model.transformer.h[0].attn.rotate_qk = lambda qkv, rope: seen.append(out := orig(qkv, rope)) or out
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(torch.randint(0, VOCAB, (1, 12)))
+    assert seen[0].dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_fused_decode_step_refuses_llama_blocks():
+    from model.fused_decode import unsupported_reason
+    assert "GPT-2 blocks only" in unsupported_reason(GPT(tiny()), check_cache=False)
+
+
+# --------------------------------------------------------------------------------- greedy: cache = recompute
+
+N_NEW = 10
+PROMPT_LENS = (1, 5, 17, 30)
+
+
+@torch.no_grad()
+def recompute_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """The oracle: no cache, naive attention, the whole sequence again at every step."""
+    backend = model.config.attention
+    model.set_attention_backend("naive")
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
+        seq.append(out[-1])
+    model.set_attention_backend(backend)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """{name: (model, prompts, expected greedy tokens)} for a Llama-shaped and a Qwen3-shaped model."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    out = {}
+    for name, kw in {"llama": dict(), "qwen3": dict(qk_norm=True, qkv_bias=True, head_size=32,
+                                                    tie_embeddings=False, n_kv_head=1)}.items():
+        model = random_model(**kw)
+        out[name] = (model, prompts, [recompute_greedy(model, p, N_NEW) for p in prompts])
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("chunk", [0, 4, 13])
+def test_greedy_with_cache_equals_recompute(oracle, name, backend, chunk):
+    model, prompts, expected = oracle[name]
+    params = SamplingParams(temperature=0.0, max_new_tokens=N_NEW)
+    model.set_attention_backend(backend)
+    try:
+        assert generate(model, prompts, params, prefill_chunk=chunk).sequences == expected  # (B, T) positions
+        for p, e in zip(prompts, expected):
+            assert generate(model, [p], params, prefill_chunk=chunk).sequences == [e]     # (T,) positions
+    finally:
+        model.set_attention_backend("naive")
+
+
+def test_greedy_flash_backend_equals_recompute(oracle):
+    """Flash prefill with RoPE, then the split-KV decode kernel (the interpreter on CPU, float32)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors go through the Triton interpreter only without a GPU")
+    model, prompts, expected = oracle["llama"]
+    model.set_attention_backend("flash")
+    try:
+        got = generate(model, prompts[1:3], SamplingParams(temperature=0.0, max_new_tokens=N_NEW)).sequences
+        assert got == expected[1:3]
+    finally:
+        model.set_attention_backend("naive")
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+def test_a_few_steps_of_training_lower_the_loss():
+    torch.manual_seed(0)
+    model = GPT(tiny(qk_norm=True, tie_embeddings=False))
+    opt = model.configure_optimizer(0.1, 3e-3, (0.9, 0.95), "cpu")
+    data = torch.arange(33).repeat(8, 1) % 11  # (8, 33): a learnable periodic sequence
+    losses = []
+    for _ in range(25):
+        _, loss = model(data[:, :-1], data[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_llama_demo_config_trains_and_generates(tmp_path):
+    """configs/llama_demo.toml end to end, shrunk: train.py writes a RoPE checkpoint that generate.py reads."""
+    corpus = write_corpus(tmp_path)
+    out = tmp_path / "run"
+    r = run_entry("train.py", os.path.join(ROOT, "configs", "llama_demo.toml"), f"--dataset={corpus}",
+                  f"--cache_dir={tmp_path}/cache", f"--out_dir={out}", "--max_iters=30", "--eval_interval=15",
+                  "--num_proc=1", "--eval_iters=2", "--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
+                  "--block_size=32", "--batch_size=8")
+    assert r.returncode == 0, r.stderr
+    assert 'pos_emb = "rope"' in r.stdout and 'mlp = "swiglu"' in r.stdout
+    g = run_entry("generate.py", "--ckpt", out, "--prompt", "the king", "--max-new-tokens", "20", "--seed", "1")
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.startswith("the king") and len(g.stdout) > len("the king") + 10

@@ -112,7 +112,8 @@ interrupt_and_resume() {  # SIGNAL
 signalled() { grep -qi "checkpoint saved" "$1" || echo "no 'checkpoint saved' line"; }
 step sigint_and_resume signalled interrupt_and_resume INT
 step sigterm_and_resume signalled interrupt_and_resume TERM
-step torchrun_one_gpu trained torchrun --standalone --nproc_per_node=1 train.py $CFG --out_dir="$RUN/ddp" \
+TORCHRUN=(torchrun); command -v torchrun >/dev/null || TORCHRUN=("$PY" -m torch.distributed.run)
+step torchrun_one_gpu trained "${TORCHRUN[@]}" --standalone --nproc_per_node=1 train.py $CFG --out_dir="$RUN/ddp" \
   --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 
 # ---- generate ----

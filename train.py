@@ -385,7 +385,8 @@ class Trainer:
                 out_of_time = t.max_time > 0 and time.time() - self.t_start > t.max_time
                 last = self.it >= t.max_iters or out_of_time
                 if hellaswag is not None and hellaswag.due(self.it, last):
-                    self._log(record := hellaswag.run(self.raw_model, self.autocast, step=self.it))
+                    record = hellaswag.run(self.raw_model, self.autocast, step=self.it)
+                    self._log(record)
                     if self.master:
                         self.bar.write(hellaswag.describe(record))
                 saved = False

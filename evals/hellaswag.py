@@ -30,6 +30,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from .scoring import score_continuations
+
 HELLASWAG_VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_VAL_ITEMS = 10_042
 DEFAULT_FILE = "hellaswag_val.jsonl"
@@ -226,7 +228,6 @@ def tally_items(items: list[Item], logprobs: list[float]) -> tuple[Tally, list[t
 def evaluate(model, tokenizer, items: list[Item], *, batch_size: int = 16, autocast=None,
              progress: bool = False) -> dict:
     """acc, acc_norm (with standard errors) and n of `model` on `items` (one process); see the module's doc."""
-    from .scoring import score_continuations
     requests = encode_requests(items, tokenizer, model.config.block_size)
     bar = None
     if progress:

@@ -23,7 +23,7 @@ import torch
 
 from model.config import ConfigError
 
-from .hellaswag import EvalDataError, Item, Tally, default_data, encode_requests, load_items
+from .hellaswag import EvalDataError, Item, Tally, default_data, encode_requests, load_items, tally_items
 from .scoring import score_continuations
 
 DUMMY_REQUEST = ([0], [0])  # pads a rank that has no item at all (more ranks than items)
@@ -77,10 +77,7 @@ class HellaSwagHook:
         requests = self.requests + [self.requests[0] if self.requests else DUMMY_REQUEST] * (
             self.padded - len(self.requests))
         scored = score_continuations(model, requests, batch_size=self.batch_size, autocast=autocast)
-        tally, k = Tally(), 0
-        for item in self.items:
-            tally.add(item, [s.logprob for s in scored[k:k + len(item.endings)]])
-            k += len(item.endings)
+        tally, _ = tally_items(self.items, [s.logprob for s in scored[:len(self.requests)]])
         counts = [tally.n, tally.correct, tally.correct_norm]
         if self.world > 1:
             import torch.distributed as dist

@@ -63,6 +63,8 @@ class TrainConfig:
     grad_clip: float = 1.0          # 0 = no clipping
     eval_interval: int = 250
     eval_iters: int = 20
+    eval_hellaswag_interval: int = 0  # HellaSwag every this many steps and at the end (0 = off); evals/train_hook.py
+    eval_hellaswag_data: str = ""     # its local JSONL/Parquet file; "" = download once into data.cache_dir/eval
     log_interval: int = 10
     keep_last: int = 2              # checkpoints kept besides best.pt
     init_from: str = "scratch"      # "scratch" | "resume" (continue the run in out_dir exactly)
@@ -88,6 +90,9 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r}: must be in [0, 1)")
+        if self.eval_hellaswag_interval < 0:
+            raise ConfigError(f"train.eval_hellaswag_interval={self.eval_hellaswag_interval!r}: must not be "
+                              "negative (0 = off)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"train.dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

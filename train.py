@@ -376,10 +376,19 @@ class Trainer:
         self.tokens_since = 0
         self.signals.armed = True
         try:
+            hellaswag = None
+            if t.eval_hellaswag_interval:  # not even imported when off
+                from evals.train_hook import HellaSwagHook
+                hellaswag = HellaSwagHook.for_trainer(self)
             while True:
                 self.snapshot = {"data": self.data.state_dict(), "rng": rng_state()}  # the top of step `it`
                 out_of_time = t.max_time > 0 and time.time() - self.t_start > t.max_time
                 last = self.it >= t.max_iters or out_of_time
+                if hellaswag is not None and hellaswag.due(self.it, last):
+                    record = hellaswag.run(self.raw_model, self.autocast, step=self.it)
+                    self._log(record)
+                    if self.master:
+                        self.bar.write(hellaswag.describe(record))
                 saved = False
                 if (self.it % t.eval_interval == 0 or last) and not (self.resume and self.it == self.start_iter):
                     self.checkpoint(is_best=self.evaluate())

@@ -20,15 +20,18 @@ import time
 
 import torch
 
-import kernels
-from config import SECTIONS, ConfigError, RunConfig, format_config, load_config
-from data.loader import TokenData
-from data.prepare import DataError, prepare
-from data.tokenizers import TokenizerError
-from model import GPT
-from model.checkpoint import CheckpointError, load_checkpoint, save_run_checkpoint
-from model.device import pick_device, pick_dtype
-from runlog import RunLog
+if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter, chosen before kernels load
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels  # noqa: E402
+from config import SECTIONS, ConfigError, RunConfig, format_config, load_config  # noqa: E402
+from data.loader import TokenData  # noqa: E402
+from data.prepare import DataError, prepare  # noqa: E402
+from data.tokenizers import TokenizerError  # noqa: E402
+from model import GPT  # noqa: E402
+from model.checkpoint import CheckpointError, load_checkpoint, save_run_checkpoint  # noqa: E402
+from model.device import pick_device, pick_dtype  # noqa: E402
+from runlog import RunLog  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 

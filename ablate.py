@@ -89,9 +89,9 @@ def parse_args(argv):
         setattr(args, name, _csv(getattr(args, name), int if name == "seq_lens" else str, name))
     if args.train_iters is not None and args.train_iters <= 0:
         raise ConfigError(f"--train-iters={args.train_iters}: must be positive")
-    bad = [b for b in args.train_backends if b not in ("naive", "flash", "sdpa")]
+    bad = [b for b in args.train_backends if b not in kernels.BACKENDS]
     if bad or not args.train_backends:
-        raise ConfigError(f"--train-backends: {','.join(bad) or 'empty'}: choose from naive, flash, sdpa")
+        raise ConfigError(f"--train-backends: {','.join(bad) or 'empty'}: choose from {', '.join(kernels.BACKENDS)}")
     return args, overrides
 
 

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: bfloat16 on CUDA, float32 on CPU")
-    src.add_argument("--attention", default="auto", choices=["auto", "flash", "sdpa", "naive"],
+    src.add_argument("--attention", default="auto", choices=kernels.BACKEND_CHOICES,
                      help="attention backend (auto: flash on CUDA, sdpa on CPU)")
     src.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                      help="replay the decode step as a CUDA graph (CUDA only)")

@@ -164,8 +164,7 @@ def train(cfg: RunConfig) -> dict:
         cfg.model.vocab_size = (tok_vocab + 63) // 64 * 64 if tok_vocab > 1000 else tok_vocab
     elif cfg.model.vocab_size < tok_vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's {tok_vocab}")
-    if cfg.model.attention == "auto":
-        cfg.model.attention = "flash" if device.type == "cuda" else "sdpa"
+    cfg.model.attention = kernels.resolve_backend(cfg.model.attention, device)
 
     torch.manual_seed(t.seed + rank)
     model = GPT(cfg.model).to(device)
@@ -192,7 +191,7 @@ def train(cfg: RunConfig) -> dict:
     if master:
         print(format_config(cfg))
         print(f"device {device} ({dtype}), attention backend: {cfg.model.attention}, "
-              f"loss kernel: {kernels.resolve_loss_kernel(None, device)}, world size {world}, "
+              f"loss kernel: {kernels.resolve_loss_kernel(cfg.model.loss_kernel, device)}, world size {world}, "
               f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step"
               + (f", resuming at step {start_iter}" if resume else ""))
         print(f"unigram baseline val loss: {baseline:.4f} (uniform: {math.log(tok_vocab):.4f})")

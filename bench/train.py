@@ -182,7 +182,7 @@ def parse_variant(variant: str) -> tuple[str, bool, str | None]:
     """'flash+compile/fused' -> ("flash", True, "fused"); the backward mode is None where not given."""
     name, _, bwd = variant.partition("/")
     attention, compiled = name.split("+")[0], name.endswith("+compile")
-    if attention not in ("flash", "sdpa", "naive") or name not in (attention, attention + "+compile") or (
+    if attention not in kernels.BACKENDS or name not in (attention, attention + "+compile") or (
             bwd and (attention != "flash" or bwd not in ("split", "fused"))):
         raise ValueError(f"bad variant {variant!r}: expected ATTENTION[+compile][/split|/fused] with ATTENTION one "
                          "of flash, sdpa, naive (a backward mode only for flash)")

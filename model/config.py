@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels import BACKEND_CHOICES, LOSS_KERNELS
+
 MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comfortably in memory
 
 
@@ -21,6 +23,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True          # biases in Linear and LayerNorm layers, as GPT-2
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
+    loss_kernel: str = "auto"  # "triton" | "torch"; "auto" = the kernels' loss_kernel option (Triton on CUDA)
 
     @property
     def kv_heads(self) -> int:
@@ -46,6 +49,8 @@ class GPTConfig:
             bad("n_kv_head", f"must divide n_head={self.n_head} (or be 0 for n_head)")
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
-        if self.attention not in ("auto", "flash", "sdpa", "naive"):
-            bad("attention", "must be one of auto, flash, sdpa, naive")
+        if self.attention not in BACKEND_CHOICES:
+            bad("attention", f"must be one of {', '.join(BACKEND_CHOICES)}")
+        if self.loss_kernel not in LOSS_KERNELS:
+            bad("loss_kernel", f"must be one of {', '.join(LOSS_KERNELS)}")
         return self

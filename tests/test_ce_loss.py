@@ -177,7 +177,8 @@ def test_dispatch(request, monkeypatch):
 
 
 def test_model_loss_is_the_same_with_either_kernel(monkeypatch):
-    """The model's loss (and its gradients) through the Triton kernel equal F.cross_entropy's."""
+    """The model's loss (and its gradients) through the Triton kernel equal F.cross_entropy's; the model runs the
+    kernel its config's loss_kernel names."""
     from model.config import GPTConfig
     from model.gpt import GPT
 
@@ -192,9 +193,9 @@ def test_model_loss_is_the_same_with_either_kernel(monkeypatch):
     real = kernels.triton_cross_entropy
     monkeypatch.setattr(kernels, "triton_cross_entropy", lambda *a: calls.append(1) or real(*a))
     for kernel in ("torch", "triton"):
+        model.config.loss_kernel = kernel
         model.zero_grad()
-        with options.use(loss_kernel=kernel):
-            _, loss = model(idx, targets)
+        _, loss = model(idx, targets)
         loss.backward()
         results.append((loss.detach(), model.lm_head.weight.grad.clone()))
     assert len(calls) == 1  # the Triton kernel ran for "triton" only

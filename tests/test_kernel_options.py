@@ -1,5 +1,5 @@
-"""kernels.options (one typed object for every kernel switch, environment overrides read in one place) and
-kernels._triton's interpreter switch and device check."""
+"""kernels.options (one typed object for every kernel switch, environment overrides read in one place),
+kernels._triton's interpreter switch and device check, backend and loss-kernel names, the model's loss_kernel."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ import kernels._triton as kt
 from kernels import options
 from kernels.flash import launch
 from kernels.options import KernelOptions
+from model.config import ConfigError, GPTConfig
 from tests.util import ROOT
 
 
@@ -114,3 +115,25 @@ def test_kernels_decorated_against_the_switch_are_refused(monkeypatch):
     monkeypatch.setattr(kt, "INTERPRET", not kt.INTERPRET)
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET before starting Python"):
         kt.check_decorated(_attn_fwd)
+
+
+def test_backend_names_and_auto_in_one_place():
+    assert kernels.BACKEND_CHOICES == ("auto", *kernels.BACKENDS)
+    assert kernels.resolve_backend("auto", "cpu") == "sdpa" and kernels.resolve_backend("auto", "cuda") == "flash"
+    assert all(kernels.resolve_backend(b, "cpu") == b for b in kernels.BACKENDS)
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        kernels.resolve_backend("fast", "cpu")
+    with pytest.raises(ConfigError, match="model.attention='fast': must be one of auto, flash, sdpa, naive"):
+        GPTConfig(attention="fast").validate()
+
+
+def test_loss_kernel_is_a_config_key():
+    """model.loss_kernel (TOML, or --loss_kernel=...) is validated; configs saved without it (older checkpoints)
+    load with "auto"."""
+    assert GPTConfig().loss_kernel == "auto"
+    old = {k: v for k, v in dataclasses.asdict(GPTConfig(vocab_size=50)).items() if k != "loss_kernel"}
+    assert GPTConfig(**old).validate().loss_kernel == "auto"
+    for name in kernels.LOSS_KERNELS:
+        GPTConfig(loss_kernel=name).validate()
+    with pytest.raises(ConfigError, match="model.loss_kernel='fused': must be one of auto, triton, torch"):
+        GPTConfig(loss_kernel="fused").validate()

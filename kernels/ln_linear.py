@@ -441,6 +441,7 @@ def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wp
         raise ValueError(f"embed_with_stats: stats must be float32 (S, {B}, 2), contiguous in its last two dims")
     if len({t.device for t in (tok, pos, wte, wpe, stats)}) != 1:
         raise ValueError("embed_with_stats: all tensors must be on one device")
+    _triton.check_device(wte.device, "embed_with_stats")
     x = _triton.empty((B, C), wte.dtype, wte.device)
     with _triton.device_guard(x):
         _embed_kernel[(B,)](tok, pos, wte, wpe, x, stats, C, stats.shape[0], tok.stride(0), pos.stride(0),

@@ -39,16 +39,16 @@ tile. The forward saves only O and the per-row log-sum-exp (base 2, scaled; +inf
 
 The package, one layer per module:
 
-    blocks.py    @triton.jit helpers shared by the kernels (tile of a program, causal key ranges, K/V set-up)
+    blocks.py    @triton.jit helpers shared by the kernels (tile of a program, causal key ranges, K/V descriptors)
     forward.py   the forward kernel
     backward.py  the backward kernels (split: dQ then dK/dV; fused: delta pass, dK/dV adding dQ, dQ pass)
     configs.py   tile configs per kernel, dtype and head dim; the autotuners; forced_configs
     launch.py    host side: load path, grid order, launches, autotune picks, fast launcher, launch plans
     ops.py       input checks, the autograd Function, the torch.library custom ops; the public functions
 
-What the host may choose per call — tile configs (autotuned on a GPU, one small config in the interpreter),
-TMA descriptors or pointer loads, a longest-first causal grid, the split or fused backward — is set by
-``kernels.options`` (see kernels/options.py), never by the inputs' values.
+What the host chooses per call — the tile config (autotuned on a GPU, one small config in the interpreter),
+TMA descriptors or pointer loads, a longest-first causal grid, the split or fused backward — follows from the
+inputs' shapes, dtypes and layout (never their values) within what ``kernels.options`` allows (kernels/options.py).
 """
 from .configs import MAX_HEAD_DIM, forced_configs, gpu_configs
 from .ops import flash_attention, flash_attention_qkvpacked

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import _triton
-from .blocks import _key_blocks, _kv_head, _lpt_tile, _query_tile
+from .blocks import _key_blocks, _kv_descriptors, _lpt_tile, _query_tile
 
 
 @triton.jit
@@ -278,8 +278,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
     tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
-    k_base, v_base = _kv_head(K, V, b, hk, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, Nk,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base, v_base = _kv_descriptors(k_base, v_base, Nk, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     full_hi, hi = _key_blocks(start_m, Nk, offset, CAUSAL, BLOCK_M, BLOCK_N)  # as the forward's

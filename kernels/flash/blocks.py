@@ -1,5 +1,5 @@
 """@triton.jit helpers shared by the forward and backward kernels: which tile a program owns, which key blocks
-a query tile visits under the mask, and where a kv head's K and V start.
+a query tile visits under the mask, and how a kv head's K and V are read (descriptors or pointers).
 
 Triton inlines these into each kernel; they hold no state.
 """
@@ -69,13 +69,11 @@ def _key_blocks(start_m, Nk, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _kv_head(K, V, b, hk, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, Nk,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """K and V of kv head hk of batch b: pointers to their first row, or (TMA) tensor descriptors over their
-    (Nk, HEAD_DIM) rows read in (BLOCK_N, BLOCK_D) blocks, which fill zeros past either end (unit stride
-    along D and 16-byte aligned rows: the host checks)."""
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+def _kv_descriptors(k_base, v_base, Nk, stride_kn, stride_vn,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """How a kernel reads one kv head's K and V (pointers to their first row): TMA, tensor descriptors over their
+    (Nk, HEAD_DIM) rows read in (BLOCK_N, BLOCK_D) blocks, which fill zeros past either end (unit stride along D
+    and 16-byte aligned rows: the host checks); otherwise the pointers themselves."""
     if TMA:
         k_base = tl.make_tensor_descriptor(k_base, shape=[Nk, HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import _triton
-from .blocks import _key_blocks, _kv_head, _query_tile
+from .blocks import _key_blocks, _kv_descriptors, _query_tile
 
 
 @triton.jit
@@ -94,9 +94,10 @@ def _attn_fwd(Q, K, V, O, LSE,
     start_m = pid_m * BLOCK_M
 
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base, v_base = _kv_head(K, V, b, hk, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, Nk,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    k_base, v_base = _kv_descriptors(k_base, v_base, Nk, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)

@@ -30,9 +30,6 @@ sys.path.insert(0, ROOT)
 # numpy's BLAS threads (used by Triton's interpreter) spin after each call and would steal the cores from
 # the next torch op being timed; the interpreter's matmuls are tiny anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# Flash runs its default tile configs (measured best or near-best on an H200) instead of autotuning ~20
-# configs on first use: that would cost tens of seconds of compiling inside the first timed training step.
-os.environ.setdefault("FLASHGPT_AUTOTUNE", "0")
 
 import torch  # noqa: E402
 
@@ -41,6 +38,7 @@ if not torch.cuda.is_available():
     # imports the decode kernels, and triton reads this setting once).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import kernels  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "ablate.toml")
@@ -91,9 +89,9 @@ def parse_args(argv):
         setattr(args, name, _csv(getattr(args, name), int if name == "seq_lens" else str, name))
     if args.train_iters is not None and args.train_iters <= 0:
         raise ConfigError(f"--train-iters={args.train_iters}: must be positive")
-    bad = [b for b in args.train_backends if b not in ("naive", "flash", "sdpa")]
+    bad = [b for b in args.train_backends if b not in kernels.BACKENDS]
     if bad or not args.train_backends:
-        raise ConfigError(f"--train-backends: {','.join(bad) or 'empty'}: choose from naive, flash, sdpa")
+        raise ConfigError(f"--train-backends: {','.join(bad) or 'empty'}: choose from {', '.join(kernels.BACKENDS)}")
     return args, overrides
 
 
@@ -191,7 +189,7 @@ def _train_part(args, cfg, device, results, t0) -> int:
         cfg.train.max_time = min(cfg.train.max_time or share, share)
     m = cfg.model
     tiles = ("the interpreter's" if device.type != "cuda" else
-             "autotuned" if os.environ.get("FLASHGPT_AUTOTUNE") != "0" else "its default (FLASHGPT_AUTOTUNE=0)")
+             "autotuned" if kernels.options.get().autotune else "its default (autotune off)")
     results["matched_note"] = (
         f"Config: {os.path.relpath(args.config or DEFAULT_CONFIG)} with {m.n_layer} layers, {m.n_head} heads, "
         f"{m.n_embd} wide, block_size {m.block_size}, batch {cfg.train.batch_size}, dataset "
@@ -241,7 +239,10 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    _, status = run(args, cfg, device, full, "python ablate.py " + " ".join(argv))
+    # Flash runs its default tile configs instead of autotuning ~20 configs on first use, which would cost tens of
+    # seconds of compiling inside the first timed training step (FLASHGPT_AUTOTUNE=1 turns autotuning back on).
+    with kernels.options.use_defaults(autotune=False):
+        _, status = run(args, cfg, device, full, "python ablate.py " + " ".join(argv))
     return status
 
 

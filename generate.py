@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
 
-import kernels
+if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter, chosen before kernels load
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from data.tokenizers import TokenizerError, tokenizer_from_spec
-from model import GPT, GPTConfig
-from model.config import ConfigError
-from model.checkpoint import CheckpointError, load_checkpoint
-from model.device import pick_device, pick_dtype
-from model.sampling import SamplingParams, generate, use_fused_decode
+import kernels  # noqa: E402
+
+from data.tokenizers import TokenizerError, tokenizer_from_spec  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from model.config import ConfigError  # noqa: E402
+from model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from model.device import pick_device, pick_dtype  # noqa: E402
+from model.sampling import SamplingParams, generate, use_fused_decode  # noqa: E402
 
 
 DEFAULT_MAX_NEW_TOKENS = 200  # capped at block_size // 2 so that a prompt fits too
@@ -45,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: bfloat16 on CUDA, float32 on CPU")
-    src.add_argument("--attention", default="auto", choices=["auto", "flash", "sdpa", "naive"],
+    src.add_argument("--attention", default="auto", choices=kernels.BACKEND_CHOICES,
                      help="attention backend (auto: flash on CUDA, sdpa on CPU)")
     src.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                      help="replay the decode step as a CUDA graph (CUDA only)")
@@ -155,8 +159,7 @@ def run(args) -> int:
     dtype = pick_dtype(args.dtype, device, what="--dtype")
     backend = kernels.resolve_backend(args.attention, device)
     if backend == "flash" and device.type == "cpu":  # the Triton kernels on CPU tensors: only the interpreter
-        from kernels.flash import INTERPRET  # on when the process started without CUDA, or with TRITON_INTERPRET=1
-        if not INTERPRET:
+        if not kernels.interpreting():  # on when the process started without CUDA, or with TRITON_INTERPRET=1
             raise GenerateError("--attention flash on the CPU needs Triton's interpreter: start with "
                                 "TRITON_INTERPRET=1 (slow), or use --attention sdpa")
         if dtype == torch.bfloat16:

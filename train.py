@@ -24,16 +24,19 @@ import time
 
 import torch
 
-import kernels
-from config import SECTIONS, ConfigError, RunConfig, apply_changes, format_config, load_config, resume_config
-from data.loader import TokenData
-from data.prepare import DataError, prepare
-from data.tokenizers import TokenizerError
-from model import GPT
-from model.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_run_checkpoint
-from model.device import pick_device, pick_dtype
-from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic
-from runlog import RunLog, rewind_metrics
+if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter, chosen before kernels load
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels  # noqa: E402
+from config import SECTIONS, ConfigError, RunConfig, apply_changes, format_config, load_config, resume_config  # noqa: E402
+from data.loader import TokenData  # noqa: E402
+from data.prepare import DataError, prepare  # noqa: E402
+from data.tokenizers import TokenizerError  # noqa: E402
+from model import GPT  # noqa: E402
+from model.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_run_checkpoint  # noqa: E402
+from model.device import pick_device, pick_dtype  # noqa: E402
+from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic  # noqa: E402
+from runlog import RunLog, rewind_metrics  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -304,8 +307,7 @@ class Trainer:
             cfg.model.vocab_size = (tok_vocab + 63) // 64 * 64 if tok_vocab > 1000 else tok_vocab
         elif cfg.model.vocab_size < tok_vocab:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's {tok_vocab}")
-        if cfg.model.attention == "auto":
-            cfg.model.attention = "flash" if self.device.type == "cuda" else "sdpa"
+        cfg.model.attention = kernels.resolve_backend(cfg.model.attention, self.device)
 
     def _build_model(self, ckpt: dict | None) -> None:
         """Model, optimizer and grad scaler; restored from the checkpoint when resuming; compiled, DDP-wrapped."""
@@ -345,7 +347,7 @@ class Trainer:
         if self.master:
             print(format_config(cfg))
             print(f"device {self.device} ({self.dtype}), attention backend: {cfg.model.attention}, "
-                  f"loss kernel: {kernels.resolve_loss_kernel(None, self.device)}, world size {self.world}, "
+                  f"loss kernel: {kernels.resolve_loss_kernel(cfg.model.loss_kernel, self.device)}, world size {self.world}, "
                   f"{self.raw_model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step:,} tokens/step"
                   + (f", resuming at step {self.start_iter}" if self.resume else ""))
             print(f"unigram baseline val loss: {self.baseline:.4f} (uniform: {math.log(self.tok_vocab):.4f})")

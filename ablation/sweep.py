@@ -51,10 +51,10 @@ def default_settings(device: torch.device, full: bool) -> SweepSettings:
 def flash_tiles(device: torch.device, dtype: torch.dtype, D: int) -> dict:
     """The (BLOCK_M, BLOCK_N, warps, stages) of each flash kernel: the default (first) GPU config, or the
     interpreter's. The sweep pins these (no autotuning), so the I/O model knows the tile sizes."""
-    import kernels.flash as fa
+    from kernels.flash import configs
     if device.type != "cuda":
-        return {k: fa._INTERPRET_CFG for k in ("fwd", "dkdv", "dq")}
-    return {k: fa.gpu_configs(k, dtype, D)[0] for k in ("fwd", "dkdv", "dq")}
+        return {k: configs.INTERPRET_CONFIG for k in ("fwd", "dkdv", "dq")}
+    return {k: configs.gpu_configs(k, dtype, D)[0] for k in ("fwd", "dkdv", "dq")}
 
 
 def model_bytes(backend: str, s: SweepSettings, N: int) -> tuple[int, int]:

@@ -5,7 +5,7 @@
 For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and backward TFLOP/s and peak memory
 (one forward + backward, above the inputs) of
 
-* flash       kernels/flash.py (autotuned on first use of each shape bucket),
+* flash       kernels/flash/ (autotuned on first use of each shape bucket),
 * sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
 * sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend,
 * flex        torch.compile(flex_attention) with a causal block mask (no mask when non-causal),
@@ -99,10 +99,10 @@ def fwd_bwd(fn, q, k, v, do):
 
 def _tuners():
     try:
-        import kernels.flash as fa
+        from kernels.flash.configs import TUNERS
     except Exception:  # noqa: BLE001
         return {}
-    return {k: t for k, t in getattr(fa, "_TUNED", {}).items() if t is not None}
+    return {k: t for k, t in TUNERS.items() if t is not None}
 
 
 def _cfg_str(cfg):
@@ -154,12 +154,8 @@ def measure(name, fn, q, k, v, do, ref, warmup, rep):
 
 def autotune_picks():
     """The configs the flash autotuners chose, per key (for bench/NOTES.md)."""
-    try:
-        import kernels.flash as fa
-    except Exception:  # noqa: BLE001
-        return {}
     out = {}
-    for (kern, dcls, bd), tuner in getattr(fa, "_TUNED", {}).items():
+    for (kern, dcls, bd), tuner in _tuners().items():
         if tuner is None:
             continue
         for key, cfg in tuner.cache.items():

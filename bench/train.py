@@ -16,8 +16,9 @@ process, the variant measured first was about 1.5% faster than the same variant 
 two compiled variants. --in-process runs them all in this process instead. Results: train_step.json / .md.
 
 A variant is ATTENTION[+compile][/BWD]: BWD (flash only) = split or fused, the flash backward's structure
-(FLASHGPT_BWD, kernels/flash.py); without it, the kernel's default. --loss picks the loss kernel of every
-variant (kernels.cross_entropy: auto = the Triton kernel on CUDA; torch = F.cross_entropy on fp32 logits).
+(the backward kernel option, kernels/options.py); without it, the option in force. --loss picks the loss
+kernel of every variant (kernels.cross_entropy: auto = the Triton kernel on CUDA; torch = F.cross_entropy on
+fp32 logits).
 """
 from __future__ import annotations
 
@@ -143,10 +144,10 @@ def parse_tiles(text: str) -> dict:
 
 def flash_tiles() -> dict:
     """The tile configs the flash kernels ran with in this process: the autotuner's picks (or forced ones);
-    dkdvq is the fused backward's dK/dV kernel (FLASHGPT_BWD=fused)."""
-    from kernels import flash
-    used = {key[0]: cfg for key, cfg in flash._picked.items()}
-    used.update(flash._forced)  # --tiles
+    dkdvq is the fused backward's dK/dV kernel (backward="fused")."""
+    from kernels.flash import configs, launch
+    used = {key[0]: cfg for key, cfg in launch._picked.items()}
+    used.update(configs.forced)  # --tiles
     return {name: "x".join(map(str, used[name])) for name in KERNELS + ("dkdvq",) if name in used}
 
 
@@ -181,7 +182,7 @@ def parse_variant(variant: str) -> tuple[str, bool, str | None]:
     """'flash+compile/fused' -> ("flash", True, "fused"); the backward mode is None where not given."""
     name, _, bwd = variant.partition("/")
     attention, compiled = name.split("+")[0], name.endswith("+compile")
-    if attention not in ("flash", "sdpa", "naive") or name not in (attention, attention + "+compile") or (
+    if attention not in kernels.BACKENDS or name not in (attention, attention + "+compile") or (
             bwd and (attention != "flash" or bwd not in ("split", "fused"))):
         raise ValueError(f"bad variant {variant!r}: expected ATTENTION[+compile][/split|/fused] with ATTENTION one "
                          "of flash, sdpa, naive (a backward mode only for flash)")
@@ -192,7 +193,7 @@ def use_variant(variant: str) -> tuple[str, bool]:
     """Parse a variant and set its flash backward mode for this process → (attention, compiled)."""
     attention, compiled, bwd = parse_variant(variant)
     if bwd:
-        os.environ["FLASHGPT_BWD"] = bwd
+        kernels.options.update(backward=bwd)
     return attention, compiled
 
 
@@ -210,7 +211,7 @@ def run_isolated(variant: str, args) -> dict:
 
 
 def run_in_process(variant: str, args) -> dict:
-    saved = os.environ.get("FLASHGPT_BWD")
+    saved = kernels.options.get()
     attention, compiled = use_variant(variant)
     try:
         return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block,
@@ -221,10 +222,7 @@ def run_in_process(variant: str, args) -> dict:
     finally:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-        if saved is None:
-            os.environ.pop("FLASHGPT_BWD", None)
-        else:
-            os.environ["FLASHGPT_BWD"] = saved
+        kernels.options.update(backward=saved.backward)
 
 
 def combine(variant: str, runs: list) -> dict:
@@ -334,7 +332,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
-    kernels.CE_DEFAULT = args.loss  # (workers get --loss too)
+    kernels.options.update(loss_kernel=args.loss)  # (workers get --loss too)
     variants = args.variants.split(",")
     try:
         for variant in [args.worker] if args.worker else variants:

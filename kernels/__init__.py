@@ -2,25 +2,30 @@
 
     attention(q, k, v, backend="flash" | "sdpa" | "naive", causal=True, sm_scale=None)
     attention_qkvpacked(qkv, n_head, n_kv_head, backend=..., causal=True, sm_scale=None)
+    resolve_backend("auto" | backend, device) -> backend          BACKENDS, BACKEND_CHOICES (with "auto")
     cross_entropy(logits, targets, ignore_index=-1, kernel="auto" | "triton" | "torch")
+    resolve_loss_kernel(kernel, device) -> "triton" | "torch"     LOSS_KERNELS
 
 q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq a multiple of Hkv; causal masks are bottom-right aligned.
 qkv: one packed projection (B, N, (Hq + 2·Hkv)·D), the model's training/prefill path without a KV cache.
+The kernels' switches are kernels.options (kernels/options.py); what they share, kernels/_triton.py.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
-# The Triton kernel is imported here, not inside attention(): an import inside a region that torch.compile
-# traces is a graph break. On a machine without CUDA, kernels.flash turns Triton's interpreter on.
+from . import options
+from ._triton import SUPPORTED_DTYPES, interpreting
+# The Triton kernels are imported here, not inside attention(): an import inside a region that torch.compile
+# traces is a graph break.
 from .ce_loss import cross_entropy as triton_cross_entropy
 from .flash import flash_attention, flash_attention_qkvpacked
 from .naive import causal_mask, check_qkv, naive_attention, split_qkv
+from .options import LOSS_KERNELS
 
-BACKENDS = ("naive", "sdpa", "flash")
+BACKENDS = ("flash", "sdpa", "naive")
+BACKEND_CHOICES = ("auto", *BACKENDS)  # what a config or command line may name: "auto" resolves per device
 
 
 def sdpa_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
@@ -41,13 +46,17 @@ def sdpa_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = Non
 _IMPLS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}
 
 
+def _unknown_backend(backend) -> ValueError:
+    return ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+
+
 def attention(q, k, v, *, backend: str = "naive", causal: bool = True,
               sm_scale: float | None = None) -> torch.Tensor:
     """Dispatch to one attention backend by name. Returns (B, Hq, Nq, D) in q's dtype."""
     try:
         impl = _IMPLS[backend]
     except KeyError:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}") from None
+        raise _unknown_backend(backend) from None
     return impl(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
@@ -64,18 +73,13 @@ def attention_qkvpacked(qkv, n_head: int, n_kv_head: int, *, backend: str = "nai
 
 
 def resolve_backend(name: str, device) -> str:
-    """"auto" → "flash" on CUDA (the Triton kernel), "sdpa" elsewhere; other names pass through."""
-    if name != "auto":
-        return name
-    return "flash" if torch.device(device).type == "cuda" else "sdpa"
-
-
-LOSS_KERNELS = ("auto", "triton", "torch")
-# "auto": the Triton loss on CUDA, F.cross_entropy elsewhere. FLASHGPT_CE=torch|triton|auto (read at import)
-# overrides it for A/B runs (bench/train.py) and as an escape hatch.
-CE_DEFAULT = os.environ.get("FLASHGPT_CE", "auto")
-if CE_DEFAULT not in LOSS_KERNELS:
-    raise ValueError(f"FLASHGPT_CE={CE_DEFAULT!r}: expected one of {', '.join(LOSS_KERNELS)}")
+    """"auto" → "flash" on CUDA (the Triton kernel), "sdpa" elsewhere; a backend's name → itself. The one place
+    that resolves "auto"; any other name is a ValueError."""
+    if name == "auto":
+        return "flash" if torch.device(device).type == "cuda" else "sdpa"
+    if name not in BACKENDS:
+        raise _unknown_backend(name)
+    return name
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -1,
@@ -83,16 +87,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     """Mean cross-entropy of logits (N, V) against targets (N,) over the rows whose target is not ignore_index,
     computed in fp32 whatever the logits' dtype. kernel: "triton" (kernels/ce_loss.py: one read of the
     logits forward, one read and one write backward), "torch" (F.cross_entropy on logits.float()), "auto" /
-    None: CE_DEFAULT, where "auto" is triton on CUDA and torch elsewhere (the interpreter is for tests)."""
+    None: resolve_loss_kernel's choice."""
     if resolve_loss_kernel(kernel, logits.device) == "triton":
         return triton_cross_entropy(logits, targets, ignore_index)
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
 
 
 def resolve_loss_kernel(kernel: str | None, device) -> str:
-    """The loss kernel cross_entropy runs on `device`: "triton" or "torch" (None / "auto": see cross_entropy)."""
-    kernel = kernel or CE_DEFAULT
-    if kernel not in LOSS_KERNELS:
+    """The loss kernel cross_entropy runs on `device`: "triton" or "torch". "auto" (or None) takes the
+    loss_kernel option (FLASHGPT_CE), whose own "auto" is the Triton kernel on CUDA and PyTorch elsewhere (the
+    interpreter is for tests)."""
+    if kernel is None or kernel == "auto":
+        kernel = options.get().loss_kernel
+    elif kernel not in LOSS_KERNELS:
         raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
     if kernel == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"
@@ -100,5 +107,6 @@ def resolve_loss_kernel(kernel: str | None, device) -> str:
 
 
 __all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
-           "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "check_qkv",
-           "cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS"]
+           "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "BACKEND_CHOICES", "check_qkv",
+           "cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS", "options",
+           "interpreting", "SUPPORTED_DTYPES"]

@@ -14,30 +14,21 @@ logits, 1.6 GB) spends most of its loss time on.
 Supports: logits (N, V) float16, bfloat16 or float32 with unit stride along V (any row stride), any N >= 1 and
 V >= 1; targets (N,) of any integer dtype. A target outside [0, V) that is not ignore_index gives a NaN loss
 for that row (no device-side assert; a training loop's non-finite check sees it). CUDA tensors, or CPU tensors
-through Triton's interpreter (TRITON_INTERPRET=1, set at import when no CUDA device exists). Under
-torch.compile the launches are the custom ops ``flashgpt::cross_entropy_fwd`` / ``cross_entropy_bwd``.
+through Triton's interpreter (TRITON_INTERPRET=1, see kernels/_triton.py). Under torch.compile the launches
+are the custom ops ``flashgpt::cross_entropy_fwd`` / ``cross_entropy_bwd``.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"  # as kernels/flash.py: before triton decorates the kernels
+from . import _triton
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+LOG2E = tl.constexpr(_triton.LOG2E)  # the kernels read it: Triton kernels may read only constexpr globals
 
-from .flash import _device_guard  # noqa: E402  (launch on the tensors' GPU)
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels can read it
-
-# (BLOCK_V, num_warps): the fastest of six on the H200 at (16384, 50304) bf16 (bench/cross_entropy.py,
-# bench/results/ce_loss/): forward 424 µs, forward + backward 1253 µs (3.95 TB/s), against 1100 / 2092 µs for
-# F.cross_entropy on fp32 logits under torch.compile. The interpreter pays per program and per loop step: small
-# blocks keep the CPU tests quick.
+# (BLOCK_V, num_warps): the fastest of the candidates bench/cross_entropy.py times (bench/NOTES.md). The
+# interpreter pays per program and per loop step: small blocks keep the CPU tests quick.
 GPU_CONFIG = (2048, 4)
 INTERPRET_CONFIG = (256, 4)
 
@@ -88,13 +79,11 @@ def _ce_bwd(LOGITS, TARGETS, LSE, DLOSS, DLOGITS, stride_row, stride_drow, V, ig
         tl.store(dbase + cols, grad.to(DLOGITS.dtype.element_ty), mask=ok)
 
 
-if INTERPRET and not type(_ce_fwd).__name__.startswith("Interpreted"):
-    raise RuntimeError("TRITON_INTERPRET=1 did not take effect for kernels/ce_loss.py; set it in the "
-                       "environment before anything imports triton kernels")
+_triton.check_decorated(_ce_fwd, _ce_bwd)
 
 
 def _config() -> tuple[int, int]:
-    return INTERPRET_CONFIG if INTERPRET else GPU_CONFIG
+    return INTERPRET_CONFIG if _triton.INTERPRET else GPU_CONFIG
 
 
 def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -105,20 +94,13 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
                          f"{tuple(targets.shape)}")
     if logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"cross_entropy: empty logits {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if logits.dtype not in _triton.SUPPORTED_DTYPES:
         raise ValueError(f"cross_entropy supports float16, bfloat16 and float32 logits, got {logits.dtype}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"cross_entropy: targets must be integers, got {targets.dtype}")
     if logits.device != targets.device:
         raise ValueError(f"cross_entropy: logits on {logits.device}, targets on {targets.device}")
-    if logits.device.type != ("cpu" if INTERPRET else "cuda"):
-        raise ValueError(f"cross_entropy's kernel runs on CUDA (CPU only under TRITON_INTERPRET=1), got "
-                         f"{logits.device}")
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """Every output buffer comes from here (tests replace it to poison outputs with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+    _triton.check_device(logits.device, "cross_entropy's Triton kernel")
 
 
 def _rows(logits: torch.Tensor) -> torch.Tensor:
@@ -129,10 +111,10 @@ def _fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int):
     """Launch the forward: (per-row loss (N,) fp32, per-row log-sum-exp (N,) fp32)."""
     logits, targets = _rows(logits), targets.contiguous()
     N, V = logits.shape
-    loss = _empty((N,), torch.float32, logits.device)
-    lse = _empty((N,), torch.float32, logits.device)
+    loss = _triton.empty((N,), torch.float32, logits.device)
+    lse = _triton.empty((N,), torch.float32, logits.device)
     block_v, warps = _config()
-    with _device_guard(logits):
+    with _triton.device_guard(logits):
         _ce_fwd[(N,)](logits, targets, loss, lse, logits.stride(0), V, ignore_index, BLOCK_V=block_v,
                       num_warps=warps)
     return loss, lse
@@ -143,15 +125,15 @@ def _bwd(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: 
     """Launch the backward: d(logits) (N, V) in the logits' dtype."""
     logits, targets, dloss = _rows(logits), targets.contiguous(), dloss.contiguous()
     N, V = logits.shape
-    dlogits = _empty((N, V), logits.dtype, logits.device)
+    dlogits = _triton.empty((N, V), logits.dtype, logits.device)
     block_v, warps = _config()
-    with _device_guard(logits):
+    with _triton.device_guard(logits):
         _ce_bwd[(N,)](logits, targets, lse, dloss, dlogits, logits.stride(0), dlogits.stride(0), V, ignore_index,
                       BLOCK_V=block_v, num_warps=warps)
     return dlogits
 
 
-# Custom ops, so that torch.compile traces through the loss without a graph break (kernels/flash.py defines the
+# Custom ops, so that torch.compile traces through the loss without a graph break (kernels/flash/ops.py defines the
 # namespace; this library adds to it).
 _LIB = torch.library.Library("flashgpt", "FRAGMENT")
 _LIB.define("cross_entropy_fwd(Tensor logits, Tensor targets, int ignore_index) -> (Tensor, Tensor)")
@@ -160,12 +142,12 @@ _LIB.impl("cross_entropy_fwd", _fwd, "CompositeExplicitAutograd")
 _LIB.impl("cross_entropy_bwd", _bwd, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "flashgpt::cross_entropy_fwd",
-    lambda logits, targets, ignore_index: (logits.new_empty(logits.shape[0], dtype=torch.float32),
-                                           logits.new_empty(logits.shape[0], dtype=torch.float32)),
+    lambda logits, targets, ignore_index: (logits.new_triton.empty(logits.shape[0], dtype=torch.float32),
+                                           logits.new_triton.empty(logits.shape[0], dtype=torch.float32)),
     lib=_LIB)
 torch.library.register_fake(
     "flashgpt::cross_entropy_bwd",
-    lambda dloss, logits, targets, lse, ignore_index: logits.new_empty(logits.shape),
+    lambda dloss, logits, targets, lse, ignore_index: logits.new_triton.empty(logits.shape),
     lib=_LIB)
 
 

@@ -19,7 +19,7 @@ Supported, and checked with a ValueError before any launch:
                 (up to 64 query rows = heads x tokens; more rows are split over several programs), so the
                 cache is read once per kv group
     lengths     Nq <= cache_lens[b] <= max_len, may differ per sequence; any strides (views of a larger cache)
-    devices     CUDA; CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1, for tests)
+    devices     CUDA; CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, for tests)
 Inference only: there is no backward, and inputs that require grad (with grad mode on) are refused.
 
 The scheme: the valid prefix of each sequence is cut into `num_splits` chunks (a multiple of BLOCK_N keys each)
@@ -27,34 +27,29 @@ processed by separate programs, so that even batch 1 with a long cache fills the
 partial output O_s (normalised, fp32) and its log-sum-exp lse_s; a second kernel merges them:
     out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),   M = max_s lse_s
 A split that holds no visible key for a row (short sequence, or the causal edge) has lse_s = -inf, weight 0.
-`num_splits=None` picks a count from (B*Hkv, max_len, SM count); `num_splits=1` runs the plain non-split kernel,
-which writes the output directly (the benchmark's baseline).
+`num_splits=None` picks a count from (B*Hkv, max_len, SM count, the decode_min_keys_per_split option);
+`num_splits=1` runs the plain non-split kernel, which writes the output directly (the benchmark's baseline).
 
 Checking cache_lens against [Nq, max_len] reads it back from the GPU (a sync); it is skipped while a CUDA graph
 is being captured, and `check_lens=False` skips it explicitly.
 """
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import interpreting, pdl_enabled
+from . import _triton
+from . import options as _options
+from .pdl import pdl_enabled
 
 MAX_NQ = 16           # new tokens per call
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
-# The auto heuristic never cuts the static cache finer than this (FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT overrides it,
-# for benchmarks: bench/NOTES.md).
-MIN_KEYS_PER_SPLIT = int(os.environ.get("FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "256"))
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -177,22 +172,19 @@ def _decode_merge_kernel(O_PART, LSE, OUT, H_Q, stride_ob, stride_oh, stride_on,
              out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a token "GPU" so that the auto path still splits in tests
+_triton.check_decorated(_decode_split_kernel, _decode_merge_kernel)
 
 
 def auto_num_splits(n_programs: int, max_len: int, device: torch.device) -> int:
-    """Splits so that n_programs * splits ~ 4 programs per SM, never under MIN_KEYS_PER_SPLIT keys of max_len.
+    """Splits so that n_programs * splits ~ 4 programs per SM, never under the decode_min_keys_per_split option's
+    keys of max_len (kernels.options).
 
-    Depends only on shapes (no GPU sync), so it is safe inside CUDA graphs.
+    Depends only on shapes and options (no GPU sync), so it is safe inside CUDA graphs.
     """
-    want = triton.cdiv(4 * _sm_count(device), n_programs)
+    want = triton.cdiv(4 * _triton.sm_count(device), n_programs)
     if max_len <= SINGLE_SPLIT_MAX_LEN:
         return 1  # a short cache: the merge launch costs more than the split saves (bench/NOTES.md)
-    useful = triton.cdiv(max_len, MIN_KEYS_PER_SPLIT)
+    useful = triton.cdiv(max_len, _options.get().decode_min_keys_per_split)
     return max(1, min(want, useful, MAX_SPLITS))
 
 
@@ -221,14 +213,13 @@ def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens) -> None
         raise ValueError(f"head dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {D}")
     if Nq > max_len:
         raise ValueError(f"Nq={Nq} new tokens do not fit in a cache of max_len={max_len}")
-    if q.dtype not in DTYPES or not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if q.dtype not in _triton.SUPPORTED_DTYPES or not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"q, k_cache, v_cache must share one dtype of float16/bfloat16/float32, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device == cache_lens.device):
         raise ValueError(f"all inputs must be on one device, got q on {q.device}, k_cache on {k_cache.device}, "
                          f"v_cache on {v_cache.device}, cache_lens on {cache_lens.device}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
-        raise ValueError(f"decode_attention runs on CUDA (CPU only under TRITON_INTERPRET=1), got {q.device}")
+    _triton.check_device(q.device, "decode_attention")
     if cache_lens.dtype not in (torch.int32, torch.int64) or tuple(cache_lens.shape) != (B,):
         raise ValueError(f"cache_lens must be an int32/int64 tensor of shape ({B},), got {cache_lens.dtype} "
                          f"{tuple(cache_lens.shape)}")
@@ -262,7 +253,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = _triton.empty(q.shape, q.dtype, q.device)  # contiguous
 
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_M = min(max(16, triton.next_power_of_2(group * Nq)), MAX_ROWS)  # tl.dot needs >= 16 rows
@@ -278,20 +269,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
     else:
-        o_part = torch.empty(B * Hq * Nq, num_splits, D, device=q.device, dtype=torch.float32)
-        lse = torch.empty(B * Hq * Nq, num_splits, device=q.device, dtype=torch.float32)
-    _decode_split_kernel[(num_splits, B * Hkv, row_blocks)](
-        q, k_cache, v_cache, cache_lens, o_part, lse, out,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        scale * LOG2E, Hkv,
-        N_Q=Nq, GROUP=group, HEAD_DIM=D, NUM_SPLITS=num_splits,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, USE_GDC=pdl,
-        **launch, **(dict(launch_pdl=True) if pdl else {}))
-    if num_splits > 1:
-        _decode_merge_kernel[(B * Hq * Nq,)](
-            o_part, lse, out, Hq, *out.stride(),
-            N_Q=Nq, HEAD_DIM=D, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            TILE_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D, num_warps=4)
+        o_part = _triton.empty((B * Hq * Nq, num_splits, D), torch.float32, q.device)
+        lse = _triton.empty((B * Hq * Nq, num_splits), torch.float32, q.device)
+    with _triton.device_guard(q):
+        _decode_split_kernel[(num_splits, B * Hkv, row_blocks)](
+            q, k_cache, v_cache, cache_lens, o_part, lse, out,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+            scale * _triton.LOG2E, Hkv,
+            N_Q=Nq, GROUP=group, HEAD_DIM=D, NUM_SPLITS=num_splits,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, USE_GDC=pdl,
+            **launch, **(dict(launch_pdl=True) if pdl else {}))
+        if num_splits > 1:
+            _decode_merge_kernel[(B * Hq * Nq,)](
+                o_part, lse, out, Hq, *out.stride(),
+                N_Q=Nq, HEAD_DIM=D, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                TILE_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D, num_warps=4)
     return out
 
 

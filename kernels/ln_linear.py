@@ -28,15 +28,14 @@ linear output (with bias) is rounded before GELU and before the residual add. In
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import interpreting, pdl_enabled
+from . import _triton
+from .pdl import pdl_enabled
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size rows
 
 
@@ -204,17 +203,10 @@ def forced_config(cfg: tuple):
         _forced = old
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-# Tiles under programmatic dependent launch (kernels/pdl.py), from the H200 sweep of whole decode steps
-# (bench/pdl_sweep.py): every program's share of K is one tile, loaded before the wait on the previous kernel.
-# bench/results/pdl/sweep{1,2,3}.md: one-tile launches 32 columns wide with 8 warps for up to PDL_FEW_ROWS rows
-# (batch 1: 3,293 tok/s against 3,194 with 64), 64 wide above (batch 16: 40,543 against 39,831 with 32); the down
-# projection in shares of 512 x 64 with 8 warps. Measured at batch 1 and 16 only: where between them the
-# 64-column tiles start to win is not measured.
+# Tiles under programmatic dependent launch (kernels/pdl.py), chosen on whole decode steps (bench/NOTES.md):
+# every program's share of K is one tile, loaded before the wait on the previous kernel; one-tile launches 32
+# columns wide with 8 warps for up to PDL_FEW_ROWS rows, 64 wide above; the down projection in shares of
+# 512 x 64 with 8 warps. Chosen at batch 1 and 16: where between them the 64-column tiles start to win is open.
 PDL_TILES = dict(preload=True, block_n_few_rows=32, block_n=64, warps=8, split_block_k=512, split_block_n=64,
                  split_warps=8, max_one_tile_k=1024)
 PDL_FEW_ROWS = 4
@@ -223,13 +215,13 @@ PDL_FEW_ROWS = 4
 def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False) -> tuple:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for one launch; shapes only, so graph-safe.
 
-    Without PDL, from the H200 sweep of the GPT-2 decode shapes (bench/results/ln_linear_sweep.md, batch 1 and
-    16): 16-column tiles for N <= 1024, 32 above; split-K (32 x 128 tiles, up to 8 splits of >= 3 steps) only
-    for a long K over fewer tiles than SMs (the MLP's down projection: 5.0 µs instead of 5.9 without the split).
+    Without PDL (chosen on the GPT-2 decode shapes at batch 1 and 16, bench/NOTES.md): 16-column tiles for
+    N <= 1024, 32 above; split-K (32 x 128 tiles, up to 8 splits of >= 3 steps) only for a long K over fewer
+    tiles than SMs (the MLP's down projection).
     With PDL (pdl=True): K up to PDL_TILES["max_one_tile_k"] in one tile per program; a longer K over fewer
     tiles than SMs split into one-tile shares of split_block_k; otherwise (or with preload off) the non-PDL choice.
     With PDL a kernel's own time matters less than how it overlaps its neighbours, so PDL_TILES comes from
-    whole decode steps (bench/pdl_sweep.py).
+    whole decode steps.
     """
     if _forced is not None:
         return _forced
@@ -239,11 +231,11 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False)
             block_n = t["block_n_few_rows"] if M <= PDL_FEW_ROWS else t["block_n"]
             return block_n, triton.next_power_of_2(K), t["warps"], 1, 1
         tiles = triton.cdiv(N, t["split_block_n"]) * triton.cdiv(M, BLOCK_M)
-        if tiles < _sm_count(device):
+        if tiles < _triton.sm_count(device):
             return t["split_block_n"], t["split_block_k"], t["split_warps"], 1, triton.cdiv(K, t["split_block_k"])
     block_n = 16 if N <= 1024 else 32  # more, narrower tiles for the short outputs
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
-    if K >= 2048 and tiles < _sm_count(device):  # a long reduction over few tiles: split K
+    if K >= 2048 and tiles < _triton.sm_count(device):  # a long reduction over few tiles: split K
         block_n, block_k, split = 32, 128, 1
         while split < 8 and K // (2 * split) >= 3 * block_k:
             split *= 2
@@ -284,8 +276,8 @@ def _check(x, weight, bias, ln, residual, caches) -> None:
                          f"{tuple(weight.shape)}")
     if x.shape[0] == 0 or weight.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"ln_linear: empty input x{tuple(x.shape)} weight{tuple(weight.shape)}")
-    if x.dtype not in DTYPES or weight.dtype != x.dtype or any(t.dtype != x.dtype for t in caches) or (
-            residual is not None and residual.dtype != x.dtype):
+    if (x.dtype not in _triton.SUPPORTED_DTYPES or weight.dtype != x.dtype or any(t.dtype != x.dtype for t in caches)
+            or (residual is not None and residual.dtype != x.dtype)):
         raise ValueError(f"ln_linear: x, weight, residual and caches must share one of float16/bfloat16/float32, "
                          f"got x {x.dtype}, weight {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -297,8 +289,7 @@ def _check(x, weight, bias, ln, residual, caches) -> None:
         raise ValueError(f"ln_linear: LayerNorm weight/bias must have shape ({K},)")
     if residual is not None and (tuple(residual.shape) != (x.shape[0], N) or residual.stride(1) != 1):
         raise ValueError(f"ln_linear: residual must be ({x.shape[0]}, {N}) with unit stride along N")
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
-        raise ValueError(f"ln_linear runs on CUDA (CPU only under TRITON_INTERPRET=1), got {x.device}")
+    _triton.check_device(x.device, "ln_linear")
     if torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors):
         raise ValueError("ln_linear is inference-only (no backward): call it under torch.no_grad()")
 
@@ -341,7 +332,7 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
     grid = (triton.cdiv(N, block_n), row_blocks, split)
     one_tile = triton.cdiv(K, split) <= block_k  # each program's share of K is a single tile
     launch = dict(launch_pdl=True) if pdl else {}
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+    with _triton.device_guard(x):
         _ln_linear_kernel[grid](*args, ws, cnt, ln_stats if ln_stats is not None else ws,
                                 stats_out if stats_out is not None else ws, *scalars, **flags, BLOCK_N=block_n,
                                 BLOCK_K=block_k, SPLIT_K=split, ONE_TILE=one_tile, USE_GDC=pdl, num_warps=warps,
@@ -367,7 +358,7 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     _check_stats(x, ln_stats, stats_out, ln)
     shape = (x.shape[0], weight.shape[0])
     if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        out = _triton.empty(shape, x.dtype, x.device)
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
           or out.device != x.device or out.stride(1) != 1):
         raise ValueError(f"ln_linear: out must be a {x.dtype} tensor of shape {shape} on {x.device} with unit "
@@ -395,7 +386,7 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if (not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.shape[0] != x.shape[0]
             or pos.dtype not in (torch.int32, torch.int64) or pos.device != x.device):
         raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},) on {x.device}")
-    q = torch.empty(x.shape[0], n_q, dtype=x.dtype, device=x.device)
+    q = _triton.empty((x.shape[0], n_q), x.dtype, x.device)
     return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats,
                    pdl=pdl)
 
@@ -426,6 +417,9 @@ def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_p
     tl.store(STATS + slots * stride_slot + b * 2 + 1, zero, mask=slots < n_slots)
 
 
+_triton.check_decorated(_ln_linear_kernel, _embed_kernel)
+
+
 def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
                      stats: torch.Tensor) -> torch.Tensor:
     """tok, pos (B,) int → x (B, C) = wte[tok] + wpe[pos] in one launch.
@@ -439,7 +433,7 @@ def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wp
             raise ValueError(f"embed_with_stats: {name} must be a 1-d int tensor")
     B, C = tok.shape[0], wte.shape[1]
     if (pos.shape[0] != B or wpe.shape[1] != C or wte.dtype != wpe.dtype or wte.stride(1) != 1
-            or wpe.stride(1) != 1 or wte.dtype not in DTYPES):
+            or wpe.stride(1) != 1 or wte.dtype not in _triton.SUPPORTED_DTYPES):
         raise ValueError("embed_with_stats: tok and pos of one length, wte and wpe (rows, C) of one float dtype "
                          "with unit stride along C")
     if (stats.dtype != torch.float32 or stats.dim() != 3 or stats.shape[1:] != (B, 2)
@@ -447,8 +441,9 @@ def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wp
         raise ValueError(f"embed_with_stats: stats must be float32 (S, {B}, 2), contiguous in its last two dims")
     if len({t.device for t in (tok, pos, wte, wpe, stats)}) != 1:
         raise ValueError("embed_with_stats: all tensors must be on one device")
-    x = torch.empty(B, C, dtype=wte.dtype, device=wte.device)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+    _triton.check_device(wte.device, "embed_with_stats")
+    x = _triton.empty((B, C), wte.dtype, wte.device)
+    with _triton.device_guard(x):
         _embed_kernel[(B,)](tok, pos, wte, wpe, x, stats, C, stats.shape[0], tok.stride(0), pos.stride(0),
                             wte.stride(0), wpe.stride(0), stats.stride(0), BLOCK_C=min(1024, triton.next_power_of_2(C)),
                             BLOCK_S=triton.next_power_of_2(max(stats.shape[0], 2)), num_warps=4)

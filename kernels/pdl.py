@@ -14,19 +14,16 @@ them writes those weights (`pdl=True`, as model/fused_decode.py does). Because e
 predecessor, which waited for its own, a kernel's wait also covers every earlier kernel.
 
     pdl_enabled(device) -> bool    CUDA, compute capability >= 9, a Triton with grid dependency control
-                                   (3.3 and later), not the interpreter, FLASHGPT_PDL != "0"
+                                   (3.3 and later), not the interpreter, the pdl option on (kernels.options)
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-
-def interpreting() -> bool:
-    """Whether Triton's interpreter is on (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+from . import _triton
+from . import options as _options
 
 
 def triton_has_gdc() -> bool:
@@ -44,7 +41,7 @@ def _capability_ok(device: torch.device) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Launch with PDL on this device? FLASHGPT_PDL=0 turns it off (for benchmarks and bisecting)."""
-    if device.type != "cuda" or interpreting() or os.environ.get("FLASHGPT_PDL", "1") == "0":
+    """Launch with PDL on this device? The pdl option off (FLASHGPT_PDL=0) turns it off everywhere."""
+    if device.type != "cuda" or _triton.INTERPRET or not _options.get().pdl:
         return False
     return _capability_ok(device)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kernels import BACKEND_CHOICES, LOSS_KERNELS
+
 MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comfortably in memory
 POS_EMBS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
@@ -52,6 +54,7 @@ class GPTConfig:
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
+    loss_kernel: str = "auto"  # "triton" | "torch"; "auto" = the kernels' loss_kernel option (Triton on CUDA)
 
     @property
     def kv_heads(self) -> int:
@@ -90,8 +93,10 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
         self._validate_architecture(bad)
-        if self.attention not in ("auto", "flash", "sdpa", "naive"):
-            bad("attention", "must be one of auto, flash, sdpa, naive")
+        if self.attention not in BACKEND_CHOICES:
+            bad("attention", f"must be one of {', '.join(BACKEND_CHOICES)}")
+        if self.loss_kernel not in LOSS_KERNELS:
+            bad("loss_kernel", f"must be one of {', '.join(LOSS_KERNELS)}")
         return self
 
     def _validate_architecture(self, bad) -> None:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels import SUPPORTED_DTYPES, interpreting
 from kernels.decode import decode_attention
-from kernels.ln_linear import DTYPES, embed_with_stats, ln_linear, ln_qkv_to_cache
-from kernels.pdl import interpreting
+from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
 
 
 def _ln(norm) -> tuple:
@@ -43,7 +43,7 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     w = model.lm_head.weight
     if w.device.type != "cuda" and not (w.device.type == "cpu" and interpreting()):
         return f"the model is on {w.device} (the fused step runs on CUDA)"
-    if w.dtype not in DTYPES:
+    if w.dtype not in SUPPORTED_DTYPES:
         return f"weights of dtype {w.dtype}"
     if model.training and model.config.dropout > 0:
         return "the model is in training mode with dropout"
@@ -92,5 +92,5 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 2] if i + 1 < n_layer else None, pdl=True)  # (B, C)
     # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than
-    # the fused kernel (bench/results/ln_linear_sweep.md: 25 µs with the LayerNorm vs 33 µs on the H200).
+    # the fused kernel (bench/NOTES.md).
     return model.lm_head(tr.ln_f(x)).float()                                             # (B, V)

@@ -198,8 +198,8 @@ class GPT(nn.Module):
         With targets the loss is the differentiable output and the logits come back detached (for logging or
         accuracy; a loss of your own on the logits: call without targets). Under torch.compile an output that
         requires grad gets a gradient input of its own in the backward graph — zeros added to the loss's
-        d(logits), a full extra pass over (B, T, vocab): 1.1 ms of a GPT-2 124M step on an H200
-        (bench/results/ce_loss/).
+        d(logits), a full extra pass over (B, T, vocab) (bench/NOTES.md). The loss runs the kernel that
+        config.loss_kernel names (kernels.cross_entropy).
         """
         B, T = idx.shape
         if input_pos is None:
@@ -221,7 +221,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = kernels.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = kernels.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                                         kernel=self.config.loss_kernel)
             logits = logits.detach()
         return logits, loss
 

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import kernels._triton as kt
 import kernels.ce_loss as ce
+from kernels import options
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -25,8 +27,8 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(ce, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                              device=device))
+    monkeypatch.setattr(kt, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                             device=device))
 
 
 def _gen(request) -> torch.Generator:
@@ -141,10 +143,13 @@ def test_bad_input_is_one_clear_error(logits, targets, match):
         kernels.cross_entropy(logits.to(DEVICE), targets.to(DEVICE), kernel="triton")
 
 
-def test_unsupported_device_is_one_clear_error():
+def test_unsupported_device_is_one_clear_error(monkeypatch):
     logits, targets = torch.zeros(4, 5, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
-    with pytest.raises(ValueError, match="runs on CUDA"):
+    with pytest.raises(ValueError, match="cross_entropy's Triton kernel runs .*got meta"):
         kernels.cross_entropy(logits, targets, kernel="triton")
+    monkeypatch.setattr(kt, "INTERPRET", False)  # compiled kernels: CPU tensors are refused, naming the way out
+    with pytest.raises(ValueError, match=r"runs on CUDA, got cpu \(on a CPU .* TRITON_INTERPRET=1\)"):
+        kernels.cross_entropy(torch.zeros(4, 5), torch.zeros(4, dtype=torch.long), kernel="triton")
 
 
 def test_dispatch(request, monkeypatch):
@@ -162,12 +167,18 @@ def test_dispatch(request, monkeypatch):
     assert kernels.resolve_loss_kernel(None, "cpu") == "torch"
     assert kernels.resolve_loss_kernel("auto", "cuda") == "triton"
     assert kernels.resolve_loss_kernel("torch", "cuda") == "torch"
-    monkeypatch.setattr(kernels, "CE_DEFAULT", "torch")  # FLASHGPT_CE=torch
-    assert kernels.resolve_loss_kernel(None, "cuda") == "torch"
+    with options.use(loss_kernel="torch"):  # FLASHGPT_CE=torch: what "auto" means
+        assert kernels.resolve_loss_kernel(None, "cuda") == "torch"
+        assert kernels.resolve_loss_kernel("auto", "cuda") == "torch"
+        assert kernels.resolve_loss_kernel("triton", "cuda") == "triton"  # an explicit choice wins
+    assert options.from_env({"FLASHGPT_CE": "torch"}).loss_kernel == "torch"
+    with pytest.raises(ValueError, match="FLASHGPT_CE='fused': expected one of auto, triton, torch"):
+        options.from_env({"FLASHGPT_CE": "fused"})
 
 
 def test_model_loss_is_the_same_with_either_kernel(monkeypatch):
-    """The model's loss (and its gradients) through the Triton kernel equal F.cross_entropy's."""
+    """The model's loss (and its gradients) through the Triton kernel equal F.cross_entropy's; the model runs the
+    kernel its config's loss_kernel names."""
     from model.config import GPTConfig
     from model.gpt import GPT
 
@@ -178,12 +189,16 @@ def test_model_loss_is_the_same_with_either_kernel(monkeypatch):
     targets = torch.randint(0, 97, (3, 8), device=DEVICE)
     targets[0, :2] = -1
     results = []
+    calls = []
+    real = kernels.triton_cross_entropy
+    monkeypatch.setattr(kernels, "triton_cross_entropy", lambda *a: calls.append(1) or real(*a))
     for kernel in ("torch", "triton"):
-        monkeypatch.setattr(kernels, "CE_DEFAULT", kernel)
+        model.config.loss_kernel = kernel
         model.zero_grad()
         _, loss = model(idx, targets)
         loss.backward()
         results.append((loss.detach(), model.lm_head.weight.grad.clone()))
+    assert len(calls) == 1  # the Triton kernel ran for "triton" only
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
 

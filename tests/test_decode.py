@@ -17,6 +17,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+import kernels._triton as kt  # noqa: E402
+from kernels import options  # noqa: E402
 from kernels.decode import MAX_SPLITS, auto_num_splits, decode_attention  # noqa: E402
 from kernels.naive import naive_attention  # noqa: E402
 
@@ -142,6 +144,9 @@ def test_auto_num_splits_heuristic():
     assert 1 < auto_num_splits(1, 32768, cpu) <= MAX_SPLITS
     assert auto_num_splits(1, 1024, cpu) <= 4              # never finer than 256 keys of max_len
     assert auto_num_splits(1, 512, cpu) == 1               # a short cache runs unsplit (no merge launch)
+    with options.use(decode_min_keys_per_split=512):       # the option (FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT)
+        assert auto_num_splits(1, 1024, cpu) == 2
+    assert auto_num_splits(1, 1024, cpu) == 4
 
 
 def _good():
@@ -177,7 +182,7 @@ def test_errors_before_launch(change, message):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kt, "INTERPRET", False)  # compiled kernels (as without TRITON_INTERPRET)
     q = torch.randn(1, 2, 1, 32)
     k = torch.randn(1, 2, 8, 32)
     with pytest.raises(ValueError, match="runs on CUDA"):

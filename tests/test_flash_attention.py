@@ -20,8 +20,10 @@ import pytest
 import torch
 
 import kernels
+import kernels._triton as kt
 import kernels.flash as fa
-from kernels import flash_attention, naive_attention
+from kernels import flash_attention, naive_attention, options
+from kernels.flash import configs, launch, ops
 from kernels.naive import causal_mask
 
 CUDA = torch.cuda.is_available()
@@ -39,11 +41,10 @@ def _poison_and_fix_config(monkeypatch, request):
         allocs.append(math.prod(shape))
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(fa, "_empty", poisoned_empty)
-    monkeypatch.setattr(fa, "_plans", {})  # launch plans recorded by this test only
-    if "autotune" not in request.keywords:
-        monkeypatch.setenv("FLASHGPT_AUTOTUNE", "0")
-    return allocs
+    monkeypatch.setattr(kt, "empty", poisoned_empty)
+    monkeypatch.setattr(launch, "_plans", {})  # launch plans recorded by this test only
+    with options.use(autotune="autotune" in request.keywords and options.get().autotune):
+        yield allocs
 
 
 def _gen(request) -> torch.Generator:
@@ -130,14 +131,14 @@ def _id(c):
 def _spy(monkeypatch, record) -> list:
     """Collect record(kernel name, its constexpr kwargs) per kernel launch."""
     seen = []
-    launch = fa._launch
+    real = launch._launch
 
     def spy(name, *args):
         seen.append(record(name, args[-1]))
-        return launch(name, *args)
+        return real(name, *args)
 
-    monkeypatch.setattr(fa, "_launch", spy)
-    monkeypatch.setattr(fa, "_plan_key", lambda *args: None)  # no replays: every launch goes through _launch
+    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "_plan_key", lambda *args: None)  # no replays: every launch goes through _launch
     return seen
 
 
@@ -148,7 +149,8 @@ def _spy_tma(monkeypatch) -> list:
 
 def _tma_for(kernel: str, D: int) -> bool:
     """Whether aligned inputs of head dim D take the descriptor path in `kernel` here (the interpreter: always)."""
-    return fa._tma_available(torch.device(DEVICE)) and (fa.INTERPRET or fa._block_d(D) >= fa.TMA_MIN_BLOCK_D[kernel])
+    return launch._tma_available(torch.device(DEVICE), options.get()) and (
+        kt.INTERPRET or configs.block_d(D) >= launch.TMA_MIN_BLOCK_D[kernel])
 
 
 @pytest.mark.parametrize("path", ["tma", "pointers"])
@@ -157,15 +159,14 @@ def _tma_for(kernel: str, D: int) -> bool:
 def test_matches_reference(case, dtype, path, request, monkeypatch):
     """Both load paths of every kernel: tensor descriptors (TMA on Hopper, here in all three kernels at every head
     dim, whatever the default policy; these inputs are aligned) and masked pointer loads."""
-    monkeypatch.setenv("FLASHGPT_TMA", "1" if path == "tma" else "0")
-    monkeypatch.setattr(fa, "TMA_MIN_BLOCK_D", dict.fromkeys(fa.TMA_MIN_BLOCK_D, 16))
     seen = _spy_tma(monkeypatch)
-    _check(*case, dtype, _gen(request))
-    want = path == "tma" and fa._tma_available(torch.device(DEVICE))
+    with options.use(tma=path == "tma", tma_min_block_d=16) as opts:
+        _check(*case, dtype, _gen(request))
+        want = path == "tma" and launch._tma_available(torch.device(DEVICE), opts)
     assert [name for name, _ in seen] == ["fwd", "dq", "dkdv"] and all(t == want for _, t in seen)
 
 
-# The fused backward (FLASHGPT_BWD=fused): tails, Nq != Nk both ways (blind rows), GQA and MQA, padded head dims.
+# The fused backward (backward="fused"): tails, Nq != Nk both ways (blind rows), GQA and MQA, padded head dims.
 FUSED_CASES = [
     (1, 2, 2, 1, 1, 64, True),
     (2, 2, 2, 17, 17, 16, False),
@@ -187,52 +188,51 @@ FUSED_CASES = [
 def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
     """The fused backward (delta pass, dK/dV kernel adding dQ with atomics, dQ pass) against float64, both load
     paths of its dK/dV kernel and both ways of adding dQ: TMA reduce-adds where the GPU and Triton have them
-    (FLASHGPT_TMA=1 on Hopper), element atomics otherwise (always in the interpreter)."""
-    monkeypatch.setenv("FLASHGPT_BWD", "fused")
+    (tma on, Hopper), element atomics otherwise (always in the interpreter)."""
     seen = _spy(monkeypatch, lambda name, kwargs: (name, kwargs.get("FUSED_DQ")))
-    reduce_mode = 2 if CUDA and fa._TRITON_HAS_DESC_REDUCE and fa._tma_available(torch.device(DEVICE)) else 1
-    for tma in ("1", "0"):
-        monkeypatch.setenv("FLASHGPT_TMA", tma)
-        seen.clear()
-        _check(*case, dtype, _gen(request))
-        mode = reduce_mode if tma == "1" else 1
-        assert seen == [("fwd", None), ("prep", None), ("dkdvq", mode), ("dqout", None)]
+    for tma in (True, False):
+        with options.use(backward="fused", tma=tma) as opts:
+            reduce_mode = 2 if (CUDA and launch._TRITON_HAS_DESC_REDUCE
+                                and launch._tma_available(torch.device(DEVICE), opts)) else 1
+            seen.clear()
+            _check(*case, dtype, _gen(request))
+        assert seen == [("fwd", None), ("prep", None), ("dkdvq", reduce_mode), ("dqout", None)]
 
 
 def test_fused_backward_other_tiles_and_bad_mode(request, monkeypatch):
-    """Fused dK/dV with BLOCK_M != BLOCK_N both ways, the LPT order, and replayed plans; an unknown
-    FLASHGPT_BWD or FLASHGPT_FUSED_DQ is a clear error."""
-    monkeypatch.setenv("FLASHGPT_BWD", "fused")
+    """Fused dK/dV with BLOCK_M != BLOCK_N both ways, the LPT order, and replayed plans; an unknown backward or
+    fused_dq option (or its environment override) is a clear error."""
     g = _gen(request)
-    for cfg in [(32, 64, 4, 1), (64, 16, 4, 1)]:
-        with fa.forced_configs(dkdvq=cfg):
-            _check(1, 2, 1, 203, 150, 64, True, torch.float16, g)
-            _check(1, 2, 1, 150, 203, 48, False, torch.float32, g)
-    monkeypatch.setattr(fa, "_lpt_group", lambda t, rows, heads: 4)
-    monkeypatch.setattr(fa, "LPT_MIN_GROUP", 1)
-    for _ in range(2):  # records a plan, then replays it
-        _check(2, 6, 3, 150, 203, 32, True, torch.float32, g)
-    monkeypatch.setenv("FLASHGPT_BWD", "atomic")
-    q = _make((1, 1, 4, 16), torch.float32, g)
-    with pytest.raises(ValueError, match="FLASHGPT_BWD='atomic'"):
-        flash_attention(q, q, q).sum().backward()
-    monkeypatch.setenv("FLASHGPT_BWD", "fused")
-    monkeypatch.setenv("FLASHGPT_FUSED_DQ", "3")
-    with pytest.raises(ValueError, match="FLASHGPT_FUSED_DQ=3: expected 1"):
-        flash_attention(q, q, q).sum().backward()
+    with options.use(backward="fused"):
+        for cfg in [(32, 64, 4, 1), (64, 16, 4, 1)]:
+            with fa.forced_configs(dkdvq=cfg):
+                _check(1, 2, 1, 203, 150, 64, True, torch.float16, g)
+                _check(1, 2, 1, 150, 203, 48, False, torch.float32, g)
+        monkeypatch.setattr(launch, "_lpt_group", lambda t, rows, heads: 4)
+        monkeypatch.setattr(launch, "LPT_MIN_GROUP", 1)
+        for _ in range(2):  # records a plan, then replays it
+            _check(2, 6, 3, 150, 203, 32, True, torch.float32, g)
+    with pytest.raises(ValueError, match="backward='atomic': expected one of split, fused"):
+        options.update(backward="atomic")
+    with pytest.raises(ValueError, match="FLASHGPT_BWD='atomic': expected one of split, fused"):
+        options.from_env({"FLASHGPT_BWD": "atomic"})
+    with pytest.raises(ValueError, match="FLASHGPT_FUSED_DQ='3': expected 1"):
+        options.from_env({"FLASHGPT_BWD": "fused", "FLASHGPT_FUSED_DQ": "3"})
+    assert options.get().backward == "split"  # the failed update changed nothing
 
 
 @pytest.mark.parametrize("heads_per_group", [1, 4, 6, None])
 def test_causal_longest_first_order(heads_per_group, monkeypatch, request):
     """The causal kernels' 1-D longest-first grid covers every tile once: groups of 1, 4 (a partial last
-    group: 6 (batch, head) pairs) and all heads; None = the plain per-head 3-D grid (FLASHGPT_LPT=0)."""
-    if heads_per_group is None:
-        monkeypatch.setenv("FLASHGPT_LPT", "0")
-    else:
-        monkeypatch.setattr(fa, "_lpt_group", lambda t, rows, heads: heads_per_group)
-        monkeypatch.setattr(fa, "LPT_MIN_GROUP", 1)
-    _check(2, 3, 3, 150, 203, 32, True, torch.float16, _gen(request))
-    _check(2, 6, 3, 203, 150, 64, True, torch.float32, _gen(request))  # GQA, Nq > Nk
+    group: 6 (batch, head) pairs) and all heads; None = the plain per-head 3-D grid (lpt option off)."""
+    seen = _spy(monkeypatch, lambda name, kwargs: kwargs["LPT"])
+    if heads_per_group is not None:
+        monkeypatch.setattr(launch, "_lpt_group", lambda t, rows, heads: heads_per_group)
+        monkeypatch.setattr(launch, "LPT_MIN_GROUP", 1)
+    with options.use(lpt=heads_per_group is not None):
+        _check(2, 3, 3, 150, 203, 32, True, torch.float16, _gen(request))
+        _check(2, 6, 3, 203, 150, 64, True, torch.float32, _gen(request))  # GQA, Nq > Nk
+    assert len(seen) == 6 and all(lpt == (heads_per_group is not None) for lpt in seen)
 
 
 def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
@@ -249,7 +249,7 @@ def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
         torch.testing.assert_close(o.double(), r, atol=1e-2, rtol=1e-2)
     # fwd and dq read k, v (aligned: their policy decides); dK/dV reads q and dO (q is not)
     assert seen == [("fwd", _tma_for("fwd", 64)), ("dq", _tma_for("dq", 64)), ("dkdv", False)]
-    assert not fa._tma_ok("dkdv", torch.randn(1, 1, 4, 1, device=DEVICE))  # D = 1: a 2-byte row stride
+    assert not launch._tma_ok("dkdv", options.get(), torch.randn(1, 1, 4, 1, device=DEVICE))  # D = 1: 2-byte rows
 
 
 def test_repeated_launches_reuse_plans_and_compiled_kernels(monkeypatch, request):
@@ -267,22 +267,22 @@ def test_repeated_launches_reuse_plans_and_compiled_kernels(monkeypatch, request
     q = base[:, 3:].view(1, 203, 2, 64).transpose(1, 2).detach().requires_grad_()  # (B, H, N, D), misaligned
     cases.append((q, q.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()))
     do = [torch.randn(c[0].shape, generator=g).to(DEVICE, c[0].dtype) for c in cases]
-    plan_key = fa._plan_key
-    monkeypatch.setattr(fa, "_FAST_LAUNCH", False)
-    monkeypatch.setattr(fa, "_plan_key", lambda *args: None)
-    want = [_run(flash_attention, *c, d, True) for c, d in zip(cases, do)]
+    plan_key = launch._plan_key
+    monkeypatch.setattr(launch, "_plan_key", lambda *args: None)
+    with options.use(fast_launch=False):
+        want = [_run(flash_attention, *c, d, True) for c, d in zip(cases, do)]
     # plans and direct launchers on, fresh caches (outputs still NaN-poisoned by the fixture)
-    monkeypatch.setattr(fa, "_plan_key", plan_key)
-    monkeypatch.setattr(fa, "_FAST_LAUNCH", not fa.INTERPRET)
-    monkeypatch.setattr(fa, "_compiled", {})
-    monkeypatch.setattr(fa, "_plans", {})
+    monkeypatch.setattr(launch, "_plan_key", plan_key)
+    monkeypatch.setattr(launch, "_compiled", {})
+    monkeypatch.setattr(launch, "_plans", {})
+    assert launch._fast_launch() == (not kt.INTERPRET)
     for _ in range(2):  # the first round records, the second replays
         for c, d, w in zip(cases, do, want):
             for got, ref in zip(_run(flash_attention, *c, d, True), w):
                 assert torch.equal(got, ref)
-    assert len(fa._plans) == 2 * len(cases)  # forward and backward per signature
-    if not fa.INTERPRET:
-        assert len(fa._compiled) == 3 * len(cases)  # fwd, dq, dkdv per signature
+    assert len(launch._plans) == 2 * len(cases)  # forward and backward per signature
+    if not kt.INTERPRET:
+        assert len(launch._compiled) == 3 * len(cases)  # fwd, dq, dkdv per signature
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -353,7 +353,7 @@ def test_unsupported_raises_value_error(bad, monkeypatch):
     """Nothing unsupported reaches a kernel: a ValueError first (the launch helper would fail the test)."""
     def no_launch(*a, **k):
         raise AssertionError("a kernel was launched")
-    monkeypatch.setattr(fa, "_launch", no_launch)
+    monkeypatch.setattr(launch, "_launch", no_launch)
 
     def t(*shape, dtype=torch.float16):
         return torch.ones(shape, dtype=dtype, device=DEVICE) if not dtype.is_floating_point else \
@@ -392,10 +392,10 @@ def test_dispatch_and_custom_op(request):
     g = _gen(request)
     q, k, v = (_make((1, 2, 17, 32), torch.float32, g) for _ in range(3))
     torch.testing.assert_close(attention(q, k, v, backend="flash"), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
-    torch.library.opcheck(fa._flash_attn_fwd_op, (q, k, v, True, 0.17))
+    torch.library.opcheck(ops._flash_attn_fwd_op, (q, k, v, True, 0.17))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op is not itself differentiable (no double backward)
-    o, lse = fa._flash_attn_fwd_op(q, k, v, True, 0.17)
-    torch.library.opcheck(fa._flash_attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, True, 0.17))
+    o, lse = ops._flash_attn_fwd_op(q, k, v, True, 0.17)
+    torch.library.opcheck(ops._flash_attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, True, 0.17))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -437,8 +437,7 @@ def test_qkvpacked_plans_replay_exactly(mode, monkeypatch, request):
     fp16 and fp32, a qkv view at a 2-byte offset (misaligned), a transposed (non-contiguous) qkv. In the
     interpreter the packed signatures are marked unpackable and replay through the per-view plans. The fused
     backward's dQ sums with atomics in a varying order on a GPU: there its gradient is compared to a tolerance."""
-    monkeypatch.setenv("FLASHGPT_BWD", mode)
-    exact = mode == "split" or fa.INTERPRET
+    exact = mode == "split" or kt.INTERPRET
     g = _gen(request)
     cases = []
     for dtype, (B, Hq, Hkv, N, D) in [(torch.float16, (2, 4, 4, 113, 64)), (torch.float32, (1, 6, 2, 17, 48))]:
@@ -454,23 +453,25 @@ def test_qkvpacked_plans_replay_exactly(mode, monkeypatch, request):
         o = fa.flash_attention_qkvpacked(qkv, hq, hkv, causal=True)
         return o.detach(), *torch.autograd.grad(o, qkv, do)
 
-    plan_key = fa._plan_key
-    monkeypatch.setattr(fa, "_plan_key", lambda *args: None)
-    want = [run(*c, d) for c, d in zip(cases, dos)]
-    monkeypatch.setattr(fa, "_plan_key", plan_key)
-    for _ in range(3):  # records the per-view plans, then the packed ones, then replays them
-        for c, d, w in zip(cases, dos, want):
-            for got, ref in zip(run(*c, d), w):
-                if exact:
-                    assert torch.equal(got, ref)
-                else:
-                    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-2)
-    packed = [p for key, p in fa._plans.items() if key[0].startswith("packed_")]
+    plan_key = launch._plan_key
+    with options.use(backward=mode):
+        monkeypatch.setattr(launch, "_plan_key", lambda *args: None)
+        want = [run(*c, d) for c, d in zip(cases, dos)]
+        monkeypatch.setattr(launch, "_plan_key", plan_key)
+        for _ in range(3):  # records the per-view plans, then the packed ones, then replays them
+            for c, d, w in zip(cases, dos, want):
+                for got, ref in zip(run(*c, d), w):
+                    if exact:
+                        assert torch.equal(got, ref)
+                    else:
+                        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-2)
+        fast = launch._fast_launch()
+    packed = [p for key, p in launch._plans.items() if key[0].startswith("packed_")]
     assert len(packed) == 2 * len(cases)
-    if fa._FAST_LAUNCH:
-        assert all(p is not fa._UNPACKABLE for p in packed)
+    if fast:
+        assert all(p is not launch._UNPACKABLE for p in packed)
     else:
-        assert all(p is fa._UNPACKABLE for p in packed)
+        assert all(p is launch._UNPACKABLE for p in packed)
 
 
 def test_qkvpacked_dispatch_and_custom_ops(request):
@@ -482,10 +483,10 @@ def test_qkvpacked_dispatch_and_custom_ops(request):
     for backend in kernels.BACKENDS:
         torch.testing.assert_close(kernels.attention_qkvpacked(qkv, 4, 1, backend=backend), want,
                                    atol=1e-5, rtol=1e-5)
-    torch.library.opcheck(fa._packed_fwd_op, (qkv, 4, 1, True, 0.17))
+    torch.library.opcheck(ops._packed_fwd_op, (qkv, 4, 1, True, 0.17))
     x = qkv.detach()
-    o, lse = fa._packed_fwd_op(x, 4, 1, True, 0.17)
-    torch.library.opcheck(fa._packed_bwd_op, (torch.randn_like(o), x, o, lse, 4, 1, True, 0.17))
+    o, lse = ops._packed_fwd_op(x, 4, 1, True, 0.17)
+    torch.library.opcheck(ops._packed_bwd_op, (torch.randn_like(o), x, o, lse, 4, 1, True, 0.17))
     with pytest.raises(ValueError, match="packed qkv width"):
         kernels.attention_qkvpacked(qkv, 3, 1, backend="flash")
     with pytest.raises(ValueError, match="3-d"):
@@ -516,10 +517,72 @@ def test_compiled_kernel_module_imports():
     import sys
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="0")
-    code = ("import kernels.flash as fa\nassert not fa.INTERPRET and "
-            "len(fa._TUNED) == sum(len(c) > 1 for c in fa._GPU_CFGS.values())\n")  # single configs: no tuner
+    code = ("import kernels._triton as kt, kernels.flash.configs as c\nassert not kt.INTERPRET and "
+            "len(c.TUNERS) == sum(len(x) > 1 for x in c.GPU_CONFIGS.values())\n")  # single configs: no tuner
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.flash import configs
+from kernels.flash.launch import TMA_MIN_BLOCK_D
+
+PTRS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA", "DQACC")
+FP32 = ("LSE", "DELTA", "DQACC")
+def compile_one(name, head_dim, **flags):
+    fn = configs.KERNELS[name]
+    bm, bn, warps, stages = configs.gpu_configs(name, configs.torch.bfloat16, head_dim)[0]
+    bd = configs.block_d(head_dim)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn)
+    if name in ("fwd", "dq", "dkdv", "dkdvq"):
+        consts.update(CAUSAL=True, DOT_PRECISION="tf32", LPT=False,
+                      TMA=bd >= TMA_MIN_BLOCK_D["dkdv" if name == "dkdvq" else name])
+    if name in ("dkdv", "dkdvq"):
+        consts.update(GQA=False, FUSED_DQ=0)
+    consts.update(flags)
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in PTRS:
+            sig[arg] = "*fp32" if arg in FP32 else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[arg] = "fp32" if arg in ("qk_scale", "sm_scale") else "i32"
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    print(name, head_dim, ".entry" in c.asm["ptx"])
+
+compile_one("fwd", 64, LPT=True)
+compile_one("fwd", 128, TMA=True)
+compile_one("dq", 64)
+compile_one("dq", 128, TMA=True)
+compile_one("dkdv", 64, GQA=True)
+compile_one("dkdv", 128)
+compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2)
+compile_one("prep", 64)
+compile_one("dqout", 64)
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """Triton's GPU compiler is stricter than its interpreter: compile every flash kernel for sm_90 ahead of time
+    (PTX and ptxas, no GPU needed) with the load paths, grids and GQA / fused-dQ variants a GPU launches, in its
+    own process (the tests run the interpreter)."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["fwd", "64", "True", "fwd", "128", "True", "dq", "64", "True", "dq", "128", "True",
+                                "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True", "prep", "64",
+                                "True", "dqout", "64", "True"]
 
 
 @pytest.mark.parametrize("entry", ["function", "dispatch", "packed"])
@@ -599,8 +662,7 @@ def test_every_autotune_config(dtype, D, i, causal, request):
         with fa.forced_configs(**forced):
             _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
             _check(1, 2, 2, 517, 331, D, causal, dtype, _gen(request))
-            with pytest.MonkeyPatch.context() as mp:  # the fused backward's dK/dV kernel at the same index
-                mp.setenv("FLASHGPT_BWD", "fused")
+            with options.use(backward="fused"):  # the fused backward's dK/dV kernel at the same index
                 _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
     except OutOfResources as e:
         pytest.skip(f"config {forced} does not fit this GPU: {e}")
@@ -613,7 +675,7 @@ def test_autotuned_path(request):
     g = _gen(request)
     _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, g)
     _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, g)
-    assert fa._picked, "the autotuner's choice was not recorded"
+    assert launch._picked, "the autotuner's choice was not recorded"
 
 
 @cuda_only

@@ -19,6 +19,8 @@ import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
+import kernels._triton as kt  # noqa: E402
+from kernels import options  # noqa: E402
 from kernels.pdl import pdl_enabled  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
@@ -276,10 +278,11 @@ def test_fused_step_equals_the_models_step(bias, n_kv_head, dtype):
 @torch.no_grad()
 def test_fused_step_replayed_in_a_cuda_graph_at_gpt2_widths(pdl, monkeypatch):
     """GPT-2's widths in bf16 (768, MLP 3072: the down projection splits K), the fused step captured in a CUDA
-    graph with and without programmatic dependent launch (FLASHGPT_PDL): every replay's logits and cache writes
+    graph with and without programmatic dependent launch (the pdl option): every replay's logits and cache writes
     match the model's own step. A kernel reading its input before the previous kernel finished writing it
     (a broken wait) would read the last step's activations and fail this."""
-    monkeypatch.setenv("FLASHGPT_PDL", pdl)
+    monkeypatch.setattr(options, "_current", options.get())
+    options.update(pdl=pdl == "1")  # restored by monkeypatch at the end of the test
     torch.manual_seed(7)
     model = GPT(GPTConfig(block_size=320, vocab_size=512, n_layer=3, n_head=12, n_embd=768,
                           attention="naive")).to(DEVICE, torch.bfloat16).eval()
@@ -304,12 +307,13 @@ def test_fused_step_replayed_in_a_cuda_graph_at_gpt2_widths(pdl, monkeypatch):
 
 
 def test_pdl_only_where_it_can_run(monkeypatch):
-    """Programmatic dependent launch: never on CPU or under the interpreter, and FLASHGPT_PDL=0 turns it off."""
+    """Programmatic dependent launch: never on CPU or under the interpreter, and the pdl option off
+    (FLASHGPT_PDL=0) turns it off."""
     assert not pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv("FLASHGPT_PDL", "0")
-    assert not pdl_enabled(torch.device("cuda"))
-    monkeypatch.setenv("FLASHGPT_PDL", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with options.use(pdl=False):
+        assert not pdl_enabled(torch.device("cuda"))
+    assert options.from_env({"FLASHGPT_PDL": "0"}).pdl is False
+    monkeypatch.setattr(kt, "INTERPRET", True)
     assert not pdl_enabled(torch.device("cuda"))
 
 

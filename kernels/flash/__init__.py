@@ -1,0 +1,58 @@
+"""FlashAttention (the FA2 algorithm) in Triton: forward and backward.
+
+    flash_attention(q, k, v, *, causal=True, sm_scale=None) -> (B, Hq, Nq, D)
+    flash_attention_qkvpacked(qkv, n_head, n_kv_head, *, causal=True, sm_scale=None) -> (B, Hq, N, D)
+
+Same semantics as ``kernels.naive.naive_attention`` (the reference and test oracle):
+
+* q is (B, Hq, Nq, D); k and v are (B, Hkv, Nk, D); Hq must be a multiple of Hkv (grouped-query and
+  multi-query attention: query head h reads key/value head h // (Hq // Hkv)). Any strides (transposed
+  views, expanded heads): the kernels index through the strides, nothing is copied.
+* ``sm_scale`` defaults to 1/sqrt(D); it must be a finite number > 0.
+* ``causal=True`` is aligned bottom-right: query i sees keys j <= i + (Nk - Nq). With Nq < Nk this is what a
+  KV cache or chunked prefill needs. With Nq > Nk the first Nq - Nk query rows see no key at all: those rows
+  are defined to be **zero** in the output, and they give **zero** gradients (no NaN anywhere).
+* The result has q's dtype and is differentiable in q, k and v.
+* The packed form takes one projection qkv (B, N, (Hq + 2·Hkv)·D) — what a fused QKV matmul gives — and runs
+  the same kernels on its views (``kernels.naive.split_qkv``); its backward writes dQ, dK, dV straight into
+  one d(qkv) buffer, so a model's gradient needs no concatenation copy.
+
+Supported, forward and backward (anything else raises ValueError before any launch):
+
+* dtypes: float16, bfloat16, float32 (q, k, v the same). Accumulation is always float32: S = QKᵀ, the online
+  softmax statistics and O (and in the backward dP, dS, dQ, dK, dV) are float32 in registers; P and dS are
+  rounded to the input dtype before they enter the second matmul of each pair, exactly as the naive reference
+  rounds P to q's dtype. float32 inputs use ``input_precision="ieee"`` dots (true fp32, no TF32) so that the
+  kernel matches float32 PyTorch (whose matmuls do not use TF32 by default); that path is for accuracy, not
+  speed — train in bf16/fp16.
+* head dims 1 <= D <= 256. D is padded to the constexpr BLOCK_D = max(16, next power of two) with masked loads
+  and stores, so 48, 80, 96 (and 8 or 200) work; the padding lanes are zeros and never written back.
+* any lengths Nq, Nk >= 1: the sequence tails are handled with masked loads/stores; nothing needs to be a
+  multiple of a block size.
+* causal and non-causal masks, both in the forward and in the backward.
+* tensors on a CUDA device, or on the CPU through Triton's interpreter (TRITON_INTERPRET=1 set before the
+  kernels are imported; bf16 is wrong in the interpreter because its dots run numpy matmul on raw bits — test
+  bf16 on a GPU).
+
+Memory is linear in the sequence length: no Nq x Nk tensor exists anywhere, S and P live in registers tile by
+tile. The forward saves only O and the per-row log-sum-exp (base 2, scaled; +inf for rows that see no key).
+
+The package, one layer per module:
+
+    blocks.py    @triton.jit helpers shared by the kernels (tile of a program, causal key ranges, K/V descriptors)
+    forward.py   the forward kernel
+    backward.py  the backward kernels (split: dQ then dK/dV; fused: delta pass, dK/dV adding dQ, dQ pass)
+    configs.py   tile configs per kernel, dtype and head dim; the autotuners; forced_configs
+    launch.py    host side: load path, grid order, launches, autotune picks, fast launcher, launch plans
+    ops.py       input checks, the autograd Function, the torch.library custom ops; the public functions
+
+What the host chooses per call — the tile config (autotuned on a GPU, one small config in the interpreter),
+TMA descriptors or pointer loads, a longest-first causal grid, the split or fused backward — follows from the
+inputs' shapes, dtypes and layout (never their values) within what ``kernels.options`` allows (kernels/options.py).
+"""
+from .configs import MAX_HEAD_DIM, forced_configs, gpu_configs
+from .ops import flash_attention, flash_attention_qkvpacked
+from .._triton import SUPPORTED_DTYPES
+
+__all__ = ["flash_attention", "flash_attention_qkvpacked", "forced_configs", "gpu_configs", "SUPPORTED_DTYPES",
+           "MAX_HEAD_DIM"]

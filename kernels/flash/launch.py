@@ -1,0 +1,467 @@
+"""Host side of the flash kernels: from validated tensors to launches.
+
+    _fwd(q, k, v, causal, sm_scale) -> (o, lse)            _bwd(do, q, k, v, o, lse, causal, sm_scale, out=None)
+    _packed_fwd(qkv, n_head, n_kv_head, causal, sm_scale)   _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, ...)
+
+What it decides per call: the outputs' memory layout (that of the inputs), the load path (TMA descriptors or
+pointers), the grid order (per head, or longest-first), the backward's structure, the tile config (forced,
+autotuned or the default). Three caches keep repeated calls cheap on the host: the autotuner's pick per key
+(_picked), Triton's compiled kernel per launch signature, called through its launcher directly (_compiled, the
+"fast launcher"), and a launch plan per input signature (_plans: everything above, recorded once and
+replayed). Every decision reads kernels.options (one object per call); the plans are keyed by it, so a
+change of options never replays a plan recorded under other options.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _triton
+from .. import options as _options
+from ..naive import split_qkv
+from .configs import (GPU_CONFIGS, INTERPRET_CONFIG, KERNELS, MAX_HEAD_DIM, TUNERS, block_d, config_key, forced,
+                      next_pow2)
+
+# ----------------------------------------------------------------------------------------------------------
+# Output buffers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two length bucket for the autotune key (so every new length does not re-tune)."""
+    return min(next_pow2(n), 1 << 16)
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """t's dims from outermost to innermost in memory (stride-0 broadcast dims count as outermost)."""
+    return sorted(range(4), key=lambda i: (-(t.stride(i) or 2**62), i))
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple, tuple]:
+    """(shape in memory order, permutation back to (B, H, N, D)) of a buffer laid out like t.
+
+    A model hands q, k, v as (B, N, H, D) memory seen as (B, H, N, D); returning O and dQ/dK/dV in that same
+    order makes the model's `y.transpose(1, 2).contiguous()` (and the gradients' way back) free instead of a
+    copy, as with PyTorch's SDPA. The head dim stays innermost; ties keep the (B, H, N, D) order.
+    """
+    order = _memory_order(t) if t.stride(3) == 1 else [0, 1, 2, 3]
+    return tuple(t.shape[i] for i in order), tuple(order.index(i) for i in range(4))
+
+
+def _empty_like_layout(layout, dtype, device) -> torch.Tensor:
+    shape, perm = layout
+    return _triton.empty(shape, dtype, device).permute(*perm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load path, grid order, backward structure
+# ----------------------------------------------------------------------------------------------------------
+
+_TRITON_HAS_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+_TRITON_HAS_DESC_REDUCE = _TRITON_HAS_DESCRIPTORS and hasattr(tl.core.tensor_descriptor_base, "atomic_add")
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _tma_available(device: torch.device, opts: _options.KernelOptions) -> bool:
+    """Triton with on-device tensor descriptors, on a Hopper-or-newer GPU (or the interpreter), and the tma
+    option on."""
+    if not _TRITON_HAS_DESCRIPTORS or not opts.tma:
+        return False
+    return _triton.INTERPRET or _hopper_or_newer(torch.device(device).index or 0)
+
+
+# The padded head dim (BLOCK_D) from which each kernel reads through TMA descriptors (_NEVER: pointers only).
+# At BLOCK_D = 128 descriptors take fewer registers than pointer tiles, which made the dK/dV kernel faster and
+# the forward and dQ kernels slower; at 64 all were slower or even (bench/NOTES.md, "TMA"). The
+# tma_min_block_d option replaces all three.
+_NEVER = MAX_HEAD_DIM * 2
+TMA_MIN_BLOCK_D = {"fwd": _NEVER, "dq": _NEVER, "dkdv": 128}
+
+
+def _tma_ok(kernel: str, opts: _options.KernelOptions, *tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can and should read these (B, H, N, D) tensors in `kernel`: head dim padded to at
+    least the kernel's TMA_MIN_BLOCK_D (the interpreter: any), unit stride along D, and every head's start and
+    row stride a multiple of 16 bytes (a copy is never made to get there: otherwise pointer loads)."""
+    min_d = TMA_MIN_BLOCK_D[kernel] if opts.tma_min_block_d is None else opts.tma_min_block_d
+    if block_d(tensors[0].shape[-1]) < min_d and not _triton.INTERPRET:
+        return False
+    if not _tma_available(tensors[0].device, opts):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        sb, sh, sn, sd = t.stride()
+        if sd != 1 or sn <= 0 or (sn * size) % 16 or (sb * size) % 16 or (sh * size) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+# Causal grids in longest-first order (blocks._lpt_tile), in groups of heads whose streamed tiles stay in L2:
+# the budget is about half of a Hopper GPU's 50 MB L2. Used only when a group holds at least LPT_MIN_GROUP
+# (batch, head) pairs: with fewer (long sequences, wide heads) the order lost more than it gained
+# (bench/NOTES.md, "LPT").
+LPT_L2_BYTES = 24 << 20
+LPT_MIN_GROUP = 8
+
+
+def _lpt(causal: bool, group: int, opts: _options.KernelOptions) -> bool:
+    return bool(causal) and group >= LPT_MIN_GROUP and opts.lpt
+
+
+def _lpt_group(t: torch.Tensor, rows: int, heads: int) -> int:
+    """How many (batch, head) pairs one LPT group holds: a program streams `rows` rows of two tensors like t
+    (K and V, or Q and dO) per head; the group's share fits LPT_L2_BYTES."""
+    per_head = 2 * rows * t.shape[-1] * t.element_size()
+    return max(1, min(heads, LPT_L2_BYTES // per_head))
+
+
+# The fused dK/dV kernel's dQ accumulation (FUSED_DQ): 2 = one TMA reduce-add per tile (cp.reduce.async.bulk:
+# the tile goes through shared memory, the adds happen in L2) where Triton has descriptor reductions and the GPU
+# has TMA (the tma option off turns it off); 1 = element atomic adds (older GPUs and Triton, the interpreter,
+# which has no descriptor reductions).
+def _fused_dq_mode(device: torch.device, opts: _options.KernelOptions) -> int:
+    if (opts.fused_dq == 2 and not _triton.INTERPRET and _TRITON_HAS_DESC_REDUCE
+            and _tma_available(device, opts)):
+        return 2
+    return 1
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launching one kernel
+# ----------------------------------------------------------------------------------------------------------
+
+_picked: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's choice per key, reused without the tuner
+
+
+def _autotune_enabled() -> bool:
+    return not _triton.INTERPRET and _options.get().autotune
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for the descriptors the kernels build on the device (128 bytes per descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: _launch runs under its guard
+
+
+def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: int, block_n: int):
+    """(blocks, heads, batch), or the same count in 1-D for the LPT order; fwd/dq tile queries, dkdv keys."""
+    blocks = -(-length // (block_n if name in ("dkdv", "dkdvq") else block_m))  # ceil
+    return (blocks * heads * batch,) if lpt else (blocks, heads, batch)
+
+
+# Triton's compiled kernel per launch signature, so that a repeated launch calls its launcher directly and skips
+# JITFunction.run's per-call work (binding and specialising ~45 arguments, building its cache key: microseconds
+# of host time per launch, which the GPU waits for where a training step starts). With the fast_launch option
+# off, every launch goes through JITFunction.run.
+_compiled: dict[tuple, object] = {}
+_COMPILED_MAX = 4096  # signatures kept (one per distinct shape/stride set); the cache starts over beyond it
+_N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 9, "dkdvq": 9, "prep": 4, "dqout": 2}  # tensors lead the arguments
+
+
+def _fast_launch() -> bool:
+    return _options.get().fast_launch and not _triton.INTERPRET
+
+
+def _run(name: str, grid: tuple, cfg, args, kwargs):
+    """Launch the plain kernel `name` with tile config cfg (the cached compiled kernel when there is one).
+    Returns the compiled kernel that later launches of this signature can call directly (_launch_compiled),
+    or None (direct launches off, or not cacheable).
+
+    The cache key is stricter than Triton's specialisation: the tensors' dtypes and 16-byte alignment (what
+    Triton specialises a pointer on) and every other argument by value, so a hit always has the signature the
+    kernel was compiled for."""
+    bm, bn, warps, stages = cfg
+    if not _fast_launch():
+        KERNELS[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        return None
+    n = _N_TENSOR_ARGS[name]
+    key = (name, cfg, args[0].device.index, *kwargs.values(), *args[n:],
+           *[(t.dtype, t.data_ptr() % 16 == 0) for t in args[:n]])
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = KERNELS[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        # the launcher takes every parameter in the kernel's order: the positional args, then the constexprs
+        if (hasattr(kernel, "run") and list(KERNELS[name].arg_names[len(args):]) == [*kwargs, "BLOCK_M", "BLOCK_N"]
+                and all(isinstance(a, torch.Tensor) == (i < n) for i, a in enumerate(args))):
+            if len(_compiled) >= _COMPILED_MAX:
+                _compiled.clear()
+            _compiled[key] = kernel
+            return kernel
+        return None
+    _launch_compiled(kernel, grid, (*args, *kwargs.values(), bm, bn))
+    return kernel
+
+
+def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
+    """Call a compiled kernel's launcher on the current device and stream. vals: every kernel parameter in
+    order (pointer parameters may be tensors or plain integer addresses)."""
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    hooks = triton.knobs.runtime
+    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, kernel.launch_metadata(grid, stream, *vals), hooks.launch_enter_hook,
+               hooks.launch_exit_hook, *vals)
+
+
+def _uses_descriptors(kwargs: dict) -> bool:
+    """Whether the launch builds tensor descriptors on the device (then Triton needs its scratch allocator)."""
+    return bool(kwargs.get("TMA")) or kwargs.get("FUSED_DQ") == 2
+
+
+def _exec(name: str, grid: tuple, cfg, args, kwargs):
+    if _uses_descriptors(kwargs) and not _triton.INTERPRET:
+        triton.set_allocator(_tma_scratch)  # a context variable: set per launch (autograd runs in its own thread)
+    return _run(name, grid, cfg, args, kwargs)
+
+
+def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args, kwargs):
+    """Launch kernel `name` with a forced config, the autotuner, or the default config. Returns (grid, config,
+    compiled kernel or None: see _run) of a launch with a fixed config, None after the autotuner's first run for
+    its key."""
+    cfgs = GPU_CONFIGS[config_key(name, dtype, kwargs["BLOCK_D"])]
+    if name in forced or _triton.INTERPRET or not _autotune_enabled() or len(cfgs) == 1:
+        if name in forced:
+            cfg = forced[name]
+        elif _triton.INTERPRET:
+            cfg = INTERPRET_CONFIG
+        else:
+            cfg = cfgs[0]
+    else:
+        # after the autotuner has picked a config for this key, launch the plain kernel with it directly
+        # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
+        tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], kwargs.get("GQA"),
+                kwargs.get("FUSED_DQ"), args[-2], args[-1], args[0].device.index)  # the buckets are the last two args
+        cfg = _picked.get(tkey)
+        if cfg is None:
+            grid = lambda meta: _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"],  # noqa: E731
+                                      meta["BLOCK_M"], meta["BLOCK_N"])
+            if _uses_descriptors(kwargs):
+                triton.set_allocator(_tma_scratch)
+            tuner = TUNERS[config_key(name, dtype, kwargs["BLOCK_D"])]
+            tuner[grid](*args, **kwargs)
+            best = tuner.best_config
+            _picked[tkey] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            return None
+    grid = _grid(name, grid_axis0_len, heads, batch, kwargs.get("LPT", False), cfg[0], cfg[1])
+    return grid, cfg, _exec(name, grid, cfg, args, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch plans
+# ----------------------------------------------------------------------------------------------------------
+# What _fwd and _bwd compute on the host (output layouts, grids, tile configs, the stride and scalar arguments,
+# the constexprs, the compiled kernels) depends only on the inputs' shapes, strides, dtypes, device and 16-byte
+# alignment, the mask and scale, the kernel options and the forced configs. The first call with such a
+# signature records a plan; later calls allocate the outputs and launch from it. Nothing is recorded from the
+# autotuner's first run for a key (its launch is not a fixed one).
+_plans: dict[tuple, tuple] = {}
+_PLANS_MAX = 4096
+
+
+def _plan_key(kind: str, opts: _options.KernelOptions, tensors, *scalars) -> tuple | None:
+    return (kind, *scalars, opts,
+            *sorted(forced.items()),  # a plan replays the configs it was recorded with
+            *TMA_MIN_BLOCK_D.values(), LPT_MIN_GROUP,
+            *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _planned(name: str, launched, idx: tuple, tail: tuple, kwargs: dict):
+    """A plan's record of one launch (None when _launch gave none): the kernel, grid, config, compiled kernel,
+    the indices of its tensors in the replay's pool, the other arguments, the constexprs, and (with a compiled
+    kernel) everything after the tensors as its launcher takes it."""
+    if launched is None:
+        return None
+    grid, cfg, kernel = launched
+    after = None if kernel is None else (*tail, *kwargs.values(), cfg[0], cfg[1])
+    return name, grid, cfg, kernel, idx, tail, kwargs, after
+
+
+def _record(key, plan) -> None:
+    if key is not None and all(launch is not None for launch in plan[-1]):
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[key] = plan
+
+
+def _replay(launches, pool, like: torch.Tensor) -> None:
+    """Run a plan's launches on the tensors (or, for compiled kernels only, integer addresses) in pool."""
+    with _triton.device_guard(like):
+        for name, grid, cfg, kernel, idx, tail, kwargs, after in launches:
+            if kernel is None:
+                _exec(name, grid, cfg, (*[pool[i] for i in idx], *tail), kwargs)
+                continue
+            if _uses_descriptors(kwargs):
+                triton.set_allocator(_tma_scratch)
+            _launch_compiled(kernel, grid, (*[pool[i] for i in idx], *after))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward and backward of q, k, v
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
+    """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled)."""
+    opts = _options.get()
+    key = _plan_key("fwd", opts, (q, k, v), causal, sm_scale)
+    plan = _plans.get(key)
+    if plan is not None:
+        o_layout, lse_shape, launches = plan
+        o = _empty_like_layout(o_layout, q.dtype, q.device)
+        lse = _triton.empty(lse_shape, torch.float32, q.device)
+        _replay(launches, (q, k, v, o, lse), q)
+        return o, lse
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    o_layout = _layout(q)
+    o = _empty_like_layout(o_layout, q.dtype, q.device)  # (B, Hq, Nq, D), laid out like q
+    lse = _triton.empty((B, Hq, Nq), torch.float32, q.device)
+    group = _lpt_group(k, Nk, B * Hq)
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, group, _bucket(Nq), _bucket(Nk))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+                  TMA=_tma_ok("fwd", opts, k, v), LPT=_lpt(causal, group, opts))
+    with _triton.device_guard(q):
+        launched = _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
+    _record(key, (o_layout, (B, Hq, Nq), [_planned("fwd", launched, range(5), args[5:], kwargs)]))
+    return o, lse
+
+
+def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
+    """Launch the backward (the backward option: "split": dQ, which also stores delta, then dK/dV; "fused":
+    delta pass, dK/dV adding dQ, dQ pass). Returns dq, dk, dv shaped like q, k, v, written into `out` =
+    (dq, dk, dv) when given (views of one packed gradient), else new buffers."""
+    opts = _options.get()
+    key = _plan_key("bwd", opts, (do, q, k, v, o, lse, *(out or ())), causal, sm_scale)
+    plan = _plans.get(key)
+    if plan is not None:
+        delta_shape, layouts, acc_shape, launches = plan
+        delta = _triton.empty(delta_shape, torch.float32, q.device)
+        acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, q.device)
+        dq, dk, dv = out or [_empty_like_layout(lay, q.dtype, q.device) for lay in layouts]
+        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv, acc), q)
+        return dq, dk, dv
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    BLOCK_D = block_d(D)
+    fused = opts.backward == "fused"
+    delta = _triton.empty((B, Hq, Nq), torch.float32, q.device)
+    acc_shape = (B, Hq, Nq, BLOCK_D) if fused else None
+    acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, q.device)  # fused: dQ accumulator
+    layouts = None
+    if out is None:
+        layouts = [_layout(t) for t in (q, k, v)]
+        dq, dk, dv = [_empty_like_layout(lay, q.dtype, q.device) for lay in layouts]  # laid out like q, k, v
+    else:
+        dq, dk, dv = out
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    dq_group, dkdv_group = _lpt_group(k, Nk, B * Hq), _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
+    qk_scale = sm_scale * _triton.LOG2E
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                 *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
+                 dkdv_group, _bucket(Nq), _bucket(Nk))
+    dkdv_kwargs = dict(kwargs, TMA=_tma_ok("dkdv", opts, q, do), LPT=_lpt(causal, dkdv_group, opts), GQA=Hq > Hkv,
+                       FUSED_DQ=_fused_dq_mode(q.device, opts) if fused else 0)
+    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused)
+    dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10)
+    if fused:
+        rows = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D)
+        prep_args = (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq)
+        out_args = (acc, dq, *dq.stride(), Hq, Nq, sm_scale)
+        with _triton.device_guard(q):
+            launched = [_launch("prep", Nq, Hq, B, q.dtype, prep_args, rows),
+                        _launch("dkdvq", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs),
+                        _launch("dqout", Nq, Hq, B, q.dtype, out_args, rows)]
+        launches = [_planned("prep", launched[0], (3, 4, 6, 10), prep_args[4:], rows),
+                    _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[9:], dkdv_kwargs),
+                    _planned("dqout", launched[2], (10, 7), out_args[2:], rows)]
+    else:
+        dq_args = (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                   *do.stride(), *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group,
+                   _bucket(Nq), _bucket(Nk))
+        dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, dq_group, opts))
+        with _triton.device_guard(q):
+            dq_launch = _launch("dq", Nq, Hq, B, q.dtype, dq_args, dq_kwargs)
+            dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
+        launches = [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7), dq_args[8:], dq_kwargs),
+                    _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[9:], dkdv_kwargs)]
+    _record(key, ((B, Hq, Nq), layouts, acc_shape, launches))
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packed projections: qkv (B, N, (Hq + 2·Hkv)·D) in, O out; the backward returns d(qkv) in one buffer
+# ----------------------------------------------------------------------------------------------------------
+# A model's fused QKV matmul gives one tensor; q, k, v are views of it. Through the per-view form, autograd
+# would concatenate dq, dk, dv into d(qkv) with a copy kernel (a read and a write of the whole gradient per
+# layer); here the two backward kernels write their slices of d(qkv) directly.
+#
+# A packed call whose launches all have compiled kernels (on a GPU) is also planned by qkv's own signature: the
+# launchers then take q, k, v (and dq, dk, dv) as integer addresses at the split's fixed byte offsets, so a
+# replay skips building the views (split_qkv) and the per-view plan key.
+
+def _offsets(packed: torch.Tensor, views) -> tuple:
+    return tuple(t.data_ptr() - packed.data_ptr() for t in views)
+
+
+def _record_packed(key, inner_key, offsets: tuple) -> None:
+    """Plan a packed call as the per-view plan `inner_key` that its first call recorded, plus the offsets
+    (or mark the signature _UNPACKABLE when that plan launches through Triton's JITFunction.run)."""
+    inner = _plans.get(inner_key) if key is not None else None
+    if inner is not None:
+        _record(key, (offsets, *inner) if all(launch[3] is not None for launch in inner[-1]) else _UNPACKABLE)
+
+
+# The plan recorded for a packed signature whose per-view plan launches through JITFunction.run (the interpreter,
+# the fast_launch option off): such calls take the per-view path without trying to record again. Its last item
+# is an empty list of launches, so _record accepts it.
+_UNPACKABLE = ((),)
+
+
+def _packed_fwd(qkv, n_head: int, n_kv_head: int, causal: bool, sm_scale: float):
+    opts = _options.get()
+    key = _plan_key("packed_fwd", opts, (qkv,), n_head, n_kv_head, causal, sm_scale)
+    plan = _plans.get(key)
+    if plan is not None and plan is not _UNPACKABLE:
+        offsets, o_layout, lse_shape, launches = plan
+        o = _empty_like_layout(o_layout, qkv.dtype, qkv.device)
+        lse = _triton.empty(lse_shape, torch.float32, qkv.device)
+        at = qkv.data_ptr()
+        _replay(launches, (*[at + off for off in offsets], o, lse), qkv)
+        return o, lse
+    q, k, v = split_qkv(qkv, n_head, n_kv_head)
+    o, lse = _fwd(q, k, v, causal, sm_scale)
+    if plan is None:
+        _record_packed(key, _plan_key("fwd", opts, (q, k, v), causal, sm_scale), _offsets(qkv, (q, k, v)))
+    return o, lse
+
+
+def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_scale: float) -> torch.Tensor:
+    opts = _options.get()
+    dqkv = _triton.empty(tuple(qkv.shape), qkv.dtype, qkv.device)  # (B, N, (Hq + 2·Hkv)·D), contiguous
+    key = _plan_key("packed_bwd", opts, (do, qkv, o, lse, dqkv), n_head, n_kv_head, causal, sm_scale)
+    plan = _plans.get(key)
+    if plan is not None and plan is not _UNPACKABLE:
+        offsets, delta_shape, _, acc_shape, launches = plan
+        delta = _triton.empty(delta_shape, torch.float32, qkv.device)
+        acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, qkv.device)
+        at, grad_at = qkv.data_ptr(), dqkv.data_ptr()
+        _replay(launches, (*[at + off for off in offsets[:3]], o, do, lse, delta,
+                           *[grad_at + off for off in offsets[3:]], acc), qkv)
+        return dqkv
+    q, k, v = split_qkv(qkv, n_head, n_kv_head)
+    out = split_qkv(dqkv, n_head, n_kv_head)
+    _bwd(do, q, k, v, o, lse, causal, sm_scale, out=out)
+    if plan is None:
+        _record_packed(key, _plan_key("bwd", opts, (do, q, k, v, o, lse, *out), causal, sm_scale),
+                       _offsets(qkv, (q, k, v)) + _offsets(dqkv, out))
+    return dqkv

@@ -1,0 +1,183 @@
+"""Every switch of the Triton kernels in one typed, immutable object.
+
+    kernels.options.get() -> KernelOptions            the options in force
+    kernels.options.update(**changes) -> KernelOptions replace some for the rest of the process (a benchmark's flag)
+    with kernels.options.use(**changes): ...           replace some inside a block (tests, A/B runs in one process)
+    with kernels.options.use_defaults(**defaults): ... a program's own defaults, the environment's overrides on top
+    kernels.options.from_env(environ, **defaults)      the defaults with the environment's overrides applied
+
+The kernels read get() on every call (an attribute read, nothing is parsed), so a change takes effect at the
+next call; cached launch plans are keyed by the options they were recorded under. The defaults are the
+measured choices (bench/NOTES.md). Each option has one documented environment override, read once, by the
+first get() of the process (a bad value is a ValueError naming the variable):
+
+    option                     environment override              default
+    autotune                   FLASHGPT_AUTOTUNE=0|1             True   autotune tile configs on a GPU; off: each
+                                                                        kernel's first (default) config
+    tma                        FLASHGPT_TMA=0|1                  True   TMA descriptor loads where the kernel's policy
+                                                                        uses them (Hopper); off: pointer loads
+    tma_min_block_d            FLASHGPT_TMA_MIN_D=<int>          None   descriptors in every flash kernel from this
+                                                                        padded head dim (None: each kernel's policy)
+    lpt                        FLASHGPT_LPT=0|1                  True   longest-first causal grids where they help;
+                                                                        off: the per-head grid
+    fast_launch                FLASHGPT_FAST_LAUNCH=0|1          True   reuse Triton's compiled kernel's launcher;
+                                                                        off: every launch through JITFunction.run
+    backward                   FLASHGPT_BWD=split|fused          split  flash backward: dQ then dK/dV (deterministic),
+                                                                        or delta, dK/dV adding dQ with atomics, dQ
+    fused_dq                   FLASHGPT_FUSED_DQ=1|2             2      the fused backward adds dQ with TMA
+                                                                        reduce-adds where possible (2) or element
+                                                                        atomics (1)
+    pdl                        FLASHGPT_PDL=0|1                  True   programmatic dependent launch of the decode
+                                                                        kernels (Hopper)
+    loss_kernel                FLASHGPT_CE=auto|triton|torch     auto   what kernels.cross_entropy runs for "auto":
+                                                                        auto = Triton on CUDA, PyTorch elsewhere
+    decode_min_keys_per_split  FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT=<int>   256   the split-KV decode never cuts
+                                                                        the cache finer (automatic split count)
+
+Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
+that launch kernels (autograd's backward threads read the same, process-wide, object).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+
+BACKWARDS = ("split", "fused")
+LOSS_KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    autotune: bool = True
+    tma: bool = True
+    tma_min_block_d: int | None = None
+    lpt: bool = True
+    fast_launch: bool = True
+    backward: str = "split"
+    fused_dq: int = 2
+    pdl: bool = True
+    loss_kernel: str = "auto"
+    decode_min_keys_per_split: int = 256
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            problem = _problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"kernel option {f.name}={getattr(self, f.name)!r}: {problem}")
+        # launch plans are keyed by the options on every call: hash them once
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_EXPECTED = {  # option -> (accepts, what it expects)
+    "autotune": (lambda v: isinstance(v, bool), "expected True or False"),
+    "tma": (lambda v: isinstance(v, bool), "expected True or False"),
+    "tma_min_block_d": (lambda v: v is None or (_is_int(v) and v >= 1), "expected None or an int >= 1"),
+    "lpt": (lambda v: isinstance(v, bool), "expected True or False"),
+    "fast_launch": (lambda v: isinstance(v, bool), "expected True or False"),
+    "backward": (lambda v: v in BACKWARDS, f"expected one of {', '.join(BACKWARDS)}"),
+    "fused_dq": (lambda v: _is_int(v) and v in (1, 2), "expected 1 (element atomics) or 2 (TMA reduce-adds)"),
+    "pdl": (lambda v: isinstance(v, bool), "expected True or False"),
+    "loss_kernel": (lambda v: v in LOSS_KERNELS, f"expected one of {', '.join(LOSS_KERNELS)}"),
+    "decode_min_keys_per_split": (lambda v: _is_int(v) and v >= 1, "expected an int >= 1"),
+}
+
+
+def _problem(name: str, value) -> str | None:
+    accepts, expected = _EXPECTED[name]
+    return None if accepts(value) else expected
+
+
+ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d": "FLASHGPT_TMA_MIN_D",
+       "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
+       "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
+       "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _parse(text: str, default):
+    """An override's value, of the default's type."""
+    value = text.strip()
+    if isinstance(default, bool):
+        return True if value.lower() in _TRUE else False if value.lower() in _FALSE else text
+    if isinstance(default, int) or default is None:  # the int options (tma_min_block_d defaults to None)
+        try:
+            return int(value)
+        except ValueError:
+            return text
+    return value
+
+
+def from_env(environ=None, **defaults) -> KernelOptions:
+    """The default options (KernelOptions's, or those given) with the overrides found in `environ` (default:
+    os.environ) applied on top; a bad value is a ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    defaults, changes = KernelOptions(**defaults), {}
+    for f in dataclasses.fields(KernelOptions):
+        var = ENV[f.name]
+        if var in environ:
+            value = _parse(environ[var], getattr(defaults, f.name))
+            problem = _problem(f.name, value)
+            if problem:
+                raise ValueError(f"{var}={environ[var]!r}: {problem.replace('True or False', '1 or 0')}")
+            changes[f.name] = value
+    return dataclasses.replace(defaults, **changes)
+
+
+_current: KernelOptions | None = None
+
+
+def get() -> KernelOptions:
+    """The options in force (the environment's overrides are read by the first call)."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current
+
+
+def _replaced(changes: dict) -> KernelOptions:
+    names = {f.name for f in dataclasses.fields(KernelOptions)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ValueError(f"unknown kernel option {unknown[0]!r}; options: {', '.join(sorted(names))}")
+    return dataclasses.replace(get(), **changes)
+
+
+def update(**changes) -> KernelOptions:
+    """Replace the given options for the rest of the process; returns the options now in force."""
+    global _current
+    _current = _replaced(changes)
+    return _current
+
+
+@contextlib.contextmanager
+def use(**changes):
+    """Replace the given options inside a with-block (restored on exit); yields the options in force."""
+    with _using(_replaced(changes)) as new:
+        yield new
+
+
+@contextlib.contextmanager
+def use_defaults(**defaults):
+    """Inside a with-block, the given defaults (a program's own choices) with the environment's overrides on top,
+    in place of the options in force; yields them."""
+    with _using(from_env(**defaults)) as new:
+        yield new
+
+
+@contextlib.contextmanager
+def _using(new: KernelOptions):
+    global _current
+    old, _current = get(), new
+    try:
+        yield new
+    finally:
+        _current = old

@@ -50,26 +50,20 @@ class Mutant:
 
 
 MUTANTS = [
-    # forward: key blocks below full_hi are streamed without a mask; +2 lets one block that the tile's first row
-    # must see only in part through unmasked when start_m + offset + 2 is a multiple of BLOCK_N
+    # forward and dQ (one helper, _key_blocks): key blocks below full_hi are streamed without a mask; +2 lets one
+    # block that the tile's first row must see only in part through unmasked when start_m + offset + 2 is a
+    # multiple of BLOCK_N
     Mutant("fwd-full-hi+1",
-           "blocks ending there are fully visible\n full_hi = tl.minimum((tl.maximum(start_m + offset + 1, 0)",
+           "full_hi = tl.minimum((tl.maximum(start_m + offset + 1, 0) // BLOCK_N) * BLOCK_N, n_full)",
            "start_m + offset + 1", "start_m + offset + 2"),
     # dK/dV: query blocks from lo on are visited; +1 skips the block holding query start_n - offset (the first
     # query that sees this key tile) when that query is the last row of its block
     Mutant("dkdv-lo+1",
            "lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M",
            "start_n - offset", "start_n - offset + 1"),
-    # dQ: the forward's fully-visible bound, in the dQ kernel
-    Mutant("dq-full-hi+1",
-           "if CAUSAL:\n full_hi = tl.minimum((tl.maximum(start_m + offset + 1, 0)",
-           "start_m + offset + 1", "start_m + offset + 2"),
-    # forward / dQ: hi is one past the last key the tile's last row sees; -1 drops a block that holds only it
+    # forward and dQ: hi is one past the last key the tile's last row sees; -1 drops a block that holds only it
     Mutant("fwd-hi-1",
            "hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), Nk)  # past the last row's last key",
-           "start_m + BLOCK_M + offset", "start_m + BLOCK_M + offset - 1"),
-    Mutant("dq-hi-1",
-           "hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), Nk)\n else:",
            "start_m + BLOCK_M + offset", "start_m + BLOCK_M + offset - 1"),
     # dK/dV: query blocks from full_lo on are visited without a mask; -1 lets one block in whose first row does
     # not see the tile's last key

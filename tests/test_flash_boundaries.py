@@ -31,6 +31,8 @@ import zlib
 import pytest
 import torch
 
+import kernels
+import kernels._triton
 import kernels.flash as fa
 from kernels import flash_attention, naive_attention
 from kernels.naive import causal_mask
@@ -64,16 +66,11 @@ def _heads(offset: int) -> tuple[int, int]:
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    """NaN-fill every buffer the attention kernels allocate: their one allocator `_empty` is replaced wherever
-    kernels.flash (a module, or a package and its submodules) holds it."""
+    """NaN-fill every buffer the attention kernels allocate: their one allocator, kernels._triton.empty."""
     def poisoned_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    holders = [m for name, m in list(sys.modules.items())
-               if (name == fa.__name__ or name.startswith(fa.__name__ + ".")) and callable(getattr(m, "_empty", None))]
-    assert holders, "kernels.flash has no `_empty` allocator to poison"
-    for module in holders:
-        monkeypatch.setattr(module, "_empty", poisoned_empty)
+    monkeypatch.setattr(kernels._triton, "empty", poisoned_empty)
 
 
 def _gen(request) -> torch.Generator:
@@ -140,10 +137,10 @@ def test_sweep_covers_every_tile_edge():
 @pytest.mark.parametrize("dtype", SLOW_DTYPES, ids=str)
 @pytest.mark.parametrize("Nq", LENGTHS, ids=lambda n: f"Nq{n}")
 @pytest.mark.parametrize("tiles", list(TILES.values()), ids=list(TILES))
-def test_causal_length_pairs_exhaustive(tiles, Nq, dtype, bwd, request, monkeypatch):
+def test_causal_length_pairs_exhaustive(tiles, Nq, dtype, bwd, request):
     """Every (Nq, Nk) pair of LENGTHS with Nq != Nk, MHA and GQA alternately; `fused`: the fused backward
-    (FLASHGPT_BWD=fused, whose dK/dV kernel is configured as "dkdvq") with the same causal bounds."""
-    monkeypatch.setenv("FLASHGPT_BWD", bwd)
+    (options backward="fused", whose dK/dV kernel is configured as "dkdvq") with the same causal bounds."""
     g = _gen(request)
-    for i, Nk in enumerate(n for n in LENGTHS if n != Nq):
-        _check(Nq, Nk, (1, 1) if i % 2 else (2, 1), dtype, tiles, g, "dkdvq" if bwd == "fused" else "dkdv")
+    with kernels.options.use(backward=bwd):
+        for i, Nk in enumerate(n for n in LENGTHS if n != Nq):
+            _check(Nq, Nk, (1, 1) if i % 2 else (2, 1), dtype, tiles, g, "dkdvq" if bwd == "fused" else "dkdv")

@@ -140,8 +140,11 @@ def chat_prompts(prompts: list[str], tok) -> list[str]:
     """Each prompt as a one-message conversation in the tokenizer's chat template, ready for the reply."""
     template = tok.chat_template if isinstance(tok, HFTokenizer) else None
     if not template:
-        where = (f"{tok.source} has no chat template (no chat_template in tokenizer_config.json, no "
-                 "chat_template.jinja)") if isinstance(tok, HFTokenizer) else f"the {tok.name} tokenizer has no chat template"
+        if isinstance(tok, HFTokenizer):
+            where = (f"{tok.source} has no chat template (no chat_template in tokenizer_config.json, no "
+                     "chat_template.jinja)")
+        else:
+            where = f"the {tok.name} tokenizer has no chat template"
         raise GenerateError(f"--chat: {where}; leave out --chat to continue the prompt as plain text")
     try:
         return [render_chat(template, [{"role": "user", "content": text}], bos_token=tok.bos_text,

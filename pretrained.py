@@ -2,7 +2,7 @@
 
     pre = load_pretrained("hf:HuggingFaceTB/SmolLM2-135M")  # a Hugging Face model: hub id (local cache first) or folder
     pre = load_pretrained("runs/demo")                      # a run folder (its best.pt) or a checkpoint file
-    settle_run_config(cfg, pre)                             # cfg.model ← the pretrained shape; data.tokenizer = "model"
+    settle_run_config(cfg, pre)                             # cfg.model ← its shape; data.tokenizer = "model"
     model.load_state_dict(pre.state_for(cfg.model))
 
 A Hugging Face model brings its config.json (model/hf_config.py), its safetensors weights (model/hf_weights.py)

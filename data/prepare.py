@@ -143,7 +143,11 @@ def _tokenizer_for(spec_json: str):
 def _tokenize_batch(batch: dict, spec_json: str) -> dict:
     """datasets.map worker: each document → its ids, GPT-2 documents ending with <|endoftext|>."""
     tok = _tokenizer_for(spec_json)
-    ids = tok.encode_batch(batch["text"])
+    try:
+        ids = tok.encode_batch(batch["text"])
+    except Exception as e:  # e.g. a character outside a WordLevel vocabulary: tokenizers raises a bare Exception
+        raise DataError(f"data.dataset: the {tok.name} tokenizer cannot encode the corpus "
+                        f"({' '.join(str(e).split())[:160]})") from None
     if tok.eot_token is not None:
         ids = [doc + [tok.eot_token] for doc in ids]
     return {"ids": ids, "len": [len(doc) for doc in ids]}

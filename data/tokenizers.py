@@ -167,7 +167,8 @@ class HFTokenizer:
         source = source or repr(folder)
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
-            found = [f for f in ("tokenizer.model", "vocab.json", "vocab.txt") if os.path.isfile(os.path.join(folder, f))]
+            found = [f for f in ("tokenizer.model", "vocab.json", "vocab.txt")
+                     if os.path.isfile(os.path.join(folder, f))]
             raise TokenizerError(f"{source} has no tokenizer.json (the only tokenizer format read here"
                                  + (f"; it has {', '.join(found)}" if found else "") + ")")
         tokenizer_json = _read_text(path)

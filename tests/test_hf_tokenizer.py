@@ -94,7 +94,8 @@ def test_bad_folders_are_one_line(tok_dir, tmp_path):
     (tmp_path / "empty" / "tokenizer.model").write_bytes(b"sentencepiece")
     with pytest.raises(TokenizerError) as e:
         HFTokenizer.from_folder(str(tmp_path / "empty"), "hf:org/m")
-    assert str(e.value) == "hf:org/m has no tokenizer.json (the only tokenizer format read here; it has tokenizer.model)"
+    assert str(e.value) == ("hf:org/m has no tokenizer.json (the only tokenizer format read here; it has "
+                            "tokenizer.model)")
     folder = shutil.copytree(tok_dir, tmp_path / "eos")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, eos_token="</s>")))

@@ -112,6 +112,23 @@ def test_resume_needs_no_pretrained_folder_and_reproduces_the_run(pretrained, tm
     assert r.returncode == 0 and r.stdout.startswith("the king"), r.stderr
 
 
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "qwen3"])
+def test_each_family_finetunes(family, pretrained, tmp_path):
+    """The other families (llama: above) start from their weights and learn: the loss falls."""
+    folder = str(tmp_path / family)
+    os.makedirs(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(pretrained[0], name), folder)
+    tiny_llama(folder, MODEL_VOCAB, family)
+    cfg = finetune_cfg(pretrained, tmp_path, f"--init_from=hf:{folder}", "--export_hf=false", "--eval_iters=4")
+    train_mod.train(cfg)
+    start = load_checkpoint(os.path.join(cfg.train.out_dir, "ckpt_0000000.pt"))["config"]["model"]
+    assert (start["pos_emb"], start["qkv_bias"], start["qk_norm"]) == {
+        "gpt2": ("learned", False, False), "qwen2": ("rope", True, False), "qwen3": ("rope", False, True)}[family]
+    val = rows(cfg.train.out_dir, "val_loss")
+    assert val[-1][1] < val[0][1] - 0.3
+
+
 def test_finetune_from_a_run_folder(tmp_path):
     """A GPT-2-shaped character-level run continued on a shorter context: its best.pt, its alphabet, its learned
     position table cut to the new block_size."""
@@ -130,6 +147,24 @@ def test_finetune_from_a_run_folder(tmp_path):
     for key, t in source["model"].items():
         want = t[:16] if key == "transformer.wpe.weight" else t
         assert torch.equal(start["model"][key], want), key
+
+
+def test_scratch_run_with_a_hub_tokenizer_resumes_without_it(pretrained, tmp_path):
+    """data.tokenizer = "hf:<dir>" on a model trained from scratch: resume tokenises with the checkpoint's copy."""
+    folder, _, corpus = pretrained
+    common = [f"--dataset={corpus}", f"--tokenizer=hf:{folder}", f"--cache_dir={tmp_path}/cache", "--num_proc=1",
+              "--device=cpu", "--batch_size=4", "--eval_iters=1", "--warmup_iters=1", f"--out_dir={tmp_path}/run",
+              "--eval_interval=2", "--pos_emb=rope", "--norm=rmsnorm", "--mlp=swiglu", *TINY_MODEL]
+    train_mod.train(load_config(None, [*common, "--max_iters=2"]))
+    first = load_checkpoint(str(tmp_path / "run"))
+    assert first["tokenizer"]["kind"] == "hf" and first["config"]["model"]["vocab_size"] == 300
+    hidden = folder + ".moved"
+    os.rename(folder, hidden)
+    try:
+        summary = train_mod.train(load_config(None, [*common, "--max_iters=4", "--init_from=resume"]))
+    finally:
+        os.rename(hidden, folder)
+    assert summary["iters"] == 4 and load_checkpoint(str(tmp_path / "run"))["tokenizer"] == first["tokenizer"]
 
 
 # ------------------------------------------------------------------------------------------------- bad input

@@ -195,11 +195,6 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    @property
-    def backend(self):
-        """The `tokenizers.Tokenizer` itself."""
-        return self._tok
-
     def spec(self) -> dict:
         return {"kind": "hf", "source": self.source,
                 "sha256": hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest(),

@@ -26,14 +26,15 @@ from model.config import ConfigError, GPTConfig
 @dataclass
 class DataConfig:
     dataset: str = "shakespeare"  # "shakespeare" | text file | folder | glob | "hf:NAME[:CONFIG]"
-    tokenizer: str = "char"       # "char" | "gpt2"
+    tokenizer: str = "char"       # "char" | "gpt2" | "hf:<repo-or-dir>" | "model" (train.init_from's own tokenizer)
     val_fraction: float = 0.1
     num_proc: int = 2             # tokenisation processes
     cache_dir: str = ".cache/data"
 
     def validate(self) -> "DataConfig":
-        if self.tokenizer not in ("char", "gpt2"):
-            raise ConfigError(f"data.tokenizer={self.tokenizer!r}: must be 'char' or 'gpt2'")
+        if self.tokenizer not in ("char", "gpt2", "model") and not is_hf_name(self.tokenizer):
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r}: must be 'char', 'gpt2', 'hf:<repo-or-dir>' (a "
+                              "Hugging Face model's tokenizer.json) or 'model' (the tokenizer of train.init_from)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)")
         if self.num_proc < 1:
@@ -67,7 +68,9 @@ class TrainConfig:
     eval_hellaswag_data: str = ""     # its local JSONL/Parquet file; "" = download once into data.cache_dir/eval
     log_interval: int = 10
     keep_last: int = 2              # checkpoints kept besides best.pt
-    init_from: str = "scratch"      # "scratch" | "resume" (continue the run in out_dir exactly)
+    init_from: str = "scratch"      # "scratch" | "resume" (continue the run in out_dir exactly) | "hf:<repo-or-dir>"
+                                    # (Hugging Face weights) | a run folder (its best.pt) or checkpoint: fine-tune
+    export_hf: bool = False         # at the end, export best.pt as a Hugging Face model into <out_dir>/hf
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
     wandb_project: str = "flashgpt"
@@ -97,8 +100,9 @@ class TrainConfig:
             raise ConfigError(f"train.dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
-        if self.init_from not in ("scratch", "resume"):
-            raise ConfigError(f"train.init_from={self.init_from!r}: must be 'scratch' or 'resume'")
+        if not self.init_from or self.init_from == "hf:":
+            raise ConfigError(f"train.init_from={self.init_from!r}: must be 'scratch', 'resume', "
+                              "'hf:<repo-or-dir>' or a run folder / checkpoint file")
         if self.peak_tflops < 0:
             raise ConfigError(f"train.peak_tflops={self.peak_tflops!r}: must not be negative")
         if not self.out_dir:
@@ -119,6 +123,9 @@ class RunConfig:
         self.model.validate()
         self.data.validate()
         self.train.validate()
+        if self.data.tokenizer == "model" and self.train.init_from == "scratch":
+            raise ConfigError("data.tokenizer='model' is the tokenizer of a pretrained model: set train.init_from "
+                              "to 'hf:<repo-or-dir>' or a run folder, or choose 'char', 'gpt2' or 'hf:<repo-or-dir>'")
         return self
 
     def to_dict(self) -> dict:
@@ -133,6 +140,11 @@ class RunConfig:
 
 
 SECTIONS = ("model", "data", "train")
+
+
+def is_hf_name(value: str) -> bool:
+    """Whether a tokenizer or init_from value names a Hugging Face model: "hf:<repo-or-dir>"."""
+    return value.startswith("hf:") and len(value) > 3
 
 
 def _field_types(obj) -> dict[str, type]:

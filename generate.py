@@ -4,6 +4,11 @@
     python generate.py --ckpt runs/demo --prompt "To be" --prompt "JULIET:" --temperature 0
     echo "Once upon" | python generate.py --ckpt runs/x/best.pt --prompt-file -
     python generate.py --init-from gpt2 --prompt "Hello"      # Hugging Face GPT-2 weights (needs the hub)
+    python generate.py --init-from hf:HuggingFaceTB/SmolLM2-135M-Instruct --chat --prompt "What is 2+2?"
+
+--init-from hf:<repo-or-dir> loads a Hugging Face model (GPT-2, Llama, Qwen2, Qwen3 families) with its own
+tokenizer.json (pretrained.py); --chat wraps each prompt as a user message in the tokenizer's chat template
+(rendered in a Jinja sandbox, data/chat.py) and prints only the reply.
 
 Context policy: prompt + max-new-tokens must fit in the model's block_size; a longer prompt keeps its last
 block_size − max_new_tokens tokens (a note says so on stderr). max-new-tokens >= block_size is an error; its
@@ -23,7 +28,8 @@ if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter
 
 import kernels  # noqa: E402
 
-from data.tokenizers import TokenizerError, tokenizer_from_spec  # noqa: E402
+from data.chat import ChatTemplateError, render_chat  # noqa: E402
+from data.tokenizers import HFTokenizer, TokenizerError, tokenizer_from_spec  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
@@ -39,13 +45,15 @@ class GenerateError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Generate text from a flashgpt checkpoint (or GPT-2 weights).",
+    p = argparse.ArgumentParser(description="Generate text from a flashgpt checkpoint (or Hugging Face weights).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_argument_group("model")
     src.add_argument("--ckpt", help="checkpoint file, or a run folder (its latest checkpoint)")
     src.add_argument("--best", action="store_true", help="with a run folder: use best.pt instead of the latest")
-    src.add_argument("--init-from", choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
-                     help="Hugging Face GPT-2 weights instead of a checkpoint (needs transformers and the hub)")
+    src.add_argument("--init-from", metavar="hf:REPO_OR_DIR | gpt2[-medium|-large|-xl]",
+                     help="Hugging Face weights instead of a checkpoint: hf:<hub id or local folder> (GPT-2, Llama, "
+                          "Qwen2, Qwen3 families, with the model's tokenizer.json), or a GPT-2 size (with the "
+                          "GPT-2 tokenizer); hub ids are read from the local cache first")
     src.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -62,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     inp = p.add_argument_group("prompts")
     inp.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of prompts")
     inp.add_argument("--prompt-file", help="read one prompt from a file ('-' = stdin); one final newline is dropped")
+    inp.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, written with the tokenizer's chat template (Hugging "
+                          "Face tokenizers that have one); only the reply is printed")
     smp = p.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=None,
                      help="tokens to generate per sample (default: 200, at most half the model's context); prompt "
@@ -80,10 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(args, device: torch.device):
     """(model, tokenizer) from --ckpt or --init-from."""
     if args.init_from:
-        from model.hf import load_hf_gpt2
-        return load_hf_gpt2(args.init_from), tokenizer_from_spec({"kind": "gpt2"})
+        from model.hf import HF_NAMES, build, load_hf_gpt2
+        if args.init_from in HF_NAMES:
+            return load_hf_gpt2(args.init_from), tokenizer_from_spec({"kind": "gpt2"})
+        if not args.init_from.startswith("hf:") or args.init_from == "hf:":
+            raise GenerateError(f"--init-from={args.init_from!r}: expected hf:<repo-or-dir> (a Hugging Face hub id "
+                                f"or model folder) or one of {', '.join(HF_NAMES)}")
+        from pretrained import load_pretrained
+        pre = load_pretrained(args.init_from, what="--init-from")
+        return build(pre.config, pre.state), pre.tokenizer
     if not args.ckpt:
-        raise GenerateError("give --ckpt RUN_DIR_OR_FILE or --init-from gpt2")
+        raise GenerateError("give --ckpt RUN_DIR_OR_FILE or --init-from hf:REPO_OR_DIR")
     ckpt = load_checkpoint(args.ckpt, map_location="cpu", prefer="best" if args.best else "latest")
     try:
         cfg = GPTConfig(**ckpt["config"]["model"])
@@ -120,6 +138,23 @@ def read_prompts(args) -> list[str]:
         if not text.strip():
             raise GenerateError(f"prompt {i + 1} is empty")
     return prompts
+
+
+def chat_prompts(prompts: list[str], tok) -> list[str]:
+    """Each prompt as a one-message conversation in the tokenizer's chat template, ready for the reply."""
+    template = tok.chat_template if isinstance(tok, HFTokenizer) else None
+    if not template:
+        if isinstance(tok, HFTokenizer):
+            where = (f"{tok.source} has no chat template (no chat_template in tokenizer_config.json, no "
+                     "chat_template.jinja)")
+        else:
+            where = f"the {tok.name} tokenizer has no chat template"
+        raise GenerateError(f"--chat: {where}; leave out --chat to continue the prompt as plain text")
+    try:
+        return [render_chat(template, [{"role": "user", "content": text}], bos_token=tok.bos_text,
+                            eos_token=tok.eos_text) for text in prompts]
+    except ChatTemplateError as e:
+        raise GenerateError(f"--chat: {e}") from None
 
 
 def check_args(args) -> None:
@@ -170,10 +205,13 @@ def run(args) -> int:
     model = model.to(device=device, dtype=dtype).eval()
     if args.max_new_tokens is None:
         args.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, model.config.block_size // 2)
+    shown = prompts  # what is printed before each sample: the prompt it continues (nothing for a chat reply)
+    if args.chat:
+        prompts, shown = chat_prompts(prompts, tok), [""] * len(prompts)
     encoded = []
     for text in prompts:
         try:
-            ids = tok.encode(text)
+            ids = tok.encode(text, add_special_tokens=False) if args.chat else tok.encode(text)
         except TokenizerError as e:
             raise GenerateError(f"prompt cannot be encoded with this model's tokenizer: {e}") from None
         if not ids:
@@ -211,7 +249,7 @@ def run(args) -> int:
             printed[0] = text
 
     if stream:
-        sys.stdout.write(prompts[0])
+        sys.stdout.write(shown[0])
         sys.stdout.flush()
     stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None,
                      cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk, fused=fused)
@@ -220,7 +258,7 @@ def run(args) -> int:
     else:
         for i, seq in enumerate(stats.sequences):
             print(f"--- sample {i + 1} (prompt {i // args.num_samples + 1}) ---")
-            print(prompts[i // args.num_samples] + tok.decode(seq))
+            print(shown[i // args.num_samples] + tok.decode(seq))
     sys.stdout.flush()
     print(f"[{len(batch)} sequence(s), {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new] "
           f"time to first token {stats.time_to_first_token * 1e3:.1f} ms, prefill "
@@ -233,7 +271,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (GenerateError, CheckpointError, TokenizerError, ConfigError) as e:
+    except (GenerateError, CheckpointError, TokenizerError, ConfigError) as e:  # HFError is a CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,8 +4,11 @@
     torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml          # DistributedDataParallel
 
 Writes into train.out_dir, while holding its lock (.lock): ckpt_<step>.pt (last train.keep_last kept) and
-best.pt, config.toml, metrics.jsonl and loss.png. Ctrl-C or SIGTERM saves a checkpoint after the step in
-flight and exits; --resume continues exactly.
+best.pt, config.toml, metrics.jsonl and loss.png (and with train.export_hf, <out_dir>/hf: best.pt as a Hugging
+Face model). Ctrl-C or SIGTERM saves a checkpoint after the step in flight and exits; --resume continues exactly.
+
+train.init_from = "hf:<repo-or-dir>" or a run folder starts from those weights, with their shape and tokenizer
+(pretrained.py); the run's own checkpoints then resume it like any other.
 
 A run is a Trainer: setup() (checkpoint, data, model, log), then run(), whose loop is made of step(),
 log_step(), evaluate() and checkpoint().
@@ -35,6 +38,7 @@ from data.tokenizers import TokenizerError  # noqa: E402
 from model import GPT  # noqa: E402
 from model.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_run_checkpoint  # noqa: E402
 from model.device import pick_device, pick_dtype  # noqa: E402
+from pretrained import load_pretrained, settle_run_config  # noqa: E402
 from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic  # noqa: E402
 from runlog import RunLog, rewind_metrics  # noqa: E402
 
@@ -223,6 +227,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.last_ckpt: str | None = None  # the last checkpoint written (or resumed from)
         self.finished = False              # resumed a run that had already reached max_iters
+        self.init = None                   # pretrained.Pretrained of train.init_from (a fresh fine-tuning run)
         # A step's loss and grad norm stay on the device until they are needed: the loss of step i is read
         # while step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not
         # wait for the host to launch the next one), at once on log steps, and always before an evaluation or
@@ -244,10 +249,42 @@ class Trainer:
             if count:
                 print(f"note: removed {count} temporary file(s) ({format_bytes(size)}) that an interrupted "
                       f"write left in {self.t.out_dir}", file=sys.stderr)
+        self._open_pretrained()
         self._load_data(ckpt)
         self._build_model(ckpt)
         self._start_log()
         return True
+
+    def _open_pretrained(self) -> None:
+        """A fresh run with train.init_from = "hf:..." or a run folder: load those weights, take their shape
+        and tokenizer (pretrained.settle_run_config). With train.export_hf, check that the model has a Hugging
+        Face architecture before training."""
+        t = self.t
+        if not self.resume and t.init_from != "scratch":
+            self.init = load_pretrained(t.init_from)
+            settle_run_config(self.cfg, self.init)
+            if self.master:
+                print(f"init: weights of {self.init.source} ({self.init.tokenizer.name} tokenizer, "
+                      f"vocab {self.init.tokenizer.vocab_size})")
+        if t.export_hf:
+            from model.export import ExportError, hf_family
+            try:
+                hf_family(self.cfg.model)
+            except ExportError as e:
+                raise ConfigError(f"train.export_hf: {e}") from None
+
+    def _data_tokenizer(self, ckpt: dict | None):
+        """What data.prepare tokenises with: the pretrained tokenizer (a fresh fine-tuning run), the checkpoint's
+        own (resuming a run whose tokenizer is not rebuilt from the corpus: 'model' and 'hf:...', offline),
+        else data.tokenizer by name."""
+        name = self.cfg.data.tokenizer
+        if self.init is not None:
+            return self.init.tokenizer.spec()
+        if ckpt is not None and name not in ("char", "gpt2"):
+            if ckpt.get("tokenizer") is None:
+                raise TrainError(f"--resume: {ckpt['path']} holds no tokenizer spec for data.tokenizer={name!r}")
+            return ckpt["tokenizer"]
+        return name
 
     def _open_checkpoint(self) -> dict | None:
         """Load the run's latest checkpoint; settle the config it resumes with (see config.resume_config)."""
@@ -286,9 +323,10 @@ class Trainer:
     def _load_data(self, ckpt: dict | None) -> None:
         """Token files (tokenised once, by rank 0; the other ranks wait, then find them in the cache)."""
         cfg = self.cfg
+        tokenizer = self._data_tokenizer(ckpt)
 
         def prepare_data() -> str:
-            return prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
+            return prepare(cfg.data.dataset, tokenizer, val_fraction=cfg.data.val_fraction,
                            num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=self.master)
         folder = prepare_data() if self.master else None
         self._barrier()
@@ -314,6 +352,9 @@ class Trainer:
         t, device = self.t, self.device
         torch.manual_seed(t.seed + self.rank)
         model = GPT(self.cfg.model).to(device)
+        if self.init is not None:
+            model.load_state_dict(self.init.state_for(self.cfg.model))
+            self.init.state = {}  # the model holds the weights now
         self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
                                                    device.type)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
@@ -616,7 +657,24 @@ def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world:
                           allow_config_change=allow_config_change)
         if not trainer.setup():
             return trainer.summary()
-        return trainer.run()
+        summary = trainer.run()
+        if cfg.train.export_hf and rank == 0:
+            summary["export"] = export_best(cfg.train.out_dir)
+        return summary
+
+
+def export_best(out_dir: str) -> str:
+    """Export the run's best.pt as a Hugging Face model into <out_dir>/hf (replacing an earlier export)."""
+    from data.tokenizers import TokenizerError
+    from model.export import export_checkpoint
+    target = os.path.join(out_dir, "hf")
+    try:
+        export_checkpoint(out_dir, target, prefer="best", force=True)
+    except (CheckpointError, TokenizerError) as e:
+        raise TrainError(f"training finished, but the export of its best checkpoint to {target} failed: {e}") \
+            from None
+    print(f"exported the best checkpoint as a Hugging Face model: {target}")
+    return target
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ import tempfile
 
 import numpy as np
 
-from .tokenizers import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
+from .tokenizers import CharTokenizer, GPT2Tokenizer, hf_tokenizer, tokenizer_from_spec
 
 FORMAT_VERSION = 1
 ID_SCAN_CHUNK = 1 << 24  # tokens per block when a token file is scanned for ids outside the vocabulary
@@ -143,7 +143,11 @@ def _tokenizer_for(spec_json: str):
 def _tokenize_batch(batch: dict, spec_json: str) -> dict:
     """datasets.map worker: each document → its ids, GPT-2 documents ending with <|endoftext|>."""
     tok = _tokenizer_for(spec_json)
-    ids = tok.encode_batch(batch["text"])
+    try:
+        ids = tok.encode_batch(batch["text"])
+    except Exception as e:  # e.g. a character outside a WordLevel vocabulary: tokenizers raises a bare Exception
+        raise DataError(f"data.dataset: the {tok.name} tokenizer cannot encode the corpus "
+                        f"({' '.join(str(e).split())[:160]})") from None
     if tok.eot_token is not None:
         ids = [doc + [tok.eot_token] for doc in ids]
     return {"ids": ids, "len": [len(doc) for doc in ids]}
@@ -170,19 +174,27 @@ def _cache_folder(dataset: str, files: list[str] | None, tokenizer: str, val_fra
     return os.path.join(cache_dir, f"{label}-{tokenizer}-{key}")
 
 
-def prepare(dataset: str, tokenizer: str, *, val_fraction: float = 0.1, num_proc: int = 2,
+def prepare(dataset: str, tokenizer: str | dict, *, val_fraction: float = 0.1, num_proc: int = 2,
             cache_dir: str = ".cache/data", verbose: bool = True, progress: bool | None = None) -> str:
-    """Tokenise `dataset` with `tokenizer` ("gpt2" | "char") once; return the folder of token files.
+    """Tokenise `dataset` with `tokenizer` once; return the folder of token files.
 
+    tokenizer: "gpt2"; "char" (the alphabet of the corpus); "hf:<repo-or-dir>" (a Hugging Face model's
+    tokenizer.json); or a tokenizer spec (data/tokenizers.py), for exactly that tokenizer, e.g. a pretrained
+    model's (a character spec whose alphabet lacks a character of the corpus is refused, naming it).
     verbose: print one summary line when tokenising. progress: show datasets' progress bars (default: as
     verbose; the TQDM_DISABLE environment variable still turns every bar off).
     """
-    if tokenizer not in ("gpt2", "char"):
-        raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
+    if tokenizer == {"kind": "gpt2"}:
+        tokenizer = "gpt2"  # the same tokenizer as the name: the same token files
+    fixed = _fixed_tokenizer(tokenizer)
+    if fixed is None and tokenizer not in ("gpt2", "char"):
+        raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2', 'char' or "
+                        "'hf:<repo-or-dir>'")
+    tokenizer_id = tokenizer if fixed is None else _spec_id(fixed.spec())
     is_hub = dataset.startswith("hf:")
     files = None if is_hub else resolve_files(dataset)
     source_id = dataset if is_hub else _files_digest(files)
-    out = _cache_folder(dataset, files, tokenizer, val_fraction, source_id, cache_dir)
+    out = _cache_folder(dataset, files, tokenizer_id, val_fraction, source_id, cache_dir)
     if os.path.isfile(os.path.join(out, "meta.json")):
         load_meta(out, check_ids=False)  # sizes only: TokenData scans the ids when it opens the files
         return out
@@ -191,12 +203,27 @@ def prepare(dataset: str, tokenizer: str, *, val_fraction: float = 0.1, num_proc
     work = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)  # this call's scratch folder, removed at the end
     try:
         with _datasets_progress(verbose if progress is None else progress):
-            return _tokenize(dataset, files, tokenizer, val_fraction, num_proc, cache_dir, work, verbose, out)
+            return _tokenize(dataset, files, tokenizer_id, fixed, val_fraction, num_proc, cache_dir, work, verbose,
+                             out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, val_fraction: float, num_proc: int,
+def _fixed_tokenizer(tokenizer: str | dict):
+    """The tokenizer object a spec or an "hf:" name stands for; None for the names "gpt2" and "char"."""
+    if isinstance(tokenizer, dict):
+        return tokenizer_from_spec(tokenizer)
+    if isinstance(tokenizer, str) and tokenizer.startswith("hf:") and len(tokenizer) > 3:
+        return hf_tokenizer(tokenizer[3:])
+    return None
+
+
+def _spec_id(spec: dict) -> str:
+    """What names a fixed tokenizer in the cache key: its kind and a hash of its whole spec."""
+    return f"{spec['kind']}-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, fixed, val_fraction: float, num_proc: int,
               cache_dir: str, work: str, verbose: bool, out: str) -> str:
     """prepare()'s cache miss: documents → token ids (parallel) → train.bin / val.bin / meta.json in `out`."""
     import datasets
@@ -211,19 +238,22 @@ def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, val_fractio
         ds = datasets.Dataset.from_file(os.path.join(work, "documents.arrow"))
     if len(ds) == 0:
         raise DataError(f"data.dataset: {dataset!r} holds no text")
-    if tokenizer == "char":
+    if tokenizer == "char" or isinstance(fixed, CharTokenizer):
         chars = set()
         for batch in ds.iter(batch_size=64):
             chars.update(*map(set, batch["text"]))
-        tok = CharTokenizer("".join(sorted(chars)))
+        tok = fixed or CharTokenizer("".join(sorted(chars)))
+        missing = "".join(sorted(chars - set(tok.chars)))
+        if missing:
+            raise DataError(f"data.dataset: {dataset!r} has characters the model's alphabet lacks: {missing[:40]!r}")
     else:
-        tok = GPT2Tokenizer()
+        tok = fixed or GPT2Tokenizer()
     spec_json = json.dumps(tok.spec())
     map_cache = {} if files is None else {"cache_file_name": os.path.join(work, "ids.arrow"),
                                           "load_from_cache_file": False}
     ds = ds.map(_tokenize_batch, batched=True, batch_size=16, fn_kwargs={"spec_json": spec_json},
                 remove_columns=ds.column_names, num_proc=max(1, min(num_proc, len(ds))),
-                desc=f"tokenizing ({tokenizer})", **map_cache)
+                desc=f"tokenizing ({tok.name})", **map_cache)
     total = int(np.sum(ds["len"], dtype=np.int64))
     n_val = int(total * val_fraction)
     if total - n_val < 2 or (val_fraction > 0 and n_val < 2):

@@ -1,13 +1,20 @@
-"""Tokenizers: GPT-2 BPE through tiktoken (offline) and a character-level one.
+"""Tokenizers: GPT-2 BPE through tiktoken (offline), a character-level one, and a Hugging Face model's own.
 
-Every tokenizer can describe itself as a small JSON-able dict (`spec()`), saved with the token files and
-with each checkpoint, so generate.py rebuilds exactly the tokenizer a model was trained with.
+Every tokenizer can describe itself as a JSON-able dict (`spec()`), saved with the token files and with each
+checkpoint, so generate.py rebuilds exactly the tokenizer a model was trained with.
+
+The Hugging Face kind (HFTokenizer) is a repo's tokenizer.json run by the `tokenizers` library, with the special
+tokens and chat template of its tokenizer_config.json. Its spec holds the whole tokenizer.json text (with its
+sha256) and the tokenizer_config.json content, not a path or a hub id: a checkpoint rebuilds its tokenizer
+offline, without the hub, and a changed or deleted repo cannot change what a run was trained with. That costs
+the size of tokenizer.json (1 to 10 MB) in every checkpoint and token-file folder.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -99,7 +106,136 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
-TOKENIZERS = ("gpt2", "char")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ..., ...}; None when unset."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json through the `tokenizers` library (BPE, WordPiece, Unigram, ...).
+
+    encode() adds the special tokens of tokenizer.json's post-processor (Llama-3's BOS, for one), as
+    transformers' tokenizer(text) does; encode(text, add_special_tokens=False) does not (for text that already
+    holds them, such as a rendered chat template). Special tokens written in the text are read as special.
+    eot_token is the id of tokenizer_config.json's eos_token (None when it names none).
+    """
+    name = "hf"
+
+    def __init__(self, tokenizer_json: str, config: dict | None = None, chat_template: str | None = None,
+                 source: str = ""):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise TokenizerError("Hugging Face tokenizers need the tokenizers package: pip install tokenizers") \
+                from None
+        self.source = source or "a Hugging Face tokenizer"
+        try:
+            self._tok = Tokenizer.from_str(tokenizer_json)
+        except Exception as e:  # the library raises plain Exception on a malformed file
+            raise TokenizerError(f"{self.source}: tokenizer.json is not a valid tokenizers file "
+                                 f"({' '.join(str(e).split())[:160]})") from None
+        self.tokenizer_json = tokenizer_json
+        self.config = dict(config or {})
+        self.chat_template = chat_template or None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        if self.vocab_size == 0:
+            raise TokenizerError(f"{self.source}: tokenizer.json has an empty vocabulary")
+        self.bos_text = _token_text(self.config.get("bos_token"))
+        self.eos_text = _token_text(self.config.get("eos_token"))
+        self.bos_token = self._id_of(self.bos_text, "bos_token")
+        self.eot_token = self._id_of(self.eos_text, "eos_token")
+
+    def _id_of(self, text: str | None, key: str) -> int | None:
+        if text is None:
+            return None
+        token_id = self._tok.token_to_id(text)
+        if token_id is None:
+            raise TokenizerError(f"{self.source}: tokenizer_config.json's {key} {text!r} is not in tokenizer.json")
+        return token_id
+
+    @classmethod
+    def from_folder(cls, folder: str, source: str | None = None) -> "HFTokenizer":
+        """The tokenizer of a Hugging Face model folder: tokenizer.json, with tokenizer_config.json (special
+        tokens, chat_template), special_tokens_map.json (special tokens tokenizer_config.json leaves out) and
+        chat_template.jinja (a template kept in its own file) where the folder has them."""
+        source = source or repr(folder)
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            found = [f for f in ("tokenizer.model", "vocab.json", "vocab.txt")
+                     if os.path.isfile(os.path.join(folder, f))]
+            raise TokenizerError(f"{source} has no tokenizer.json (the only tokenizer format read here"
+                                 + (f"; it has {', '.join(found)}" if found else "") + ")")
+        tokenizer_json = _read_text(path)
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        special = _read_json(os.path.join(folder, "special_tokens_map.json"))
+        for key in SPECIAL_TOKEN_KEYS:
+            if config.get(key) is None and special.get(key) is not None:
+                config[key] = special[key]
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((t.get("template") for t in template
+                             if isinstance(t, dict) and t.get("name") == "default"), None)
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if not isinstance(template, str) and os.path.isfile(jinja):
+            template = _read_text(jinja)
+        return cls(tokenizer_json, config, template if isinstance(template, str) else None, source)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def spec(self) -> dict:
+        return {"kind": "hf", "source": self.source,
+                "sha256": hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest(),
+                "tokenizer_json": self.tokenizer_json, "tokenizer_config": self.config,
+                "chat_template": self.chat_template}
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object file as a dict; {} when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        value = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return value
+
+
+def hf_tokenizer(path_or_repo: str) -> HFTokenizer:
+    """The tokenizer of a Hugging Face model: a local folder, or a hub repo id (the local cache first, then the
+    hub; see model/hf_files.py). TokenizerError with one line naming what is missing."""
+    from model.hf_files import HFError, resolve_model_dir
+    label = f"the tokenizer of {path_or_repo!r}"
+    try:
+        folder = resolve_model_dir(path_or_repo, label, need="tokenizer.json")
+    except HFError as e:
+        raise TokenizerError(str(e)) from None
+    return HFTokenizer.from_folder(folder, f"hf:{path_or_repo}")
+
+
+TOKENIZERS = ("gpt2", "char", "hf")
 
 
 def tokenizer_from_spec(spec: dict):
@@ -109,4 +245,13 @@ def tokenizer_from_spec(spec: dict):
         return GPT2Tokenizer()
     if kind == "char":
         return CharTokenizer(spec.get("chars", ""))
-    raise TokenizerError(f"unknown tokenizer spec {spec!r}; expected kind 'gpt2' or 'char'")
+    if kind == "hf":
+        text, source = spec.get("tokenizer_json"), spec.get("source", "")
+        if not isinstance(text, str) or hashlib.sha256(text.encode("utf-8")).hexdigest() != spec.get("sha256"):
+            raise TokenizerError(f"the stored tokenizer {source} is damaged: its tokenizer.json does not match "
+                                 "its sha256")
+        config = spec.get("tokenizer_config") or {}
+        if not isinstance(config, dict):
+            raise TokenizerError(f"the stored tokenizer {source} is damaged: tokenizer_config is not a dict")
+        return HFTokenizer(text, config, spec.get("chat_template"), source)
+    raise TokenizerError(f"unknown tokenizer spec kind {kind!r}; expected 'gpt2', 'char' or 'hf'")

@@ -18,7 +18,7 @@ from .checkpoint import CheckpointError
 
 # what a hub snapshot brings down: the model's config and weights, and its tokenizer and generation settings
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -50,10 +50,12 @@ def _one_line(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:limit]}"
 
 
-def resolve_model_dir(path_or_repo: str, label: str | None = None) -> str:
+def resolve_model_dir(path_or_repo: str, label: str | None = None,
+                      need: str = "config.json and *.safetensors") -> str:
     """A local model folder as it is, or a hub repo id → the folder of its snapshot in the Hugging Face cache.
 
-    label names the model in error messages (default: the repr of path_or_repo).
+    label names the model in error messages (default: the repr of path_or_repo); need names the files the
+    caller reads, for the message when there is no copy of them.
     """
     label = label or repr(path_or_repo)
     local = os.path.expanduser(path_or_repo)
@@ -64,10 +66,10 @@ def resolve_model_dir(path_or_repo: str, label: str | None = None) -> str:
     looks_local = path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") > 1
     if looks_local or (os.sep != "/" and os.sep in path_or_repo):
         raise HFError(f"cannot load {label}: no such folder (and not a hub repo id like 'org/name')")
-    return _snapshot(path_or_repo, label)
+    return _snapshot(path_or_repo, label, need)
 
 
-def _snapshot(repo: str, label: str) -> str:
+def _snapshot(repo: str, label: str, need: str) -> str:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
@@ -85,10 +87,10 @@ def _snapshot(repo: str, label: str) -> str:
         pass  # not in the local cache (or only part of it)
     if _offline():
         raise HFError(f"cannot load {label}: HF_HUB_OFFLINE is set and the local Hugging Face cache has no copy "
-                      "of it (config.json and *.safetensors)")
+                      f"of it ({need})")
     if not _hub_reachable():
         raise HFError(f"cannot load {label}: the Hugging Face hub is unreachable and the local cache has no copy "
-                      "of it (config.json and *.safetensors)")
+                      f"of it ({need})")
     try:
         return snapshot_download(repo, allow_patterns=HUB_FILES)
     except GatedRepoError:

@@ -1,0 +1,251 @@
+"""A checkpoint of this project → a Hugging Face model folder that transformers (and vLLM, lm-eval, ...) loads.
+
+    python -m model.export --ckpt runs/llama_demo --out exported/llama_demo [--best] [--dtype bfloat16] [--force]
+
+writes into DIR:
+    config.json             architectures + model_type and the shape (see hf_family for which architecture)
+    model.safetensors       the weights under the architecture's names (model/hf_weights.py's rules read
+                            backwards: c_attn split into q/k/v, c_fc into gate/up, GPT-2's Conv1D transposed,
+                            a tied LM head left to the embedding)
+    generation_config.json  bos/eos token ids (when the tokenizer has an end-of-text token)
+    tokenizer files         tokenizer.json + tokenizer_config.json (data/tokenizer_export.py; GPT-2 adds
+                            vocab.json and merges.txt; the character tokenizer becomes a WordLevel tokenizer.json)
+
+so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` gives this model's logits and
+`GPT.from_pretrained(DIR)` gives back exactly these weights. max_position_embeddings (n_positions) is the
+checkpoint's block_size. The folder is written whole or not at all: into a temporary folder beside DIR, then
+renamed; a DIR that exists and is not empty is refused unless --force (then it is replaced). Every failure is
+one line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from .config import ConfigError, GPTConfig
+from .hf_files import HFError
+from .hf_weights import tensor_rules
+
+ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GPT2LMHeadModel) and Llama-family "
+              "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, Qwen2ForCausalLM with "
+              "qkv_bias, Qwen3ForCausalLM with qk_norm)")
+
+
+class ExportError(HFError):
+    """A checkpoint that cannot be written as a Hugging Face model, or a destination that cannot take it."""
+
+
+def hf_family(cfg: GPTConfig) -> str:
+    """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "qwen2" | "qwen3".
+
+    GPT-2 blocks without biases export as GPT2LMHeadModel with zero biases (the same function; read back, the
+    config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
+    biases on q, k, v only → Qwen2; qk_norm → Qwen3. ExportError names what no architecture represents.
+    """
+    blocks = (cfg.pos_emb, cfg.norm, cfg.mlp)
+    if blocks == ("learned", "layernorm", "gelu"):
+        problems = []
+        if cfg.kv_heads != cfg.n_head:
+            problems.append(f"n_kv_head={cfg.n_kv_head} (GPT-2 has no grouped-query attention)")
+        if cfg.head_dim * cfg.n_head != cfg.n_embd:
+            problems.append(f"head_size={cfg.head_size} (GPT-2's heads are n_embd / n_head wide)")
+        if cfg.qk_norm:
+            problems.append("qk_norm (GPT-2 has none)")
+        if problems:
+            raise ExportError("no Hugging Face architecture represents this model: GPT-2 blocks with "
+                              + "; ".join(problems))
+        return "gpt2"
+    if blocks == ("rope", "rmsnorm", "swiglu"):
+        if cfg.qk_norm:
+            if cfg.bias or cfg.qkv_bias:
+                raise ExportError("no Hugging Face architecture represents this model: qk_norm (Qwen3) with "
+                                  f"bias={cfg.bias}, qkv_bias={cfg.qkv_bias} (Qwen3 has no biases on the MLP, "
+                                  "nor on q, k, v without the output projection)")
+            return "qwen3"
+        if cfg.bias:
+            return "llama"
+        return "qwen2" if cfg.qkv_bias else "llama"
+    raise ExportError(f"no Hugging Face architecture represents pos_emb={cfg.pos_emb!r} with norm={cfg.norm!r} and "
+                      f"mlp={cfg.mlp!r}; exportable are {EXPORTABLE}")
+
+
+def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
+    """config.json of `family` for GPT(cfg), with transformers' key names (the legacy rope_theta and
+    rope_scaling keys, which transformers 4.x and 5.x and vLLM all read)."""
+    common = {"architectures": [ARCHITECTURE[family]], "model_type": family, "vocab_size": cfg.vocab_size,
+              "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
+              "torch_dtype": str(dtype).removeprefix("torch.")}
+    if family == "gpt2":
+        return {**common, "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
+                "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                "n_inner": None if cfg.mlp_hidden == 4 * cfg.n_embd else cfg.mlp_hidden,
+                "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+                "scale_attn_weights": True}
+    out = {**common, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_hidden,
+           "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+           "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+           "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+           "rope_scaling": None, "attention_dropout": cfg.dropout}
+    if cfg.rope_scaling == "llama3":
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                               "low_freq_factor": cfg.rope_low_freq_factor,
+                               "high_freq_factor": cfg.rope_high_freq_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_pos}
+    if family == "llama":
+        out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+        if family == "qwen3":
+            out["attention_bias"] = False
+    return out
+
+
+def hf_tensors(family: str, cfg: GPTConfig, state: dict, dtype: torch.dtype) -> dict:
+    """Our state dict → {HF name: tensor} in `dtype`, each tensor its own contiguous memory (safetensors stores
+    no shared storage). GPT-2 biases the model does not have are written as zeros."""
+    rule_cfg = dataclasses.replace(cfg, bias=True) if family == "gpt2" else cfg
+    rules = tensor_rules(family, rule_cfg)
+    used = {rule.ours for rule in rules}
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # the embedding itself
+    unexpected = sorted(set(state) - used)
+    if unexpected:
+        raise ExportError(f"the checkpoint holds weights a {family} model does not have: {', '.join(unexpected[:4])}")
+    out = {}
+    for rule in rules:
+        sizes = [shape[0] for _, shape in rule.parts]
+        whole_shape = (sum(sizes), *rule.parts[0][1][1:])
+        if rule.ours in state:
+            t = state[rule.ours].detach()
+            t = t.t() if rule.transpose else t
+        elif family == "gpt2" and rule.ours.endswith(".bias"):
+            t = torch.zeros(whole_shape)
+        else:
+            raise ExportError(f"the checkpoint has no {rule.ours}")
+        if tuple(t.shape) != whole_shape:
+            raise ExportError(f"{rule.ours} has shape {tuple(t.shape)}, expected {whole_shape} from the "
+                              "checkpoint's [model] config")
+        for (name, _), piece in zip(rule.parts, torch.split(t, sizes, dim=0)):
+            out[name] = piece.to(device="cpu", dtype=dtype).clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype: str = "auto",
+                      force: bool = False) -> str:
+    """Export the checkpoint `ckpt_path` (a file, or a run folder: its latest, or best.pt with prefer="best")
+    into the folder `out`; returns `out`. Raises ExportError, CheckpointError or TokenizerError (one line)."""
+    from data.tokenizers import tokenizer_from_spec
+    from data.tokenizer_export import hf_tokenizer_files
+    from .checkpoint import load_checkpoint
+    _check_destination(out, force)  # before reading a large checkpoint
+    ckpt = load_checkpoint(ckpt_path, map_location="cpu", prefer=prefer)
+    try:
+        cfg = GPTConfig(**ckpt["config"]["model"]).validate()
+    except (TypeError, KeyError, ConfigError) as e:
+        raise ExportError(f"{ckpt['path']}: its [model] config is unusable ({' '.join(str(e).split())[:200]})") \
+            from None
+    family = hf_family(cfg)
+    if ckpt.get("tokenizer") is None:
+        raise ExportError(f"{ckpt['path']} holds no tokenizer spec: not a checkpoint of a training run")
+    tok = tokenizer_from_spec(ckpt["tokenizer"])
+    if tok.vocab_size > cfg.vocab_size:
+        raise ExportError(f"{ckpt['path']}: its tokenizer has {tok.vocab_size} tokens, the model only "
+                          f"{cfg.vocab_size}")
+    first = next(iter(ckpt["model"].values()))
+    torch_dtype = first.dtype if dtype == "auto" else DTYPES[dtype]
+    bos = getattr(tok, "bos_token", None)
+    eos = tok.eot_token
+    if family == "gpt2" and tok.name == "gpt2":
+        bos = eos
+    files = {"config.json": _dump(hf_config(family, cfg, torch_dtype, bos, eos))}
+    if eos is not None:
+        files["generation_config.json"] = _dump({"bos_token_id": bos, "eos_token_id": eos})
+    files.update(hf_tokenizer_files(tok, cfg.block_size))
+    tensors = hf_tensors(family, cfg, ckpt["model"], torch_dtype)
+    _write_folder(out, files, tensors, force)
+    return out
+
+
+def _dump(obj) -> str:
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def _check_destination(out: str, force: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out} is a file, not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ExportError(f"--out {out} is not empty: choose a new folder, or pass --force to replace its content")
+
+
+def _write_folder(out: str, files: dict[str, str], tensors: dict, force: bool) -> None:
+    """Write the files and model.safetensors into a temporary folder beside `out`, then put it in `out`'s place."""
+    from safetensors.torch import save_file
+    _check_destination(out, force)
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+    except OSError as e:
+        raise ExportError(f"cannot write into {parent} ({e.strerror or e})") from None
+    old = None
+    try:
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.isdir(out):
+            old = tempfile.mkdtemp(prefix=".tmp-replaced-", dir=parent)
+            os.rename(out, os.path.join(old, "previous"))  # out's content stays whole until the new one is in place
+        os.rename(tmp, out)
+    except OSError as e:
+        if old is not None and not os.path.exists(out) and os.path.isdir(os.path.join(old, "previous")):
+            os.rename(os.path.join(old, "previous"), out)  # put the previous export back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"cannot write {out} ({e.strerror or e})") from None
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m model.export",
+                                description="Write a flashgpt checkpoint as a Hugging Face model folder "
+                                            "(config.json, model.safetensors, tokenizer files) that "
+                                            "transformers.AutoModelForCausalLM.from_pretrained loads.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its latest checkpoint)")
+    p.add_argument("--best", action="store_true", help="with a run folder: export best.pt instead of the latest")
+    p.add_argument("--out", required=True, help="the folder to write (must be new or empty, unless --force)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="dtype of the weights written; auto = the checkpoint's")
+    p.add_argument("--force", action="store_true", help="replace the content of a non-empty --out")
+    return p
+
+
+def main(argv=None) -> int:
+    from data.tokenizers import TokenizerError
+    from .checkpoint import CheckpointError
+    args = build_parser().parse_args(argv)
+    try:
+        out = export_checkpoint(args.ckpt, args.out, prefer="best" if args.best else "latest", dtype=args.dtype,
+                                force=args.force)
+    except (CheckpointError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.ckpt} → {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

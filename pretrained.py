@@ -1,0 +1,130 @@
+"""Pretrained weights to start from (train.init_from, generate.py --init-from): shape, weights and tokenizer.
+
+    pre = load_pretrained("hf:HuggingFaceTB/SmolLM2-135M")  # a Hugging Face model: hub id (local cache first) or folder
+    pre = load_pretrained("runs/demo")                      # a run folder (its best.pt) or a checkpoint file
+    settle_run_config(cfg, pre)                             # cfg.model ← its shape; data.tokenizer = "model"
+    model.load_state_dict(pre.state_for(cfg.model))
+
+A Hugging Face model brings its config.json (model/hf_config.py), its safetensors weights (model/hf_weights.py)
+and its tokenizer.json (data/tokenizers.py HFTokenizer); a run of this project brings its checkpoint's [model]
+config, weights and tokenizer spec. Nothing is read from the hub once a checkpoint of the new run exists: a
+fine-tuning run stores its tokenizer (the whole tokenizer.json) in every checkpoint, and resume reads only those.
+Every failure is one line (ConfigError, CheckpointError / HFError, TokenizerError).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from config import RunConfig, is_hf_name
+from model.config import ConfigError, GPTConfig
+
+# [model] keys a fine-tuning run may set freely: how to train or run, not what the weights are
+FREE_MODEL_KEYS = ("dropout", "attention")
+
+
+@dataclass
+class Pretrained:
+    source: str          # what it was loaded from, as the user named it ("hf:org/name", a run folder, ...)
+    config: GPTConfig    # the shape of its weights
+    state: dict          # our parameter names → tensors (CPU), lm_head.weight included (the embedding when tied)
+    tokenizer: object    # the model's own tokenizer (data/tokenizers.py)
+
+    def state_for(self, cfg: GPTConfig) -> dict:
+        """The weights for GPT(cfg), cfg from settle_run_config: a learned position table cut to cfg.block_size."""
+        state = dict(self.state)
+        wpe = state.get("transformer.wpe.weight")
+        if wpe is not None and wpe.shape[0] > cfg.block_size:
+            state["transformer.wpe.weight"] = wpe[:cfg.block_size].clone()  # (block_size, C)
+        return state
+
+
+def load_pretrained(source: str, what: str = "train.init_from") -> Pretrained:
+    """"hf:<repo-or-dir>" → a Hugging Face model; another existing path → a run folder (best.pt) or checkpoint.
+    `what` names the option in messages."""
+    if is_hf_name(source):
+        return _from_hf(source)
+    if os.path.exists(source):
+        return _from_checkpoint(source, what)
+    raise ConfigError(f"{what}={source!r}: no such run folder or checkpoint file (expected 'hf:<repo-or-dir>' for "
+                      "a Hugging Face model, or a run folder / checkpoint of this project)")
+
+
+def _from_hf(source: str) -> Pretrained:
+    from data.tokenizers import HFTokenizer
+    from model.hf_config import gpt_config_from_hf
+    from model.hf_files import HFError, read_config, read_tensors, resolve_model_dir
+    from model.hf_weights import state_dict_from_hf
+    path_or_repo = source[len("hf:"):]
+    folder = resolve_model_dir(path_or_repo, repr(source), need="config.json, *.safetensors and tokenizer.json")
+    tokenizer = HFTokenizer.from_folder(folder, source)  # first: a missing tokenizer.json fails before the weights
+    try:
+        family, cfg = gpt_config_from_hf(read_config(folder))
+        state = state_dict_from_hf(family, cfg, read_tensors(folder), dtype=torch.float32)
+    except HFError as e:
+        raise HFError(f"cannot load {source!r}: {e}") from None
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    _check_vocab(source, tokenizer, cfg)
+    return Pretrained(source, cfg, state, tokenizer)
+
+
+def _from_checkpoint(path: str, what: str) -> Pretrained:
+    from data.tokenizers import tokenizer_from_spec
+    from model.checkpoint import CheckpointError, load_checkpoint
+    ckpt = load_checkpoint(path, map_location="cpu", prefer="best")
+    try:
+        cfg = GPTConfig(**ckpt["config"]["model"]).validate()
+    except (TypeError, KeyError, ConfigError) as e:
+        raise CheckpointError(f"{what}: {ckpt['path']} holds an unusable [model] config "
+                              f"({' '.join(str(e).split())[:200]})") from None
+    if ckpt.get("tokenizer") is None:
+        raise CheckpointError(f"{what}: {ckpt['path']} holds no tokenizer spec (not a checkpoint of a training run)")
+    tokenizer = tokenizer_from_spec(ckpt["tokenizer"])
+    _check_vocab(ckpt["path"], tokenizer, cfg)
+    return Pretrained(path, cfg, dict(ckpt["model"]), tokenizer)
+
+
+def _check_vocab(source: str, tokenizer, cfg: GPTConfig) -> None:
+    from model.checkpoint import CheckpointError
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{source}: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
+                              f"{cfg.vocab_size}")
+
+
+def settle_run_config(cfg: RunConfig, pre: Pretrained) -> None:
+    """Make `cfg` a fine-tuning run of `pre`: [model] becomes the pretrained shape (keeping the run's dropout and
+    attention, and its block_size where it sets one: a shorter training context, or for RoPE models a longer
+    one) and data.tokenizer becomes "model" (the pretrained tokenizer).
+
+    Keys the user set (cfg.origins) to values the pretrained model contradicts are refused in one ConfigError,
+    as resume refuses them: the shape comes from the weights."""
+    asked, base = cfg.model, pre.config
+    problems = []
+    block_size = base.block_size
+    for key, origin in cfg.origins.items():
+        section, _, name = key.partition(".")
+        if section == "data" and name == "tokenizer" and cfg.data.tokenizer != "model":
+            problems.append(f"data.tokenizer={cfg.data.tokenizer!r} ({origin}): a pretrained model is trained with "
+                            "its own tokenizer (leave data.tokenizer out, or write 'model')")
+        if section != "model" or name in FREE_MODEL_KEYS:
+            continue
+        value, pretrained = getattr(asked, name), getattr(base, name)
+        if name == "block_size":
+            if base.pos_emb == "learned" and value > base.block_size:
+                problems.append(f"model.block_size={value} ({origin}) is above the pretrained model's learned "
+                                f"position table of {base.block_size}")
+            block_size = value
+        elif name == "vocab_size" and value == 0:
+            continue  # "from the tokenizer": the pretrained vocab
+        elif value != pretrained:
+            problems.append(f"model.{name}={value!r} ({origin}) against the pretrained model's {pretrained!r}")
+    if problems:
+        raise ConfigError(f"train.init_from={pre.source!r}: " + "; ".join(problems)
+                          + ". The model's shape comes from its weights: drop these keys")
+    cfg.model = dataclasses.replace(base, dropout=asked.dropout, attention=asked.attention,
+                                    block_size=block_size).validate()
+    cfg.data.tokenizer = "model"

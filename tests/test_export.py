@@ -1,0 +1,184 @@
+"""python -m model.export: checkpoints of each exportable shape → a folder that transformers loads with the same
+logits and the same tokenizer ids, and that GPT.from_pretrained reads back bit for bit; bad input in one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from config import RunConfig  # noqa: E402
+from data.tokenizers import CharTokenizer, GPT2Tokenizer, HFTokenizer  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from model.checkpoint import save_checkpoint  # noqa: E402
+from model.export import ExportError, export_checkpoint, hf_family  # noqa: E402
+from tests.hf_models import write_tokenizer  # noqa: E402
+from tests.util import ROOT  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+VOCAB = 96
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+             block_size=64, vocab_size=VOCAB)
+SHAPES = {
+    # name: (GPTConfig fields, the architecture transformers must build)
+    "gpt2": (dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=VOCAB), "GPT2LMHeadModel"),
+    "gpt2-nobias-untied-inner": (dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=VOCAB, bias=False,
+                                      tie_embeddings=False, intermediate_size=80, norm_eps=1e-3), "GPT2LMHeadModel"),
+    "llama-gqa-untied": (dict(LLAMA, tie_embeddings=False, rope_theta=5e5, norm_eps=1e-6), "LlamaForCausalLM"),
+    "llama-biases-mqa-tied": (dict(LLAMA, bias=True, n_kv_head=1, intermediate_size=80), "LlamaForCausalLM"),
+    "llama3-scaling-head32": (dict(LLAMA, head_size=32, rope_scaling="llama3", rope_original_max_pos=16),
+                              "LlamaForCausalLM"),
+    "qwen2": (dict(LLAMA, qkv_bias=True, tie_embeddings=False), "Qwen2ForCausalLM"),
+    "qwen3": (dict(LLAMA, qk_norm=True, head_size=32), "Qwen3ForCausalLM"),
+}
+
+
+def random_model(fields: dict, seed: int = 0) -> GPT:
+    """GPT(cfg) with every parameter moved off its init (norm weights off 1, biases off 0)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.05))
+    return model.eval()
+
+
+def write_ckpt(path, model: GPT, tokenizer_spec: dict) -> str:
+    cfg = RunConfig(model=model.config)
+    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tokenizer_spec,
+                     "iter": 0}, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def char_spec():
+    return CharTokenizer("".join(chr(c) for c in range(32, 32 + VOCAB - 1)) + "\n").spec()
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@torch.no_grad()
+def test_transformers_loads_it_with_the_same_logits(name, tmp_path, char_spec):
+    fields, architecture = SHAPES[name]
+    model = random_model(fields)
+    out = export_checkpoint(write_ckpt(tmp_path / "c.pt", model, char_spec), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == architecture and hf.dtype == torch.float32
+    idx = torch.randint(0, VOCAB, (2, model.config.block_size))
+    want, got = model(idx)[0], hf(idx).logits
+    assert want.abs().max() > 1  # not a degenerate comparison
+    assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_round_trip_is_bit_identical(name, tmp_path, char_spec):
+    fields, _ = SHAPES[name]
+    model = random_model(fields)
+    out = export_checkpoint(write_ckpt(tmp_path / "c.pt", model, char_spec), str(tmp_path / "hf"))
+    back = GPT.from_pretrained(out)
+    ours, theirs = model.state_dict(), back.state_dict()
+    for key, t in theirs.items():
+        if key in ours:
+            assert torch.equal(ours[key], t), key
+        else:  # GPT-2 without biases comes back with biases: zeros, the same function
+            assert not model.config.bias and key.endswith(".bias") and not t.any(), key
+    assert set(ours) <= set(theirs)
+    c, b = model.config, back.config
+    assert (b.n_layer, b.n_head, b.kv_heads, b.head_dim, b.mlp_hidden, b.block_size, b.vocab_size, b.norm_eps,
+            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm) == \
+        (c.n_layer, c.n_head, c.kv_heads, c.head_dim, c.mlp_hidden, c.block_size, c.vocab_size, c.norm_eps,
+         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm)
+
+
+TOKENIZER_TEXTS = ["the king and the queen\n", "Thou art fair!  Spaces,\ttabs and é 日本\n"]
+
+
+@pytest.mark.parametrize("kind", ["char", "gpt2", "hf"])
+def test_auto_tokenizer_gives_the_same_ids(kind, tmp_path):
+    if kind == "char":
+        tok = CharTokenizer("".join(TOKENIZER_TEXTS))
+    elif kind == "gpt2":
+        tok = GPT2Tokenizer()
+    else:
+        tok = HFTokenizer.from_folder(write_tokenizer(tmp_path / "tok", TOKENIZER_TEXTS * 20, bos="<|im_start|>"))
+    model = random_model(dict(LLAMA, vocab_size=max(VOCAB, tok.vocab_size)))
+    out = export_checkpoint(write_ckpt(tmp_path / "c.pt", model, tok.spec()), str(tmp_path / "hf"))
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TOKENIZER_TEXTS:
+        assert theirs(text).input_ids == tok.encode(text)
+        plain = tok.encode(text, add_special_tokens=False) if kind == "hf" else tok.encode(text)  # no BOS
+        assert theirs.decode(plain) == text
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["eos_token_id"] == tok.eot_token  # char: None; gpt2: 50256; hf: its eos_token
+    assert os.path.isfile(os.path.join(out, "generation_config.json")) == (tok.eot_token is not None)
+    if kind == "hf":
+        assert theirs.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+            "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_bfloat16_export(tmp_path, char_spec):
+    model = random_model(SHAPES["llama-gqa-untied"][0])
+    out = export_checkpoint(write_ckpt(tmp_path / "c.pt", model, char_spec), str(tmp_path / "hf"), dtype="bfloat16")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+    back = GPT.from_pretrained(out, dtype=torch.bfloat16)
+    for key, t in back.state_dict().items():
+        assert torch.equal(t, model.state_dict()[key].to(torch.bfloat16)), key
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(LLAMA, norm="layernorm"), "no Hugging Face architecture represents pos_emb='rope' with norm='layernorm'"),
+    (dict(LLAMA, pos_emb="learned"), "pos_emb='learned' with norm='rmsnorm' and mlp='swiglu'"),
+    (dict(LLAMA, qk_norm=True, qkv_bias=True), "qk_norm (Qwen3) with bias=False, qkv_bias=True"),
+    (dict(n_layer=1, n_head=4, n_kv_head=2, n_embd=32), "GPT-2 blocks with n_kv_head=2"),
+    (dict(n_layer=1, n_head=4, n_embd=32, head_size=16), "GPT-2 blocks with head_size=16"),
+])
+def test_shapes_without_an_architecture_are_refused(fields, needle):
+    with pytest.raises(ExportError) as e:
+        hf_family(GPTConfig(**fields).validate())
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def export_cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "model.export", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+
+
+def test_cli(tmp_path, char_spec):
+    """The command exports a run folder's best.pt; refuses a non-empty --out (then replaces it with --force), an
+    unexportable shape and a missing checkpoint, each in one line, writing nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    best = random_model(SHAPES["qwen2"][0], seed=1)
+    write_ckpt(run / "ckpt_0000010.pt", random_model(SHAPES["qwen2"][0], seed=2), char_spec)
+    write_ckpt(run / "best.pt", best, char_spec)
+    write_ckpt(tmp_path / "odd.pt", random_model(dict(LLAMA, norm="layernorm")), char_spec)
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+
+    def one_line_error(r):
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        return lines[0]
+
+    assert "--out" in export_cli("--help").stdout
+    assert "is not empty: choose a new folder, or pass --force" in one_line_error(
+        export_cli("--ckpt", run, "--best", "--out", out))
+    assert os.listdir(out) == ["keep.txt"]
+    assert "no Hugging Face architecture represents" in one_line_error(
+        export_cli("--ckpt", tmp_path / "odd.pt", "--out", tmp_path / "odd"))
+    assert "checkpoint not found" in one_line_error(export_cli("--ckpt", tmp_path / "nope", "--out", tmp_path / "x"))
+    assert not os.path.exists(tmp_path / "odd") and not os.path.exists(tmp_path / "x")
+    r = export_cli("--ckpt", run, "--best", "--out", out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted(["run", "odd.pt", "exported"])  # no temporary folder left
+    back = GPT.from_pretrained(str(out)).state_dict()
+    assert all(torch.equal(t, back[k]) for k, t in best.state_dict().items())  # best.pt, not the latest

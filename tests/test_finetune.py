@@ -1,0 +1,216 @@
+"""Fine-tuning from pretrained weights (train.init_from): a tiny random Llama saved with save_pretrained next to a
+BPE tokenizer.json trained on the test corpus → configs/finetune_tiny.toml starts from exactly those weights,
+tokenises with that tokenizer, the loss falls, the export at the end gives transformers' logits, and the run
+resumes like any other (without the pretrained folder); a previous run folder works as a start too. Bad input is
+one line each."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import train as train_mod  # noqa: E402
+from config import load_config  # noqa: E402
+from model.checkpoint import load_checkpoint  # noqa: E402
+from model.config import ConfigError  # noqa: E402
+from model.hf_files import HFError  # noqa: E402
+from model.hf_weights import state_dict_from_hf  # noqa: E402
+from tests.hf_models import tiny_llama, write_tokenizer  # noqa: E402
+from tests.util import ROOT, TINY_MODEL, run_entry, write_corpus  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+CONFIG = os.path.join(ROOT, "configs", "finetune_tiny.toml")
+MODEL_VOCAB = 320  # above the tokenizer's 300: a padded embedding, as hub models have
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """(folder of a random Llama + tokenizer.json, the transformers model, corpus path)."""
+    tmp = tmp_path_factory.mktemp("pretrained")
+    corpus = write_corpus(tmp / "corpus", n_lines=600)
+    with open(corpus) as f:
+        lines = f.read().splitlines()
+    folder = write_tokenizer(tmp / "tiny-llama", lines)
+    hf = tiny_llama(folder, MODEL_VOCAB)
+    return folder, hf, corpus
+
+
+def finetune_cfg(pretrained, tmp, *extra):
+    folder, _, corpus = pretrained
+    return load_config(CONFIG, [f"--init_from=hf:{folder}", f"--dataset={corpus}", f"--out_dir={tmp}/run",
+                                f"--cache_dir={tmp}/cache", "--num_proc=1", "--device=cpu", "--block_size=32",
+                                "--batch_size=8", "--max_iters=12", "--eval_interval=6", "--eval_iters=2",
+                                "--warmup_iters=2", "--learning_rate=3e-3", "--lr_decay_iters=12", "--log_interval=1",
+                                "--keep_last=5",
+                                *extra])
+
+
+def rows(run, key):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [(r["iter"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+def test_finetune_starts_from_the_weights_loss_falls_and_exports(pretrained, tmp_path):
+    folder, hf, _ = pretrained
+    cfg = finetune_cfg(pretrained, tmp_path, "--eval_iters=4")
+    summary = train_mod.train(cfg)
+    run = cfg.train.out_dir
+    start = load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
+    # the shape and weights of the pretrained model, the training context of the config
+    model_cfg = start["config"]["model"]
+    assert (model_cfg["n_layer"], model_cfg["n_embd"], model_cfg["n_kv_head"], model_cfg["vocab_size"],
+            model_cfg["pos_emb"], model_cfg["block_size"]) == (2, 64, 2, MODEL_VOCAB, "rope", 32)
+    from safetensors.torch import load_file
+    from model.hf_config import gpt_config_from_hf
+    family, hf_cfg = gpt_config_from_hf(hf.config.to_dict())
+    want = state_dict_from_hf(family, hf_cfg, load_file(os.path.join(folder, "model.safetensors")))
+    for key, t in want.items():
+        assert torch.equal(start["model"][key], t), key
+    # the model's own tokenizer, stored whole
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        assert start["tokenizer"]["tokenizer_json"] == f.read()
+    assert start["config"]["data"]["tokenizer"] == "model"
+    # the loss falls
+    val = rows(run, "val_loss")
+    assert [i for i, _ in val] == [0, 6, 12] and val[-1][1] < val[0][1] - 0.3
+    # the export of best.pt: transformers' logits and ids
+    assert summary["export"] == os.path.join(run, "hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(summary["export"]).eval()
+    best = load_checkpoint(run, prefer="best")
+    from model import GPT, GPTConfig
+    ours = GPT(GPTConfig(**best["config"]["model"]))
+    ours.load_state_dict(best["model"])
+    idx = torch.randint(0, MODEL_VOCAB, (2, 32))
+    with torch.no_grad():
+        assert (ours.eval()(idx)[0] - exported(idx).logits).abs().max() <= 1e-4
+    tok = transformers.AutoTokenizer.from_pretrained(summary["export"])
+    assert tok("the king speaks").input_ids == transformers.AutoTokenizer.from_pretrained(folder)(
+        "the king speaks").input_ids
+
+
+def test_resume_needs_no_pretrained_folder_and_reproduces_the_run(pretrained, tmp_path):
+    folder = pretrained[0]
+    a = finetune_cfg(pretrained, tmp_path / "a", "--export_hf=false")
+    train_mod.train(a)
+    b = finetune_cfg(pretrained, tmp_path / "b", "--export_hf=false", "--max_iters=6")
+    train_mod.train(b)
+    hidden = folder + ".moved"
+    os.rename(folder, hidden)  # init_from is not read again: the run's checkpoints hold weights and tokenizer
+    try:
+        train_mod.train(finetune_cfg(pretrained, tmp_path / "b", "--export_hf=false", "--init_from=resume"))
+        r = run_entry("generate.py", "--ckpt", b.train.out_dir, "--prompt", "the king", "--max-new-tokens", "5",
+                      "--device", "cpu")
+    finally:
+        os.rename(hidden, folder)
+    assert rows(a.train.out_dir, "loss") == rows(b.train.out_dir, "loss")  # bit-identical on CPU
+    assert rows(a.train.out_dir, "val_loss") == rows(b.train.out_dir, "val_loss")
+    assert r.returncode == 0 and r.stdout.startswith("the king"), r.stderr
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "qwen3"])
+def test_each_family_finetunes(family, pretrained, tmp_path):
+    """The other families (llama: above) start from their weights and learn: the loss falls."""
+    folder = str(tmp_path / family)
+    os.makedirs(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(pretrained[0], name), folder)
+    tiny_llama(folder, MODEL_VOCAB, family)
+    cfg = finetune_cfg(pretrained, tmp_path, f"--init_from=hf:{folder}", "--export_hf=false", "--eval_iters=4")
+    train_mod.train(cfg)
+    start = load_checkpoint(os.path.join(cfg.train.out_dir, "ckpt_0000000.pt"))["config"]["model"]
+    assert (start["pos_emb"], start["qkv_bias"], start["qk_norm"]) == {
+        "gpt2": ("learned", False, False), "qwen2": ("rope", True, False), "qwen3": ("rope", False, True)}[family]
+    val = rows(cfg.train.out_dir, "val_loss")
+    assert val[-1][1] < val[0][1] - 0.3
+
+
+def test_finetune_from_a_run_folder(tmp_path):
+    """A GPT-2-shaped character-level run continued on a shorter context: its best.pt, its alphabet, its learned
+    position table cut to the new block_size."""
+    corpus = write_corpus(tmp_path)
+    common = [f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache", "--num_proc=1", "--device=cpu",
+              "--batch_size=4", "--eval_iters=1", "--warmup_iters=1", "--keep_last=5"]
+    train_mod.train(load_config(None, [*common, *TINY_MODEL, f"--out_dir={tmp_path}/src", "--max_iters=4",
+                                       "--eval_interval=2"]))
+    source = load_checkpoint(str(tmp_path / "src"), prefer="best")
+    train_mod.train(load_config(None, [*common, f"--init_from={tmp_path}/src", f"--out_dir={tmp_path}/ft",
+                                       "--block_size=16", "--dropout=0.1", "--max_iters=2", "--eval_interval=2"]))
+    start = load_checkpoint(str(tmp_path / "ft" / "ckpt_0000000.pt"))
+    assert start["tokenizer"] == source["tokenizer"]
+    assert start["config"]["model"]["block_size"] == 16 and start["config"]["model"]["dropout"] == 0.1
+    assert start["config"]["model"]["n_embd"] == source["config"]["model"]["n_embd"] == 32
+    for key, t in source["model"].items():
+        want = t[:16] if key == "transformer.wpe.weight" else t
+        assert torch.equal(start["model"][key], want), key
+
+
+def test_scratch_run_with_a_hub_tokenizer_resumes_without_it(pretrained, tmp_path):
+    """data.tokenizer = "hf:<dir>" on a model trained from scratch: resume tokenises with the checkpoint's copy."""
+    folder, _, corpus = pretrained
+    common = [f"--dataset={corpus}", f"--tokenizer=hf:{folder}", f"--cache_dir={tmp_path}/cache", "--num_proc=1",
+              "--device=cpu", "--batch_size=4", "--eval_iters=1", "--warmup_iters=1", f"--out_dir={tmp_path}/run",
+              "--eval_interval=2", "--pos_emb=rope", "--norm=rmsnorm", "--mlp=swiglu", *TINY_MODEL]
+    train_mod.train(load_config(None, [*common, "--max_iters=2"]))
+    first = load_checkpoint(str(tmp_path / "run"))
+    assert first["tokenizer"]["kind"] == "hf" and first["config"]["model"]["vocab_size"] == 300
+    hidden = folder + ".moved"
+    os.rename(folder, hidden)
+    try:
+        summary = train_mod.train(load_config(None, [*common, "--max_iters=4", "--init_from=resume"]))
+    finally:
+        os.rename(hidden, folder)
+    assert summary["iters"] == 4 and load_checkpoint(str(tmp_path / "run"))["tokenizer"] == first["tokenizer"]
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+def one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_config_that_contradicts_the_pretrained_model(pretrained, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        train_mod.train(finetune_cfg(pretrained, tmp_path, "--n_layer=3", "--tokenizer=char", "--n_kv_head=2"))
+    msg = one_line(e)
+    assert "model.n_layer=3 (--n_layer=3) against the pretrained model's 2" in msg
+    assert "data.tokenizer='char' (--tokenizer=char)" in msg and "n_kv_head" not in msg  # 2 agrees
+    assert not os.path.exists(tmp_path / "run" / "ckpt_0000000.pt")
+
+
+def test_unexportable_shape_is_refused_before_training(tmp_path):
+    corpus = write_corpus(tmp_path)
+    cfg = load_config(None, [f"--dataset={corpus}", f"--out_dir={tmp_path}/run", "--export_hf=true",
+                             "--pos_emb=rope", "--device=cpu", *TINY_MODEL])
+    with pytest.raises(ConfigError) as e:
+        train_mod.train(cfg)
+    assert one_line(e).startswith("train.export_hf: no Hugging Face architecture represents pos_emb='rope' with "
+                                  "norm='layernorm'")
+
+
+def test_pretrained_folders_that_cannot_be_used(pretrained, tmp_path):
+    folder = pretrained[0]
+    bad = shutil.copytree(folder, tmp_path / "mistral")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(config, architectures=["MistralForCausalLM"],
+                                                     model_type="mistral")))
+    with pytest.raises(HFError) as e:
+        train_mod.train(finetune_cfg(pretrained, tmp_path / "a", f"--init_from=hf:{bad}"))
+    assert f"cannot load 'hf:{bad}': unsupported architecture 'MistralForCausalLM'" in one_line(e)
+    no_tok = shutil.copytree(folder, tmp_path / "no-tok")
+    os.remove(no_tok / "tokenizer.json")
+    r = run_entry("train.py", CONFIG, f"--init_from=hf:{no_tok}", f"--out_dir={tmp_path}/b", "--device=cpu")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0] == f"error: hf:{no_tok} has no tokenizer.json (the only tokenizer format read here)"
+    with pytest.raises(ConfigError) as e:
+        train_mod.train(finetune_cfg(pretrained, tmp_path / "c", f"--init_from={tmp_path}/nothing-here"))
+    assert "no such run folder or checkpoint file" in one_line(e)
+    with pytest.raises(ConfigError, match="data.tokenizer='model' is the tokenizer of a pretrained model"):
+        load_config(None, ["--tokenizer=model"])

@@ -1,0 +1,93 @@
+"""generate.py --init-from hf:<folder> and --chat on a tiny random Llama with a BPE tokenizer.json built offline:
+the same greedy text as transformers' generate, the chat template applied as transformers applies it; what cannot
+be used is one line."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import generate as generate_mod  # noqa: E402
+from tests.hf_models import tiny_llama, write_tokenizer  # noqa: E402
+from tests.util import run_entry, write_corpus  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gen")
+    with open(write_corpus(tmp / "corpus")) as f:
+        lines = f.read().splitlines()
+    folder = write_tokenizer(tmp / "tiny-llama", lines, eos="<|im_end|>")
+    return folder, tiny_llama(folder, 300, eos_token_id=2)
+
+
+def greedy_text(hf, tok, ids: list[int], n: int) -> str:
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                      eos_token_id=None)[0, len(ids):]
+    return tok.decode(out.tolist())
+
+
+def test_init_from_hf_folder_greedy_text_equals_transformers(llama):
+    folder, hf = llama
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "the king and"
+    want = prompt + greedy_text(hf, tok, tok(prompt).input_ids, 12) + "\n"
+    r = run_entry("generate.py", "--init-from", f"hf:{folder}", "--prompt", prompt, "--temperature", "0",
+                  "--max-new-tokens", "12", "--no-stop", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want
+
+
+def test_chat_uses_the_template_and_prints_the_reply(llama, capsys):
+    folder, hf = llama
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tok.apply_chat_template([{"role": "user", "content": "speak, fair queen"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    assert tok.decode(ids).startswith("<|im_start|>user\nspeak, fair queen<|im_end|>")
+    want = greedy_text(hf, tok, list(ids), 10)
+    code = generate_mod.main(["--init-from", f"hf:{folder}", "--chat", "--prompt", "speak, fair queen",
+                              "--temperature", "0", "--max-new-tokens", "10", "--no-stop", "--no-stream",
+                              "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out == f"--- sample 1 (prompt 1) ---\n{want}\n"
+
+
+def cli_error(capsys, *args) -> str:
+    code = generate_mod.main([*map(str, args), "--device", "cpu"])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and captured.out == "", captured.err
+    return lines[0]
+
+
+def test_bad_input_is_one_line(llama, tmp_path, capsys, monkeypatch):
+    folder, _ = llama
+    no_template = shutil.copytree(folder, tmp_path / "no-template")
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    assert cli_error(capsys, "--init-from", f"hf:{no_template}", "--chat", "--prompt", "hi") == (
+        f"error: --chat: hf:{no_template} has no chat template (no chat_template in tokenizer_config.json, no "
+        "chat_template.jinja); leave out --chat to continue the prompt as plain text")
+    no_tok = shutil.copytree(folder, tmp_path / "no-tok")
+    (no_tok / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in cli_error(capsys, "--init-from", f"hf:{no_tok}", "--prompt", "hi")
+    mistral = shutil.copytree(folder, tmp_path / "mistral")
+    hf_config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps(dict(hf_config, architectures=["MistralForCausalLM"])))
+    assert "unsupported architecture 'MistralForCausalLM'" in cli_error(capsys, "--init-from", f"hf:{mistral}",
+                                                                       "--prompt", "hi")
+    assert "--init-from='llama': expected hf:<repo-or-dir>" in cli_error(capsys, "--init-from", "llama",
+                                                                          "--prompt", "hi")
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    msg = cli_error(capsys, "--init-from", "hf:HuggingFaceTB/SmolLM2-135M", "--prompt", "hi")
+    assert "'hf:HuggingFaceTB/SmolLM2-135M'" in msg and "HF_HUB_OFFLINE" in msg and "tokenizer.json" in msg

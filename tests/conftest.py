@@ -7,6 +7,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU only through the interpreter, which must be on before any kernel module
     # decorates its kernels (i.e. before anything imports kernels.flash).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The entry points the tests start as subprocesses take each kernel's default tile config: autotuning every
+# config on first use costs tens of seconds of compiling per process on a GPU (tests marked `autotune` turn it
+# on for themselves, in this process; see _kernel_options below).
+os.environ.setdefault("FLASHGPT_AUTOTUNE", "0")
 
 
 def pytest_configure(config):
@@ -32,6 +36,14 @@ for _key, _value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DI
 
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _kernel_options(request):
+    """Every test starts from the default kernel options, autotuning only in tests marked `autotune`."""
+    from kernels import options
+    with options.use(autotune="autotune" in request.keywords):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,7 @@ def _poison_and_fix_config(monkeypatch, request):
 
     monkeypatch.setattr(kt, "empty", poisoned_empty)
     monkeypatch.setattr(launch, "_plans", {})  # launch plans recorded by this test only
-    with options.use(autotune="autotune" in request.keywords and options.get().autotune):
+    with options.use(autotune="autotune" in request.keywords):
         yield allocs
 
 
@@ -648,6 +648,7 @@ def _config_params():
 
 
 @cuda_only
+@pytest.mark.slow  # ~60 cases of their own compiles: the default configs run in every other test
 @pytest.mark.parametrize("dtype,D,i,causal", _config_params())
 def test_every_autotune_config(dtype, D, i, causal, request):
     """Each config the autotuner may pick is itself correct (on odd lengths, GQA, both masks).

@@ -4,7 +4,7 @@
                      [--skip-sweep] [--skip-train] [--skip-probe] [--train-iters N] [--budget S] [--wandb]
 
 1. Kernel sweep over sequence lengths: forward and forward+backward time, peak memory and the HBM bytes of
-   the standard I/O model (bench/io_model.py) for naive, flash and sdpa; naive runs until it is out of memory.
+   the standard I/O model (ablation/io_model.py) for naive, flash and sdpa; naive runs until it is out of memory.
 2. Matched training runs of the config (default configs/ablate.toml) with model.attention = naive, flash and
    sdpa (the noise reference): same seed, data order and config; overlaid loss curves, the measured gap,
    tokens/s and peak memory.

@@ -1,2 +1,2 @@
 """Helpers of ablate.py: the kernel sweep (sweep.py), the matched training runs and the context probe
-(matched.py), and the report with its plots (report.py). The I/O byte model is bench/io_model.py."""
+(matched.py), and the report with its plots (report.py). The I/O byte model is io_model.py."""

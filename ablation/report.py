@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from bench.io_model import fmt_bytes
+from .io_model import fmt_bytes
 
 COLORS = {"naive": "tab:red", "flash": "tab:blue", "sdpa": "tab:green"}
 STYLE = {"naive": dict(marker="o", lw=2), "flash": dict(marker="o", lw=2), "sdpa": dict(marker="x", lw=1, ls="--")}
@@ -282,7 +282,7 @@ Per head of length N and head dim D, in elements of the input dtype (softmax sta
   pass that reads Q, dO once and streams K, V per query tile; writes dQ, dK, dV.
 
 So naive moves Θ(N²) bytes and keeps Θ(N²) memory; flash moves Θ(N²·D/Br) bytes (the N² term divided by the
-tile height) and keeps Θ(N·D). The exact formulas are `bench/io_model.py`; this repo's naive kernel makes more
+tile height) and keeps Θ(N·D). The exact formulas are `ablation/io_model.py`; this repo's naive kernel makes more
 passes than the standard model (scale, mask, fp32 casts are separate kernels), so its real traffic is higher.
 """
 

@@ -1,7 +1,7 @@
 """Kernel sweep: naive, flash and sdpa attention over sequence lengths, with the I/O model next to each.
 
 For every N and backend: forward and forward+backward time, peak memory and the HBM bytes of the standard I/O
-model (bench/io_model.py). On CUDA: triton.testing.do_bench medians and torch.cuda.max_memory_allocated above
+model (ablation/io_model.py). On CUDA: triton.testing.do_bench medians and torch.cuda.max_memory_allocated above
 the inputs; naive is run until it runs out of memory. On CPU: medians of a few perf_counter runs (flash runs
 through Triton's interpreter, so its CPU times say nothing about the GPU) and the analytical activation memory.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench import io_model
+from . import io_model
 
 BACKENDS = ("naive", "flash", "sdpa")
 

@@ -34,7 +34,8 @@ from model import GPT, GPTConfig  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from model.device import pick_device, pick_dtype  # noqa: E402
-from model.sampling import SamplingParams, generate, use_fused_decode  # noqa: E402
+from model.generation import generate, use_fused_decode  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
 
 
 DEFAULT_MAX_NEW_TOKENS = 200  # capped at block_size // 2 so that a prompt fits too

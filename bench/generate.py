@@ -5,7 +5,7 @@
     python bench/generate.py --smoke          # CPU, tiny model, Triton interpreter: checks that the script runs
 
 One randomly initialised model (n_layer 12, n_head 12, n_embd 768, block_size 1024, vocab 50304, bf16; random
-weights cost the same time as trained ones), random prompt tokens, and `model.sampling.generate` for every
+weights cost the same time as trained ones), random prompt tokens, and `model.generation.generate` for every
 variant, so all of them share the static KV cache, the prefill/decode split and the host loop:
 
     flashgpt-fused+graph   flash prefill, then model/fused_decode.py (fused LayerNorm/matmul/bias/GELU/residual
@@ -75,7 +75,8 @@ import torch  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step  # noqa: E402
-from model.sampling import DecodeGraph, SamplingParams, decode_one_token, generate  # noqa: E402
+from model.generation import DecodeGraph, decode_one_token, generate  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
 
 COPY_BW = 4.30e12  # bytes/s, the H200's device-to-device copy (ANCHORS.md): the memory-bandwidth limit below
 TARGETS = {1: 3000.0, 16: 40000.0}  # decode tok/s of the best flashgpt graph variant on the H200 (the issue)

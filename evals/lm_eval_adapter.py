@@ -15,7 +15,7 @@ Tokenisation follows lm-eval's Hugging Face model: trailing whitespace of a cont
 continuation; context + continuation is encoded whole and split after the context's own tokens (when those are
 a prefix of the whole's; otherwise the two are encoded apart); an empty context is the end-of-text token.
 Scores come from evals/scoring.py (batched, contexts cut from the left to fit block_size); generation from
-model.sampling.generate (the project's prefill + KV-cache decode), always greedy: `until` stop strings (and
+model.generation.generate (the project's prefill + KV-cache decode), always greedy: `until` stop strings (and
 the end-of-text token) end a sequence, `max_gen_toks` (default 256, at most block_size − 1) bounds it, and a
 prompt keeps its last block_size − max_gen_toks tokens. Sampling options in gen_kwargs are ignored.
 
@@ -169,7 +169,8 @@ class FlashGPTLM:
     def _generate(self, prompts: list[list[int]], until: tuple[str, ...], max_new: int) -> list[str]:
         """Greedy continuations of `prompts`, each cut before the first of `until`; stops as soon as every
         sequence has ended (end-of-text token, a stop string, or max_new tokens)."""
-        from model.sampling import SamplingParams, generate
+        from model.generation import generate
+        from model.sampling import SamplingParams
         tokens: list[list[int]] = [[] for _ in prompts]
         stopped = [False] * len(prompts)
 

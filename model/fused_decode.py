@@ -1,6 +1,6 @@
 """One decode step of a GPT in few kernels: the fast path of generation on a GPU.
 
-    logits = fused_decode_step(model, tok, pos)   # same contract as sampling.decode_one_token
+    logits = fused_decode_step(model, tok, pos)   # same contract as generation.decode_one_token
 
 It wraps a GPT from outside (reads its weights and its attached KV caches; changes nothing else). One launch
 embeds the tokens; then each layer is four fused Triton launches plus the split-KV decode attention:

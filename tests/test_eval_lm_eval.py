@@ -15,7 +15,8 @@ import torch
 from data.tokenizers import tokenizer_from_spec
 from evals import hellaswag
 from evals.lm_eval_adapter import AdapterError, FlashGPTLM, cut_at_stops
-from model.sampling import SamplingParams, generate
+from model.generation import generate
+from model.sampling import SamplingParams
 from tests.eval_fixtures import GPT2_VOCAB, HELLASWAG_FIXTURE, char_tokenizer_for, save_tiny_checkpoint, tiny_gpt
 from tests.util import run_entry
 

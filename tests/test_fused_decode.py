@@ -24,7 +24,7 @@ from kernels import options  # noqa: E402
 from kernels.pdl import pdl_enabled  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, unsupported_reason  # noqa: E402
-from model.sampling import DecodeGraph, decode_one_token, prefill  # noqa: E402
+from model.generation import DecodeGraph, decode_one_token, prefill  # noqa: E402
 from tests.error_budget import assert_within_budget  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,8 @@ import torch
 
 from model import GPT, GPTConfig
 from model.checkpoint import atomic_save, load_checkpoint
-from model.sampling import SamplingParams, generate, prefill, sample
+from model.generation import generate, prefill
+from model.sampling import SamplingParams, sample
 from tests.util import run_entry, write_corpus
 
 VOCAB = 97

@@ -9,7 +9,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model  # noqa: E402
 
 from model import GPT  # noqa: E402
 from model.hf import HFError, from_hf_gpt2, load_hf_gpt2  # noqa: E402
-from model.sampling import SamplingParams, generate  # noqa: E402
+from model.generation import generate  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
 from tests.util import run_entry  # noqa: E402
 
 transformers.logging.set_verbosity_error()

@@ -17,7 +17,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from model import GPT  # noqa: E402
 from model.hf import HFError  # noqa: E402
-from model.sampling import SamplingParams, generate  # noqa: E402
+from model.generation import generate  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 VOCAB = 128

@@ -11,7 +11,8 @@ import torch
 from config import ConfigError, load_config
 from model import GPT, GPTConfig
 from model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
-from model.sampling import SamplingParams, generate
+from model.generation import generate
+from model.sampling import SamplingParams
 from tests.util import ROOT, run_entry, write_corpus
 
 VOCAB = 97

@@ -5,6 +5,8 @@
 #   SKIP_TESTS=1 bash bench/gpu_check.sh    # the user commands only
 #   ONLY='train_shakespeare|gen_' bash bench/gpu_check.sh   # the steps whose names match (later ones may need
 #                                           # earlier ones: generation needs the trained checkpoint)
+#   STEP_S=300 TEST_S=300 TEST_WORKERS=8    # the limits of one step and of the test suite (seconds), and the
+#                                           # suite's pytest-xdist workers where xdist is installed
 #   SKIP_TESTS=1 CHECK_ARGS="--n_layer=1 --n_embd=32 --block_size=64" bash bench/gpu_check.sh
 #                                           # a dry run of the script itself on a CPU (overrides every train.py)
 #
@@ -46,7 +48,8 @@ step() {
   if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return; fi
   local log=$LOGS/$name.log t0 rc why=""
   t0=$(date +%s%N)
-  "$@" > "$log" 2>&1
+  if [ "$(type -t "$1")" = function ]; then "$@" > "$log" 2>&1
+  else timeout -k 10 "${STEP_S:-300}" "$@" > "$log" 2>&1; fi  # a hung command fails its step, not the run
   rc=$?
   if [ $rc -ne 0 ] && [ "$check" != expect_fail ]; then why="exit $rc"
   elif grep -q "^Traceback" "$log"; then why="traceback in the output"
@@ -145,7 +148,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   workers=()
   $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
-  step gpu_test_suite tests_ok timeout -k 10 "${TEST_S:-420}" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" tests -rfEs
+  STEP_S=${TEST_S:-300} step gpu_test_suite tests_ok "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" tests \
+    -rfE --durations=25
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"
   say "   $(tail -1 "$OUT/pytest.log")"
 fi

@@ -67,6 +67,8 @@ class TrainConfig:
     keep_last: int = 2              # checkpoints kept besides best.pt
     init_from: str = "scratch"      # "scratch" | "resume" (continue the run in out_dir exactly)
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
+    parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
     wandb_project: str = "flashgpt"
     wandb_run_name: str = ""
@@ -92,6 +94,8 @@ class TrainConfig:
             raise ConfigError(f"train.dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"train.parallel={self.parallel!r}: must be 'ddp' or 'fsdp'")
         if self.init_from not in ("scratch", "resume"):
             raise ConfigError(f"train.init_from={self.init_from!r}: must be 'scratch' or 'resume'")
         if self.peak_tflops < 0:

@@ -5,8 +5,8 @@
     torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml --parallel=fsdp   # FSDP2, sharded checkpoints
 
 Writes into train.out_dir, while holding its lock (.lock): ckpt_<step>.pt (last train.keep_last kept) and
-best.pt (under parallel=fsdp: folders ckpt_<step>/ and best_<step>/), config.toml, metrics.jsonl and loss.png. Ctrl-C or SIGTERM saves a checkpoint after the step in
-flight and exits; --resume continues exactly.
+best.pt (under parallel=fsdp: folders ckpt_<step>/ and best_<step>/), config.toml, metrics.jsonl and loss.png.
+Ctrl-C or SIGTERM saves a checkpoint after the step in flight and exits; --resume continues exactly.
 
 A run is a Trainer: setup() (checkpoint, data, model, log), then run(), whose loop is made of step(),
 log_step(), evaluate() and checkpoint().
@@ -33,13 +33,13 @@ from data.tokenizers import TokenizerError
 from model import GPT
 from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint, load_checkpoint,
                               remove_stale_temp_dirs, save_run_checkpoint)
+from model.device import pick_device, pick_dtype
 from model.parallel import (broadcast_parameters, check_parallel, clip_grad_norm, compile_blocks,
-                            enable_activation_checkpointing, load_full_optimizer_state, load_sharded_state,
-                            optimizer_groups, set_gradient_sync, shard_model, sharded_state,
+                            enable_activation_checkpointing, end_single_process_group, load_full_optimizer_state,
+                            load_sharded_state, optimizer_groups, set_gradient_sync, shard_model, sharded_state,
                             start_single_process_group)
 from model.sharded_checkpoint import (load_rank_state, open_sharded_checkpoint, read_sharded_tensors,
                                       save_sharded_checkpoint)
-from model.device import pick_device, pick_dtype
 from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic
 from runlog import RunLog, rewind_metrics
 
@@ -139,12 +139,6 @@ def teardown_distributed(world: int) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def end_single_process_group() -> None:
-    """End the one-process group a sharded run without torchrun started (model.parallel)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def peak_flops(cfg_tflops: float, device: torch.device) -> float | None:

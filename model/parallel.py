@@ -32,14 +32,13 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError
+from .sharded_checkpoint import MODEL_PREFIX, OPTIM_PREFIX  # keys: model/<name>, optim/<name>/<state>
 
 __all__ = ["broadcast_parameters", "check_parallel", "clip_grad_norm", "compile_blocks",
-           "enable_activation_checkpointing", "fsdp_available", "load_full_optimizer_state",
-           "load_sharded_state", "optimizer_groups", "optimizer_param_names", "optimizer_state_dict",
-           "set_gradient_sync",
-           "shard_model", "sharded_state", "start_single_process_group"]
-
-from .sharded_checkpoint import MODEL_PREFIX, OPTIM_PREFIX  # keys: model/<name>, optim/<name>/<state>
+           "enable_activation_checkpointing", "end_single_process_group", "fsdp_available",
+           "load_full_optimizer_state", "load_sharded_state", "optimizer_groups", "optimizer_param_names",
+           "optimizer_state_dict", "set_gradient_sync", "shard_model", "sharded_state",
+           "start_single_process_group"]
 
 
 def fsdp_available() -> bool:
@@ -140,6 +139,13 @@ def start_single_process_group(device: torch.device) -> bool:
         backend = "nccl"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
+
+
+def end_single_process_group() -> None:
+    """End the default process group (the one start_single_process_group started)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0) -> None:

@@ -28,7 +28,8 @@ def test_scaling_smoke_runs_every_case_and_merges_invocations(tmp_path):
     for (model, mode, n), row in rows.items():
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and len(row["losses"]) == 3
-        assert row["efficiency"] == (1.0 if n == 1 else row["tokens_per_s"] / (2 * rows[(model, mode, 1)]["tokens_per_s"]))
+        one_gpu = rows[(model, mode, 1)]["tokens_per_s"]
+        assert row["efficiency"] == (1.0 if n == 1 else row["tokens_per_s"] / (2 * one_gpu))
         assert row["max_loss_gap"] < 1e-5  # the same global batch at every N: fp32 losses agree
         assert row["command"].startswith("NCCL_NVLS_ENABLE=0 python -m torch.distributed.run")
         assert "--nnodes=1:1 --rdzv_backend=c10d --rdzv_endpoint=localhost:" in row["command"]

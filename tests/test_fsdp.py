@@ -271,6 +271,28 @@ def test_compiled_blocks_trace_once_and_match_eager():
     torch._dynamo.reset()
 
 
+def test_bf16_policy_gathers_blocks_in_bf16_and_keeps_the_root_fp32():
+    """The mixed-precision policy a CUDA run gets (train.py passes bf16 there): blocks are stored as fp32 shards
+    and gathered in bf16; the root (embeddings, tied head, final norm) is gathered in fp32."""
+    import torch.distributed as dist
+    from model.parallel import shard_model, start_single_process_group
+    assert start_single_process_group(torch.device("cpu"))
+    try:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40))
+        shard_model(model, torch.device("cpu"), torch.bfloat16)
+        block = model.transformer.h[0]
+        assert type(block.ln_1.weight).__name__ == "DTensor" and block.ln_1.weight.dtype == torch.float32
+        block.unshard()
+        assert block.ln_1.weight.dtype == block.attn.c_attn.weight.dtype == torch.bfloat16
+        block.reshard()
+        model.unshard()
+        assert model.transformer.wte.weight.dtype == model.lm_head.weight.dtype == torch.float32
+        model.reshard()
+        assert block.ln_1.weight.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 def test_fsdp_where_it_cannot_run_is_one_line(tmp_path, monkeypatch, capsys):

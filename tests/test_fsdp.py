@@ -202,15 +202,17 @@ def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_p
     assert not dist.is_initialized()  # the one-process group ended with the run
 
 
-def test_fsdp_with_compiled_checkpointed_blocks_matches_eager(tmp_path, monkeypatch):
-    """compile_blocks under fully_shard (torch.compile's aot_eager backend here: the traced graph without
-    Inductor's code generation, which a CPU run of the test suite cannot afford)."""
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_compiled_checkpointed_blocks_match_eager(parallel, tmp_path, monkeypatch):
+    """Activation checkpointing under torch.compile: per block under fully_shard, the whole model under ddp
+    (torch.compile's aot_eager backend here: the traced graph without Inductor's code generation, which a CPU run
+    of the test suite cannot afford)."""
     import functools
     import torch._dynamo
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    common = ["--grad_accum_steps=2", "--parallel=fsdp", "--activation_checkpointing=true", "--max_iters=4"]
-    from torch._dynamo.utils import counters
+    common = ["--grad_accum_steps=2", f"--parallel={parallel}", "--activation_checkpointing=true", "--max_iters=4"]
     train_mod.train(cfg_for(tmp_path, "eager", *common))
     counters.clear()
     train_mod.train(cfg_for(tmp_path, "compiled", *common, "--compile=true"))

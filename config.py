@@ -72,6 +72,8 @@ class TrainConfig:
                                     # (Hugging Face weights) | a run folder (its best.pt) or checkpoint: fine-tune
     export_hf: bool = False         # at the end, export best.pt as a Hugging Face model into <out_dir>/hf
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
+    parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
     wandb_project: str = "flashgpt"
     wandb_run_name: str = ""
@@ -100,6 +102,8 @@ class TrainConfig:
             raise ConfigError(f"train.dtype={self.dtype!r}: must be auto, float32, bfloat16 or float16")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"train.parallel={self.parallel!r}: must be 'ddp' or 'fsdp'")
         if not self.init_from or self.init_from == "hf:":
             raise ConfigError(f"train.init_from={self.init_from!r}: must be 'scratch', 'resume', "
                               "'hf:<repo-or-dir>' or a run folder / checkpoint file")

@@ -2,10 +2,12 @@
 
     python train.py configs/demo.toml [--key=value ...] [--resume [--allow-config-change]]
     torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml          # DistributedDataParallel
+    torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml --parallel=fsdp   # FSDP2, sharded checkpoints
 
 Writes into train.out_dir, while holding its lock (.lock): ckpt_<step>.pt (last train.keep_last kept) and
-best.pt, config.toml, metrics.jsonl and loss.png (and with train.export_hf, <out_dir>/hf: best.pt as a Hugging
-Face model). Ctrl-C or SIGTERM saves a checkpoint after the step in flight and exits; --resume continues exactly.
+best.pt (under parallel=fsdp: folders ckpt_<step>/ and best_<step>/), config.toml, metrics.jsonl and loss.png
+(and with train.export_hf, <out_dir>/hf: best.pt as a Hugging Face model). Ctrl-C or SIGTERM saves a
+checkpoint after the step in flight and exits; --resume continues exactly.
 
 train.init_from = "hf:<repo-or-dir>" or a run folder starts from those weights, with their shape and tokenizer
 (pretrained.py); the run's own checkpoints then resume it like any other.
@@ -36,8 +38,15 @@ from data.loader import TokenData  # noqa: E402
 from data.prepare import DataError, prepare  # noqa: E402
 from data.tokenizers import TokenizerError  # noqa: E402
 from model import GPT  # noqa: E402
-from model.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_run_checkpoint  # noqa: E402
+from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint, load_checkpoint,  # noqa: E402
+                              remove_stale_temp_dirs, save_run_checkpoint)
 from model.device import pick_device, pick_dtype  # noqa: E402
+from model.parallel import (broadcast_parameters, check_parallel, clip_grad_norm, compile_blocks,  # noqa: E402
+                            enable_activation_checkpointing, end_single_process_group, load_full_optimizer_state,
+                            load_sharded_state, optimizer_groups, set_gradient_sync, shard_model, sharded_state,
+                            start_single_process_group)
+from model.sharded_checkpoint import (load_rank_state, open_sharded_checkpoint, read_sharded_tensors,  # noqa: E402
+                                      save_sharded_checkpoint)
 from pretrained import load_pretrained, settle_run_config  # noqa: E402
 from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic  # noqa: E402
 from runlog import RunLog, rewind_metrics  # noqa: E402
@@ -139,6 +148,7 @@ def teardown_distributed(world: int) -> None:
             dist.destroy_process_group()
 
 
+
 def peak_flops(cfg_tflops: float, device: torch.device) -> float | None:
     if cfg_tflops > 0:
         return cfg_tflops * 1e12
@@ -221,6 +231,10 @@ class Trainer:
         self.allow_config_change = allow_config_change
         self.device = pick_device(self.t.device, local_rank, what="train.device")
         self.dtype = pick_dtype(self.t.dtype, self.device, what="train.dtype")
+        check_parallel(self.t, self.device, self.dtype)
+        self.sharded = self.t.parallel == "fsdp"
+        # FSDP2 needs a process group even for one process: without torchrun, this run starts its own
+        self.solo_group = self.sharded and world == 1 and start_single_process_group(self.device)
         self.resume = self.t.init_from == "resume"
         self.it = self.start_iter = 0
         self.best_val = float("inf")
@@ -249,6 +263,10 @@ class Trainer:
             if count:
                 print(f"note: removed {count} temporary file(s) ({format_bytes(size)}) that an interrupted "
                       f"write left in {self.t.out_dir}", file=sys.stderr)
+            count, size = remove_stale_temp_dirs(self.t.out_dir)
+            if count:
+                print(f"note: removed {count} temporary folder(s) ({format_bytes(size)}) that an interrupted "
+                      f"checkpoint write left in {self.t.out_dir}", file=sys.stderr)
         self._open_pretrained()
         self._load_data(ckpt)
         self._build_model(ckpt)
@@ -289,7 +307,11 @@ class Trainer:
     def _open_checkpoint(self) -> dict | None:
         """Load the run's latest checkpoint; settle the config it resumes with (see config.resume_config)."""
         t = self.t
-        ckpt = load_checkpoint(t.out_dir, map_location="cpu")
+        path = find_checkpoint(t.out_dir)
+        if os.path.isdir(path) and self.sharded:  # its metadata now; the shards once the model is sharded
+            ckpt = open_sharded_checkpoint(path, self.rank, self.world)
+        else:
+            ckpt = load_checkpoint(path, map_location="cpu")
         step = ckpt["iter"]
         if step > t.max_iters:
             raise ConfigError(f"train.max_iters={t.max_iters} is below the step of the checkpoint to resume "
@@ -315,7 +337,8 @@ class Trainer:
         return ckpt
 
     def _check_fresh_folder(self) -> None:
-        if self.master and any(f.startswith("ckpt_") or f == "best.pt" for f in os.listdir(self.t.out_dir)):
+        if self.master and any(f.startswith("ckpt_") or f == "best.pt" or BEST_DIR_PATTERN.fullmatch(f)
+                               for f in os.listdir(self.t.out_dir)):
             raise TrainError(f"run directory {self.t.out_dir!r} already holds checkpoints: pass --resume to "
                              "continue it, or choose another --out_dir")
         return None
@@ -348,37 +371,65 @@ class Trainer:
         cfg.model.attention = kernels.resolve_backend(cfg.model.attention, self.device)
 
     def _build_model(self, ckpt: dict | None) -> None:
-        """Model, optimizer and grad scaler; restored from the checkpoint when resuming; compiled, DDP-wrapped."""
+        """Model, optimizer and grad scaler; restored from the checkpoint when resuming. Activation checkpointing
+        and compile as configured; then DDP-wrapped (world > 1) or sharded with FSDP2 (model/parallel.py)."""
         t, device = self.t, self.device
         torch.manual_seed(t.seed + self.rank)
         model = GPT(self.cfg.model).to(device)
         if self.init is not None:
             model.load_state_dict(self.init.state_for(self.cfg.model))
             self.init.state = {}  # the model holds the weights now
+        from_shards = ckpt is not None and ckpt.get("sharded", False)
+        if ckpt is not None and not from_shards:
+            self._load_weights(model, lambda: model.load_state_dict(ckpt["model"]), ckpt["path"])
+        if t.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if self.sharded:
+            if ckpt is None and self.world > 1:
+                broadcast_parameters(model)  # every rank starts from rank 0's weights, as under DDP
+            if t.compile:
+                compile_blocks(model)
+            shard_model(model, device, self.dtype if device.type == "cuda" else None)
         self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
                                                    device.type)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         if ckpt is not None:
-            try:
-                model.load_state_dict(ckpt["model"])
-            except RuntimeError:
-                what = ("the changed [model] (only changes that keep every weight's shape can resume)"
-                        if self.allow_config_change else "the [model] config it holds")
-                raise TrainError(f"the weights of {ckpt['path']} do not fit {what}") from None
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-            self.data.load_state_dict(ckpt["data"])
-            set_rng_state(ckpt["rng"])
+            if from_shards:
+                self._load_weights(model, lambda: load_sharded_state(
+                    model, self.optimizer, ckpt["optimizer_groups"], ckpt["tensors"],
+                    lambda targets: read_sharded_tensors(ckpt["path"], targets)), ckpt["path"])
+                rank_state = load_rank_state(ckpt["path"], ckpt, self.rank)
+            else:
+                rank_state = ckpt
+                if self.sharded:
+                    self._load_weights(model, lambda: load_full_optimizer_state(model, self.optimizer,
+                                                                                ckpt["optimizer"]), ckpt["path"])
+                else:
+                    self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.data.load_state_dict(rank_state["data"])
+            set_rng_state(rank_state["rng"])
             self.it = self.start_iter = ckpt["iter"]
             self.best_val = ckpt["best_val"]
         self.raw_model = model
-        if t.compile:
-            model = torch.compile(model)
-        if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            model = DDP(model, device_ids=[self.local_rank] if device.type == "cuda" else None)
+        if not self.sharded:
+            if t.compile:
+                model = torch.compile(model)
+            if self.world > 1:
+                from torch.nn.parallel import DistributedDataParallel as DDP
+                model = DDP(model, device_ids=[self.local_rank] if device.type == "cuda" else None)
         self.model = model
         self.autocast = (torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32
                          else contextlib.nullcontext())
+
+    def _load_weights(self, model, load, path: str) -> None:
+        """Run `load` (weights into `model`, and optimizer state); weights of another shape → TrainError."""
+        try:
+            load()
+        except (RuntimeError, ValueError) as e:
+            what = ("the changed [model] (only changes that keep every weight's shape can resume)"
+                    if self.allow_config_change else "the [model] config it holds")
+            detail = f" ({' '.join(str(e).split())[:200]})" if isinstance(e, ValueError) else ""
+            raise TrainError(f"the weights of {path} do not fit {what}{detail}") from None
 
     def _start_log(self) -> None:
         """Print the run's set-up, write config.toml, open the metrics log (rewound to the resumed step)."""
@@ -462,7 +513,10 @@ class Trainer:
         micro = self.data.train_batches(t.batch_size, t.grad_accum_steps, self.rank, self.world)
         for m, (x, y) in enumerate(micro):
             sync = m == len(micro) - 1
-            no_sync = model.no_sync() if self.world > 1 and not sync else contextlib.nullcontext()
+            if self.sharded and len(micro) > 1:
+                set_gradient_sync(model, sync)
+            no_sync = (model.no_sync() if self.world > 1 and not sync and not self.sharded
+                       else contextlib.nullcontext())
             with no_sync, self.autocast:
                 _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                 loss = loss / len(micro)
@@ -474,8 +528,7 @@ class Trainer:
         if self.pending is not None:
             self.settle()  # the previous step, while this one's forward and backward run on the GPU
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
-                                                   t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = clip_grad_norm(self.raw_model, t.grad_clip if t.grad_clip > 0 else float("inf"))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -545,7 +598,10 @@ class Trainer:
         return is_best
 
     def checkpoint(self, is_best: bool) -> str | None:
-        """Rank 0 writes ckpt_<it>.pt (and best.pt) holding the state at the top of step `it`; its path."""
+        """Rank 0 writes ckpt_<it>.pt (and best.pt) holding the state at the top of step `it`; its path.
+        Sharded: every rank writes its shards into ckpt_<it>/ (and best_<it>/); every rank gets the path."""
+        if self.sharded:
+            return self._checkpoint_sharded(is_best)
         if not self.master:
             return None
         t = self.t
@@ -559,6 +615,26 @@ class Trainer:
         except OSError as e:
             raise self._write_failed(e, self._failed_checkpoint_file(e, path, is_best)) from None
         return self.last_ckpt
+
+    def _checkpoint_sharded(self, is_best: bool) -> str:
+        t = self.t
+        tensors, tied = sharded_state(self.raw_model, self.optimizer)
+        meta = {"iter": self.it, "best_val": self.best_val, "config": self.cfg.to_dict(),
+                "tokenizer": self.data.meta["tokenizer"], "tied": tied,
+                "optimizer_groups": optimizer_groups(self.raw_model, self.optimizer)}
+        rank_state = {"data": self.snapshot["data"], "rng": self.snapshot["rng"]}
+        try:
+            self.last_ckpt = save_sharded_checkpoint(tensors, meta, rank_state, t.out_dir, self.it, t.keep_last,
+                                                     is_best)
+        except OSError as e:
+            raise self._write_failed(e, os.path.join(t.out_dir, f"ckpt_{self.it:07d}")) from None
+        return self.last_ckpt
+
+    def close(self) -> None:
+        """End what the run started outside its folder: the one-process group of a sharded run."""
+        if self.solo_group:
+            end_single_process_group()
+            self.solo_group = False
 
     def _stop_requested(self) -> bool:
         if self.world == 1:
@@ -655,6 +731,7 @@ def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world:
                 print(f"note: {cfg.train.out_dir}: took over the lock left by {lock.took_over}", file=sys.stderr)
         trainer = Trainer(cfg, rank=rank, local_rank=local_rank, world=world, signals=signals,
                           allow_config_change=allow_config_change)
+        stack.callback(trainer.close)
         if not trainer.setup():
             return trainer.summary()
         summary = trainer.run()

@@ -23,12 +23,16 @@ import tempfile
 
 import torch
 
-__all__ = ["CheckpointError", "atomic_save", "content_checksum", "find_checkpoint", "load_checkpoint",
-           "remove_stale_temp_files", "save_checkpoint", "save_run_checkpoint"]
+__all__ = ["CheckpointError", "atomic_save", "content_checksum", "find_checkpoint", "is_sharded_checkpoint",
+           "load_checkpoint", "numbered_checkpoints", "remove_stale_temp_dirs", "remove_stale_temp_files",
+           "save_checkpoint", "save_run_checkpoint"]
 
 CKPT_PATTERN = re.compile(r"ckpt_(\d+)\.pt$")
+CKPT_DIR_PATTERN = re.compile(r"ckpt_(\d+)")   # a sharded checkpoint folder (full match)
+BEST_DIR_PATTERN = re.compile(r"best_(\d+)")   # a sharded run's best checkpoint, a folder
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # every temporary file this module writes: .tmp-*.pt
 CHECKSUM_KEY = "checksum"
+SHARDED_META = "flashgpt.json"  # what makes a folder a whole sharded checkpoint (see model/sharded_checkpoint.py)
 LOAD_KEYS = ("path", "verified")  # added by load_checkpoint, never saved
 
 
@@ -107,21 +111,62 @@ def save_checkpoint(ckpt: dict, path: str) -> None:
 
 
 def find_checkpoint(path: str, prefer: str = "latest") -> str:
-    """A checkpoint file, or a run folder → its latest (or "best") checkpoint."""
+    """A checkpoint file or folder, or a run folder → its latest (or "best") checkpoint, file or folder."""
     if os.path.isfile(path):
         return path
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint not found: {path}")
-    best = os.path.join(path, "best.pt")
-    numbered = sorted((int(m.group(1)), f) for f in glob.glob(os.path.join(path, "ckpt_*.pt"))
-                      if (m := CKPT_PATTERN.search(f)))
-    if prefer == "best" and os.path.isfile(best):
+    if is_sharded_checkpoint(path):
+        return path
+    numbered = numbered_checkpoints(path)
+    best = _best_checkpoint(path)
+    if prefer == "best" and best is not None:
         return best
     if numbered:
         return numbered[-1][1]
-    if os.path.isfile(best):
+    if best is not None:
         return best
     raise CheckpointError(f"no checkpoint in run folder {path}")
+
+
+def is_sharded_checkpoint(folder: str) -> bool:
+    """Whether `folder` is one sharded checkpoint (named ckpt_<step> or best_<step>, or holding one's files),
+    as opposed to a run folder."""
+    if not os.path.isdir(folder):
+        return False
+    name = os.path.basename(os.path.normpath(folder))
+    return bool(CKPT_DIR_PATTERN.fullmatch(name) or BEST_DIR_PATTERN.fullmatch(name)
+                or os.path.exists(os.path.join(folder, SHARDED_META))
+                or os.path.exists(os.path.join(folder, ".metadata")))
+
+
+def numbered_checkpoints(out_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the run folder's ckpt_<step>.pt files and ckpt_<step>/ folders, by step."""
+    found = []
+    for entry in os.scandir(out_dir):
+        m = CKPT_PATTERN.fullmatch(entry.name) if entry.is_file() else CKPT_DIR_PATTERN.fullmatch(entry.name)
+        if m and (entry.is_file() or entry.is_dir()):
+            found.append((int(m.group(1)), entry.path))
+    return sorted(found)
+
+
+def _best_folders(out_dir: str) -> list[str]:
+    """The best_<step>/ folders of a sharded run, by step."""
+    found = []
+    for entry in os.scandir(out_dir):
+        m = BEST_DIR_PATTERN.fullmatch(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry.path))
+    return [path for _, path in sorted(found)]
+
+
+def _best_checkpoint(out_dir: str) -> str | None:
+    """best.pt, or the best_<step>/ folder of a sharded run (the highest step, if a crash left two)."""
+    folders = _best_folders(out_dir)
+    if folders:
+        return folders[-1]
+    best = os.path.join(out_dir, "best.pt")
+    return best if os.path.isfile(best) else None
 
 
 # What torch's weights-only unpickler says when a pickle asks for a class or function it does not allow (as
@@ -135,20 +180,15 @@ def _refused(file: str, error: pickle.UnpicklingError) -> CheckpointError:
                            + (f" ({named.group(1)})" if named else "") + "; not loaded")
 
 
-def load_checkpoint(path: str, map_location="cpu", prefer: str = "latest") -> dict:
-    """Load safely (weights_only=True) and verify the checksum. Raises CheckpointError with one line.
-
-    The dict returned has two more keys: "path" (the file read) and "verified" (True when a stored checksum
-    matched; False when the file has none, so nothing about its integrity is known).
-    """
-    file = find_checkpoint(path, prefer)
+def _read_torch_file(file: str, map_location="cpu"):
+    """torch.load(weights_only=True) of one file; CheckpointError (one line) when unreadable or unsafe."""
     try:
         f = open(file, "rb")
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {file} ({e.strerror or e})") from None
     try:
         with f:
-            ckpt = torch.load(f, map_location=map_location, weights_only=True)
+            return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         if UNSAFE_PICKLE.search(str(e)):
             raise _refused(file, e) from None
@@ -156,6 +196,22 @@ def load_checkpoint(path: str, map_location="cpu", prefer: str = "latest") -> di
     except Exception as e:  # a truncated zip archive gives RuntimeError, EOFError or even OSError(EINVAL)
         raise CheckpointError(f"corrupt or truncated checkpoint {file} ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:120]})") from None
+
+
+def load_checkpoint(path: str, map_location="cpu", prefer: str = "latest", *, with_optimizer: bool = True) -> dict:
+    """Load safely (weights_only=True) and verify the checksum. Raises CheckpointError with one line.
+
+    `path` is a checkpoint file, a sharded checkpoint folder, or a run folder (its latest, or best, checkpoint of
+    either kind). A sharded folder is read on this process alone, without a process group, into the same dict
+    a file holds (see load_sharded_checkpoint; with_optimizer=False skips its optimizer state).
+    The dict returned has two more keys: "path" (the file read) and "verified" (True when a stored checksum
+    matched; False when the file has none, so nothing about its integrity is known).
+    """
+    file = find_checkpoint(path, prefer)
+    if os.path.isdir(file):
+        from .sharded_checkpoint import load_sharded_checkpoint
+        return load_sharded_checkpoint(file, map_location, with_optimizer=with_optimizer)
+    ckpt = _read_torch_file(file, map_location)
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{file} is not a flashgpt checkpoint (no model weights and config)")
     stored = ckpt.pop(CHECKSUM_KEY, None)
@@ -197,11 +253,19 @@ def save_run_checkpoint(ckpt: dict, out_dir: str, step: int, keep_last: int, is_
     save_checkpoint(ckpt, path)
     if is_best:
         _link_or_copy(path, os.path.join(out_dir, "best.pt"))
-    numbered = sorted((int(m.group(1)), f) for f in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))
-                      if (m := CKPT_PATTERN.search(f)))
-    for _, old in numbered[:-keep_last]:
-        os.remove(old)
+        for folder in _best_folders(out_dir):  # of a sharded run this one resumed
+            _remove_tree(folder)
+    _prune(out_dir, keep_last)
     return path
+
+
+def _prune(out_dir: str, keep_last: int) -> None:
+    """Remove all but the last `keep_last` numbered checkpoints, files and folders alike."""
+    for _, old in numbered_checkpoints(out_dir)[:-keep_last]:
+        if os.path.isdir(old):
+            _remove_tree(old)
+        else:
+            os.remove(old)
 
 
 def remove_stale_temp_files(folder: str) -> list[str]:
@@ -213,3 +277,27 @@ def remove_stale_temp_files(folder: str) -> list[str]:
             os.remove(path)
             removed.append(path)
     return removed
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a checkpoint folder: first renamed to a temporary name (one atomic step, after which no reader
+    takes it for a checkpoint), then deleted; a crash in between leaves a temporary folder, removed at the next
+    start (remove_stale_temp_dirs)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    doomed = os.path.join(parent, f"{TEMP_PREFIX}removed-{secrets.token_hex(6)}")
+    os.rename(path, doomed)
+    _fsync_dir(parent)
+    shutil.rmtree(doomed)
+
+
+def remove_stale_temp_dirs(folder: str) -> tuple[int, int]:
+    """Remove the temporary folders (`.tmp-*/`) that an interrupted sharded checkpoint write or removal left in
+    `folder`; returns (how many, their total bytes). Only while no writer works in `folder` (hold its lock)."""
+    count = size = 0
+    for entry in os.scandir(folder):
+        if entry.name.startswith(TEMP_PREFIX) and entry.is_dir(follow_symlinks=False):
+            for root, _, files in os.walk(entry.path):
+                size += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+            shutil.rmtree(entry.path)
+            count += 1
+    return count, size

@@ -1,0 +1,341 @@
+"""How a GPT is spread over data-parallel ranks for training: DDP or FSDP2, activation checkpointing, compile.
+
+    check_parallel(t, device, dtype)              # ConfigError, one line, for a combination that cannot run
+    start_single_process_group(device)            # FSDP2 on one process without torchrun
+    enable_activation_checkpointing(model)        # each block recomputes its activations in backward
+    compile_blocks(model)                         # one compiled block forward, shared by every block
+    broadcast_parameters(model)                   # rank 0's initial weights on every rank
+    shard_model(model, device, compute_dtype)     # FSDP2, in place: fully_shard each block, then the root
+    set_gradient_sync(model, sync)                # FSDP2 gradient accumulation without communication
+    grad_norm = clip_grad_norm(model, max_norm)   # one plain tensor, sharded or not
+    sharded_state(model, optimizer) / optimizer_groups(model, optimizer) / load_sharded_state(...)
+
+`parallel = "ddp"`: every rank holds the whole model (train.py wraps it in DistributedDataParallel when the world
+has more than one rank; one process is plain single-process training).
+
+`parallel = "fsdp"`: `torch.distributed.fsdp.fully_shard` (FSDP2) on each transformer block and on the root, so a
+rank keeps 1/world of every parameter, gradient and AdamW moment, and gathers a block's parameters only while the
+block runs. The modules keep their class names and parameter names (checkpoints use the same keys as unsharded
+ones); parameters become DTensors. With a compute dtype (bf16 on CUDA), each block's parameters are gathered and
+used in that dtype and its gradients reduced in fp32 (a MixedPrecisionPolicy); the root (embeddings, final norm,
+tied head) keeps fp32 parameters, so the residual stream stays fp32 as under plain autocast, which still picks
+each op's dtype. On the CPU nothing is cast (fp32).
+
+Activation checkpointing and compile change a block's `forward` only (an instance attribute), never the module
+tree: both work under either mode. Compile follows torchtitan's order, activation checkpointing, then torch.compile
+per transformer block, then fully_shard; here the compiled function is one for all blocks (a block is an
+argument, so it is traced once and reused). Under DDP train.py compiles the whole model instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .config import ConfigError
+from .sharded_checkpoint import MODEL_PREFIX, OPTIM_PREFIX  # keys: model/<name>, optim/<name>/<state>
+
+__all__ = ["broadcast_parameters", "check_parallel", "clip_grad_norm", "compile_blocks",
+           "enable_activation_checkpointing", "end_single_process_group", "fsdp_available",
+           "load_full_optimizer_state", "load_sharded_state", "optimizer_groups", "optimizer_param_names",
+           "optimizer_state_dict", "set_gradient_sync", "shard_model", "sharded_state",
+           "start_single_process_group"]
+
+
+def fsdp_available() -> bool:
+    """Whether this torch has torch.distributed and FSDP2's fully_shard."""
+    try:
+        import torch.distributed as dist
+        if not dist.is_available():
+            return False
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_parallel(t, device: torch.device, dtype: torch.dtype) -> None:
+    """ConfigError (one line) when train.parallel cannot run as configured (activation checkpointing runs with
+    either mode, compiled or not, any dtype)."""
+    if t.parallel == "fsdp":
+        if not fsdp_available():
+            raise ConfigError(f"train.parallel=fsdp: this torch ({torch.__version__}) has no torch.distributed "
+                              "FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); use train.parallel=ddp")
+        if dtype == torch.float16:
+            raise ConfigError("train.parallel=fsdp with train.dtype=float16: the loss scaler would check only "
+                              "this rank's gradient shard for overflow; use train.dtype=bfloat16 or float32")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.transformer.h)
+
+
+# ---------------------------------------------------------------------------------- activation checkpointing
+
+def _checkpointed_call(block: nn.Module, *args, **kwargs):
+    """A block's own forward under non-reentrant activation checkpointing: only its input is kept for backward,
+    its activations are recomputed there (with the RNG state of the forward, so dropout masks match)."""
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def _plain_call(block: nn.Module, *args, **kwargs):
+    return type(block).forward(block, *args, **kwargs)
+
+
+class _BlockForward:
+    """A block's `forward`: `fn(block, *args)`, where fn is the plain or checkpointed call, maybe compiled.
+    An object rather than a closure, so compile_blocks can replace fn and the same fn serves every block."""
+
+    def __init__(self, block: nn.Module, fn):
+        self.block, self.fn = block, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.block, *args, **kwargs)
+
+
+def _block_forward(block: nn.Module) -> _BlockForward:
+    forward = block.__dict__.get("forward")
+    if not isinstance(forward, _BlockForward):
+        forward = _BlockForward(block, _plain_call)
+        block.forward = forward
+    return forward
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Every transformer block keeps only its input for backward and recomputes the rest there. Parameter
+    names and the module tree do not change. Call before compile_blocks."""
+    for block in _blocks(model):
+        forward = _block_forward(block)
+        if forward.fn is not _plain_call:
+            raise RuntimeError("enable_activation_checkpointing: call it before compile_blocks, once")
+        forward.fn = _checkpointed_call
+
+
+_compiled: dict = {}  # the plain or checkpointed call → its torch.compile'd version, shared by every model
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs) -> None:
+    """torch.compile each transformer block's forward (FSDP2's hooks stay outside, in eager): one compiled
+    function for all blocks, traced once and reused. Embeddings, final norm, head and loss stay eager."""
+    for block in _blocks(model):
+        forward = _block_forward(block)
+        key = (forward.fn, tuple(sorted(compile_kwargs.items())))
+        if key not in _compiled:
+            _compiled[key] = torch.compile(forward.fn, **compile_kwargs)
+        forward.fn = _compiled[key]
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+
+def start_single_process_group(device: torch.device) -> bool:
+    """A default process group of one rank (FSDP2 shards over a process group, even of one) when none exists:
+    NCCL on CUDA, gloo on the CPU, rendezvous in memory (no port). True when it started one."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return False
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def end_single_process_group() -> None:
+    """End the default process group (the one start_single_process_group started)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+    """Copy rank `src`'s parameters and buffers to every rank (what DDP does when it wraps a model), so a
+    sharded run starts from the same weights as one process seeded like rank `src`."""
+    import torch.distributed as dist
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src)
+
+
+def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2 in place over all ranks of the default process group: fully_shard each transformer block, then the
+    root (which then holds the embeddings, final norm and the tied head). compute_dtype (e.g. bf16): the blocks'
+    parameters are gathered in it and their gradients reduced in fp32; None keeps everything fp32. The last
+    block keeps its parameters gathered after forward (backward needs them first). Returns the model."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if compute_dtype is None or compute_dtype == torch.float32:
+        block_policy = MixedPrecisionPolicy()
+    else:
+        # inputs stay as they come (the fp32 residual stream); autocast casts each op's inputs
+        block_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                            cast_forward_inputs=False)
+    blocks = _blocks(model)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    return model
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Before each micro-batch of a sharded model: sync=False for all but the last of a step. Then gradients
+    accumulate unsharded on each rank, with no reduce-scatter, and the blocks' parameters stay gathered from one
+    micro-batch to the next (no all-gather); sync=True restores reduce-scatter and resharding for the last one."""
+    model.set_requires_gradient_sync(sync)
+    model.set_reshard_after_backward(sync)
+    blocks = _blocks(model)
+    for i, block in enumerate(blocks):
+        block.set_reshard_after_forward(sync and i < len(blocks) - 1, recurse=False)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over all parameters (DTensor-aware: a sharded model's norm covers every rank's shard);
+    returns the total norm before clipping as a plain 0-d tensor, not yet read back."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    full = getattr(norm, "full_tensor", None)  # a DTensor (replicated) under FSDP2
+    return full() if full is not None else norm
+
+
+# ---------------------------------------------------------------------------------------- sharded state
+
+def optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """For each param group, the names of its parameters in the optimizer's order (the integer keys of
+    optimizer.state_dict() count through these lists)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's param groups as JSON-able dicts: hyperparameters, and "params" as parameter names."""
+    names = optimizer_param_names(model, optimizer)
+    groups = []
+    for group, group_names in zip(optimizer.param_groups, names):
+        entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        entry["params"] = group_names
+        groups.append(entry)
+    return groups
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(tensors, tied) of a sharded model and its optimizer, for torch.distributed.checkpoint.
+
+    tensors: "model/<name>" → the parameter (a DTensor shard, shared storage), "optim/<name>/<key>" → its AdamW
+    state (step, exp_avg, exp_avg_sq). A parameter reachable under a second name (the head tied to the token
+    embedding) appears once; tied maps the second name to the first.
+    """
+    tensors, tied, seen = {}, {}, {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            tied[name] = seen[id(value)]
+            continue
+        seen[id(value)] = name
+        tensors[MODEL_PREFIX + name] = value.detach()
+    names = [n for group in optimizer_param_names(model, optimizer) for n in group]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for name, p in zip(names, params):
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIM_PREFIX}{name}/{key}"] = value
+    return tensors, tied
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[dict], saved: dict,
+                       read) -> None:
+    """Fill a sharded model and its fresh optimizer from a sharded checkpoint.
+
+    groups: the checkpoint's optimizer_groups; saved: key → (shape, dtype) of every tensor it holds;
+    read(targets): loads each of `targets` (keys as sharded_state's; this rank's DTensor shards) in place,
+    resharding as needed. ValueError (one line) when the checkpoint's weights do not fit this model.
+    """
+    tensors, _ = sharded_state(model, optimizer)
+    targets = {k: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}  # the parameters themselves
+    for key, value in targets.items():
+        name = key[len(MODEL_PREFIX):]
+        if key not in saved:
+            raise ValueError(f"it has no weight {name}")
+        if tuple(saved[key][0]) != tuple(value.shape):
+            raise ValueError(f"{name} is {tuple(saved[key][0])} there, {tuple(value.shape)} here")
+    by_name = dict(model.named_parameters())
+    for group in groups:
+        for name in group["params"]:
+            if name not in by_name:
+                raise ValueError(f"its optimizer state names {name}, which this model does not have")
+            for key, (shape, dtype) in saved.items():
+                if key.startswith(f"{OPTIM_PREFIX}{name}/") and "/" not in key[len(OPTIM_PREFIX) + len(name) + 1:]:
+                    p = by_name[name]
+                    targets[key] = torch.zeros_like(p) if tuple(shape) == tuple(p.shape) and shape else \
+                        torch.zeros(shape, dtype=dtype)
+    read(targets)
+    _load_optimizer(model, optimizer, optimizer_state_dict(groups, targets))
+
+
+def optimizer_state_dict(groups: list[dict], tensors: dict) -> dict:
+    """optimizer.state_dict() format, in the saved order, from saved groups (parameter names in "params") and
+    "optim/<name>/<key>" tensors."""
+    per_param: dict[str, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith(OPTIM_PREFIX):
+            name, _, state_key = key[len(OPTIM_PREFIX):].rpartition("/")
+            per_param.setdefault(name, {})[state_key] = value
+    state, param_groups, index = {}, [], 0
+    for group in groups:
+        ids = []
+        for name in group["params"]:
+            if name in per_param:
+                state[index] = per_param[name]
+            ids.append(index)
+            index += 1
+        param_groups.append({**{k: (tuple(v) if k == "betas" else v) for k, v in group.items() if k != "params"},
+                             "params": ids, "param_names": list(group["params"])})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """optimizer.load_state_dict of `saved` (optimizer.state_dict() format whose groups carry "param_names"),
+    renumbered to this optimizer's own order of the same parameters."""
+    current = optimizer_param_names(model, optimizer)
+    saved_names = [g["param_names"] for g in saved["param_groups"]]
+    if [sorted(g) for g in current] != [sorted(g) for g in saved_names]:
+        raise ValueError("its optimizer groups hold other parameters than this model's")
+    state_of = {}
+    for group in saved["param_groups"]:
+        for saved_id, name in zip(group["params"], group["param_names"]):
+            if saved_id in saved["state"]:
+                state_of[name] = saved["state"][saved_id]
+    state, groups, index = {}, [], 0
+    for group, names in zip(saved["param_groups"], current):
+        ids = []
+        for name in names:
+            if name in state_of:
+                state[index] = state_of[name]
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, full: dict) -> None:
+    """Load an unsharded optimizer.state_dict() (of a single-file checkpoint, saved in this model's parameter
+    order) into the optimizer of a sharded model: each rank keeps its own shard of every moment, with no
+    communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    names = optimizer_param_names(model, optimizer)
+    by_name = dict(model.named_parameters())
+    if [len(g["params"]) for g in full["param_groups"]] != [len(g) for g in names]:
+        raise ValueError("its optimizer groups hold other parameters than this model's")
+    state = {}
+    for group, group_names in zip(full["param_groups"], names):
+        for saved_id, name in zip(group["params"], group_names):
+            p = by_name[name]
+            entry = {}
+            for key, value in full["state"].get(saved_id, {}).items():
+                if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    value = distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements,
+                                              src_data_rank=None)
+                entry[key] = value
+            if entry:
+                state[saved_id] = entry
+    groups = [{**g, "param_names": n} for g, n in zip(full["param_groups"], names)]
+    _load_optimizer(model, optimizer, {"state": state, "param_groups": groups})

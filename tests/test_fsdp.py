@@ -1,0 +1,437 @@
+"""train.parallel = "fsdp" (FSDP2) on CPU with gloo: the same losses as one process, activation checkpointing,
+sharded (DCP) checkpoints that resume exactly and on another world size, and load without a process group.
+
+Tolerances: one process and N ranks add the same numbers in a different order (the gradient reduce-scatter),
+so their fp32 losses differ by a few ulps (measured over 12 steps of the tiny model: at most 4.8e-7 with 2
+ranks, 2.4e-7 with 4); runs that
+do the same arithmetic in the same order (resume, world size 1, activation checkpointing) are compared exactly.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train as train_mod
+from config import load_config
+from model import GPT, GPTConfig
+from model.checkpoint import CheckpointError, load_checkpoint
+from tests.util import ROOT, TINY_MODEL, run_entry, write_corpus
+
+REDUCTION_ORDER_TOL = 1e-5
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_DATASETS_OFFLINE="1")
+
+
+def rows(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def curve(folder, key="loss"):
+    return [(r["iter"], r[key]) for r in rows(folder) if key in r]
+
+
+def assert_close(a, b, tol=REDUCTION_ORDER_TOL):
+    assert [i for i, _ in a] == [i for i, _ in b]
+    gap = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
+    assert gap <= tol, (gap, a, b)
+
+
+def cli_args(tmp, corpus, out, *extra):
+    return [os.path.join(ROOT, "configs", "demo.toml"), f"--dataset={corpus}", f"--cache_dir={tmp}/cache",
+            "--num_proc=1", "--max_iters=12", "--eval_interval=6", "--eval_iters=2", "--log_interval=1",
+            "--batch_size=4", "--device=cpu", "--attention=naive", "--learning_rate=3e-3", "--warmup_iters=2",
+            f"--out_dir={out}", *TINY_MODEL, *extra]
+
+
+def torchrun(nproc, args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def single(args, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process (DDP mode, 4 micro-batches) and two FSDP ranks (2 micro-batches each): the same global batch,
+    12 steps, checkpoints at 6 and 12."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    corpus = write_corpus(tmp)
+    one = single(cli_args(tmp, corpus, tmp / "one", "--grad_accum_steps=4"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, cli_args(tmp, corpus, tmp / "two", "--grad_accum_steps=2", "--parallel=fsdp"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    return {"tmp": tmp, "corpus": corpus, "one": tmp / "one", "two": tmp / "two", "two_stdout": two.stdout}
+
+
+def test_two_fsdp_ranks_match_one_process(runs):
+    one, two = runs["one"], runs["two"]
+    assert "world size 2" in runs["two_stdout"] and runs["two_stdout"].count("[model]") == 1
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert_close(curve(one, key), curve(two, key))
+    assert len(curve(two)) == 12 and curve(two)[-1][1] < curve(two)[0][1]
+    best = min(curve(two, "val_loss"), key=lambda r: r[1])[0]
+    assert sorted(os.listdir(two)) == sorted([f"best_{best:07d}", "ckpt_0000006", "ckpt_0000012", "config.toml",
+                                              "loss.png", "metrics.jsonl"])
+    files = sorted(os.listdir(two / "ckpt_0000012"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "flashgpt.json", "rank_00000.pt", "rank_00001.pt"]
+    assert sorted(os.listdir(two / f"best_{best:07d}")) == files
+
+
+def test_fsdp_checkpoint_loads_on_one_process_without_a_group(runs):
+    """What generate.py and exporters use: the sharded folder, whole, in the single-file checkpoint's format."""
+    ckpt = load_checkpoint(str(runs["two"]))
+    plain = load_checkpoint(str(runs["one"]))
+    assert ckpt["path"].endswith("ckpt_0000012") and ckpt["verified"] and ckpt["iter"] == 12
+    assert ckpt["world_size"] == 2 and ckpt["tokenizer"] == plain["tokenizer"]
+    assert set(ckpt["model"]) == set(plain["model"])  # the tied head included
+    assert ckpt["model"]["lm_head.weight"] is ckpt["model"]["transformer.wte.weight"]
+    for k, v in plain["model"].items():
+        assert torch.allclose(ckpt["model"][k], v, atol=1e-5), k
+    model = GPT(GPTConfig(**ckpt["config"]["model"]))
+    model.load_state_dict(ckpt["model"])
+    # the optimizer state comes back in optimizer.state_dict()'s format: a plain optimizer loads it
+    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for i, state in plain["optimizer"]["state"].items():
+        assert torch.allclose(ckpt["optimizer"]["state"][i]["exp_avg"], state["exp_avg"], atol=1e-6)
+        assert ckpt["optimizer"]["state"][i]["step"] == state["step"] == 12
+    assert "optimizer" not in load_checkpoint(str(runs["two"]), with_optimizer=False)
+    best = min(curve(runs["two"], "val_loss"), key=lambda r: r[1])[0]
+    assert load_checkpoint(str(runs["two"]), prefer="best")["iter"] == best
+    g = run_entry("generate.py", "--ckpt", runs["two"], "--prompt", "the king", "--max-new-tokens", "12",
+                  "--seed", "1", "--temperature", "0")
+    assert g.returncode == 0, g.stderr
+    g1 = run_entry("generate.py", "--ckpt", runs["two"] / "ckpt_0000012", "--prompt", "the king",
+                   "--max-new-tokens", "12", "--seed", "1", "--temperature", "0")
+    assert g1.stdout == g.stdout and g.stdout.startswith("the king") and len(g.stdout) > len("the king")
+    assert "Warning" not in g.stderr
+
+
+def copy_run_until(src, dst, step):
+    """The run folder as it was after its checkpoint of `step` (later checkpoints removed)."""
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst):
+        if name.startswith(("ckpt_", "best_")) and int(name.split("_")[1]) > step:
+            shutil.rmtree(dst / name)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_rank_checkpoint_resumes_on_one_process(parallel, runs):
+    """Saved by 2 FSDP ranks at step 6, resumed by one process (4 micro-batches, the same global batch): model,
+    optimizer, schedule and data position load exactly (DCP reshards 2 → 1); the losses of steps 7..12 then
+    differ from the 2-rank run's only by reduction order. Under ddp the folder is read whole instead."""
+    resumed = runs["tmp"] / f"resumed-{parallel}"
+    copy_run_until(runs["two"], resumed, 6)
+    r = single(cli_args(runs["tmp"], runs["corpus"], resumed, "--grad_accum_steps=4", f"--parallel={parallel}",
+                        "--resume"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming at step 6" in r.stdout
+    assert [i for i, _ in curve(resumed)] == list(range(1, 13))  # rows of steps 1..6 kept, 7..12 new
+    assert_close(curve(resumed), curve(runs["two"]))
+    assert_close(curve(resumed, "val_loss"), curve(runs["two"], "val_loss"))
+    assert os.path.isdir(resumed / "ckpt_0000012") == (parallel == "fsdp")
+    assert os.path.isfile(resumed / "ckpt_0000012.pt") == (parallel == "ddp")
+
+
+def test_exact_resume_with_two_ranks(runs):
+    """Stopped at step 6 and resumed on the same two ranks: every later loss is bit-identical."""
+    resumed = runs["tmp"] / "resumed-two"
+    copy_run_until(runs["two"], resumed, 6)
+    r = torchrun(2, cli_args(runs["tmp"], runs["corpus"], resumed, "--grad_accum_steps=2", "--parallel=fsdp",
+                             "--resume"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert curve(resumed) == curve(runs["two"])
+    assert curve(resumed, "val_loss") == curve(runs["two"], "val_loss")
+
+
+def test_four_fsdp_ranks_match_one_process(runs, tmp_path):
+    four = torchrun(4, cli_args(runs["tmp"], runs["corpus"], tmp_path / "four", "--grad_accum_steps=1",
+                                "--parallel=fsdp"))
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert_close(curve(runs["one"]), curve(tmp_path / "four"))
+    assert_close(curve(runs["one"], "val_loss"), curve(tmp_path / "four", "val_loss"))
+    assert len([f for f in os.listdir(tmp_path / "four" / "ckpt_0000012") if f.endswith(".distcp")]) == 4
+
+
+# ------------------------------------------------------------------------------------ in one process
+
+def cfg_for(tmp_path, name, *extra):
+    corpus = write_corpus(tmp_path)
+    return load_config(None, [f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache", f"--out_dir={tmp_path}/{name}",
+                              "--num_proc=1", "--batch_size=4", "--learning_rate=3e-3", "--warmup_iters=2",
+                              "--eval_iters=2", "--log_interval=1", "--device=cpu", "--attention=naive",
+                              "--max_iters=8", "--eval_interval=4", *TINY_MODEL, *extra])
+
+
+def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_path, monkeypatch):
+    """World size 1: FSDP2 (one shard) does what plain training does, bit for bit; so does activation
+    checkpointing, under either mode, with dropout (the recomputation replays the forward's RNG state)."""
+    from model.gpt import Block
+    calls = {"n": 0}
+    real_forward = Block.forward
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Block, "forward", counted)
+    common = ["--grad_accum_steps=2", "--dropout=0.1"]
+    block_calls = {}
+    for name, extra in {"ddp": [], "fsdp": ["--parallel=fsdp"], "ddp-ac": ["--activation_checkpointing=true"],
+                        "fsdp-ac": ["--parallel=fsdp", "--activation_checkpointing=true"]}.items():
+        calls["n"] = 0
+        train_mod.train(cfg_for(tmp_path, name, *common, *extra))
+        block_calls[name] = calls["n"]
+    reference = curve(tmp_path / "ddp")
+    assert len(reference) == 8
+    for name in ("fsdp", "ddp-ac", "fsdp-ac"):
+        assert curve(tmp_path / name) == reference, name
+        assert curve(tmp_path / name, "val_loss") == curve(tmp_path / "ddp", "val_loss"), name
+    # checkpointed blocks run forward again in backward: 8 steps x 2 micro-batches x 2 blocks more
+    assert block_calls["ddp"] == block_calls["fsdp"]
+    assert block_calls["ddp-ac"] == block_calls["fsdp-ac"] == block_calls["ddp"] + 8 * 2 * 2
+    import torch.distributed as dist
+    assert not dist.is_initialized()  # the one-process group ended with the run
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_compiled_checkpointed_blocks_match_eager(parallel, tmp_path, monkeypatch):
+    """Activation checkpointing under torch.compile: per block under fully_shard, the whole model under ddp
+    (torch.compile's aot_eager backend here: the traced graph without Inductor's code generation, which a CPU run
+    of the test suite cannot afford)."""
+    import functools
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    common = ["--grad_accum_steps=2", f"--parallel={parallel}", "--activation_checkpointing=true", "--max_iters=4"]
+    train_mod.train(cfg_for(tmp_path, "eager", *common))
+    counters.clear()
+    train_mod.train(cfg_for(tmp_path, "compiled", *common, "--compile=true"))
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks did run compiled
+    assert_close(curve(tmp_path / "eager"), curve(tmp_path / "compiled"))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("log_interval", [1, 2])  # 2: one step in two is read back late
+def test_sharded_resume_reproduces_the_uninterrupted_run(log_interval, tmp_path):
+    common = ["--parallel=fsdp", "--dropout=0.1", "--grad_accum_steps=2", f"--log_interval={log_interval}",
+              "--lr_decay_iters=8"]
+    train_mod.train(cfg_for(tmp_path / "a", "run", *common))
+    train_mod.train(cfg_for(tmp_path / "b", "run", *common, "--max_iters=4"))
+    train_mod.train(cfg_for(tmp_path / "b", "run", *common, "--init_from=resume"))
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    assert curve(a) == curve(b)
+    assert curve(a, "val_loss") == curve(b, "val_loss")
+
+
+def test_keep_last_and_best_with_folders(tmp_path):
+    cfg = cfg_for(tmp_path, "run", "--parallel=fsdp", "--max_iters=9", "--eval_interval=3", "--keep_last=1")
+    train_mod.train(cfg)
+    names = sorted(os.listdir(cfg.train.out_dir))
+    best = min(curve(cfg.train.out_dir, "val_loss"), key=lambda r: r[1])[0]
+    assert [n for n in names if n.startswith(("ckpt_", "best"))] == [f"best_{best:07d}", "ckpt_0000009"]
+    assert load_checkpoint(cfg.train.out_dir, prefer="best")["iter"] == best
+    assert not [n for n in names if n.startswith(".tmp-")]
+
+
+def test_compiled_blocks_trace_once_and_match_eager():
+    """compile_blocks: one compiled function serves every block (traced once); with activation checkpointing
+    and dropout the losses and gradients equal eager ones (aot_eager: the graph, without code generation)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from model.parallel import compile_blocks, enable_activation_checkpointing
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=40, attention="naive", dropout=0.1)
+    torch.manual_seed(0)
+    eager = GPT(cfg)
+    compiled = GPT(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    enable_activation_checkpointing(compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(compiled, backend="aot_eager")
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (eager, compiled):
+        torch.manual_seed(5)
+        _, loss = model(x, x)
+        loss.backward()
+        losses.append(loss)
+    assert losses[0].item() == losses[1].item()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert counters["stats"]["unique_graphs"] == 1
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # names unchanged
+    torch._dynamo.reset()
+
+
+def test_bf16_policy_gathers_blocks_in_bf16_and_keeps_the_root_fp32():
+    """The mixed-precision policy a CUDA run gets (train.py passes bf16 there): blocks are stored as fp32 shards
+    and gathered in bf16; the root (embeddings, tied head, final norm) is gathered in fp32."""
+    import torch.distributed as dist
+    from model.parallel import shard_model, start_single_process_group
+    assert start_single_process_group(torch.device("cpu"))
+    try:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40))
+        shard_model(model, torch.device("cpu"), torch.bfloat16)
+        block = model.transformer.h[0]
+        assert type(block.ln_1.weight).__name__ == "DTensor" and block.ln_1.weight.dtype == torch.float32
+        block.unshard()
+        assert block.ln_1.weight.dtype == block.attn.c_attn.weight.dtype == torch.bfloat16
+        block.reshard()
+        model.unshard()
+        assert model.transformer.wte.weight.dtype == model.lm_head.weight.dtype == torch.float32
+        model.reshard()
+        assert block.ln_1.weight.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+def test_fsdp_where_it_cannot_run_is_one_line(tmp_path, monkeypatch, capsys):
+    import model.parallel
+    corpus = write_corpus(tmp_path)
+    base = [f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache", "--num_proc=1", "--device=cpu",
+            "--max_iters=2", *TINY_MODEL]
+    monkeypatch.setattr(model.parallel, "fsdp_available", lambda: False)
+    assert train_mod.main([*base, f"--out_dir={tmp_path}/a", "--parallel=fsdp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: train.parallel=fsdp: this torch") and "\n" not in err
+    monkeypatch.undo()
+    assert train_mod.main([*base, f"--out_dir={tmp_path}/b", "--parallel=fsdp", "--dtype=float16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.parallel=fsdp with train.dtype=float16" in err and "\n" not in err
+    assert train_mod.main([*base, f"--out_dir={tmp_path}/c", "--parallel=zero"]) == 2
+    assert "train.parallel='zero': must be 'ddp' or 'fsdp'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def sharded_run(tmp_path):
+    cfg = cfg_for(tmp_path, "run", "--parallel=fsdp", "--max_iters=4", "--eval_interval=2")
+    train_mod.train(cfg)
+    return cfg
+
+
+def resume_main(cfg, capsys):
+    args = [f"--dataset={cfg.data.dataset}", f"--cache_dir={cfg.data.cache_dir}", f"--out_dir={cfg.train.out_dir}",
+            "--num_proc=1", "--device=cpu", "--attention=naive", "--batch_size=4", "--eval_iters=2",
+            "--max_iters=6", "--eval_interval=2", "--parallel=fsdp", "--resume", *TINY_MODEL]
+    code = train_mod.main(args)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_missing_shard_is_named(sharded_run, capsys):
+    folder = os.path.join(sharded_run.train.out_dir, "ckpt_0000004")
+    os.remove(os.path.join(folder, "__0_0.distcp"))
+    with pytest.raises(CheckpointError, match=r"incomplete: its shard __0_0\.distcp \(written by rank 0 of 1\) "
+                                              r"is missing"):
+        load_checkpoint(sharded_run.train.out_dir)
+    code, err = resume_main(sharded_run, capsys)
+    assert code == 1 and "\n" not in err and "__0_0.distcp" in err and "missing" in err
+
+
+def test_damaged_shard_and_description_are_refused(sharded_run):
+    folder = os.path.join(sharded_run.train.out_dir, "ckpt_0000004")
+    shard = os.path.join(folder, "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*__0_0\.distcp"):
+        load_checkpoint(folder)
+    meta_path = os.path.join(folder, "flashgpt.json")
+    meta = json.load(open(meta_path))
+    meta["iter"] = 3
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*flashgpt\.json"):
+        load_checkpoint(folder)
+    os.remove(meta_path)
+    with pytest.raises(CheckpointError, match="not a whole sharded checkpoint"):
+        load_checkpoint(folder)
+
+
+def test_pickle_payload_in_dcp_metadata_is_refused(sharded_run, tmp_path):
+    """DCP's .metadata is a pickle: one that names anything but DCP's own classes is never unpickled."""
+    import pickle
+    folder = os.path.join(sharded_run.train.out_dir, "ckpt_0000004")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = os.path.join(folder, ".metadata")
+    with open(path, "wb") as f:
+        pickle.dump(Payload(), f)
+    meta_path = os.path.join(folder, "flashgpt.json")
+    meta = json.load(open(meta_path))  # re-describe the file, as an attacker who can write the folder would
+    meta.pop("checksum")
+    from model.sharded_checkpoint import _describe, _json_checksum
+    meta["files"][".metadata"] = _describe(path)
+    meta["checksum"] = _json_checksum(meta)
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match=r"refusing to unpickle: .*\.metadata names posix\.system"):
+        load_checkpoint(folder)
+    assert not marker.exists()
+
+
+def test_failed_write_keeps_the_last_checkpoint_and_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+    cfg = cfg_for(tmp_path, "run", "--parallel=fsdp", "--max_iters=6", "--eval_interval=2")
+    real_save, calls = dcp.save, {"n": 0}
+
+    def failing_save(state, *, storage_writer=None, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the checkpoint of step 4: part of it written, then the disk is full
+            os.makedirs(storage_writer.path, exist_ok=True)
+            open(os.path.join(storage_writer.path, "__0_0.distcp"), "wb").write(b"partial")
+            raise OSError(28, "No space left on device")
+        return real_save(state, storage_writer=storage_writer, **kw)
+
+    monkeypatch.setattr(dcp, "save", failing_save)
+    with pytest.raises(train_mod.TrainError, match=r"could not write .*ckpt_0000004 \(.*No space left on device"
+                                                   r".*last whole checkpoint is .*ckpt_0000002"):
+        train_mod.train(cfg)
+    monkeypatch.undo()
+    names = os.listdir(cfg.train.out_dir)
+    assert "ckpt_0000004" not in names and not [n for n in names if n.startswith(".tmp-")]
+    assert load_checkpoint(cfg.train.out_dir)["iter"] == 2
+    # a temporary folder that a kill left behind is removed when the run resumes
+    os.makedirs(os.path.join(cfg.train.out_dir, ".tmp-ckpt_0000004"))
+    open(os.path.join(cfg.train.out_dir, ".tmp-ckpt_0000004", "__0_0.distcp"), "wb").write(b"x" * 10)
+    code, err = resume_main(cfg, capsys)
+    assert code == 0, err
+    assert "removed 1 temporary folder(s)" in err
+    assert load_checkpoint(cfg.train.out_dir)["iter"] == 6
+
+
+def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_resume_continues(tmp_path):
+    """Every rank stops after the same step and writes its shards of one checkpoint; rank 0 reports it."""
+    import signal
+    from tests.test_train_faults import run_dir, start_training, wait_for_steps, worker_pids
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        pytest.skip("needs /proc/<pid>/task/<tid>/children")
+    proc = start_training(tmp_path, "--batch_size=4", "--attention=naive", "--parallel=fsdp", torchrun=2)
+    folder = run_dir(tmp_path)
+    wait_for_steps(proc, folder, n=2)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    said = [line for line in err.splitlines() if "interrupted at step" in line]
+    assert len(said) == 1, err[-3000:]
+    step = load_checkpoint(folder)["iter"]
+    assert step >= 2 and f"ckpt_{step:07d}" in said[0] and "a signal to another rank" in said[0]
+    names = os.listdir(folder)
+    assert sorted(n for n in names if n.startswith("ckpt_")) == ["ckpt_0000000", f"ckpt_{step:07d}"]
+    assert not [n for n in names if n.startswith(".tmp-")]
+    r = torchrun(2, [os.path.join(folder, "config.toml"), "--resume", f"--max_iters={step + 2}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming at step {step}" in r.stdout and load_checkpoint(folder)["iter"] == step + 2

@@ -142,12 +142,12 @@ _LIB.impl("cross_entropy_fwd", _fwd, "CompositeExplicitAutograd")
 _LIB.impl("cross_entropy_bwd", _bwd, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "flashgpt::cross_entropy_fwd",
-    lambda logits, targets, ignore_index: (logits.new_triton.empty(logits.shape[0], dtype=torch.float32),
-                                           logits.new_triton.empty(logits.shape[0], dtype=torch.float32)),
+    lambda logits, targets, ignore_index: (logits.new_empty(logits.shape[0], dtype=torch.float32),
+                                           logits.new_empty(logits.shape[0], dtype=torch.float32)),
     lib=_LIB)
 torch.library.register_fake(
     "flashgpt::cross_entropy_bwd",
-    lambda dloss, logits, targets, lse, ignore_index: logits.new_triton.empty(logits.shape),
+    lambda dloss, logits, targets, lse, ignore_index: logits.new_empty(logits.shape),
     lib=_LIB)
 
 

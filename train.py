@@ -28,6 +28,8 @@ import kernels
 from config import SECTIONS, ConfigError, RunConfig, apply_changes, format_config, load_config, resume_config
 from data.loader import TokenData
 from data.prepare import DataError, prepare
+from data.sharded_loader import ShardedData
+from data.shards import prepare_shards
 from data.tokenizers import TokenizerError
 from model import GPT
 from model.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_run_checkpoint
@@ -155,13 +157,12 @@ def lr_at(it: int, t) -> float:
 
 
 @torch.no_grad()
-def estimate_loss(model, data: TokenData, t, device, autocast) -> dict:
+def estimate_loss(model, data: TokenData | ShardedData, t, device, autocast) -> dict:
     model.eval()
     out = {}
     for split in ("train", "val"):
         losses = []
-        for _ in range(t.eval_iters):
-            x, y = data.eval_batch(split, t.batch_size)
+        for x, y in data.eval_batches(split, t.batch_size, t.eval_iters):
             with autocast:
                 _, loss = model(x.to(device), y.to(device))
             losses.append(loss.item())
@@ -284,13 +285,23 @@ class Trainer:
         """Token files (tokenised once, by rank 0; the other ranks wait, then find them in the cache)."""
         cfg = self.cfg
 
+        d, sharded = cfg.data, cfg.data.format == "shards"
+
         def prepare_data() -> str:
-            return prepare(cfg.data.dataset, cfg.data.tokenizer, val_fraction=cfg.data.val_fraction,
-                           num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=self.master)
+            if sharded:
+                return prepare_shards(d.dataset, d.tokenizer, shard_tokens=d.shard_tokens, val_docs=d.val_docs,
+                                      text_column=d.text_column, num_proc=d.num_proc, cache_dir=d.cache_dir,
+                                      verbose=self.master)
+            return prepare(d.dataset, d.tokenizer, val_fraction=d.val_fraction, num_proc=d.num_proc,
+                           cache_dir=d.cache_dir, verbose=self.master)
         folder = prepare_data() if self.master else None
         self._barrier()
         folder = folder or prepare_data()
-        self.data = TokenData(folder, cfg.model.block_size, seed=self.t.seed)
+        if sharded:
+            self.data = ShardedData(folder, cfg.model.block_size, seed=self.t.seed,
+                                    pin_memory=self.device.type == "cuda")
+        else:
+            self.data = TokenData(folder, cfg.model.block_size, seed=self.t.seed)
         if ckpt is not None and ckpt.get("tokenizer") is not None:
             difference = tokenizer_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
             if difference:

@@ -18,6 +18,9 @@ manifest.json: {"format", "version", "source", "source_digest", "tokenizer" (spe
 xxhash), "shards": [{"split", "file", "tokens", "checksum"}, ...], "documents": {"val", "train"},
 "tokens": {"val", "train"}, "rows"}.
 
+Tokenizers: "gpt2" (vocab 50257, uint16) or "char", whose alphabet is every character of the source: collected
+in a first pass over it (so a hub source is streamed twice), then fixed in the state file and the manifest.
+
 Writing: shards are written as they fill, each whole or not at all (temp file, fsync, rename); after each one
 a small state file (.prepare-state.json) records how far the source has been consumed (rows, and how many
 tokens of the document in progress are already in shards). An interrupted preparation re-run with the same
@@ -225,7 +228,6 @@ class _Writer:
                                "resume_row": 0}
         self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
         self.fill = 0
-        self.docs_in_buffer = 0
 
     def write_shard(self, rows_done: int, carry: int, resume_from: dict | None, resume_row: int) -> None:
         """Write the buffer as the split's next shard, then record how far the source is consumed."""
@@ -309,8 +311,11 @@ def prepare_shards(dataset: str, tokenizer: str = "gpt2", *, out: str | None = N
     """
     if tokenizer not in ("gpt2", "char"):
         raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
-    if shard_tokens < 1 or val_docs < 1 or num_proc < 1 or not text_column:
-        raise DataError("shard_tokens, val_docs and num_proc must be positive, text_column not empty")
+    for key, value in (("shard_tokens", shard_tokens), ("val_docs", val_docs), ("num_proc", num_proc)):
+        if value < 1:
+            raise DataError(f"data.{key}={value}: must be at least 1")
+    if not text_column:
+        raise DataError("data.text_column: must not be empty")
     if os.path.isdir(dataset) and os.path.isfile(os.path.join(dataset, MANIFEST)):
         manifest = read_manifest(dataset)
         kind = manifest["tokenizer"].get("kind")
@@ -325,18 +330,23 @@ def prepare_shards(dataset: str, tokenizer: str = "gpt2", *, out: str | None = N
     folder = out or default_folder(source, tokenizer, shard_tokens, val_docs, digest, cache_dir)
     try:
         os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create {folder} ({e.strerror or e})") from None
-    with _lock(folder, verbose):
-        if os.path.isfile(os.path.join(folder, MANIFEST)):
-            manifest = read_manifest(folder)
-            if manifest.get("settings") != settings:
-                raise DataError(f"{folder} already holds shards prepared from other data or settings "
-                                f"({_difference(manifest.get('settings') or {}, settings)}): choose another "
-                                "--out, or delete it")
-            return folder
-        return _prepare_locked(source, tokenizer, settings, algorithm, folder, num_proc, verbose,
-                               verbose if progress is None else progress)
+        with _lock(folder, verbose):
+            if os.path.isfile(os.path.join(folder, MANIFEST)):
+                manifest = read_manifest(folder)
+                if manifest.get("settings") != settings:
+                    raise DataError(f"{folder} already holds shards prepared from other data or settings "
+                                    f"({_difference(manifest.get('settings') or {}, settings)}): choose another "
+                                    "--out, or delete it")
+                return folder
+            return _prepare_locked(source, tokenizer, settings, algorithm, folder, num_proc, verbose,
+                                   verbose if progress is None else progress)
+    except OSError as e:  # disk full, read-only folder: what is written stays whole (temp file + rename)
+        where = e.filename or folder
+        raise DataError(f"could not write {where} ({e.strerror or e}); the shards written so far are kept: "
+                        "fix this and run the same preparation again to continue") from None
+    except concurrent.futures.BrokenExecutor:
+        raise DataError(f"a tokenisation process died (out of memory?) while preparing {folder}; the shards "
+                        "written so far are kept: run again, with fewer processes (--num-proc, data.num_proc)") from None
 
 
 def _difference(found: dict, wanted: dict) -> str:

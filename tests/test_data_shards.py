@@ -441,3 +441,27 @@ def test_a_document_longer_than_the_block_is_cut_into_windows(tmp_path):
     tok = data.tokenizer
     got = [x.flatten() for _ in range(5) for x, _ in data.train_batches(4, 1)]
     assert tok.decode(torch.cat(got).tolist()) == long_doc[:5 * 4 * 32]
+
+
+def test_disk_full_is_one_line_and_keeps_what_was_written(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "c.jsonl", documents(40, seed=12, long_every=7))
+    whole = prep(src, tmp_path, "whole")
+    real, writes = shards._write_atomic, {"n": 0}
+
+    def fill_up(path, data):
+        writes["n"] += 1
+        if writes["n"] == 6:
+            with open(os.path.join(os.path.dirname(path), ".tmp-partial"), "wb") as f:
+                f.write(b"half a shard")  # what a write cut short leaves
+            raise OSError(28, "No space left on device", path)
+        real(path, data)
+
+    monkeypatch.setattr(shards, "_write_atomic", fill_up)
+    with pytest.raises(DataError) as e:
+        prep(src, tmp_path, "cut")
+    msg = str(e.value)
+    assert "No space left on device" in msg and "run the same preparation again" in msg and "\n" not in msg
+    monkeypatch.undo()
+    prep(src, tmp_path, "cut")
+    assert shard_bytes(str(tmp_path / "cut")) == shard_bytes(whole)
+    assert not any(f.startswith(".tmp-") for f in os.listdir(tmp_path / "cut"))

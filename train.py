@@ -282,7 +282,8 @@ class Trainer:
         return None
 
     def _load_data(self, ckpt: dict | None) -> None:
-        """Token files (tokenised once, by rank 0; the other ranks wait, then find them in the cache)."""
+        """Token files or shards (data.format; tokenised once, by rank 0; the other ranks wait, then find them
+        in the cache)."""
         cfg = self.cfg
 
         d, sharded = cfg.data, cfg.data.format == "shards"

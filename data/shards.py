@@ -2,7 +2,8 @@
 `data.format = "shards"`.
 
 Layout of a prepared folder (default <cache_dir>/shards/<label>-<tokenizer>-<key>, the key a hash of the
-source's digest and the settings below; or --out):
+source's digest and the settings below; or --out). The digest of local files is a hash of their bytes, read
+at each call (about a second per GB): for a large local corpus, point data.dataset at the prepared folder.
   val_000000.bin, ...     the first `val_docs` documents (whole documents: the validation split)
   train_000000.bin, ...   every later document
   manifest.json           written last: its presence means the folder is complete

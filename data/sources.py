@@ -265,7 +265,7 @@ class Source:
         if start and start.get("hub") is not None:
             self._hub.load_state_dict(start["hub"])
         col = self.text_column
-        for row in self._hub:
+        for row in self._hub_iter():
             if col not in row:  # a dataset whose columns were not known in advance
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r} has no {col!r} column (its columns: "
                                 f"{', '.join(map(str, row))}); set data.text_column (--text-column)")
@@ -274,3 +274,20 @@ class Source:
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r}: column {col!r} holds "
                                 f"{type(text).__name__}, not text")
             yield text or ""
+
+    def _hub_iter(self):
+        """The hub dataset's rows; a failure while streaming (network, a damaged remote file) → DataError."""
+        it = iter(self._hub)
+        while True:
+            try:
+                row = next(it)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as e:  # requests/huggingface_hub/pyarrow errors: one line, not a traceback
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise DataError(f"data.dataset: streaming hub dataset {self.spec[3:]!r} failed ({type(e).__name__}: "
+                                f"{first}); the shards written so far are kept: run the same preparation again to "
+                                "continue") from None
+            yield row

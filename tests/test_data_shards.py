@@ -465,3 +465,29 @@ def test_disk_full_is_one_line_and_keeps_what_was_written(tmp_path, monkeypatch)
     prep(src, tmp_path, "cut")
     assert shard_bytes(str(tmp_path / "cut")) == shard_bytes(whole)
     assert not any(f.startswith(".tmp-") for f in os.listdir(tmp_path / "cut"))
+
+
+def test_hub_stream_failing_midway_is_one_line_and_resumable(tmp_path, monkeypatch, local_hub):
+    import datasets
+    monkeypatch.setattr(shards, "BATCH_ROWS", 4)
+    (tmp_path / "hub" / "org_web").mkdir(parents=True)
+    for i in range(3):
+        write_jsonl(tmp_path / "hub" / "org_web" / f"part{i}.jsonl", documents(12, seed=20 + i, long_every=5))
+    whole = prep("hf:org/web", tmp_path, "whole")
+    streaming = datasets.IterableDataset.__iter__
+
+    def drop_connection(self):
+        for n, row in enumerate(streaming(self)):
+            if n == 25:
+                raise ConnectionError("Connection reset by peer")
+            yield row
+
+    with monkeypatch.context() as mp:
+        mp.setattr(datasets.IterableDataset, "__iter__", drop_connection)
+        with pytest.raises(DataError) as e:
+            prep("hf:org/web", tmp_path, "cut")
+    msg = str(e.value)
+    assert "streaming hub dataset 'org/web' failed (ConnectionError: Connection reset by peer)" in msg
+    assert "\n" not in msg and os.path.exists(tmp_path / "cut" / shards.STATE)
+    prep("hf:org/web", tmp_path, "cut")
+    assert shard_bytes(str(tmp_path / "cut")) == shard_bytes(whole)

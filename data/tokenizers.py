@@ -75,20 +75,25 @@ class GPT2Tokenizer:
 
 
 class CharTokenizer:
-    """One token per character of a fixed alphabet (built from the training corpus)."""
-    name = "char"
-    eot_token = None
+    """One token per character of a fixed alphabet (built from the training corpus).
 
-    def __init__(self, chars: str):
+    With eot=True the alphabet gains one more id, len(chars), that ends each document (sharded data, see
+    data/shards.py): it is never produced by encode(), decodes to nothing and is where generation stops.
+    """
+    name = "char"
+
+    def __init__(self, chars: str, *, eot: bool = False):
         if not chars:
             raise TokenizerError("character tokenizer needs a non-empty alphabet")
         self.chars = "".join(sorted(set(chars)))
-        self.vocab_size = len(self.chars)
+        self.eot = eot
+        self.eot_token = len(self.chars) if eot else None
+        self.vocab_size = len(self.chars) + int(eot)
         self._stoi = {c: i for i, c in enumerate(self.chars)}
 
     @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        return cls(text)
+    def from_text(cls, text: str, *, eot: bool = False) -> "CharTokenizer":
+        return cls(text, eot=eot)
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -100,10 +105,14 @@ class CharTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
+        n = len(self.chars)
+        return "".join(self.chars[i] for i in map(int, ids) if i != n or not self.eot)
 
     def spec(self) -> dict:
-        return {"kind": "char", "chars": self.chars}
+        spec = {"kind": "char", "chars": self.chars}
+        if self.eot:
+            spec["eot"] = True
+        return spec
 
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -244,7 +253,7 @@ def tokenizer_from_spec(spec: dict):
     if kind == "gpt2":
         return GPT2Tokenizer()
     if kind == "char":
-        return CharTokenizer(spec.get("chars", ""))
+        return CharTokenizer(spec.get("chars", ""), eot=bool(spec.get("eot", False)))
     if kind == "hf":
         text, source = spec.get("tokenizer_json"), spec.get("source", "")
         if not isinstance(text, str) or hashlib.sha256(text.encode("utf-8")).hexdigest() != spec.get("sha256"):

@@ -7,6 +7,10 @@
 #                                           # earlier ones: generation needs the trained checkpoint)
 #   STEP_S=300 TEST_S=300 TEST_WORKERS=8    # the limits of one step and of the test suite (seconds), and the
 #                                           # suite's pytest-xdist workers where xdist is installed
+#   COMMIT=abc1234                          # the commit to name in the log (a copy of a tree may have no git)
+#
+# The steps after the two trainings that everything needs run side by side (a GPU and a many-core host have
+# room for all of them); each step's verdict is printed in a fixed order once they are all done.
 #   SKIP_TESTS=1 CHECK_ARGS="--n_layer=1 --n_embd=32 --block_size=64" bash bench/gpu_check.sh
 #                                           # a dry run of the script itself on a CPU (overrides every train.py)
 #
@@ -42,11 +46,11 @@ failures=0
 T_START=$(date +%s)
 
 # step NAME CHECK COMMAND...: run COMMAND (output to NAME.log), then CHECK (a shell function given the log path);
-# PASS when both succeed.
+# PASS when both succeed. The verdict goes to NAME.result; report NAME prints it (in launch order).
 step() {
   local name=$1 check=$2; shift 2
   if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return; fi
-  local log=$LOGS/$name.log t0 rc why=""
+  local log=$LOGS/$name.log res=$LOGS/$name.result t0 rc why=""
   t0=$(date +%s%N)
   if [ "$(type -t "$1")" = function ]; then "$@" > "$log" 2>&1
   else timeout -k 10 "${STEP_S:-300}" "$@" > "$log" 2>&1; fi  # a hung command fails its step, not the run
@@ -56,13 +60,24 @@ step() {
   else why=$($check "$log" "$rc") || true; fi
   local ds=$(( ($(date +%s%N) - t0) / 100000000 )) dt
   dt="$((ds / 10)).$((ds % 10))"
-  if [ -z "$why" ]; then say "PASS  $name (${dt} s)"
+  if [ -z "$why" ]; then echo "PASS  $name (${dt} s)" > "$res"
   else
-    failures=$((failures + 1))
-    say "FAIL  $name (${dt} s): $why"
-    tail -n 15 "$log" | sed 's/^/      | /' | tee -a "$SUMMARY"
+    { echo "FAIL  $name (${dt} s): $why"; tail -n 15 "$log" | sed 's/^/      | /'; } > "$res"
   fi
 }
+report() {  # NAME...: print the verdicts, count the failures
+  local name
+  for name in "$@"; do
+    [ -f "$LOGS/$name.result" ] || continue
+    tee -a "$SUMMARY" < "$LOGS/$name.result"
+    grep -q '^FAIL' "$LOGS/$name.result" && failures=$((failures + 1))
+  done
+  return 0
+}
+run() { step "$@"; report "$1"; }                     # in the foreground
+PENDING=()
+spawn() { step "$@" & PENDING+=("$1"); }              # in the background, next to other independent steps
+join() { wait; report "${PENDING[@]}"; PENDING=(); }  # all of them done, verdicts in launch order
 
 # ---- checks: print a reason and nothing else on failure; print nothing on success ----
 ok() { :; }
@@ -80,21 +95,29 @@ expect_fail() {  # a clean refusal: non-zero exit, one 'error:' line, no traceba
 RUN=$SCRATCH/runs
 CFG=configs/shakespeare_gpt2.toml
 read -r -a XARGS <<< "${CHECK_ARGS:-}"  # extra train.py overrides (a CPU dry run)
-GEN=("$PY" generate.py --ckpt "$RUN/gpt2" --max-new-tokens 48)
+GEN=("$PY" generate.py --ckpt "$RUN/gpt2_copy" --max-new-tokens 48)  # a copy: the resume step writes into gpt2
 
-say "== $(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit) on $($PY -c 'import torch, triton
+say "== ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown-commit)} on $($PY -c 'import torch, triton
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU", "torch", torch.__version__,
       "triton", triton.__version__)')"
 
-# ---- train ----
-step help_entry_points ok bash -c "$PY train.py --help && $PY generate.py --help && $PY ablate.py --help"
-step train_demo_char trained "$PY" train.py configs/demo.toml --out_dir="$RUN/demo" --max_iters=300 --eval_interval=100 "${XARGS[@]}"
-step train_shakespeare_gpt2 trained "$PY" train.py $CFG --out_dir="$RUN/gpt2" --max_iters=300 --eval_interval=100 "${XARGS[@]}"
+# ---- phase 1: the two trained models everything else uses (their token files are prepared once, here) ----
+spawn help_entry_points ok bash -c "$PY train.py --help && $PY generate.py --help && $PY ablate.py --help"
+spawn train_demo_char trained "$PY" train.py configs/demo.toml --out_dir="$RUN/demo" --max_iters=300 --eval_interval=100 "${XARGS[@]}"
+spawn train_shakespeare_gpt2 trained "$PY" train.py $CFG --out_dir="$RUN/gpt2" --max_iters=300 --eval_interval=100 "${XARGS[@]}"
+join
+cp -r "$RUN/gpt2" "$RUN/gpt2_copy" 2>/dev/null && rm -f "$RUN/gpt2_copy/.lock"
+
+# ---- phase 2: independent steps side by side (the GPU and 16 cores have room for all of them) ----
 resumed() { has "$1" "resuming at step 300" && { [ -f "$RUN/gpt2/ckpt_0000400.pt" ] || echo "no ckpt_0000400.pt"; }; }
-step resume resumed "$PY" train.py $CFG --out_dir="$RUN/gpt2" --max_iters=400 --eval_interval=100 --resume "${XARGS[@]}"
 finished() { [ "$2" -eq 0 ] || echo "exit $2"; }
-step resume_finished_run finished "$PY" train.py $CFG --out_dir="$RUN/gpt2" --max_iters=400 --resume "${XARGS[@]}"
-step compile_train trained "$PY" train.py $CFG --out_dir="$RUN/compiled" --max_iters=60 --eval_interval=30 --compile=true "${XARGS[@]}"
+{ step resume resumed "$PY" train.py $CFG --out_dir="$RUN/gpt2" --max_iters=400 --eval_interval=100 --resume "${XARGS[@]}"
+  step resume_finished_run finished "$PY" train.py $CFG --out_dir="$RUN/gpt2" --max_iters=400 --resume "${XARGS[@]}"
+  # generation from the resumed run's checkpoints (latest and best), after the resume wrote them
+  step gen_best_checkpoint sampled "$PY" generate.py --ckpt "$RUN/gpt2" --max-new-tokens 48 --prompt "ROMEO:" --best \
+    --temperature 0; } &
+PENDING+=(resume resume_finished_run gen_best_checkpoint)
+spawn compile_train trained "$PY" train.py $CFG --out_dir="$RUN/compiled" --max_iters=60 --eval_interval=30 --compile=true "${XARGS[@]}"
 
 # a signal during training: the run saves a checkpoint and says so; --resume continues from it
 interrupt_and_resume() {  # SIGNAL
@@ -104,7 +127,7 @@ interrupt_and_resume() {  # SIGNAL
   $PY train.py $CFG --out_dir="$dir" --max_iters=100000 --eval_interval=100000 --log_interval=5 "${XARGS[@]}" &
   pid=$!
   set +m
-  for _ in $(seq 1800); do [ -s "$dir/metrics.jsonl" ] && grep -q '"loss"' "$dir/metrics.jsonl" && break; sleep 0.1; done
+  for _ in $(seq 3000); do [ -s "$dir/metrics.jsonl" ] && grep -q '"loss"' "$dir/metrics.jsonl" && break; sleep 0.1; done
   kill -"$sig" "$pid"; wait "$pid"; rc=$?
   echo "exit status after SIG$sig: $rc"
   last=$(ls "$dir"/ckpt_*.pt 2>/dev/null | sed 's/.*ckpt_0*\([0-9][0-9]*\)\.pt/\1/' | sort -n | tail -1)
@@ -113,33 +136,31 @@ interrupt_and_resume() {  # SIGNAL
   [ -f "$dir/ckpt_$(printf %07d $((last + 20))).pt" ] || { echo "resume did not reach step $((last + 20))"; return 1; }
 }
 signalled() { grep -qi "checkpoint saved" "$1" || echo "no 'checkpoint saved' line"; }
-step sigint_and_resume signalled interrupt_and_resume INT
-step sigterm_and_resume signalled interrupt_and_resume TERM
+spawn sigint_and_resume signalled interrupt_and_resume INT
+spawn sigterm_and_resume signalled interrupt_and_resume TERM
 TORCHRUN=(torchrun); command -v torchrun >/dev/null || TORCHRUN=("$PY" -m torch.distributed.run)
-step torchrun_one_gpu trained "${TORCHRUN[@]}" --standalone --nproc_per_node=1 train.py $CFG --out_dir="$RUN/ddp" \
+spawn torchrun_one_gpu trained "${TORCHRUN[@]}" --standalone --nproc_per_node=1 train.py $CFG --out_dir="$RUN/ddp" \
   --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 
-# ---- generate ----
-step gen_greedy sampled "${GEN[@]}" --prompt "ROMEO:" --temperature 0
-step gen_sample_default sampled "${GEN[@]}" --prompt "ROMEO:"
-step gen_temperature sampled "${GEN[@]}" --prompt "ROMEO:" --temperature 0.5
-step gen_top_k sampled "${GEN[@]}" --prompt "ROMEO:" --top-k 5
-step gen_top_p sampled "${GEN[@]}" --prompt "ROMEO:" --top-p 0.9
-step gen_num_samples sampled "${GEN[@]}" --prompt "ROMEO:" --num-samples 2
-step gen_batch_of_prompts sampled "${GEN[@]}" --prompt "ROMEO:" --prompt "JULIET: O" --top-k 20
-step gen_prompt_file_stdin sampled bash -c "echo 'To be, or not' | ${GEN[*]} --prompt-file -"
-step gen_streaming sampled "${GEN[@]}" --prompt "ROMEO:" --top-p 0.95
-step gen_no_fused sampled "${GEN[@]}" --prompt "ROMEO:" --no-fused --top-k 5
-step gen_no_cuda_graph sampled "${GEN[@]}" --prompt "ROMEO:" --no-cuda-graph
-step gen_compile sampled "${GEN[@]}" --prompt "ROMEO:" --compile --num-samples 2
-step gen_sdpa sampled "${GEN[@]}" --prompt "ROMEO:" --attention sdpa
-step gen_best_checkpoint sampled "${GEN[@]}" --prompt "ROMEO:" --best --temperature 0
-step gen_char_model sampled "$PY" generate.py --ckpt "$RUN/demo" --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
-step gen_offline_hub_weights expect_fail "$PY" generate.py --init-from gpt2 --prompt "Hello"
+spawn gen_greedy sampled "${GEN[@]}" --prompt "ROMEO:" --temperature 0
+spawn gen_sample_default sampled "${GEN[@]}" --prompt "ROMEO:"
+spawn gen_temperature sampled "${GEN[@]}" --prompt "ROMEO:" --temperature 0.5
+spawn gen_top_k sampled "${GEN[@]}" --prompt "ROMEO:" --top-k 5
+spawn gen_top_p sampled "${GEN[@]}" --prompt "ROMEO:" --top-p 0.9
+spawn gen_num_samples sampled "${GEN[@]}" --prompt "ROMEO:" --num-samples 2
+spawn gen_batch_of_prompts sampled "${GEN[@]}" --prompt "ROMEO:" --prompt "JULIET: O" --top-k 20
+spawn gen_prompt_file_stdin sampled bash -c "echo 'To be, or not' | ${GEN[*]} --prompt-file -"
+spawn gen_streaming sampled "${GEN[@]}" --prompt "ROMEO:" --top-p 0.95
+spawn gen_no_fused sampled "${GEN[@]}" --prompt "ROMEO:" --no-fused --top-k 5
+spawn gen_no_cuda_graph sampled "${GEN[@]}" --prompt "ROMEO:" --no-cuda-graph
+spawn gen_compile sampled "${GEN[@]}" --prompt "ROMEO:" --compile --num-samples 2
+spawn gen_sdpa sampled "${GEN[@]}" --prompt "ROMEO:" --attention sdpa
+spawn gen_char_model sampled "$PY" generate.py --ckpt "$RUN/demo" --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
+spawn gen_offline_hub_weights expect_fail "$PY" generate.py --init-from gpt2 --prompt "Hello"
 
-# ---- ablate ----
 ablated() { ls "$RUN"/ablate/report.md >/dev/null 2>&1 || echo "no report.md"; }
-step ablate_quick ablated "$PY" ablate.py --quick --out "$RUN/ablate"
+spawn ablate_quick ablated "$PY" ablate.py --quick --out "$RUN/ablate"
+join
 
 say "== user commands: $failures failed, $(( $(date +%s) - T_START )) s"
 
@@ -148,7 +169,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   workers=()
   $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
-  STEP_S=${TEST_S:-300} step gpu_test_suite tests_ok "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" tests \
+  STEP_S=${TEST_S:-300} run gpu_test_suite tests_ok "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" tests \
     -rfE --durations=25
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"
   say "   $(tail -1 "$OUT/pytest.log")"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The README's benchmarks on one CUDA GPU, each with the command its results folder names.
+#
+#   bash bench/gpu_bench.sh                       # attention, train, generate, decode, loss
+#   bash bench/gpu_bench.sh attention generate    # some of them
+#   BASE=../other-checkout bash bench/gpu_bench.sh attention   # each benchmark in BASE first, then here, in the
+#                                                 # same run: a change measured against the tree before it
+#   ATTENTION_ARGS="--shapes 4,16,4096,64 --providers flash,sdpa-cudnn" bash bench/gpu_bench.sh attention
+#
+# Each benchmark's output goes to $OUT/<name>[_base].log (OUT defaults to runs/gpu_bench) and its result files to
+# $OUT/<name>[_base]/. Copy what the README cites into bench/results/<name>/ with the command and commit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/runs/gpu_bench}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.cache/triton}
+
+declare -A ARGS=(
+  [attention]="${ATTENTION_ARGS:---deadline-s 180}"
+  [train]="${TRAIN_ARGS:---steps 20 --repeats 3 --variants flash+compile,sdpa+compile}"
+  [generate]="${GENERATE_ARGS:---no-kernel-sweep}"
+  [decode]="${DECODE_ARGS:-}"
+  [loss]="${LOSS_ARGS:-}"
+)
+declare -A SCRIPT=([attention]=attention.py [train]=train.py [generate]=generate.py [decode]=decode_attention.py
+                   [loss]=cross_entropy.py)
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=(attention train generate decode loss)
+
+status=0
+bench() {  # NAME TREE SUFFIX
+  local name=$1 tree=$2 suffix=$3 dir="$OUT/$1$3" t0 rc
+  mkdir -p "$dir"
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # ARGS holds several words
+  (cd "$tree" && $PY "bench/${SCRIPT[$name]}" ${ARGS[$name]} --out "$dir") > "$OUT/$name$suffix.log" 2>&1
+  rc=$?
+  echo "== $name$suffix: exit $rc after $(( $(date +%s) - t0 )) s: (cd $tree && python bench/${SCRIPT[$name]} ${ARGS[$name]})"
+  tail -n 25 "$OUT/$name$suffix.log"
+  [ $rc -eq 0 ] || status=1
+}
+for name in "${names[@]}"; do
+  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss)"; exit 2; }
+  [ -z "${BASE:-}" ] || bench "$name" "$BASE" _base
+  bench "$name" "$ROOT" ""
+done
+exit $status

@@ -130,12 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def setup_distributed():
-    """(rank, local_rank, world_size); initialises the process group under torchrun."""
+def setup_distributed(device: str = "auto"):
+    """(rank, local_rank, world_size); initialises the process group under torchrun: NCCL when the run trains on
+    CUDA, gloo when it trains on the CPU (train.device = "cpu", or no GPU), whatever the machine has."""
     if "RANK" not in os.environ:
         return 0, 0, 1
     import torch.distributed as dist
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
     local_rank = int(os.environ["LOCAL_RANK"])
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -720,7 +721,7 @@ def train(cfg: RunConfig, *, allow_config_change: bool = False) -> dict:
 
     Rank 0 holds the run folder's lock from before its first look at the folder until the end, however the
     run ends. allow_config_change: on resume, apply [model]/[data] values that differ from the checkpoint's."""
-    rank, local_rank, world = setup_distributed()
+    rank, local_rank, world = setup_distributed(cfg.train.device)
     try:
         summary = _train_holding_the_folder(cfg, rank, local_rank, world, allow_config_change)
     except Stopped:

@@ -136,7 +136,8 @@ def run_tests(root: str, tests: list[str], slow: bool, timeout: float) -> tuple[
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     if slow:
         cmd += ["-m", "slow or not slow"]
-    env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+               PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

@@ -152,7 +152,8 @@ def test_sweep_records_where_naive_runs_out_of_memory(monkeypatch):
         return real(q, k, v, **kw)
 
     monkeypatch.setitem(kernels._IMPLS, "naive", naive_with_a_memory_limit)
-    s = sweep.SweepSettings(torch.device("cpu"), torch.float32, 1, 1, 16, [32, 64, 128], cpu_reps=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where flash runs (no interpreter on a GPU)
+    s = sweep.SweepSettings(device, torch.float32, 1, 1, 16, [32, 64, 128], cpu_reps=1)
     res = sweep.run_sweep(s, log=lambda line: None)
     assert res["oom"] == {"naive": 64}
     status = {(r["N"], r["backend"]): r["status"] for r in res["rows"]}

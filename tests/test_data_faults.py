@@ -125,11 +125,27 @@ def test_out_of_range_id_found_in_a_later_chunk(tmp_path, monkeypatch):
 
 
 def test_progress_is_a_parameter_not_an_environment_variable(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    """prepare() turns datasets' (global) progress bars on or off by its `progress` argument, which follows
+    `verbose` by default, and restores the switch afterwards; FLASHGPT_QUIET is not read. (Whether a bar then
+    prints is tqdm's and huggingface_hub's business: tqdm reads TQDM_* variables once, when it is imported.)"""
+    import datasets.utils
     monkeypatch.setenv("FLASHGPT_QUIET", "1")  # no longer read
+    seen = []
+
+    def spy(real):
+        def call():
+            seen.append(real.__name__)
+            return real()
+        return call
+
+    real_enable, real_disable = datasets.utils.enable_progress_bars, datasets.utils.disable_progress_bars
+    real_enable()
     corpus = write_corpus(tmp_path)
+    monkeypatch.setattr(datasets.utils, "enable_progress_bars", spy(real_enable))
+    monkeypatch.setattr(datasets.utils, "disable_progress_bars", spy(real_disable))
     prepare(corpus, "char", num_proc=1, cache_dir=str(tmp_path / "a"), verbose=False, progress=True)
-    assert "tokenizing" in capsys.readouterr().err
+    assert seen[0] == "enable_progress_bars" and not datasets.utils.are_progress_bars_disabled()
+    seen.clear()
     prepare(corpus, "char", num_proc=1, cache_dir=str(tmp_path / "b"), verbose=False)  # progress follows verbose
-    captured = capsys.readouterr()
-    assert "tokenizing" not in captured.err and captured.out == ""
+    assert seen == ["disable_progress_bars", "enable_progress_bars"]  # off, then restored
+    assert not datasets.utils.are_progress_bars_disabled() and capsys.readouterr().out == ""

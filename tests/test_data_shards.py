@@ -18,7 +18,7 @@ from data.shards import prepare_shards, read_manifest
 from data.sources import new_hash
 from data.tokenizers import GPT2Tokenizer, tokenizer_from_spec
 from model.config import ConfigError
-from tests.util import ROOT
+from tests.util import ROOT, pythonpath
 
 
 def run_prepare(*args, timeout: int = 300):
@@ -26,7 +26,7 @@ def run_prepare(*args, timeout: int = 300):
     import subprocess
     import sys
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
-               PYTHONPATH=ROOT)
+               PYTHONPATH=pythonpath(ROOT))
     return subprocess.run([sys.executable, "-m", "data.prepare", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
 

@@ -21,6 +21,7 @@ import kernels._triton as kt  # noqa: E402
 from kernels import options  # noqa: E402
 from kernels.decode import MAX_SPLITS, auto_num_splits, decode_attention  # noqa: E402
 from kernels.naive import naive_attention  # noqa: E402
+from tests.util import pythonpath  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -191,7 +192,7 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_smoke(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
     r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

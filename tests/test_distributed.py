@@ -35,3 +35,23 @@ def test_two_ranks_match_one_process(tmp_path):
     assert l1[-1] < l1[0]
     ckpts = sorted(f for f in os.listdir(f"{tmp_path}/two") if f.endswith(".pt"))
     assert ckpts == ["best.pt", "ckpt_0000006.pt", "ckpt_0000012.pt"]
+
+
+def test_cpu_training_uses_gloo_on_a_gpu_machine(monkeypatch):
+    """train.device = "cpu" under torchrun takes gloo even where CUDA exists (NCCL would bind each rank to a GPU
+    the machine may not have: two CPU ranks on a one-GPU machine failed); a CUDA run takes NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    import train as train_mod
+    calls = []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert train_mod.setup_distributed("cpu") == (1, 1, 2) and calls == [("init", "gloo")]
+    calls.clear()
+    assert train_mod.setup_distributed("auto") == (1, 1, 2) and calls == [("set_device", 1), ("init", "nccl")]

@@ -186,8 +186,9 @@ def test_cli_scores_the_fixture_and_writes_json(gpt2_run, tmp_path):
     from data.tokenizers import tokenizer_from_spec
     folder, model = gpt2_run
     out = tmp_path / "res.json"
+    # on the CPU in float32, as the in-process reference below (a GPU would score in bf16)
     r = run_entry("eval.py", "--ckpt", folder, "--task", "hellaswag", "--data", HELLASWAG_FIXTURE,
-                  "--batch-size", "3", "--out", out)
+                  "--batch-size", "3", "--out", out, "--device", "cpu", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     want = hellaswag.evaluate(model, tokenizer_from_spec({"kind": "gpt2"}), load_items(HELLASWAG_FIXTURE),

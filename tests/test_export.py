@@ -18,7 +18,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from model.checkpoint import save_checkpoint  # noqa: E402
 from model.export import ExportError, export_checkpoint, hf_family  # noqa: E402
 from tests.hf_models import write_tokenizer  # noqa: E402
-from tests.util import ROOT  # noqa: E402
+from tests.util import ROOT, pythonpath  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 VOCAB = 96
@@ -145,7 +145,7 @@ def test_shapes_without_an_architecture_are_refused(fields, needle):
 
 
 def export_cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=pythonpath(ROOT), HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "model.export", *map(str, args)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=env)
 

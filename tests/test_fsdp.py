@@ -172,8 +172,8 @@ def cfg_for(tmp_path, name, *extra):
 
 
 def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_path, monkeypatch):
-    """World size 1: FSDP2 (one shard) does what plain training does, bit for bit; so does activation
-    checkpointing, under either mode, with dropout (the recomputation replays the forward's RNG state)."""
+    """World size 1: FSDP2 (one shard) does what plain training does; activation checkpointing changes nothing,
+    bit for bit, under either mode, with dropout (the recomputation replays the forward's RNG state)."""
     from model.gpt import Block
     calls = {"n": 0}
     real_forward = Block.forward
@@ -192,9 +192,14 @@ def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_p
         block_calls[name] = calls["n"]
     reference = curve(tmp_path / "ddp")
     assert len(reference) == 8
-    for name in ("fsdp", "ddp-ac", "fsdp-ac"):
-        assert curve(tmp_path / name) == reference, name
-        assert curve(tmp_path / name, "val_loss") == curve(tmp_path / "ddp", "val_loss"), name
+    # recomputing a block replays its forward exactly, under either mode: bit for bit
+    for plain, checkpointed in (("ddp", "ddp-ac"), ("fsdp", "fsdp-ac")):
+        for key in ("loss", "val_loss"):
+            assert curve(tmp_path / checkpointed, key) == curve(tmp_path / plain, key), checkpointed
+    # one shard against plain training: the same sums (bit for bit with torch 2.13 on the CPU; another torch may
+    # order FSDP2's one-rank gradient reduction differently, hence the reduction-order tolerance)
+    for key in ("loss", "val_loss"):
+        assert_close(curve(tmp_path / "fsdp", key), curve(tmp_path / "ddp", key))
     # checkpointed blocks run forward again in backward: 8 steps x 2 micro-batches x 2 blocks more
     assert block_calls["ddp"] == block_calls["fsdp"]
     assert block_calls["ddp-ac"] == block_calls["fsdp-ac"] == block_calls["ddp"] + 8 * 2 * 2

@@ -382,7 +382,7 @@ def test_cli_on_the_gpu_graph_equals_eager(ckpt):
     e = gen(*common, "--no-cuda-graph")
     assert g.returncode == 0 and e.returncode == 0, g.stderr + e.stderr
     assert g.stderr.startswith("attention: flash (prefill: flash, decode: fused LN/matmul kernels + split-KV decode "
-                               "kernel, CUDA graph) on cuda, bfloat16")
+                               "kernel, CUDA graph) on cuda:0, bfloat16")
     assert g.stdout == e.stdout and g.stdout.startswith("the king")
     n = gen(*common, "--no-fused")
     assert n.returncode == 0 and "decode: split-KV decode kernel, CUDA graph" in n.stderr, n.stderr

@@ -81,7 +81,7 @@ def test_options_hash_as_values():
 def test_plans_are_recorded_per_options(monkeypatch):
     """The same call under other options records (and replays) its own plan, never one recorded under others."""
     monkeypatch.setattr(launch, "_plans", {})
-    q = torch.randn(1, 2, 17, 16)
+    q = torch.randn(1, 2, 17, 16, device="cuda" if torch.cuda.is_available() else "cpu")
     kernels.flash_attention(q, q, q)
     with options.use(lpt=False, fast_launch=False):
         kernels.flash_attention(q, q, q)

@@ -30,3 +30,10 @@ def run_entry(script: str, *args, stdin: str | None = None, timeout: int = 300, 
                TQDM_DISABLE="1")
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], input=stdin,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
+
+
+def pythonpath(first: str) -> str:
+    """PYTHONPATH for a child process: `first`, then whatever this process was given (packages installed into
+    a folder of their own stay importable)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return first + (os.pathsep + rest if rest else "")

@@ -28,7 +28,7 @@ from data.tokenizers import TokenizerError
 from model.checkpoint import CheckpointError, find_checkpoint
 from model.config import ConfigError
 from model.device import pick_device, pick_dtype
-from runfolder import write_text_atomic
+from training.runfolder import write_text_atomic
 
 TASKS = ("hellaswag",)
 INSTALL_LM_EVAL = "pip install 'flashgpt[eval]' (or pip install lm-eval)"

@@ -268,6 +268,38 @@ def test_fused_step_past_the_first_rope_table():
     decode_three_ways(model, [3, 254], max_len=300, steps=4)
 
 
+class LaunchLog:
+    """Stands in for kernels.ln_linear._ln_linear_kernel: records each launch's switches, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append({k: kw[k] for k in ("RMS", "SWIGLU", "ROPE", "PAIRED", "GELU", "QKV_CACHE")})
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@torch.no_grad()
+def test_four_fused_launches_per_layer_in_both_families(family, monkeypatch):
+    """GPT-2 blocks launch the fused kernel exactly as before (no new switch on); Llama blocks the same number
+    of times, with RMSNorm and RoPE in the QKV launch and RMSNorm and SwiGLU in the MLP's first."""
+    import kernels.ln_linear as ll
+    log = LaunchLog(ll._ln_linear_kernel)
+    monkeypatch.setattr(ll, "_ln_linear_kernel", log)
+    kw = dict(n_head=4, n_embd=64) if family == "gpt2" else {**LLAMA, **SHAPES["llama"]}
+    model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, attention="naive", **kw)).to(DEVICE).eval()
+    model.setup_kv_cache(2, 16)
+    fused_decode_step(model, torch.tensor([[1], [2]], device=DEVICE), torch.tensor([[0], [3]], device=DEVICE))
+    llama = family == "llama"
+    qkv = dict(RMS=llama, SWIGLU=False, ROPE=llama, PAIRED=llama, GELU=False, QKV_CACHE=True)
+    proj = dict(RMS=False, SWIGLU=False, ROPE=False, PAIRED=False, GELU=False, QKV_CACHE=False)
+    fc = dict(RMS=llama, SWIGLU=llama, ROPE=False, PAIRED=llama, GELU=not llama, QKV_CACHE=False)
+    assert log.launches == [qkv, proj, fc, proj] * 2
+
+
 def test_rope_tables_are_the_models_and_kept():
     model = tiny_llama("llama", torch.float32)
     cos, sin = rope_tables(model, 40, torch.float32)

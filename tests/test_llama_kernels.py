@@ -283,6 +283,42 @@ def test_rope_qkv_bad_inputs():
             kernels.triton_rope_qkv(*args)
 
 
+def test_the_custom_ops_trace_under_torch_compile(gen):
+    """torch.compile(fullgraph=True) traces the three kernels as custom ops (no graph break; AOTAutograd's graphs
+    give the eager outputs and grads), and each op passes torch.library.opcheck (fake shapes, dtypes and strides
+    against the kernels', the schema, the autograd registration)."""
+    torch._dynamo.reset()
+    x = _randn(2, 3, 48, g=gen).half().to(DEVICE)           # (B, T, C) float16 (the weight float32)
+    w = (1 + _randn(48, g=gen, scale=0.2)).float().to(DEVICE)  # (C,)
+    h = _randn(2, 3, 2 * 40, g=gen).half().to(DEVICE)         # (B, T, 2I) float16
+    qkv = _randn(2, 3, 4 * 16, g=gen).float().to(DEVICE)      # (B, T, (2 + 2·1)·16)
+    cos, sin = RotaryEmbedding(_rope_cfg(2, 1, 16)).to(DEVICE)(torch.arange(3, device=DEVICE), torch.float32)
+
+    def step(x, w, h, qkv):
+        y = kernels.triton_rms_norm(x, w, 1e-5)               # (B, T, C) float32
+        return (y.sum() + kernels.triton_swiglu(h).float().sum()
+                + (kernels.triton_rope_qkv(qkv, cos, sin, 2, 1) * qkv).sum())
+
+    inputs, one = [x, w, h, qkv], torch.tensor(1.0, device=DEVICE)
+    eager = _run(step, inputs, one)
+    compiled = _run(torch.compile(step, backend="aot_eager", fullgraph=True), inputs, one)
+    torch.testing.assert_close(compiled[0], eager[0])
+    for a, b in zip(compiled[1], eager[1]):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
+    # the fake implementations against the kernels (shapes, dtypes, strides), the schemas, the autograd formulas
+    ops = torch.ops.flashgpt
+    x2, dy2 = x.view(6, 48), torch.randn(6, 48, device=DEVICE)
+    y2, rstd = ops.rms_norm_fwd(x2, w, 1e-5)
+    for op, args in [(ops.rms_norm_fwd, (x2.requires_grad_(), w.requires_grad_(), 1e-5)),
+                     (ops.rms_norm_bwd, (dy2, x2.detach(), w.detach(), rstd)),
+                     (ops.swiglu_fwd, (h.view(6, 80).requires_grad_(),)),
+                     (ops.swiglu_bwd, (torch.randn(6, 40, device=DEVICE).half(), h.view(6, 80))),
+                     (ops.rope_qkv_fwd, (qkv.requires_grad_(), cos, sin, 2, 1)),
+                     (ops.rope_qkv_bwd, (torch.randn_like(qkv), cos, sin, 2, 1))]:
+        torch.library.opcheck(op, args)
+
+
 # ---------------------------------------------------------------------------------------- the model's switch
 
 def test_switch_resolves_like_the_loss_kernel():

@@ -24,7 +24,7 @@ declare -A ARGS=(
   [generate]="${GENERATE_ARGS:---no-kernel-sweep}"
   [decode]="${DECODE_ARGS:-}"
   [loss]="${LOSS_ARGS:-}"
-  [llama]="${LLAMA_ARGS:-}"
+  [llama]="${LLAMA_ARGS:---sweep}"
 )
 declare -A SCRIPT=([attention]=attention.py [train]=train.py [generate]=generate.py [decode]=decode_attention.py
                    [loss]=cross_entropy.py [llama]=llama_kernels.py)

@@ -1,7 +1,7 @@
 """RMSNorm, SwiGLU and RoPE of a Llama-family training step: the Triton kernels against eager PyTorch and
 torch.compile, forward and forward + backward, in one run.
 
-    python bench/llama_kernels.py                  # GPU: SmolLM2-135M's training shape, bf16
+    python bench/llama_kernels.py [--sweep]        # GPU: SmolLM2-135M's training shape, bf16
     python bench/llama_kernels.py --smoke          # CPU, Triton interpreter, tiny shapes: checks the script runs
 
 Shape (the defaults, SmolLM2-135M trained at batch 16 x 2048 tokens): n_embd 576, 9 query heads and 3 kv heads
@@ -21,8 +21,10 @@ input gradients are first checked against the PyTorch implementation in float64:
 must be at most 2x eager's plus 1e-5 x max(1, |reference|) (exit 1 otherwise). Times: triton.testing.do_bench
 medians (µs); GB/s counts the least traffic each piece needs (forward: read its input, write its output;
 backward: read the saved input and d(output), write d(input)). The per-step line adds up one training step of
---layers layers under autocast: (2·layers + 1) x rmsnorm_fp32 + layers x (swiglu + rope). Writes
-llama_kernels.json and .md (llama_kernels_smoke.* with --smoke) into --out, with the command and the commit.
+--layers layers under autocast: (2·layers + 1) x rmsnorm_fp32 + layers x (swiglu + rope). --sweep also times
+the Triton kernels with each tile setting of SWEEP changed alone, each variant checked against float64 too.
+Writes llama_kernels.json and .md (llama_kernels_smoke.* with --smoke) into --out, with the command and the
+commit.
 """
 from __future__ import annotations
 
@@ -40,6 +42,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("triton", "torch eager", "torch compiled")
 PIECES = ("rmsnorm", "rmsnorm_fp32", "swiglu", "rope")
+SWEEP = {  # piece -> (module, tile setting, values): what --sweep varies, one setting at a time
+    "rmsnorm": [("kernels.rmsnorm", "TILE", (1024, 2048, 4096, 8192)),
+                ("kernels.rmsnorm", "BWD_PROGRAMS_PER_SM", (1, 2, 4, 8))],
+    "swiglu": [("kernels.swiglu", "TILE", (1024, 2048, 4096, 8192)),
+               ("kernels.swiglu", "MAX_BLOCK_I", (256, 512, 1024))],
+    "rope": [("kernels.rope", "TILE", (512, 1024, 2048, 4096, 8192))],
+}
 SMOKE_SHAPE = dict(batch=2, seq=8, n_embd=48, heads=3, kv_heads=1, head_dim=16, intermediate=40, layers=2)
 
 
@@ -57,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--layers", type=int, default=30, help="layers of the per-step sum")
     p.add_argument("--pieces", default=",".join(PIECES), help=f"comma-separated subset of {', '.join(PIECES)}")
+    p.add_argument("--sweep", action="store_true", help="also time the Triton kernels at other tile settings")
     args = p.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE_SHAPE.items():
@@ -112,8 +122,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     name = "llama_kernels_smoke" if args.smoke else "llama_kernels"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    table = render_markdown(meta, rows)
+    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows, sweep=bench.sweep_rows), indent=2)
+                                      + "\n")
+    table = render_markdown(meta, rows, bench.sweep_rows)
     (out / f"{name}.md").write_text(table)
     print("\n" + table + f"\nwrote {out / name}.json and .md")
     if failures:
@@ -133,6 +144,7 @@ class Bench:
         self.dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter truncates to bf16
         self.compile_backend = "eager" if args.smoke else "inductor"
         self.gen = torch.Generator(device="cpu").manual_seed(0)
+        self.sweep_rows = []
 
     def randn(self, *shape, dtype, scale=1.0):
         t = self.torch.randn(*shape, generator=self.gen, dtype=self.torch.float64) * scale
@@ -271,8 +283,39 @@ class Bench:
                 print(f"{piece:13s} {name:15s} fwd {t_fwd:9.1f} µs  fwd+bwd {t_both:9.1f} µs  "
                       f"({row['fwd_bwd_GBps']:.0f} GB/s)  err {row['max_err_output']:.2e} / "
                       f"{row['max_err_grads']:.2e}", flush=True)
+            if self.args.sweep:
+                failures += self.sweep(piece, providers["triton"], dy, bytes_fwd + bytes_bwd, ref, bounds)
             del providers, spec
         return rows, failures
+
+    def sweep(self, piece, provider, dy, nbytes, ref, bounds) -> list[str]:
+        """The Triton provider's fwd+bwd time with each tile setting of SWEEP changed alone (the others at their
+        defaults), each variant's output and gradients checked against float64 with the default's bounds.
+        Returns the failures."""
+        import importlib
+        fn, leaves = provider
+        failures = []
+        for module_name, attr, values in SWEEP[piece.split("_")[0]]:
+            module = importlib.import_module(module_name)
+            default = getattr(module, attr)
+            for value in values:
+                setattr(module, attr, value)
+                try:
+                    got = self.outputs(fn, leaves, dy)  # also the warm-up (compiles this variant)
+                    t_both = self.time_us(lambda: fn().backward(dy), leaves)
+                finally:
+                    setattr(module, attr, default)
+                errs = [(g - r).abs().max().item() for g, r in zip(got, ref)]
+                err = max(errs)
+                if not all(e <= b for e, b in zip(errs, bounds)):
+                    failures.append(f"{piece} triton {module_name}.{attr}={value}: max error {err:.3g} above "
+                                    "2x eager's + floor")
+                row = dict(piece=piece, setting=f"{module_name}.{attr}={value}", default=value == default,
+                           fwd_bwd_us=round(t_both, 2), fwd_bwd_GBps=round(nbytes / (t_both * 1e-6) / 1e9, 1),
+                           max_err=err)
+                self.sweep_rows.append(row)
+                print(f"{piece:13s} sweep {row['setting']:32s} fwd+bwd {t_both:9.1f} µs  err {err:.2e}", flush=True)
+        return failures
 
 
 def per_step(rows, layers: int) -> dict:
@@ -286,7 +329,7 @@ def per_step(rows, layers: int) -> dict:
     return out
 
 
-def render_markdown(meta, rows) -> str:
+def render_markdown(meta, rows, sweep_rows) -> str:
     s = meta["shape"]
     lines = [f"# RMSNorm, SwiGLU and RoPE of a training step: Triton vs eager vs torch.compile ({meta['dtype']})", "",
              f"`{meta['command']}` at commit {meta['commit']} — {meta['device']}, torch {meta['torch']}, triton "
@@ -312,6 +355,11 @@ def render_markdown(meta, rows) -> str:
     else:
         lines.append("Correctness: the Triton kernels' output and gradients within 2x eager's max error (+ 1e-5 "
                      "floor) of the float64 PyTorch implementation.")
+    if sweep_rows:
+        lines += ["", "Tile settings of the Triton kernels (--sweep; one changed at a time, * the default):", "",
+                  "| piece | setting | fwd+bwd µs | fwd+bwd GB/s | max err |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['piece']} | {r['setting']}{' *' if r['default'] else ''} | {r['fwd_bwd_us']:.1f} | "
+                  f"{r['fwd_bwd_GBps']:.0f} | {r['max_err']:.1e} |" for r in sweep_rows]
     return "\n".join(lines) + "\n"
 
 

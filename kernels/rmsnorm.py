@@ -32,7 +32,7 @@ from . import _triton
 
 MAX_N = 16384  # the whole row of one program in registers (BLOCK_N = next power of 2 of N)
 TILE = 4096    # elements of the (BLOCK_M, BLOCK_N) tile a program holds per tensor
-BWD_PROGRAMS_PER_SM = 4  # backward programs (partial rows of d(weight)) per streaming multiprocessor
+BWD_PROGRAMS_PER_SM = 2  # backward programs (partial rows of d(weight)) per streaming multiprocessor
 
 
 @triton.jit
@@ -97,13 +97,14 @@ def _sum_partials(PART, OUT, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr)
 _triton.check_decorated(_rms_fwd, _rms_bwd, _sum_partials)
 
 
-def _tile(N: int) -> tuple[int, int, int]:
+def _tile(N: int, backward: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows N wide: the whole row, TILE elements per tensor and program where
-    rows are narrow, more warps for wide rows (at most 32 float32 elements per thread and tensor)."""
+    rows are narrow; the forward with at most 32 elements per thread and tensor, the backward (more tensors
+    live: x, dy, n, dn, the d(weight) sum) with half as many where 16 warps allow."""
     block_n = triton.next_power_of_2(N)
     block_m = max(1, TILE // block_n)
-    warps = min(16, max(4, block_m * block_n // 1024))
-    return block_m, block_n, warps
+    warps = max(4, block_m * block_n // 1024)
+    return block_m, block_n, min(16, 2 * warps if backward else warps)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps) -> None:
@@ -152,7 +153,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Te
     dw = _triton.empty((N,), weight.dtype, x.device)
     if M == 0:
         return dx, dw.zero_()
-    block_m, block_n, warps = _tile(N)
+    block_m, block_n, warps = _tile(N, backward=True)
     tiles = triton.cdiv(M, block_m)
     programs = min(tiles, BWD_PROGRAMS_PER_SM * _triton.sm_count(x.device))
     rows_per_program = triton.cdiv(tiles, programs) * block_m

@@ -122,12 +122,15 @@ def test_rms_norm_rounds_the_normalised_row_to_x_dtype_before_the_weight(x_dtype
 
 
 def test_rms_norm_wide_rows_and_many_row_tiles_per_program(gen, monkeypatch):
-    """A row wider than the tile (one row per program) and a backward whose programs each sum several row
-    tiles into their partial d(weight) (one program per SM: 4 programs in the interpreter), with a tail tile."""
+    """A row wider than the tile (one row per program); a backward whose programs each sum several row tiles into
+    their partial d(weight) (a stand-in GPU of 2 SMs, one program per SM), with a tail tile; and more partial
+    rows than the second stage adds per step."""
     monkeypatch.setattr(rms, "BWD_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(kt, "sm_count", lambda device: 2)
     x, w, dy = _randn(70, 1000, g=gen), 1 + _randn(1000, g=gen, scale=0.3), _randn(70, 1000, g=gen)
-    block_m = rms._tile(1000)[0]
-    assert triton_cdiv(70, block_m) > 2 * kt.sm_count(torch.device(DEVICE))  # several tiles per program
+    assert triton_cdiv(70, rms._tile(1000, backward=True)[0]) >= 4 * 2  # several row tiles per program
+    _check_rms(x, w, dy, torch.float32, torch.float32)
+    monkeypatch.setattr(rms, "BWD_PROGRAMS_PER_SM", 16)  # one tile per program: 18 partial rows, 3 steps of 8
     _check_rms(x, w, dy, torch.float32, torch.float32)
     x, w, dy = _randn(3, 5000, g=gen), 1 + _randn(5000, g=gen, scale=0.3), _randn(3, 5000, g=gen)
     _check_rms(x, w, dy, torch.float32, torch.float32)
@@ -362,8 +365,19 @@ def _count_calls(monkeypatch) -> dict:
     return calls
 
 
+@pytest.fixture
+def _fp32_matmuls():
+    """float32 matmuls without TF32 on a GPU (TF32 would magnify the kernels' last-bit differences)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_tiny_llama_same_loss_and_grads_with_the_kernels(qk_norm, monkeypatch, gen):
+def test_tiny_llama_same_loss_and_grads_with_the_kernels(qk_norm, monkeypatch, gen, _fp32_matmuls):
     """A 2-layer Llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA; qk_norm: Qwen3's per-head norms) in float32: loss
     and every parameter's gradient with model.llama_kernels = "triton" as with "torch"."""
     calls = _count_calls(monkeypatch)
@@ -402,15 +416,17 @@ def test_the_option_reaches_a_model_on_auto(monkeypatch, gen):
 @pytest.mark.skipif(CUDA, reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
-    r = subprocess.run([sys.executable, "bench/llama_kernels.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "bench/llama_kernels.py", "--smoke", "--sweep", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((tmp_path / "llama_kernels_smoke.json").read_text())
-    assert data["meta"]["command"] == "python bench/llama_kernels.py --smoke --out " + str(tmp_path)
+    assert data["meta"]["command"] == "python bench/llama_kernels.py --smoke --sweep --out " + str(tmp_path)
     assert data["meta"]["commit"] and not data["meta"]["correctness_failures"]
     pieces = {(row["piece"], row["provider"]) for row in data["rows"]}
     assert pieces == {(p, q) for p in ("rmsnorm", "rmsnorm_fp32", "swiglu", "rope")
                       for q in ("triton", "torch eager", "torch compiled")}
     assert all(row["fwd_bwd_us"] > 0 for row in data["rows"])
+    swept = {row["setting"] for row in data["sweep"] if row["piece"] == "rope"}
+    assert "kernels.rope.TILE=1024" in swept and sum(row["default"] for row in data["sweep"]) == 2 + 2 + 2 + 1  # per setting
     md = (tmp_path / "llama_kernels_smoke.md").read_text()
     assert "| rope | triton |" in md and "python bench/llama_kernels.py --smoke" in md

@@ -427,6 +427,7 @@ def test_bench_smoke(tmp_path):
                       for q in ("triton", "torch eager", "torch compiled")}
     assert all(row["fwd_bwd_us"] > 0 for row in data["rows"])
     swept = {row["setting"] for row in data["sweep"] if row["piece"] == "rope"}
-    assert "kernels.rope.TILE=1024" in swept and sum(row["default"] for row in data["sweep"]) == 2 + 2 + 2 + 1  # per setting
+    assert "kernels.rope.TILE=1024" in swept
+    assert sum(row["default"] for row in data["sweep"]) == 2 + 2 + 2 + 1  # each setting's default, per piece
     md = (tmp_path / "llama_kernels_smoke.md").read_text()
     assert "| rope | triton |" in md and "python bench/llama_kernels.py --smoke" in md

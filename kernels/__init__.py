@@ -5,6 +5,8 @@
     resolve_backend("auto" | backend, device) -> backend          BACKENDS, BACKEND_CHOICES (with "auto")
     cross_entropy(logits, targets, ignore_index=-1, kernel="auto" | "triton" | "torch")
     resolve_loss_kernel(kernel, device) -> "triton" | "torch"     LOSS_KERNELS
+    resolve_llama_kernels(kernel, device) -> "triton" | "torch"   LLAMA_KERNELS: what the model's RMSNorm, SwiGLU
+        and RoPE run; the Triton forms are triton_rms_norm, triton_swiglu, triton_rope_qkv
 
 q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq a multiple of Hkv; causal masks are bottom-right aligned.
 qkv: one packed projection (B, N, (Hq + 2·Hkv)·D), the model's training/prefill path without a KV cache.
@@ -22,7 +24,10 @@ from ._triton import SUPPORTED_DTYPES, interpreting
 from .ce_loss import cross_entropy as triton_cross_entropy
 from .flash import flash_attention, flash_attention_qkvpacked
 from .naive import causal_mask, check_qkv, naive_attention, split_qkv
-from .options import LOSS_KERNELS
+from .options import LLAMA_KERNELS, LOSS_KERNELS
+from .rmsnorm import rms_norm as triton_rms_norm
+from .rope import rope_qkv as triton_rope_qkv
+from .swiglu import swiglu as triton_swiglu
 
 BACKENDS = ("flash", "sdpa", "naive")
 BACKEND_CHOICES = ("auto", *BACKENDS)  # what a config or command line may name: "auto" resolves per device
@@ -106,7 +111,22 @@ def resolve_loss_kernel(kernel: str | None, device) -> str:
     return kernel
 
 
+def resolve_llama_kernels(kernel: str | None, device) -> str:
+    """What the model's RMSNorm, SwiGLU and RoPE run on `device`: "triton" (kernels/rmsnorm.py, swiglu.py,
+    rope.py) or "torch" (model/norms.py, model/rope.py, the MLP's F.silu). "auto" (or None) takes the
+    llama_kernels option (FLASHGPT_LLAMA_KERNELS, default "torch"), whose own "auto" is Triton on CUDA and
+    PyTorch elsewhere."""
+    if kernel is None or kernel == "auto":
+        kernel = options.get().llama_kernels
+    elif kernel not in LLAMA_KERNELS:
+        raise ValueError(f"unknown llama kernel choice {kernel!r}; choose one of {', '.join(LLAMA_KERNELS)}")
+    if kernel == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return kernel
+
+
 __all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
            "flash_attention", "flash_attention_qkvpacked", "split_qkv", "BACKENDS", "BACKEND_CHOICES", "check_qkv",
            "cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS", "options",
-           "interpreting", "SUPPORTED_DTYPES"]
+           "interpreting", "SUPPORTED_DTYPES", "resolve_llama_kernels", "LLAMA_KERNELS", "triton_rms_norm",
+           "triton_swiglu", "triton_rope_qkv"]

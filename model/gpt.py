@@ -39,9 +39,10 @@ class CausalSelfAttention(nn.Module):
                                 bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
         self.qk_norm = cfg.qk_norm
+        self.llama_kernels = cfg.llama_kernels
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.backend = cfg.attention
         self.kv_cache = None  # set by GPT.setup_kv_cache for inference
@@ -76,6 +77,9 @@ class CausalSelfAttention(nn.Module):
         qk, v = heads[:, :, :nh + nkv], heads[:, :, nh + nkv:]  # (B, T, nh + nkv, hd), (B, T, nkv, hd)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :, :nh]), self.k_norm(qk[:, :, nh:])), dim=2)
+        if rope is not None and kernels.resolve_llama_kernels(self.llama_kernels, qkv.device) == "triton":
+            packed = torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1) if self.qk_norm else qkv
+            return kernels.triton_rope_qkv(packed, *rope, nh, nkv)  # (B, T, (nh + 2·nkv)·hd), one launch
         if rope is not None:
             qk = apply_rope(qk, *rope)  # (B, T, nh + nkv, hd)
         return torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1)  # (B, T, (nh + 2·nkv)·hd)
@@ -91,10 +95,13 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.llama_kernels = cfg.llama_kernels
 
     def forward(self, x):
         h = self.c_fc(x)  # (B, T, I) or (B, T, 2I)
-        if self.swiglu:
+        if self.swiglu and kernels.resolve_llama_kernels(self.llama_kernels, h.device) == "triton":
+            h = kernels.triton_swiglu(h)  # (B, T, I)
+        elif self.swiglu:
             gate, up = h.chunk(2, dim=-1)  # (B, T, I) each
             h = F.silu(gate) * up
         else:

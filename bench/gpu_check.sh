@@ -158,6 +158,19 @@ spawn gen_sdpa sampled "${GEN[@]}" --prompt "ROMEO:" --attention sdpa
 spawn gen_char_model sampled "$PY" generate.py --ckpt "$RUN/demo" --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
 spawn gen_offline_hub_weights expect_fail "$PY" generate.py --init-from gpt2 --prompt "Hello"
 
+# train then generate: FSDP2 on one GPU (sharded checkpoint read back by generate.py), and a Llama-family model
+# (RoPE, RMSNorm, SwiGLU, GQA) trained with the Triton kernels of those pieces and decoded on the fused path
+train_then_generate() {  # RUN_DIR TRAIN_COMMAND...
+  local dir=$1; shift
+  "$@" || return 1
+  "$PY" generate.py --ckpt "$dir" --prompt "ROMEO:" --max-new-tokens 48 --temperature 0.8 --top-k 20
+}
+spawn fsdp_one_gpu_and_generate sampled train_then_generate "$RUN/fsdp" "${TORCHRUN[@]}" --standalone \
+  --nproc_per_node=1 train.py $CFG --out_dir="$RUN/fsdp" --parallel=fsdp --activation_checkpointing=true \
+  --max_iters=60 --eval_interval=30 "${XARGS[@]}"
+spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \
+  --out_dir="$RUN/llama" --max_iters=200 --eval_interval=100 --max_time=0 --llama_kernels=triton "${XARGS[@]}"
+
 ablated() { ls "$RUN"/ablate/report.md >/dev/null 2>&1 || echo "no report.md"; }
 spawn ablate_quick ablated "$PY" ablate.py --quick --out "$RUN/ablate"
 join

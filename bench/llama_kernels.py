@@ -34,12 +34,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import git_commit  # noqa: E402
+
 PROVIDERS = ("triton", "torch eager", "torch compiled")
 PIECES = ("rmsnorm", "rmsnorm_fp32", "swiglu", "rope")
 SWEEP = {  # piece -> (module, tile setting, values): what --sweep varies, one setting at a time
@@ -85,15 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:

@@ -51,8 +51,8 @@ TMA descriptors or pointer loads, a longest-first causal grid, the split or fuse
 inputs' shapes, dtypes and layout (never their values) within what ``kernels.options`` allows (kernels/options.py).
 """
 from .configs import MAX_HEAD_DIM, forced_configs, gpu_configs
-from .ops import flash_attention, flash_attention_qkvpacked
+from .ops import flash_attention, flash_attention_qkvpacked, flash_attention_varlen
 from .._triton import SUPPORTED_DTYPES
 
-__all__ = ["flash_attention", "flash_attention_qkvpacked", "forced_configs", "gpu_configs", "SUPPORTED_DTYPES",
-           "MAX_HEAD_DIM"]
+__all__ = ["flash_attention", "flash_attention_qkvpacked", "flash_attention_varlen", "forced_configs", "gpu_configs",
+           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

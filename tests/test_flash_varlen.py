@@ -398,6 +398,39 @@ def test_bad_input_raises_before_any_launch(bad, monkeypatch):
         flash_attention_varlen(*args, cu, **kw)
 
 
+# -------------------------------------------------------------------------------------- benchmark hook
+
+def test_varlen_benchmark_arguments_and_counts():
+    """bench/attention.py --varlen (a GPU benchmark) parses its arguments on any machine, draws the same
+    document lengths for a seed, and counts the visible (query, key) pairs as the mask does."""
+    from bench import attention as bench
+    args = bench.parse_args(["--varlen", "--doc-mean", "100", "--doc-seed", "3", "--window", "40",
+                             "--shapes", "2,4,512,64"])
+    assert args.varlen and args.providers == ["flex", "flash"] and args.shapes == [(2, 4, 512, 64)]
+    assert args.tag == "attention_varlen" and args.window == 40
+    assert bench.parse_args([]).providers == bench.PROVIDERS and bench.parse_args([]).tag == "attention"
+    for bad in (["--varlen", "--providers", "sdpa-flash"], ["--window", "8"], ["--shapes", "1,2,3"],
+                ["--varlen", "--doc-mean", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    lengths = bench.doc_lengths(1024, 100.0, seed=3)
+    assert sum(lengths) == 1024 and min(lengths) >= 1 and lengths == bench.doc_lengths(1024, 100.0, seed=3)
+    assert lengths != bench.doc_lengths(1024, 100.0, seed=4) and 4 <= len(lengths) <= 40
+    rows = [lengths[:3]]
+    n = sum(rows[0])
+    for window in (0, 1, 7, 40):
+        mask = _reference_mask(rows, n, n, True, window)
+        assert bench.visible_pairs(rows[0], window) == int(mask.sum())
+    assert bench.varlen_flops([4], 2, 8, 0, "bwd") == 2.5 * 4 * 2 * 8 * 10
+    timing = dict(peak_gib=0.5, fwd_ms=1.0, bwd_ms=2.0)
+    row = dict(shape=[2, 4, 512, 64], causal=True, window=40, doc_mean=100.0, doc_seed=3, n_docs=len(lengths),
+               providers={"flex": dict(timing, fwd_tflops=200.0, bwd_tflops=100.0, diff=None),
+                          "flash": dict(timing, fwd_tflops=300.0, bwd_tflops=200.0, diff=1e-3),
+                          })
+    table = bench.render_varlen([row], dict(gpu="GPU", command="c", date="d", torch="t", triton="tr"))
+    assert f"| 1024, 4, 64 | {len(lengths)} (100) | 40 | 200 / 100" in table and "| 1.50 / 2.00 |" in table
+
+
 # ---------------------------------------------------------------------------------------------- slow
 
 def _partitions(n_docs: int, seed: int) -> list[list[int]]:

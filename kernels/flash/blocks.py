@@ -1,5 +1,6 @@
 """@triton.jit helpers shared by the forward and backward kernels: which tile a program owns, which key blocks
-a query tile visits under the mask, and how a kv head's K and V are read (descriptors or pointers).
+a query tile visits under the mask (causal; or a window and/or documents: _key_range, and _query_range for the
+dK/dV kernel's query blocks), and how a kv head's K and V are read (descriptors or pointers).
 
 Triton inlines these into each kernel; they hold no state.
 """

@@ -5,7 +5,7 @@
 
 1. Kernel sweep over sequence lengths: forward and forward+backward time, peak memory and the HBM bytes of
    the standard I/O model (ablation/io_model.py) for naive, flash and sdpa; naive runs until it is out of memory.
-2. Matched training runs of the config (default configs/ablate.toml) with model.attention = naive, flash and
+2. Matched training runs of the config (default ablation/ablate.toml) with model.attention = naive, flash and
    sdpa (the noise reference): same seed, data order and config; overlaid loss curves, the measured gap,
    tokens/s and peak memory.
 3. (CUDA) the largest context each backend fits: one model forward+backward at doubling block_size.
@@ -41,7 +41,7 @@ if not torch.cuda.is_available():
 import kernels  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 
-DEFAULT_CONFIG = os.path.join(ROOT, "configs", "ablate.toml")
+DEFAULT_CONFIG = os.path.join(ROOT, "ablation", "ablate.toml")  # installed with the ablation package
 # Reduced mode: a tiny model and few steps (flash runs through the interpreter on a CPU). The user's own
 # --key=value overrides come after these and win.
 QUICK_OVERRIDES = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--batch_size=8",

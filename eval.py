@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -28,7 +29,7 @@ from data.tokenizers import TokenizerError
 from model.checkpoint import CheckpointError, find_checkpoint
 from model.config import ConfigError
 from model.device import pick_device, pick_dtype
-from runfolder import write_text_atomic
+from training.runfolder import write_text_atomic
 
 TASKS = ("hellaswag",)
 INSTALL_LM_EVAL = "pip install 'flashgpt[eval]' (or pip install lm-eval)"
@@ -45,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("model")
     src.add_argument("--ckpt", help="checkpoint file, or a run folder (its latest checkpoint)")
     src.add_argument("--best", action="store_true", help="with a run folder: use best.pt instead of the latest")
-    src.add_argument("--init-from", choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
-                     help="Hugging Face GPT-2 weights instead of a checkpoint (needs transformers and the hub)")
+    src.add_argument("--init-from", metavar="hf:REPO_OR_DIR | gpt2[-medium|-large|-xl]",
+                     help="Hugging Face weights instead of a checkpoint, as generate.py takes them: hf:<hub id or "
+                          "local folder> (with the model's tokenizer.json) or a GPT-2 size")
     src.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -94,7 +96,7 @@ def out_path(args, name: str) -> str:
     if args.out:
         return args.out
     folder = "." if args.init_from else (args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt))
-    suffix = f"_{args.init_from}" if args.init_from else ""
+    suffix = "_" + re.sub(r"[^A-Za-z0-9._-]+", "_", args.init_from.removeprefix("hf:")) if args.init_from else ""
     return os.path.join(folder or ".", f"eval_{name}{suffix}.json")
 
 
@@ -105,8 +107,7 @@ def load(args):
     dtype = pick_dtype(args.dtype, device, what="--dtype")
     backend = kernels.resolve_backend(args.attention, device)
     if backend == "flash" and device.type == "cpu":
-        from kernels.flash import INTERPRET
-        if not INTERPRET or dtype == torch.bfloat16:
+        if not kernels.interpreting() or dtype == torch.bfloat16:
             raise EvalError("--attention flash on the CPU needs Triton's interpreter (TRITON_INTERPRET=1) and "
                             "float32: use --attention sdpa")
     try:
@@ -116,7 +117,7 @@ def load(args):
     model.set_attention_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()
     setup = {"checkpoint": find_checkpoint(args.ckpt, "best" if args.best else "latest") if args.ckpt
-             else f"hf:{args.init_from}", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+             else args.init_from if args.init_from.startswith("hf:") else f"hf:{args.init_from}", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
              "attention": backend, "batch_size": args.batch_size}
     return model, tokenizer, setup
 

@@ -7,7 +7,7 @@
     python generate.py --init-from hf:HuggingFaceTB/SmolLM2-135M-Instruct --chat --prompt "What is 2+2?"
 
 --init-from hf:<repo-or-dir> loads a Hugging Face model (GPT-2, Llama, Qwen2, Qwen3 families) with its own
-tokenizer.json (pretrained.py); --chat wraps each prompt as a user message in the tokenizer's chat template
+tokenizer.json (training/pretrained.py); --chat wraps each prompt as a user message in the tokenizer's chat template
 (rendered in a Jinja sandbox, data/chat.py) and prints only the reply.
 
 Context policy: prompt + max-new-tokens must fit in the model's block_size; a longer prompt keeps its last
@@ -98,7 +98,7 @@ def load_model(args, device: torch.device):
         if not args.init_from.startswith("hf:") or args.init_from == "hf:":
             raise GenerateError(f"--init-from={args.init_from!r}: expected hf:<repo-or-dir> (a Hugging Face hub id "
                                 f"or model folder) or one of {', '.join(HF_NAMES)}")
-        from pretrained import load_pretrained
+        from training.pretrained import load_pretrained
         pre = load_pretrained(args.init_from, what="--init-from")
         return build(pre.config, pre.state), pre.tokenizer
     if not args.ckpt:

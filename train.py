@@ -10,7 +10,7 @@ best.pt (under parallel=fsdp: folders ckpt_<step>/ and best_<step>/), config.tom
 checkpoint after the step in flight and exits; --resume continues exactly.
 
 train.init_from = "hf:<repo-or-dir>" or a run folder starts from those weights, with their shape and tokenizer
-(pretrained.py); the run's own checkpoints then resume it like any other.
+(training/pretrained.py); the run's own checkpoints then resume it like any other.
 
 A run is a Trainer: setup() (checkpoint, data, model, log), then run(), whose loop is made of step(),
 log_step(), evaluate() and checkpoint().
@@ -50,9 +50,9 @@ from model.parallel import (broadcast_parameters, check_parallel, clip_grad_norm
                             start_single_process_group)
 from model.sharded_checkpoint import (load_rank_state, open_sharded_checkpoint, read_sharded_tensors,  # noqa: E402
                                       save_sharded_checkpoint)
-from pretrained import load_pretrained, settle_run_config  # noqa: E402
-from runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic  # noqa: E402
-from runlog import RunLog, rewind_metrics  # noqa: E402
+from training.pretrained import load_pretrained, settle_run_config  # noqa: E402
+from training.runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic  # noqa: E402
+from training.runlog import RunLog, rewind_metrics  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -146,9 +146,13 @@ def setup_distributed(device: str = "auto"):
 
 
 def teardown_distributed(world: int) -> None:
+    """Close the process group once every rank has reached the end (a barrier first), so that no rank closes
+    its connections while another still communicates: a 4-rank gloo run on 2 CPU cores once ended with one rank
+    aborted at exit ("terminate called without an active exception") after training had finished."""
     if world > 1:
         import torch.distributed as dist
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 

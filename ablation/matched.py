@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from runlog import read_metrics
+from training.runlog import read_metrics
 
 
 def run_matched(cfg, backends: list[str], out_dir: str, *, keep_checkpoints: bool = False, log=print) -> dict:

@@ -332,7 +332,7 @@ def write_readme_section(results: dict, out: str, plot_dir: str = "bench/results
 
 def log_wandb(results: dict, out: str, images: list[str], project: str, run_name: str) -> None:
     import wandb  # lazy: only when asked for
-    from runlog import wandb_mode
+    from training.runlog import wandb_mode
     run = wandb.init(project=project, name=run_name or "ablate", dir=out, mode=wandb_mode(),
                      config={"meta": results["meta"], "sweep": (results.get("sweep") or {}).get("settings")})
     logged = {}

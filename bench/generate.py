@@ -1,16 +1,24 @@
-"""Generation benchmark: GPT-2 124M shape in bf16, prompt 128, 256 new tokens, greedy, batch 1 and 16.
+"""Generation benchmark: a GPT-2 124M or SmolLM2-135M shape in bf16, prompt 128, 256 new tokens, greedy, batch 1 and 16.
 
-    python bench/generate.py                  # GPU: the decode variants side by side, then the decode-kernel sweep
+    python bench/generate.py                  # GPU, GPT-2 shape: the decode variants side by side, then the
+                                              # decode-kernel sweep
+    python bench/generate.py --model smollm2  # GPU, SmolLM2-135M shape: the same variants and transformers
     python bench/generate.py --compile        # + a torch.compile'd decode step inside the CUDA graph (~1 min more)
-    python bench/generate.py --smoke          # CPU, tiny model, Triton interpreter: checks that the script runs
+    python bench/generate.py --smoke [--model smollm2]   # CPU, tiny model, Triton interpreter: checks the script
 
-One randomly initialised model (n_layer 12, n_head 12, n_embd 768, block_size 1024, vocab 50304, bf16; random
-weights cost the same time as trained ones), random prompt tokens, and `model.generation.generate` for every
-variant, so all of them share the static KV cache, the prefill/decode split and the host loop:
+One randomly initialised model (random weights cost the same time as trained ones), random prompt tokens:
 
-    flashgpt-fused+graph   flash prefill, then model/fused_decode.py (fused LayerNorm/matmul/bias/GELU/residual
-                     Triton kernels, k/v written into the cache by the QKV kernel, split-KV decode attention)
-                     replayed as a CUDA graph: generate()'s default on a GPU
+    gpt2      n_layer 12, n_head 12, n_embd 768, block_size 1024, vocab 50304: learned positions, LayerNorm,
+              GELU MLP, biases, tied LM head
+    smollm2   SmolLM2-135M: n_layer 30, n_embd 576, n_head 9 over n_kv_head 3 (GQA), SwiGLU 1536 wide, vocab 49152,
+              RoPE (theta 100000), RMSNorm, no biases, tied LM head
+
+and `model.generation.generate` for every flashgpt variant, so all of them share the static KV cache, the
+prefill/decode split and the host loop:
+
+    flashgpt-fused+graph   flash prefill, then model/fused_decode.py (fused norm/matmul/bias/activation/residual
+                     Triton kernels, RoPE and the k/v cache writes inside the QKV kernel, split-KV decode
+                     attention) replayed as a CUDA graph: generate()'s default on a GPU
     flashgpt-fused   the same, eager
     flashgpt+graph   flash prefill + the model's own decode step (split-KV decode kernel for attention, PyTorch
                      for the rest) replayed as a CUDA graph
@@ -19,21 +27,32 @@ variant, so all of them share the static KV cache, the prefill/decode split and 
                      with a mask), eager
     sdpa+graph       the same plain PyTorch decode step under a CUDA graph
     flashgpt+compile+graph   (--compile) torch.compile'd decode step inside the CUDA graph
+    transformers-static+compile   (smollm2 by default; needs transformers, skipped with a note without it) the
+                     same weights in transformers' own architecture (model/export.py's config and tensor names),
+                     `generate(cache_implementation="static")`, greedy, its decode forward under torch.compile:
+                     where transformers has CompileConfig it compiles that forward itself (mode "reduce-overhead":
+                     CUDA graphs), older versions get `forward = torch.compile(forward, mode="reduce-overhead",
+                     fullgraph=True)`. On the CPU (--smoke) it runs as transformers-static, uncompiled.
 
-Per variant and batch, medians over --reps runs after one warm-up run:
-    prefill ms   the prompt's forward pass (synchronised)
+Per variant and batch, medians over --reps runs after one warm-up run (two for transformers: compilation):
+    prefill ms   the prompt's forward pass (synchronised; flashgpt only)
     TTFT ms      prefill + sampling + the first tokens on the host (graph capture happens before, once per call)
     decode tok/s tokens produced by the decode steps (B x 255) / the time from the first tokens on the host to
-                 the last ones: the whole loop, host work included
+                 the last ones: the whole loop, host work included. transformers: from the first generated
+                 token (a logits processor synchronises once and reads the clock there) to the end of generate()
     step µs      that time / decode steps
+    weight GB/s  the weights' bytes / step time: the decode speed per byte of weights, comparable across shapes
     graph replay µs   (graph variants) the GPU time of one bare replay of the captured step, at cache length
                  prompt + new/2, without the host loop or sampling: what the loop could reach
-Correctness first: the greedy tokens of flashgpt-fused+graph (flashgpt-fused on CPU) against plain PyTorch (sdpa, eager); bf16 rounding may
-flip a near-tie and the sequences then diverge, so the agreement is reported, not required. Each variant runs
-in its own try/except: a failure is recorded and the others go on. Then bench/decode_attention.py (imported, not
-copied) sweeps the decode attention kernel over cache lengths 1k..32k against the non-split kernel and SDPA.
-Writes generate.json and generate.md (generate_smoke.* with --smoke) to --out (default bench/results/) and to
-$OUT when that is set, after every stage, so that a run cut short keeps what it measured.
+Targets: gpt2, decode tok/s of the best flashgpt graph variant (TARGETS); smollm2, that variant's decode tok/s
+over transformers-static+compile's (RATIO_TARGETS: >= 2x at batch 1, >= 1.5x at 16).
+Correctness first: the greedy tokens of flashgpt-fused+graph (flashgpt-fused on CPU) against plain PyTorch (sdpa,
+eager) and against transformers (the same weights); bf16 rounding may flip a near-tie and the sequences then
+diverge, so the agreement is reported, not required. Each variant runs in its own try/except: a failure is
+recorded and the others go on. Then bench/decode_attention.py (imported, not copied) sweeps the decode attention
+kernel over cache lengths 1k..32k against the non-split kernel and SDPA.
+Writes generate[_smollm2].json and .md (generate[_smollm2]_smoke.* with --smoke) to --out (default
+bench/results/) and to $OUT when that is set, after every stage, so that a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -52,14 +71,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+MODELS = ("gpt2", "smollm2")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _batches(text: str) -> list[int]:
+    return [_positive_int(x) for x in text.split(",")]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="gpt2", help="the shape to decode (default gpt2)")
     p.add_argument("--out", default=None, help="directory for JSON + markdown (default bench/results/)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter): seconds")
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16)")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 128)")
-    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence (default 256)")
-    p.add_argument("--reps", type=int, default=3, help="timed runs per variant (median)")
+    p.add_argument("--batches", type=_batches, default=None, help="comma-separated batch sizes (default 1,16)")
+    p.add_argument("--prompt-len", type=_positive_int, default=None, help="prompt tokens per sequence (default 128)")
+    p.add_argument("--new-tokens", type=_positive_int, default=None,
+                   help="new tokens per sequence (default 256; at least 2)")
+    p.add_argument("--reps", type=_positive_int, default=3, help="timed runs per variant (median)")
     p.add_argument("--compile", action="store_true", help="add the torch.compile + CUDA graph variant")
     p.add_argument("--no-kernel-sweep", action="store_true", help="skip bench/decode_attention.py")
     p.add_argument("--variants", default=None, help="comma-separated subset of the variant names (default: all)")
@@ -79,27 +117,42 @@ from model.generation import DecodeGraph, decode_one_token, generate  # noqa: E4
 from model.sampling import SamplingParams  # noqa: E402
 
 COPY_BW = 4.30e12  # bytes/s, the H200's device-to-device copy (ANCHORS.md): the memory-bandwidth limit below
-TARGETS = {1: 3000.0, 16: 40000.0}  # decode tok/s of the best flashgpt graph variant on the H200 (the issue)
+TARGETS = {1: 3000.0, 16: 40000.0}  # gpt2: decode tok/s of the best flashgpt graph variant on the H200
+RATIO_TARGETS = {1: 2.0, 16: 1.5}  # smollm2: that variant's decode tok/s over transformers-static+compile's
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+SHAPES = {  # (full size, --smoke)
+    "gpt2": (dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+             dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)),
+    "smollm2": (dict(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, intermediate_size=1536, vocab_size=49152,
+                     block_size=2048, rope_theta=100000.0, **LLAMA),
+                dict(n_layer=2, n_head=3, n_kv_head=1, n_embd=48, intermediate_size=64, vocab_size=128,
+                     block_size=64, rope_theta=100000.0, **LLAMA)),
+}
+HF_VARIANTS = ("transformers-static+compile", "transformers-static")  # GPU (compiled), CPU (--smoke)
 
 
-def build_model(smoke: bool, device, dtype) -> GPT:
-    if smoke:
-        cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)
-    else:
-        cfg = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+def build_model(name: str, smoke: bool, device, dtype) -> GPT:
+    """The benchmark's model of shape `name` (SHAPES), randomly initialised (seed 0), in eval mode."""
+    cfg = GPTConfig(**SHAPES[name][1 if smoke else 0])
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
     return model.to(dtype).eval()
 
 
-def variants(device, compile_variant: bool):
-    """name → (attention backend, cuda_graph, compile, fused)."""
-    out = {"flashgpt-fused+graph": ("flash", True, False, True), "flashgpt-fused": ("flash", False, False, True),
-           "flashgpt+graph": ("flash", True, False, False), "flashgpt": ("flash", False, False, False),
-           "sdpa": ("sdpa", False, False, False), "sdpa+graph": ("sdpa", True, False, False)}
+def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
+    """name → (provider, attention backend, cuda_graph, compile, fused); provider "flashgpt" or "transformers"
+    (with transformers=True: compiled on a GPU, eager on the CPU)."""
+    out = {"flashgpt-fused+graph": ("flashgpt", "flash", True, False, True),
+           "flashgpt-fused": ("flashgpt", "flash", False, False, True),
+           "flashgpt+graph": ("flashgpt", "flash", True, False, False),
+           "flashgpt": ("flashgpt", "flash", False, False, False),
+           "sdpa": ("flashgpt", "sdpa", False, False, False), "sdpa+graph": ("flashgpt", "sdpa", True, False, False)}
     if compile_variant:
-        out["flashgpt+compile+graph"] = ("flash", True, True, False)
+        out["flashgpt+compile+graph"] = ("flashgpt", "flash", True, True, False)
+    if transformers:
+        on_gpu = torch.device(device).type == "cuda"
+        out[HF_VARIANTS[0] if on_gpu else HF_VARIANTS[1]] = ("transformers", "sdpa", False, on_gpu, False)
     return out
 
 
@@ -148,6 +201,94 @@ def graph_replay_us(model, B: int, max_len: int, pos: int, compile_step: bool, f
         model.clear_kv_cache()
 
 
+def transformers_model(model: GPT, device, dtype):
+    """model's weights in transformers' own architecture for its config (model/export.py: config.json keys and
+    tensor names), on `device` in `dtype`, eval mode. ImportError without transformers."""
+    import transformers
+
+    from model.export import hf_config, hf_family, hf_tensors
+    cfg = model.config
+    family = hf_family(cfg)
+    conf = hf_config(family, cfg, dtype, None, None)  # no bos/eos: generation runs its full length
+    for key in ("architectures", "torch_dtype"):
+        conf.pop(key)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(conf.pop("model_type"),
+                                                                                          **conf))
+    missing, unexpected = hf.load_state_dict(hf_tensors(family, cfg, model.state_dict(), dtype), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        raise RuntimeError(f"transformers' {family} model does not take these weights: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return hf.to(device=device, dtype=dtype).eval()
+
+
+def _transformers_compile(hf, device) -> tuple[dict, str]:
+    """generate() arguments that put the decode forward under torch.compile on a GPU, and how (for the report)."""
+    import transformers
+    if torch.device(device).type != "cuda":
+        return {}, "eager (CPU)"
+    if hasattr(transformers, "CompileConfig"):  # generate() compiles the decode forward of a static cache itself
+        return dict(compile_config=transformers.CompileConfig()), "transformers' CompileConfig (reduce-overhead)"
+    if not getattr(hf, "_flashgpt_compiled", False):
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        hf._flashgpt_compiled = True
+    return {}, "forward = torch.compile(mode='reduce-overhead', fullgraph=True)"
+
+
+def run_transformers(hf, prompts, new_tokens: int, compiled: bool, reps: int) -> tuple[dict, list]:
+    """transformers' greedy generate() with a static cache: warm-up runs, then `reps` timed runs → dict of
+    medians (as run_variant) and the tokens of the last run."""
+    import transformers
+    device = hf.device
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T): the prompts have one length
+    B, T = ids.shape
+
+    class FirstTokenClock(transformers.LogitsProcessor):
+        """Reads the clock once, when the first new token's logits exist (after the prefill)."""
+
+        def __init__(self):
+            self.t = None
+
+        def __call__(self, input_ids, scores):
+            if self.t is None:
+                _sync(device)
+                self.t = time.perf_counter()
+            return scores
+
+    extra, how = _transformers_compile(hf, device) if compiled else ({}, "eager")
+
+    def once():
+        clock = FirstTokenClock()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                          cache_implementation="static", pad_token_id=0,
+                          logits_processor=transformers.LogitsProcessorList([clock]), **extra)
+        _sync(device)
+        t1 = time.perf_counter()
+        if out.shape[1] != T + new_tokens:
+            raise RuntimeError(f"transformers generated {out.shape[1] - T} tokens, not {new_tokens}")
+        return dict(ttft=clock.t - t0, decode=t1 - clock.t), out[:, T:].tolist()
+
+    t = time.perf_counter()
+    for _ in range(2 if compiled else 1):  # compilation, then CUDA graph recording
+        once()
+    warmup_s = time.perf_counter() - t
+    runs = [once() for _ in range(reps)]
+    steps = new_tokens - 1
+    med = lambda f: statistics.median(f(r) for r, _ in runs)  # noqa: E731
+    return dict(prefill_ms=None, ttft_ms=med(lambda r: r["ttft"] * 1e3),
+                decode_tok_s=med(lambda r: B * steps / max(r["decode"], 1e-9)),
+                step_us=med(lambda r: r["decode"] / max(steps, 1) * 1e6), setup_ms=None,
+                warmup_s=round(warmup_s, 2), decode_tokens=B * steps, decode_steps=steps, compile=how), runs[-1][1]
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """Fraction of positions with the same token, and where each sequence first differs (median)."""
     same = total = 0
@@ -186,33 +327,72 @@ def kernel_sweep(out_dirs, smoke: bool) -> dict:
                 markdown=md, files=f"{name}.json, {name}.md")
 
 
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def best_graph_row(rows, batch: int):
+    """The fastest flashgpt CUDA-graph variant (with or without torch.compile) that ran at this batch, or None."""
+    ok = [r for r in rows if r["batch"] == batch and r["variant"].startswith("flashgpt")
+          and r["variant"].endswith("graph") and "error" not in r]
+    return max(ok, key=lambda r: r["decode_tok_s"], default=None)
+
+
+def targets_of(model_name: str, rows, smoke: bool) -> dict:
+    """batch → the target, what was measured and the verdict: gpt2, the best flashgpt graph variant's decode
+    tok/s (TARGETS); smollm2, its ratio to transformers-static+compile's (RATIO_TARGETS). --smoke measures none."""
+    out = {}
+    if model_name == "gpt2":
+        for b, t in TARGETS.items():
+            r = best_graph_row(rows, b)
+            out[b] = dict(kind="tok/s", target=t, measured=r and r["decode_tok_s"], variant=r and r["variant"],
+                          verdict="not measured" if r is None or smoke else
+                          ("met" if r["decode_tok_s"] >= t else "NOT met"))
+        return out
+    for b, t in RATIO_TARGETS.items():
+        r = best_graph_row(rows, b)
+        hf = next((x for x in rows if x["batch"] == b and x["variant"] == HF_VARIANTS[0] and "error" not in x), None)
+        ratio = r and hf and round(r["decode_tok_s"] / hf["decode_tok_s"], 3)
+        out[b] = dict(kind="ratio", target=t, measured=ratio, variant=r and f"{r['variant']} / {HF_VARIANTS[0]}",
+                      verdict="not measured" if ratio is None or smoke else ("met" if ratio >= t else "NOT met"))
+    return out
+
+
 def render_markdown(meta, rows, checks, sweep) -> str:
-    lines = [f"# Generation: flashgpt vs plain PyTorch decode ({meta['shape']}, {meta['dtype']})", "",
-             f"`{meta['command']}`", "",
-             f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. Prompt "
-             f"{meta['prompt_len']} random tokens, {meta['new_tokens']} new tokens, greedy; medians of "
-             f"{meta['reps']} runs after a warm-up. {meta['definitions']}", "",
-             "| batch | variant | prefill ms | TTFT ms | decode tok/s | step µs | graph replay µs | vs sdpa eager "
-             "| vs sdpa+graph | bandwidth limit tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"# Generation: flashgpt vs plain PyTorch decode ({meta['model']}: {meta['shape']}, {meta['dtype']})",
+             "", f"`{meta['command']}`", "",
+             f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, "
+             f"{meta['date']}. Prompt {meta['prompt_len']} random tokens, {meta['new_tokens']} new tokens, greedy; "
+             f"medians of {meta['reps']} runs after a warm-up. {meta['definitions']}", "",
+             "| batch | variant | prefill ms | TTFT ms | decode tok/s | step µs | weight GB/s | graph replay µs "
+             "| vs sdpa eager | vs sdpa+graph | vs transformers | bandwidth limit tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
             what = r["error"] if r["error"].startswith("skipped") else f"failed: {r['error']}"
-            lines.append(f"| {r['batch']} | {r['variant']} | {what} | | | | | | | |")
+            lines.append(f"| {r['batch']} | {r['variant']} | {what} | | | | | | | | | |")
             continue
         ratio = lambda key: f"{r[key]:.2f}x" if r.get(key) else "–"  # noqa: E731
-        lines.append(f"| {r['batch']} | {r['variant']} | {r['prefill_ms']:.2f} | {r['ttft_ms']:.2f} "
-                     f"| {r['decode_tok_s']:,.0f} | {r['step_us']:.0f} "
-                     f"| {format(r['graph_replay_us'], '.0f') if 'graph_replay_us' in r else '–'} "
-                     f"| {ratio('vs_sdpa')} | {ratio('vs_sdpa_graph')} "
+        lines.append(f"| {r['batch']} | {r['variant']} | {_fmt(r['prefill_ms'], '.2f')} | {r['ttft_ms']:.2f} "
+                     f"| {r['decode_tok_s']:,.0f} | {r['step_us']:.0f} | {r['weight_gb_s']:,.1f} "
+                     f"| {_fmt(r.get('graph_replay_us'), '.0f')} "
+                     f"| {ratio('vs_sdpa')} | {ratio('vs_sdpa_graph')} | {ratio('vs_transformers')} "
                      f"| {r['bandwidth_limit_tok_s']:,.0f} |")
+    compiled = [r["compile"] for r in rows if r.get("compile")]
+    if compiled:
+        lines += ["", f"transformers' decode forward: {compiled[0]}."]
     lines.append("")
     for b, t in meta["targets"].items():
-        lines.append(f"- Target batch {b}: flashgpt decode >= {t['target']:,.0f} tok/s: "
-                     f"{'n/a' if t['measured'] is None else format(t['measured'], ',.0f') + ' (' + t['variant'] + ')'}"
-                     f" → {t['verdict']}")
+        if t["kind"] == "ratio":
+            goal = f"flashgpt decode >= {t['target']:g}x transformers-static+compile"
+            got = "n/a" if t["measured"] is None else f"{t['measured']:.2f}x ({t['variant']})"
+        else:
+            goal = f"flashgpt decode >= {t['target']:,.0f} tok/s"
+            got = "n/a" if t["measured"] is None else f"{t['measured']:,.0f} ({t['variant']})"
+        lines.append(f"- Target batch {b}: {goal}: {got} → {t['verdict']}")
     lines.append("")
-    lines.append("Correctness (greedy tokens against plain PyTorch; bf16 may flip a near-tie, then they diverge):")
+    lines.append("Correctness (greedy tokens against plain PyTorch and transformers with the same weights; bf16 may "
+                 "flip a near-tie, then they diverge):")
     for c in checks:
         lines.append(f"- batch {c['batch']}: " + (c["error"] if "error" in c else
                      f"{c['compared']}: {c['fraction'] * 100:.1f}% of positions agree, "
@@ -228,6 +408,23 @@ def render_markdown(meta, rows, checks, sweep) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare_tokens(batch: int, tokens: dict, rows) -> list[dict]:
+    """The greedy tokens of our fastest decode path against sdpa (eager) and transformers, where they ran."""
+    mine = next((v for v in ("flashgpt-fused+graph", "flashgpt-fused", "flashgpt+graph", "flashgpt")
+                 if v in tokens), None)
+    out = []
+    for other in ["sdpa"] + [v for v in HF_VARIANTS if v in tokens]:
+        if mine is None or other not in tokens:
+            missing = "a variant failed" if any("error" in r for r in rows if r["batch"] == batch) else \
+                f"{other} was not among --variants"
+            out.append(dict(batch=batch, error=f"{mine or 'flashgpt'} vs {other} not compared: {missing}"))
+            continue
+        a = dict(compared=f"{mine} vs {other}", **agreement(tokens[mine], tokens[other]))
+        a["first_tokens_agree"] = sum(int(x[:1] == y[:1]) for x, y in zip(tokens[mine], tokens[other]))
+        out.append(dict(batch=batch, **a))
+    return out
+
+
 def main() -> int:
     smoke = ARGS.smoke
     if not smoke and not torch.cuda.is_available():
@@ -235,42 +432,45 @@ def main() -> int:
         return 2
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16  # the interpreter's tl.dot is wrong for bf16
-    batches = [int(x) for x in ARGS.batches.split(",")] if ARGS.batches else ([1, 2] if smoke else [1, 16])
+    batches = ARGS.batches or ([1, 2] if smoke else [1, 16])
     prompt_len = ARGS.prompt_len or (8 if smoke else 128)
     new_tokens = ARGS.new_tokens or (6 if smoke else 256)
     reps = 1 if smoke else ARGS.reps
+    block_size = GPTConfig(**SHAPES[ARGS.model][1 if smoke else 0]).block_size
+    if new_tokens < 2 or prompt_len + new_tokens > block_size:
+        print(f"error: --new-tokens must be at least 2 (decode steps to time) and prompt + new tokens at most the "
+              f"{ARGS.model} shape's block_size {block_size}, got {prompt_len} + {new_tokens}", file=sys.stderr)
+        return 2
     out_dirs = [Path(ARGS.out) if ARGS.out else ROOT / "bench" / "results"]
     if os.environ.get("OUT") and Path(os.environ["OUT"]).resolve() != out_dirs[0].resolve():
         out_dirs.append(Path(os.environ["OUT"]))
     for d in out_dirs:
         d.mkdir(parents=True, exist_ok=True)
-    name = "generate_smoke" if smoke else "generate"
+    name = "generate" + ("" if ARGS.model == "gpt2" else f"_{ARGS.model}") + ("_smoke" if smoke else "")
+    wanted = ARGS.variants.split(",") if ARGS.variants else None
 
-    model = build_model(smoke, device, dtype)
+    model = build_model(ARGS.model, smoke, device, dtype)
     c = model.config
     wbytes = weights_bytes(model)
+    hf_version = importlib.util.find_spec("transformers") and __import__("transformers").__version__
     meta = dict(command="python " + " ".join(["bench/generate.py", *sys.argv[1:]]),
-                date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=smoke,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=smoke, model=ARGS.model,
                 device=torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.machine()}), "
                 "Triton interpreter",
-                torch=torch.__version__, triton=__import__("triton").__version__, dtype=str(dtype).replace("torch.", ""),
-                shape=f"n_layer {c.n_layer}, n_head {c.n_head}, n_embd {c.n_embd}, vocab {c.vocab_size}",
-                params=sum(p.numel() for p in model.parameters()), prompt_len=prompt_len, new_tokens=new_tokens,
-                reps=reps, batches=batches,
-                definitions="decode tok/s = B x decode steps / loop time (host included); bandwidth limit = "
+                torch=torch.__version__, triton=__import__("triton").__version__, transformers=hf_version or "absent",
+                dtype=str(dtype).replace("torch.", ""),
+                shape=f"n_layer {c.n_layer}, n_head {c.n_head}, n_kv_head {c.kv_heads}, n_embd {c.n_embd}, "
+                      f"MLP {c.mlp} {c.mlp_hidden}, vocab {c.vocab_size}, {c.pos_emb} positions, {c.norm}",
+                params=sum(p.numel() for p in model.parameters()), weight_bytes=wbytes, prompt_len=prompt_len,
+                new_tokens=new_tokens, reps=reps, batches=batches,
+                definitions="decode tok/s = B x decode steps / loop time (host included); weight GB/s = weight "
+                            "bytes / step time; bandwidth limit = "
                             f"B x {COPY_BW / 1e12:.2f} TB/s / (weight bytes + KV cache bytes read per step).")
     rows, checks, sweep = [], [], None
+    hf_model = None  # built once, on first use
 
     def save():
-        targets = {}
-        for b, t in TARGETS.items():  # the best flashgpt graph variant (with or without torch.compile)
-            ok = [r for r in rows if r["batch"] == b and r["variant"].endswith("graph")
-                  and r["variant"].startswith("flashgpt") and "error" not in r]
-            r = max(ok, key=lambda r: r["decode_tok_s"], default=None)
-            targets[b] = dict(target=t, measured=r and r["decode_tok_s"], variant=r and r["variant"],
-                              verdict="not measured" if r is None or smoke else
-                              ("met" if r["decode_tok_s"] >= t else "NOT met"))
-        meta["targets"] = targets
+        meta["targets"] = targets_of(ARGS.model, rows, smoke)
         md = render_markdown(meta, rows, checks, sweep)
         for d in out_dirs:
             (d / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows, correctness=checks,
@@ -280,51 +480,56 @@ def main() -> int:
         return md
 
     g = torch.Generator().manual_seed(1)
+    all_variants = variants(device, ARGS.compile and not smoke,
+                            transformers=ARGS.model == "smollm2" or bool(wanted and set(wanted) & set(HF_VARIANTS)))
     for B in batches:
         prompts = torch.randint(0, c.vocab_size, (B, prompt_len), generator=g).tolist()
         kv_bytes = 2 * c.n_layer * B * c.kv_heads * c.head_dim * (prompt_len + new_tokens // 2) * dtype.itemsize
         limit = B * COPY_BW / (wbytes + kv_bytes)
         tokens = {}
-        for vname, (backend, graph, comp, fused) in variants(device, ARGS.compile and not smoke).items():
-            if ARGS.variants and vname not in ARGS.variants.split(","):
+        for vname, (provider, backend, graph, comp, fused) in all_variants.items():
+            if wanted and vname not in wanted:
                 continue
             if graph and device.type != "cuda":
                 rows.append(dict(batch=B, variant=vname, error="skipped: CUDA graphs need a GPU"))
                 continue
+            if provider == "transformers" and not hf_version:
+                rows.append(dict(batch=B, variant=vname, error="skipped: transformers is not installed "
+                                 "(pip install transformers)"))
+                continue
             try:
-                res, tokens[vname] = run_variant(model, prompts, new_tokens, backend, graph, comp, fused, reps)
+                if provider == "transformers":
+                    if hf_model is None:
+                        hf_model = transformers_model(model, device, dtype)
+                    res, tokens[vname] = run_transformers(hf_model, prompts, new_tokens, comp, reps)
+                else:
+                    res, tokens[vname] = run_variant(model, prompts, new_tokens, backend, graph, comp, fused, reps)
                 if graph:  # the same step's GPU time alone, at the middle of the generation's cache lengths
                     try:
                         res["graph_replay_us"] = graph_replay_us(model, B, prompt_len + new_tokens,
                                                                  prompt_len + new_tokens // 2, comp, fused)
                     except Exception as e:
                         res["graph_replay_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                res["weight_gb_s"] = round(wbytes / (res["step_us"] * 1e-6) / 1e9, 1)
                 rows.append(dict(batch=B, variant=vname, **res, bandwidth_limit_tok_s=round(limit)))
-                print(f"B={B:3d} {vname:24s} prefill {res['prefill_ms']:8.2f} ms  TTFT {res['ttft_ms']:8.2f} ms  "
-                      f"decode {res['decode_tok_s']:10,.0f} tok/s  ({res['step_us']:7.0f} µs/step)", flush=True)
+                print(f"B={B:3d} {vname:28s} prefill {_fmt(res['prefill_ms'], '8.2f')} ms  "
+                      f"TTFT {res['ttft_ms']:8.2f} ms  decode {res['decode_tok_s']:10,.0f} tok/s  "
+                      f"({res['step_us']:7.0f} µs/step)", flush=True)
             except Exception as e:  # record and go on with the other variants
                 err = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
                 rows.append(dict(batch=B, variant=vname, error=err))
-                print(f"B={B:3d} {vname:24s} FAILED {err}", flush=True)
+                print(f"B={B:3d} {vname:28s} FAILED {err}", flush=True)
                 traceback.print_exc()
             finally:
                 model.clear_kv_cache()
         base = {r["variant"]: r["decode_tok_s"] for r in rows if r["batch"] == B and "error" not in r}
+        hf_base = next((base[v] for v in HF_VARIANTS if v in base), None)
         for r in rows:
             if r["batch"] == B and "error" not in r:
                 r["vs_sdpa"] = base.get("sdpa") and round(r["decode_tok_s"] / base["sdpa"], 2)
                 r["vs_sdpa_graph"] = base.get("sdpa+graph") and round(r["decode_tok_s"] / base["sdpa+graph"], 2)
-        mine = next((v for v in ("flashgpt-fused+graph", "flashgpt-fused", "flashgpt+graph", "flashgpt")
-                     if v in tokens), None)
-        ours = tokens.get(mine)
-        if ours is not None and "sdpa" in tokens:
-            a = dict(compared=f"{mine} vs sdpa", **agreement(ours, tokens["sdpa"]))
-            a["first_tokens_agree"] = sum(int(x[:1] == y[:1]) for x, y in zip(ours, tokens["sdpa"]))
-            checks.append(dict(batch=B, **a))
-        else:
-            missing = "a variant failed" if any("error" in r for r in rows if r["batch"] == B) else \
-                "sdpa (eager) was not among --variants"
-            checks.append(dict(batch=B, error=f"not compared: {missing}"))
+                r["vs_transformers"] = hf_base and round(r["decode_tok_s"] / hf_base, 2)
+        checks.extend(compare_tokens(B, tokens, rows))
         save()
 
     if not ARGS.no_kernel_sweep:

@@ -5,7 +5,7 @@
 #   SKIP_TESTS=1 bash bench/gpu_check.sh    # the user commands only
 #   ONLY='train_shakespeare|gen_' bash bench/gpu_check.sh   # the steps whose names match (later ones may need
 #                                           # earlier ones: generation needs the trained checkpoint)
-#   STEP_S=300 TEST_S=300 TEST_WORKERS=8    # the limits of one step and of the test suite (seconds), and the
+#   STEP_S=300 TEST_S=300 TEST_WORKERS=16   # the limits of one step and of the test suite (seconds), and the
 #                                           # suite's pytest-xdist workers where xdist is installed
 #   COMMIT=abc1234                          # the commit to name in the log (a copy of a tree may have no git)
 #
@@ -167,10 +167,14 @@ say "== user commands: $failures failed, $(( $(date +%s) - T_START )) s"
 # ---- the GPU test suite ----
 if [ -z "${SKIP_TESTS:-}" ]; then
   workers=()
-  $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
+  $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+  # -v: each test's verdict as it ends (a run stopped at its limit still names its failures); where
+  # pytest-timeout offers it, the session stops itself before the step's limit and still prints its summary
+  # and the slowest tests
+  $PY -m pytest --help 2>/dev/null | grep -q -- "--session-timeout" && workers+=(--session-timeout=$(( ${TEST_S:-300} - 20 )))
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
-  STEP_S=${TEST_S:-300} run gpu_test_suite tests_ok "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" tests \
-    -rfE --durations=25
+  STEP_S=${TEST_S:-300} run gpu_test_suite tests_ok "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark \
+    "${workers[@]}" tests -rfE --durations=40
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"
   say "   $(tail -1 "$OUT/pytest.log")"
 fi

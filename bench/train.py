@@ -2,7 +2,7 @@
 
     python bench/train.py [--out DIR] [--steps 20] [--variants flash,sdpa+compile,flash+compile/fused,...]
 
-The model of the issue (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024,
+GPT-2 124M's shape (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024,
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
 one fixed batch: uniform random tokens, or (--tokens FILE) real text, windows of a token file from
 data/prepare.py (train.bin: uint16), spread evenly over it. For each variant: median step time over --steps after warm-up (compile included in warm-up),

@@ -1,29 +1,43 @@
-"""Fused LayerNorm → linear → bias → GELU / residual for a few rows: the matmuls of a decode step.
+"""Fused norm → linear → bias → activation / residual for a few rows: the matmuls of a decode step.
 
-    ln_linear(x, weight, bias=None, *, ln=None, gelu=False, residual=None, ln_stats=None, stats_out=None, pdl=False)
-    ln_qkv_to_cache(x, weight, bias, ln, k_cache, v_cache, pos, n_q, pdl=False) -> q (M, n_q)   [k, v into caches]
-    embed_with_stats(tok, pos, wte, wpe, stats) -> x (M, C)                            [token + position embedding]
+    ln_linear(x, weight, bias=None, *, ln=None, rms=False, gelu=False, swiglu=False, residual=None,
+              ln_stats=None, stats_out=None, pdl=False)
+    ln_qkv_to_cache(x, weight, bias, ln, k_cache, v_cache, pos, n_q, *, rms=False, rope=None, pdl=False)
+        -> q (M, n_q)                                                       [k, v into the caches; q, k rotated]
+    embed_with_stats(tok, pos, wte, wpe, stats) -> x (M, C)                 [token (+ position) embedding]
 
-At decode time every linear layer of a small GPT is a matrix-vector product: a few kilobytes of activations
-against megabytes of weights. Each such op is bound by its launch and memory latency, not by FLOPs, so the
-lever is the number of kernels: this one kernel does what eager PyTorch does in up to five (LayerNorm, matmul,
-bias, GELU, residual add), and the QKV variant also writes k and v straight into the KV cache at each
-sequence's position (no scatter kernels).
+At decode time every linear layer of a small transformer is a matrix-vector product: a few kilobytes of
+activations against megabytes of weights. Each such op is bound by its launch and memory latency, not by
+FLOPs, so the lever is the number of kernels: this one kernel does what eager PyTorch does in up to six (norm,
+matmul, bias, activation, residual add, RoPE), and the QKV variant also writes k and v straight into the KV
+cache at each sequence's position (no scatter kernels).
 
-    y = act(LN(x) @ Wᵀ + b) + residual       LN, b, act (GELU, tanh approximation) and residual optional
+    y = act(N(x) @ Wᵀ + b) + residual       N, b, act and residual optional
+    N     LayerNorm (GPT-2) or RMSNorm (rms=True: x / sqrt(mean(x²) + eps) · g, Llama)
+    act   GELU (tanh approximation), or SwiGLU (swiglu=True: W holds [gate (I) | up (I)] rows and
+          y = SiLU(N(x) W_gateᵀ + b_gate) · (N(x) W_upᵀ + b_up), I columns)
+    RoPE  (ln_qkv_to_cache(rope=(cos, sin))) each q and k head rotated in the rotate-half layout: the pair of
+          lanes (i, i + D/2) of a head of the token at position p turns by the angle whose cos and sin are
+          cos[p, i] and sin[p, i]; v is stored as it is
 
-The LayerNorm needs each row's mean and variance before the first matmul step. Computed in place, that is a
-pass over x that every program makes before it streams its weights; instead, the kernel that writes a residual
-stream can leave the row sums (Σy, Σy²) behind (stats_out) and the next LayerNorm read them (ln_stats).
+SwiGLU and RoPE need two output columns per result (gate and up; a lane and its partner D/2 away), so in
+those modes each program computes BLOCK_N column pairs with two accumulators from two sets of weight rows.
+
+The norm needs each row's statistics before the first matmul step. Computed in place, that is a pass over x
+that every program makes before it streams its weights; instead, the kernel that writes a residual stream can
+leave the row sums (Σy, Σy²) behind (stats_out) and the next norm read them (ln_stats; RMSNorm uses Σy² only).
 
 Supported (checked with a ValueError before any launch):
-    dtypes     float16, bfloat16, float32; x, weight, residual, output and caches of one dtype; LayerNorm
-               statistics and accumulation in float32; float32 uses exact ("ieee") dots
+    dtypes     float16, bfloat16, float32; x, weight, residual, output, caches and RoPE tables of one dtype;
+               norm statistics and accumulation in float32; float32 uses exact ("ieee") dots
     shapes     x (M, K) with unit stride along K, any M >= 1 (rows in blocks of 16); weight (N, K) as
-               nn.Linear stores it, unit stride along K; any N, K >= 1 (tails masked)
+               nn.Linear stores it, unit stride along K; any N, K >= 1 (tails masked; SwiGLU: N even; RoPE:
+               head dim even)
     devices    CUDA; CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, for tests)
-Rounding follows eager PyTorch in the model's dtype: LN(x) is rounded to the dtype before the matmul, the
-linear output (with bias) is rounded before GELU and before the residual add. Inference only (no backward).
+Rounding follows eager PyTorch in the model's dtype: LayerNorm(x) is rounded to the dtype before the matmul;
+RMSNorm rounds x / rms before the gain and the product after (model/norms.py); the linear output (with bias) is
+rounded before the activation, RoPE and the residual add; SiLU(gate) and its product with up are rounded, and
+so are RoPE's two products and their sum (model/rope.py). Inference only (no backward).
 """
 from __future__ import annotations
 
@@ -41,28 +55,34 @@ BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size
 
 @triton.jit
 def _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, dtype: tl.constexpr,
-            HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr):
-    """The (BLOCK_M, BLOCK_K) activation tile at columns offs_k, LayerNorm'd and rounded to dtype if HAS_LN."""
+            HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr, RMS: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) activation tile at columns offs_k, normalised and rounded to dtype if HAS_LN."""
     xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
     if HAS_LN:
         g = tl.load(LN_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        xn = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :]
-        if LN_HAS_BIAS:
-            xn += tl.load(LN_B + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        xk = xn.to(dtype)                                                       # eager rounds LN(x) here
+        if RMS:  # eager rounds x / rms to dtype, then the product with the gain
+            xn = (xk.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+            xk = (xn * g[None, :]).to(dtype)
+        else:
+            xn = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :]
+            if LN_HAS_BIAS:
+                xn += tl.load(LN_B + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            xk = xn.to(dtype)                                                   # eager rounds LN(x) here
     return xk
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary serves every batch size
-def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, STATS_IN, STATS_OUT,
+def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, STATS_IN, STATS_OUT, COS, SIN,
                       M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
-                      N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
+                      N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos, stride_rope, PAIR_H,
+                      stride_ws,
                       HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT_ON: tl.constexpr,
                       LN_HAS_BIAS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                      USE_GDC: tl.constexpr):
+                      USE_GDC: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
+                      PAIRED: tl.constexpr):
     """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): BLOCK_N output columns of BLOCK_M rows per program,
     over the program's share of K.
 
@@ -72,23 +92,37 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
     kernel may have written (x, statistics, residual, positions, workspace) or writes anything.
 
     SPLIT_K > 1 (split-K, for few output tiles over a long K): each program adds its partial sums into the fp32
-    workspace WS (rows x N, zeros) with atomics and counts itself in CNT[tile]; the last one of a tile reads
-    the sums, zeroes the workspace tile and the counter again (for the next call) and runs the epilogue.
+    workspace WS (zeros; row stride stride_ws: N columns, or 2N when PAIRED with the second rows' sums at + N)
+    with atomics and counts itself in CNT[tile]; the last one of a tile reads the sums, zeroes the workspace tile
+    and the counter again (for the next call) and runs the epilogue.
 
-    LN_STATS_IN: the LayerNorm's row sums (Σx, Σx²) come from STATS_IN (M, 2) instead of a pass over x.
+    LN_STATS_IN: the norm's row sums (Σx, Σx²) come from STATS_IN (M, 2) instead of a pass over x.
     STATS_OUT_ON: the epilogue adds its stored outputs' (Σy, Σy²) per row into STATS_OUT (M, 2) (zeros before the
-    launch): the next LayerNorm's statistics, produced by the kernel that writes the residual stream.
+    launch): the next norm's statistics, produced by the kernel that writes the residual stream.
+    RMS: the norm is an RMSNorm (rstd from Σx² alone, no centring, no bias).
 
-    QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, N) values,
-    column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC (B, Hkv, max_len, D)
-    at row m's position POS[m].
+    PAIRED (SWIGLU or ROPE): N counts column pairs. Pair n takes weight rows r1 = (n // PAIR_H)·2·PAIR_H +
+    n % PAIR_H and r2 = r1 + PAIR_H: SWIGLU has PAIR_H = N (gate row n, up row N + n) and writes SiLU(gate)·up
+    to column n; ROPE (with QKV_CACHE) has PAIR_H = HEAD_DIM / 2, so r1 and r2 are lanes i and i + D/2 of one
+    head, rotated by COS/SIN[POS[m], i] (tables of row stride stride_rope) when that head is a q or k head.
+
+    QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, ...)
+    values, column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC
+    (B, Hkv, max_len, D) at row m's position POS[m].
     """
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)                # (BLOCK_M,)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                # (BLOCK_N,)
     m_ok = offs_m < M
     n_ok = offs_n < N
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm                      # (BLOCK_M, 1)
-    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn                      # (BLOCK_N, 1)
+    if PAIRED:
+        rows1 = (offs_n // PAIR_H) * (2 * PAIR_H) + offs_n % PAIR_H            # (BLOCK_N,) weight rows of pair n
+        rows2 = rows1 + PAIR_H
+    else:
+        rows1 = offs_n
+        rows2 = offs_n
+    w_rows = W + rows1.to(tl.int64)[:, None] * stride_wn                       # (BLOCK_N, 1)
+    w_rows2 = W + rows2.to(tl.int64)[:, None] * stride_wn                      # (BLOCK_N, 1) (paired modes)
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K                     # this program's share of K
     k_lo = tl.program_id(2) * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
@@ -99,6 +133,8 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
         offs_k1 = k_lo + tl.arange(0, BLOCK_K)                                  # (BLOCK_K,)
         k_ok1 = offs_k1 < k_hi
         w1 = tl.load(w_rows + offs_k1[None, :], mask=n_ok[:, None] & k_ok1[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+        if PAIRED:
+            w1b = tl.load(w_rows2 + offs_k1[None, :], mask=n_ok[:, None] & k_ok1[None, :], other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # the previous kernel is done and its writes are visible
 
@@ -117,32 +153,44 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                              other=0.0).to(tl.float32)                          # (BLOCK_M, BLOCK_K)
                 s1 += tl.sum(xs, 1)
                 s2 += tl.sum(xs * xs, 1)
-        mean = s1 / K                                                           # (BLOCK_M,)
-        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)       # (BLOCK_M,)
+        if RMS:
+            rstd = 1.0 / tl.sqrt(s2 / K + eps)                                  # (BLOCK_M,)
+        else:
+            mean = s1 / K                                                       # (BLOCK_M,)
+            rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)   # (BLOCK_M,)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)                            # paired modes: the second rows
     if ONE_TILE:
-        xk = _x_tile(x_rows, LN_W, LN_B, offs_k1, k_ok1, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN, LN_HAS_BIAS)
+        xk = _x_tile(x_rows, LN_W, LN_B, offs_k1, k_ok1, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN, LN_HAS_BIAS,
+                     RMS)
         acc = tl.dot(xk, tl.trans(w1), acc, input_precision=PRECISION)        # (BLOCK_M, BLOCK_N)
+        if PAIRED:
+            acc2 = tl.dot(xk, tl.trans(w1b), acc2, input_precision=PRECISION)
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)                                 # (BLOCK_K,)
             k_ok = offs_k < k_hi
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
             xk = _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN,
-                         LN_HAS_BIAS)                                           # (BLOCK_M, BLOCK_K)
+                         LN_HAS_BIAS, RMS)                                      # (BLOCK_M, BLOCK_K)
             acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)      # (BLOCK_M, BLOCK_N)
+            if PAIRED:
+                w2 = tl.load(w_rows2 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc2 = tl.dot(xk, tl.trans(w2), acc2, input_precision=PRECISION)
 
-    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
-           N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos)
+    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, offs_m, offs_n, rows1, rows2, m_ok, n_ok, N,
+           stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos, stride_rope)
     if SPLIT_K == 1:
-        _epilogue(acc, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON)
+        _epilogue(acc, acc2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU, ROPE)
     else:
-        ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]      # (BLOCK_M, BLOCK_N)
+        ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * stride_ws + offs_n[None, :]  # (BLOCK_M, BLOCK_N)
         mn_ok = m_ok[:, None] & n_ok[None, :]
         # acq_rel: each thread's adds are performed before it reaches the barrier, so that the counter's release
         # below (one thread) covers the whole tile's partial sums
         tl.atomic_add(ws_ptrs, acc, mask=mn_ok, sem="acq_rel")
+        if PAIRED:
+            tl.atomic_add(ws_ptrs + N, acc2, mask=mn_ok, sem="acq_rel")
         tl.debug_barrier()
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(CNT + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last program of this tile
@@ -150,45 +198,97 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
             total = tl.atomic_add(ws_ptrs, zero, mask=mn_ok)  # read at the point of coherence (not a stale L1)
             total = tl.where(mn_ok, total, 0.0)  # masked lanes of an atomic return nothing defined
             tl.store(ws_ptrs, zero, mask=mn_ok)  # left zeroed: every other program of the tile is done with it
+            total2 = zero
+            if PAIRED:
+                total2 = tl.atomic_add(ws_ptrs + N, zero, mask=mn_ok)
+                total2 = tl.where(mn_ok, total2, 0.0)
+                tl.store(ws_ptrs + N, zero, mask=mn_ok)
             tl.atomic_xchg(CNT + tile, 0)
-            _epilogue(total, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON)
+            _epilogue(total, total2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU,
+                      ROPE)
 
 
 @triton.jit
-def _epilogue(acc, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, offs_m, offs_n, m_ok, n_ok, stride_rm, stride_om,
-              N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
-              HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, QKV_CACHE: tl.constexpr,
-              HEAD_DIM: tl.constexpr, STATS_OUT_ON: tl.constexpr):
-    """bias, GELU, residual, store (or the q / k-cache / v-cache split) of one (BLOCK_M, BLOCK_N) fp32 tile."""
+def _rounded(y, dtype: tl.constexpr):
+    """y rounded to dtype (as eager stores an intermediate), back in fp32."""
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _biased(acc, BIAS, rows, n_ok, dtype: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc + bias[rows], rounded to dtype (the linear's output, as eager stores it), back in fp32."""
     if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(OUT.dtype.element_ty).to(tl.float32)                            # the linear's output dtype
-    if GELU:  # tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
-        z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-        y = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
+        acc += tl.load(BIAS + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return acc.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_qkv(y, OUT, KC, VC, pos, offs_m, cols, ok, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn,
+               stride_cd, HEAD_DIM: tl.constexpr):
+    """Columns cols (BLOCK_N,) of the packed [q | k | v] projection of rows offs_m: q into OUT, k and v into the
+    caches at each row's position pos (BLOCK_M,); ok (BLOCK_M, BLOCK_N) masks the tile."""
+    out_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, y, mask=ok & (cols < N_Q)[None, :])
+    row = offs_m.to(tl.int64)[:, None] * stride_cb + pos[:, None] * stride_cn  # (BLOCK_M, 1)
+    c = tl.where(cols >= N_Q + N_KV, cols - N_Q - N_KV, tl.maximum(cols - N_Q, 0))  # within k or v
+    col = (c // HEAD_DIM) * stride_ch + (c % HEAD_DIM) * stride_cd             # (BLOCK_N,)
+    is_k = (cols >= N_Q) & (cols < N_Q + N_KV)
+    tl.store(KC + row + col[None, :], y, mask=ok & is_k[None, :])
+    tl.store(VC + row + col[None, :], y, mask=ok & (cols >= N_Q + N_KV)[None, :])
+
+
+@triton.jit
+def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, offs_m, offs_n, rows1, rows2, m_ok,
+              n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
+              stride_rope, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr,
+              QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, STATS_OUT_ON: tl.constexpr, SWIGLU: tl.constexpr,
+              ROPE: tl.constexpr):
+    """bias, activation, residual, store (or RoPE and the q / k-cache / v-cache split) of one (BLOCK_M, BLOCK_N)
+    fp32 tile (acc2: the second rows of each pair in the paired modes)."""
     mn_ok = m_ok[:, None] & n_ok[None, :]
-    if HAS_RES:
-        y = y.to(OUT.dtype.element_ty).to(tl.float32) + tl.load(
-            RES + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0).to(tl.float32)
-    y = y.to(OUT.dtype.element_ty)
-    out_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    if QKV_CACHE:
-        tl.store(out_ptrs, y, mask=mn_ok & (offs_n < N_Q)[None, :])
+    if ROPE:  # QKV_CACHE with column pairs (lane i, lane i + D/2) of one head
+        y1 = _biased(acc, BIAS, rows1, n_ok, OUT.dtype.element_ty, HAS_BIAS)  # (BLOCK_M, BLOCK_N) lanes i
+        y2 = _biased(acc2, BIAS, rows2, n_ok, OUT.dtype.element_ty, HAS_BIAS)  # lanes i + D/2
         pos = tl.load(POS + offs_m * stride_pos, mask=m_ok, other=0).to(tl.int64)  # (BLOCK_M,)
-        row = offs_m.to(tl.int64)[:, None] * stride_cb + pos[:, None] * stride_cn  # (BLOCK_M, 1)
-        c = tl.where(offs_n >= N_Q + N_KV, offs_n - N_Q - N_KV, tl.maximum(offs_n - N_Q, 0))  # within k or v
-        col = (c // HEAD_DIM) * stride_ch + (c % HEAD_DIM) * stride_cd             # (BLOCK_N,)
-        is_k = (offs_n >= N_Q) & (offs_n < N_Q + N_KV)
-        tl.store(KC + row + col[None, :], y, mask=mn_ok & is_k[None, :])
-        tl.store(VC + row + col[None, :], y, mask=mn_ok & (offs_n >= N_Q + N_KV)[None, :])
+        lane = rows1 % HEAD_DIM                                                 # (BLOCK_N,) < HEAD_DIM / 2
+        turn = mn_ok & (rows1 < N_Q + N_KV)[None, :]                            # q and k heads only
+        angle = pos[:, None] * stride_rope + lane[None, :]                      # (BLOCK_M, BLOCK_N)
+        cos = tl.load(COS + angle, mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + angle, mask=turn, other=0.0).to(tl.float32)
+        # rotate-half as eager rounds it: x·cos and rotate_half(x)·sin rounded, then their sum
+        r1 = _rounded(y1 * cos, OUT.dtype.element_ty) + _rounded(-y2 * sin, OUT.dtype.element_ty)  # (BLOCK_M, BLOCK_N)
+        r2 = _rounded(y2 * cos, OUT.dtype.element_ty) + _rounded(y1 * sin, OUT.dtype.element_ty)
+        _store_qkv(r1.to(OUT.dtype.element_ty), OUT, KC, VC, pos, offs_m, rows1, mn_ok, stride_om, N_Q, N_KV,
+                   stride_cb, stride_ch, stride_cn, stride_cd, HEAD_DIM)
+        _store_qkv(r2.to(OUT.dtype.element_ty), OUT, KC, VC, pos, offs_m, rows2, mn_ok, stride_om, N_Q, N_KV,
+                   stride_cb, stride_ch, stride_cn, stride_cd, HEAD_DIM)
     else:
-        tl.store(out_ptrs, y, mask=mn_ok)
-    if STATS_OUT_ON:  # this tile's share of the next LayerNorm's row sums, from the values as stored
-        ys = tl.where(mn_ok, y.to(tl.float32), 0.0)
-        tl.atomic_add(STATS_OUT + offs_m * 2, tl.sum(ys, 1), mask=m_ok, sem="relaxed")
-        tl.atomic_add(STATS_OUT + offs_m * 2 + 1, tl.sum(ys * ys, 1), mask=m_ok, sem="relaxed")
-
-
+        if SWIGLU:  # SiLU(gate) · up, each step rounded as eager
+            gate = _biased(acc, BIAS, rows1, n_ok, OUT.dtype.element_ty, HAS_BIAS)  # (BLOCK_M, BLOCK_N)
+            up = _biased(acc2, BIAS, rows2, n_ok, OUT.dtype.element_ty, HAS_BIAS)
+            silu = _rounded(gate / (1.0 + tl.exp(-gate)), OUT.dtype.element_ty)
+            y = silu * up
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y = acc.to(OUT.dtype.element_ty).to(tl.float32)                   # the linear's output dtype
+        if GELU:  # tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
+            z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            y = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
+        if HAS_RES:
+            y = y.to(OUT.dtype.element_ty).to(tl.float32) + tl.load(
+                RES + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0).to(tl.float32)
+        y = y.to(OUT.dtype.element_ty)
+        if QKV_CACHE:
+            pos = tl.load(POS + offs_m * stride_pos, mask=m_ok, other=0).to(tl.int64)  # (BLOCK_M,)
+            _store_qkv(y, OUT, KC, VC, pos, offs_m, offs_n, mn_ok, stride_om, N_Q, N_KV, stride_cb, stride_ch,
+                       stride_cn, stride_cd, HEAD_DIM)
+        else:
+            tl.store(OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y, mask=mn_ok)
+        if STATS_OUT_ON:  # this tile's share of the next norm's row sums, from the values as stored
+            ys = tl.where(mn_ok, y.to(tl.float32), 0.0)
+            tl.atomic_add(STATS_OUT + offs_m * 2, tl.sum(ys, 1), mask=m_ok, sem="relaxed")
+            tl.atomic_add(STATS_OUT + offs_m * 2 + 1, tl.sum(ys * ys, 1), mask=m_ok, sem="relaxed")
 _forced: tuple | None = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for every launch
 
 
@@ -260,7 +360,8 @@ def _workspace(device: torch.device, rows: int, N: int) -> tuple[torch.Tensor, t
     return _workspaces[key]
 
 
-def _check(x, weight, bias, ln, residual, caches) -> None:
+def _check(x, weight, bias, ln, residual, caches, n_out: int | None = None) -> None:
+    """n_out: the result's columns (default the weight's rows); the residual must have as many."""
     tensors = [("x", x), ("weight", weight)] + [(n, t) for n, t in (("bias", bias), ("residual", residual))
                                                 if t is not None]
     if ln is not None:
@@ -286,9 +387,10 @@ def _check(x, weight, bias, ln, residual, caches) -> None:
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"ln_linear: bias must have shape ({N},), got {tuple(bias.shape)}")
     if ln is not None and (tuple(ln[0].shape) != (K,) or (ln[1] is not None and tuple(ln[1].shape) != (K,))):
-        raise ValueError(f"ln_linear: LayerNorm weight/bias must have shape ({K},)")
-    if residual is not None and (tuple(residual.shape) != (x.shape[0], N) or residual.stride(1) != 1):
-        raise ValueError(f"ln_linear: residual must be ({x.shape[0]}, {N}) with unit stride along N")
+        raise ValueError(f"ln_linear: norm weight/bias must have shape ({K},)")
+    n_out = N if n_out is None else n_out
+    if residual is not None and (tuple(residual.shape) != (x.shape[0], n_out) or residual.stride(1) != 1):
+        raise ValueError(f"ln_linear: residual must be ({x.shape[0]}, {n_out}) with unit stride along N")
     _triton.check_device(x.device, "ln_linear")
     if torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors):
         raise ValueError("ln_linear is inference-only (no backward): call it under torch.no_grad()")
@@ -303,9 +405,10 @@ def _check_stats(x, ln_stats, stats_out, ln) -> None:
         raise ValueError("ln_linear: ln_stats given without a LayerNorm (ln=None)")
 
 
-def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None, pdl=False):
+def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None, pdl=False,
+            rms=False, swiglu=False, rope=None):
     M, K = x.shape
-    N = weight.shape[0]
+    N = out.shape[1] if qkv is None else weight.shape[0]  # output columns (SwiGLU: half the weight's rows)
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
     if qkv is None:
         kc = vc = pos = out  # unused
@@ -316,66 +419,101 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
         head_dim = kc.shape[3]
         n_kv = kc.shape[1] * head_dim
         cache_strides, stride_pos = kc.stride(), pos.stride(0)
+    paired = swiglu or rope is not None
+    # the paired modes count column pairs: pair n reads weight rows r1 = (n // h)·2h + n % h and r1 + h
+    pair_h = N if swiglu else head_dim // 2 if rope is not None else 1
+    n_cols = N // 2 if rope is not None else N  # tiles of the grid: output columns, or pairs under RoPE
+    cos, sin = rope if rope is not None else (out, out)  # unused without RoPE
     dummy = weight  # pointer for the absent optional tensors (never read: their flags are off)
     args = (x, weight, bias if bias is not None else dummy, ln_w if ln_w is not None else dummy,
             ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos)
-    scalars = (M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-            out.stride(0), float(eps), n_q, n_kv, *cache_strides, stride_pos)
+    scalars = (M, n_cols, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+               out.stride(0), float(eps), n_q, n_kv, *cache_strides, stride_pos,
+               cos.stride(0) if rope is not None else 0, pair_h)
     flags = dict(HAS_LN=ln is not None, LN_STATS_IN=ln_stats is not None, STATS_OUT_ON=stats_out is not None,
                  LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
-                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M)
+                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M,
+                 RMS=bool(rms), SWIGLU=bool(swiglu), ROPE=rope is not None, PAIRED=paired)
     row_blocks = triton.cdiv(M, BLOCK_M)
     pdl = bool(pdl) and pdl_enabled(x.device)
-    block_n, block_k, warps, stages, split = pick_config(M, N, K, x.device, pdl)
-    ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, N) if split > 1 else (out, out)
-    grid = (triton.cdiv(N, block_n), row_blocks, split)
+    # a paired program reads two weight rows per column: the tile's rows are those of the unpaired config
+    block_n, block_k, warps, stages, split = pick_config(M, 2 * n_cols if paired else n_cols, K, x.device, pdl)
+    if paired:
+        block_n = max(16, block_n // 2)
+    ws_cols = 2 * n_cols if paired else n_cols
+    ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, ws_cols) if split > 1 else (out, out)
+    grid = (triton.cdiv(n_cols, block_n), row_blocks, split)
     one_tile = triton.cdiv(K, split) <= block_k  # each program's share of K is a single tile
     launch = dict(launch_pdl=True) if pdl else {}
     with _triton.device_guard(x):
         _ln_linear_kernel[grid](*args, ws, cnt, ln_stats if ln_stats is not None else ws,
-                                stats_out if stats_out is not None else ws, *scalars, **flags, BLOCK_N=block_n,
-                                BLOCK_K=block_k, SPLIT_K=split, ONE_TILE=one_tile, USE_GDC=pdl, num_warps=warps,
-                                num_stages=stages, **launch)
+                                stats_out if stats_out is not None else ws, cos, sin, *scalars, ws_cols, **flags,
+                                BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, ONE_TILE=one_tile, USE_GDC=pdl,
+                                num_warps=warps, num_stages=stages, **launch)
     return out
 
 
-def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-              ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, ln_stats: torch.Tensor | None = None,
-              stats_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """x (M, K), weight (N, K) → act(LN(x) @ weightᵀ + bias) + residual, (M, N) in x's dtype.
+def _check_modes(x, weight, ln, rms, gelu, swiglu, what: str) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or (ln is not None and len(ln) != 3):
+        return  # _check names the problem
+    if rms and ln is None:
+        raise ValueError(f"{what}: rms=True without a norm (ln=None)")
+    if rms and ln[1] is not None:
+        raise ValueError(f"{what}: an RMSNorm has no bias (ln[1] must be None with rms=True)")
+    if gelu and swiglu:
+        raise ValueError(f"{what}: gelu and swiglu are two activations; pick one")
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"{what}: swiglu needs the [gate | up] rows of an even-rowed weight, got "
+                         f"{weight.shape[0]} rows")
 
-    ln: (weight (K,), bias (K,) or None, eps) of a LayerNorm applied to x first, or None. out: an optional
-    (M, N) buffer for the result (unit stride along N; it must not overlap x).
-    ln_stats: (M, 2) float32 row sums (Σx, Σx²) of x, used by the LayerNorm instead of a pass over x.
-    stats_out: (M, 2) float32, zeros: receives the row sums (Σy, Σy²) of the result, for the next LayerNorm.
+
+def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              ln: tuple | None = None, rms: bool = False, gelu: bool = False, swiglu: bool = False,
+              residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
+              pdl: bool = False) -> torch.Tensor:
+    """x (M, K), weight (N, K) → act(N(x) @ weightᵀ + bias) + residual, (M, N) in x's dtype ((M, N/2) with swiglu).
+
+    ln: (weight (K,), bias (K,) or None, eps) of a norm applied to x first, or None; a LayerNorm, or an RMSNorm
+    with rms=True (bias None). gelu: GELU (tanh approximation). swiglu: weight holds [gate (N/2) | up (N/2)]
+    rows (MLP.c_fc of a SwiGLU model) and the result is SiLU(gate) · up. out: an optional buffer for the result
+    (unit stride along its columns; it must not overlap x).
+    ln_stats: (M, 2) float32 row sums (Σx, Σx²) of x, used by the norm instead of a pass over x.
+    stats_out: (M, 2) float32, zeros: receives the row sums (Σy, Σy²) of the result, for the next norm.
     pdl: launch with programmatic dependent launch where the device has it (kernels/pdl.py): the weights are
     loaded while the previous kernel in the stream may still run, so the caller guarantees that no kernel
     queued before this one writes weight (a decode step's chain: model/fused_decode.py). Off by default.
     """
-    _check(x, weight, bias, ln, residual, ())
+    _check_modes(x, weight, ln, rms, gelu, swiglu, "ln_linear")
+    shape = (x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
+    _check(x, weight, bias, ln, residual, (), n_out=shape[1])
     _check_stats(x, ln_stats, stats_out, ln)
-    shape = (x.shape[0], weight.shape[0])
     if out is None:
         out = _triton.empty(shape, x.dtype, x.device)
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
           or out.device != x.device or out.stride(1) != 1):
         raise ValueError(f"ln_linear: out must be a {x.dtype} tensor of shape {shape} on {x.device} with unit "
                          "stride along N")
-    return _launch(x, weight, bias, ln, residual, out, gelu, ln_stats=ln_stats, stats_out=stats_out, pdl=pdl)
+    return _launch(x, weight, bias, ln, residual, out, gelu, ln_stats=ln_stats, stats_out=stats_out, pdl=pdl,
+                   rms=rms, swiglu=swiglu)
 
 
 def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ln: tuple | None,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int,
-                    ln_stats: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                    ln_stats: torch.Tensor | None = None, pdl: bool = False, *, rms: bool = False,
+                    rope: tuple | None = None) -> torch.Tensor:
     """The attention input projection of one decode token per row, its keys and values written to the cache.
 
     x (B, K); weight (n_q + 2·Hkv·D, K) (queries, then keys, then values, as the model's c_attn); caches
     (B', Hkv, max_len, D) with B' >= B; pos (B,) int the position of row b's token. Returns q (B, n_q).
-    Positions are not range-checked here (the caller's KV cache owns them). ln_stats, pdl: as for ln_linear.
+    rope: (cos, sin), each (L, D) in x's dtype with unit stride along D, row p holding the rotate-half angles of
+    position p (model/rope.py's RotaryEmbedding over positions 0..L-1): q and k are rotated before q is returned
+    and k is cached. Positions are not range-checked here (the caller's KV cache owns them; L must cover them).
+    ln_stats, pdl, rms: as for ln_linear.
     """
     _check(x, weight, bias, ln, None, (k_cache, v_cache))
+    _check_modes(x, weight, ln, rms, False, False, "ln_qkv_to_cache")
     _check_stats(x, ln_stats, None, ln)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("ln_qkv_to_cache: k_cache and v_cache must be (B, Hkv, max_len, D) with equal strides")
@@ -386,16 +524,27 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if (not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.shape[0] != x.shape[0]
             or pos.dtype not in (torch.int32, torch.int64) or pos.device != x.device):
         raise ValueError(f"ln_qkv_to_cache: pos must be an int tensor of shape ({x.shape[0]},) on {x.device}")
+    if rope is not None:
+        D = k_cache.shape[3]
+        if D % 2 or n_q % D:
+            raise ValueError(f"ln_qkv_to_cache: RoPE needs an even head dim and n_q a multiple of it, got D={D}, "
+                             f"n_q={n_q}")
+        if (not isinstance(rope, tuple) or len(rope) != 2
+                or any(not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != D or t.dtype != x.dtype
+                       or t.device != x.device or t.stride(1) != 1 for t in rope)
+                or rope[0].stride() != rope[1].stride()):
+            raise ValueError(f"ln_qkv_to_cache: rope must be (cos, sin), each (L, {D}) {x.dtype} on {x.device} "
+                             "with unit stride along D and equal strides")
     q = _triton.empty((x.shape[0], n_q), x.dtype, x.device)
     return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats,
-                   pdl=pdl)
+                   pdl=pdl, rms=rms, rope=rope)
 
 
 @triton.jit
 def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_pos, stride_wte, stride_wpe,
-                  stride_slot, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """grid = (B,): x[b] = wte[tok[b]] + wpe[pos[b]] (rounded as eager), its (Σx, Σx²) into STATS[0, b], and
-    STATS[1:, b] zeroed for the producers of the later LayerNorms' statistics."""
+                  stride_slot, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WPE: tl.constexpr):
+    """grid = (B,): x[b] = wte[tok[b]] + wpe[pos[b]] (rounded as eager; wte[tok[b]] alone without HAS_WPE), its
+    (Σx, Σx²) into STATS[0, b], and STATS[1:, b] zeroed for the producers of the later norms' statistics."""
     b = tl.program_id(0)
     t = tl.load(TOK + b * stride_tok).to(tl.int64)
     p = tl.load(POS + b * stride_pos).to(tl.int64)
@@ -405,7 +554,10 @@ def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_p
         offs = c0 + tl.arange(0, BLOCK_C)
         ok = offs < C
         e = tl.load(WTE + t * stride_wte + offs, mask=ok, other=0.0)
-        x = (e.to(tl.float32) + tl.load(WPE + p * stride_wpe + offs, mask=ok, other=0.0).to(tl.float32)).to(e.dtype)
+        if HAS_WPE:
+            x = (e.to(tl.float32) + tl.load(WPE + p * stride_wpe + offs, mask=ok, other=0.0).to(tl.float32)).to(e.dtype)
+        else:
+            x = e
         tl.store(X + b.to(tl.int64) * C + offs, x, mask=ok)
         s1 += x.to(tl.float32)
         s2 += x.to(tl.float32) * x.to(tl.float32)
@@ -420,11 +572,11 @@ def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_p
 _triton.check_decorated(_ln_linear_kernel, _embed_kernel)
 
 
-def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor,
+def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor | None,
                      stats: torch.Tensor) -> torch.Tensor:
-    """tok, pos (B,) int → x (B, C) = wte[tok] + wpe[pos] in one launch.
+    """tok, pos (B,) int → x (B, C) = wte[tok] + wpe[pos] in one launch (wpe None: wte[tok], a RoPE model).
 
-    stats (S, B, 2) float32: slot 0 receives x's row sums (Σx, Σx²) for the first LayerNorm; slots 1..S-1 are
+    stats (S, B, 2) float32: slot 0 receives x's row sums (Σx, Σx²) for the first norm; slots 1..S-1 are
     zeroed, ready for the ln_linear(stats_out=...) calls of the same step. Token ids and positions are not
     range-checked here (the caller's embedding tables and cache own them).
     """
@@ -432,21 +584,24 @@ def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wp
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"embed_with_stats: {name} must be a 1-d int tensor")
     B, C = tok.shape[0], wte.shape[1]
-    if (pos.shape[0] != B or wpe.shape[1] != C or wte.dtype != wpe.dtype or wte.stride(1) != 1
-            or wpe.stride(1) != 1 or wte.dtype not in _triton.SUPPORTED_DTYPES):
+    table = wte if wpe is None else wpe
+    if (pos.shape[0] != B or table.shape[1] != C or wte.dtype != table.dtype or wte.stride(1) != 1
+            or table.stride(1) != 1 or wte.dtype not in _triton.SUPPORTED_DTYPES):
         raise ValueError("embed_with_stats: tok and pos of one length, wte and wpe (rows, C) of one float dtype "
                          "with unit stride along C")
     if (stats.dtype != torch.float32 or stats.dim() != 3 or stats.shape[1:] != (B, 2)
             or stats.stride()[1:] != (2, 1) or stats.shape[0] < 1):
         raise ValueError(f"embed_with_stats: stats must be float32 (S, {B}, 2), contiguous in its last two dims")
-    if len({t.device for t in (tok, pos, wte, wpe, stats)}) != 1:
+    if len({t.device for t in (tok, pos, wte, table, stats)}) != 1:
         raise ValueError("embed_with_stats: all tensors must be on one device")
     _triton.check_device(wte.device, "embed_with_stats")
     x = _triton.empty((B, C), wte.dtype, wte.device)
     with _triton.device_guard(x):
-        _embed_kernel[(B,)](tok, pos, wte, wpe, x, stats, C, stats.shape[0], tok.stride(0), pos.stride(0),
-                            wte.stride(0), wpe.stride(0), stats.stride(0), BLOCK_C=min(1024, triton.next_power_of_2(C)),
-                            BLOCK_S=triton.next_power_of_2(max(stats.shape[0], 2)), num_warps=4)
+        _embed_kernel[(B,)](tok, pos, wte, table, x, stats, C, stats.shape[0], tok.stride(0), pos.stride(0),
+                            wte.stride(0), table.stride(0), stats.stride(0),
+                            BLOCK_C=min(1024, triton.next_power_of_2(C)),
+                            BLOCK_S=triton.next_power_of_2(max(stats.shape[0], 2)), HAS_WPE=wpe is not None,
+                            num_warps=4)
     return x
 
 

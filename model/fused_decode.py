@@ -1,45 +1,89 @@
-"""One decode step of a GPT in few kernels: the fast path of generation on a GPU.
+"""One decode step of a GPT or Llama-family model in few kernels: the fast path of generation on a GPU.
 
     logits = fused_decode_step(model, tok, pos)   # same contract as generation.decode_one_token
 
 It wraps a GPT from outside (reads its weights and its attached KV caches; changes nothing else). One launch
 embeds the tokens; then each layer is four fused Triton launches plus the split-KV decode attention:
 
-    q, k→cache, v→cache = LN₁(x) W_attnᵀ + b           kernels.ln_linear.ln_qkv_to_cache
-    y = decode_attention(q, cache)                       kernels.decode (split-KV; 1 or 2 launches)
+    q, k→cache, v→cache = rope(N₁(x) W_attnᵀ + b)        kernels.ln_linear.ln_qkv_to_cache
+    y = decode_attention(q, cache)                       kernels.decode (split-KV, GQA; 1 or 2 launches)
     x = x + y W_projᵀ + b                                kernels.ln_linear.ln_linear(residual=x)
-    h = GELU(LN₂(x) W_fcᵀ + b)                           ln_linear(ln=..., gelu=True)
+    h = act(N₂(x) W_fcᵀ + b)                             ln_linear(ln=..., gelu=True | swiglu=True)
     x = x + h W_mlpᵀ + b                                 ln_linear(residual=x)
 
-then LN_f and the LM head (PyTorch: cuBLAS streams the big matrix fastest): about 6 kernels per layer instead
-of the ~16 of the eager model (layer norms, GEMVs, bias adds, cache scatters, GELU, residual adds), which is
-what bounds a small model's decode speed (bench/NOTES.md). Rounding follows the eager model in its dtype, so the logits agree
-to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA graph
-(`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
-Each LayerNorm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so
-no kernel waits on a pass over the residual stream before streaming its weights. On Hopper the fused kernels
-are launched with programmatic dependent launch (pdl=True: nothing in this chain writes a weight), so each
-streams its weights while the kernel before it finishes (kernels/pdl.py). Positions and token ids are
-not range-checked here: the caller keeps them inside the cache and the vocabulary (generate() does).
+then the final norm and the LM head (PyTorch: cuBLAS streams the big matrix fastest): about 6 kernels per layer
+instead of the ~16 of the eager model (norms, GEMVs, bias adds, RoPE, cache scatters, activation, residual adds),
+which is what bounds a small model's decode speed (bench/NOTES.md). The blocks covered, by config:
+
+    GPT-2        learned positions (added by the embedding launch), LayerNorm, GELU, biases
+    Llama family RoPE (rotate-half, llama3 frequency scaling: the model's own cos/sin tables, applied to q and k
+                 inside the QKV kernel before k is cached), RMSNorm, SwiGLU (c_fc rows [gate | up]), GQA
+                 (n_kv_head), head_size != n_embd / n_head, with or without biases, qkv_bias (Qwen2), tied or
+                 untied LM head
+and unsupported_reason names what is not (qk_norm). Rounding follows the eager model in its dtype, so the
+logits agree to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA
+graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
+Each norm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so no kernel
+waits on a pass over the residual stream before streaming its weights. On Hopper the fused kernels are launched
+with programmatic dependent launch (pdl=True: nothing in this chain writes a weight), so each streams its
+weights while the kernel before it finishes (kernels/pdl.py). Positions and token ids are not range-checked
+here: the caller keeps them inside the cache and the vocabulary (generate() does).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn as nn
 
 from kernels import SUPPORTED_DTYPES, interpreting
 from kernels.decode import decode_attention
 from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
 
+from .norms import RMSNorm
 
-def _ln(norm) -> tuple:
-    return norm.weight, norm.bias, norm.eps
+
+def _norm(norm) -> tuple[tuple, bool]:
+    """(weight, bias or None, eps) of a norm layer, and whether it is an RMSNorm."""
+    if isinstance(norm, RMSNorm):
+        return (norm.weight, None, norm.eps), True
+    return (norm.weight, norm.bias, norm.eps), False
+
+
+# (id of a RotaryEmbedding's inv_freq, dtype, L) -> (weak reference to that inv_freq, cos, sin): the tables of
+# positions 0..L-1, kept so that a decode step reads them instead of recomputing the angles every step. A table
+# is never replaced while its model lives (a captured CUDA graph may hold its address); L is a power of two, so
+# a model has a few at most.
+_rope_tables: dict = {}
+MIN_ROPE_TABLE = 256
+
+
+def rope_tables(model, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (L, head_dim) in dtype for positions 0..L-1 with L >= length, computed by the model's own
+    RotaryEmbedding (the same formula, in the same dtype, as the eager model's per-step cos and sin).
+
+    A miss while a CUDA graph is being captured computes the tables inside the graph (every replay recomputes
+    them) and keeps nothing; the warm-up steps before a capture (as DecodeGraph runs them) fill the cache.
+    """
+    inv_freq = model.rotary.inv_freq
+    L = max(MIN_ROPE_TABLE, 1 << max(length - 1, 0).bit_length())  # a power of two >= length
+    key = (id(inv_freq), dtype, L)
+    hit = _rope_tables.get(key)
+    if hit is not None and hit[0]() is inv_freq:
+        return hit[1], hit[2]
+    cos, sin = model.rotary(torch.arange(L, device=inv_freq.device), dtype)  # (L, D) each
+    if not (inv_freq.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        for k in [k for k, v in _rope_tables.items() if v[0]() is None]:  # the tables of models that are gone
+            del _rope_tables[k]
+        _rope_tables[key] = (weakref.ref(inv_freq), cos, sin)
+    return cos, sin
 
 
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
     c = model.config
-    if c.pos_emb != "learned" or c.norm != "layernorm" or c.mlp != "gelu" or c.qk_norm:
-        return "the fused step covers GPT-2 blocks only (not RoPE, RMSNorm, SwiGLU or qk_norm)"
+    if c.qk_norm:
+        return "qk_norm (a per-head RMSNorm of q and k) is not fused"
     w = model.lm_head.weight
     if w.device.type != "cuda" and not (w.device.type == "cpu" and interpreting()):
         return f"the model is on {w.device} (the fused step runs on CUDA)"
@@ -48,6 +92,9 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     if model.training and model.config.dropout > 0:
         return "the model is in training mode with dropout"
     for block in model.transformer.h:
+        for norm in (block.ln_1, block.ln_2):
+            if not isinstance(norm, (nn.LayerNorm, RMSNorm)) or norm.weight is None:
+                return f"a norm layer {type(norm).__name__} without a gain (LayerNorm or RMSNorm with weights)"
         if not 16 <= block.attn.head_dim <= 256:
             return f"head dim {block.attn.head_dim} outside the decode kernel's 16..256"
         cache = block.attn.kv_cache
@@ -68,27 +115,36 @@ def supported(model, check_cache: bool = True) -> bool:
 def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """tok: (B, 1) the latest tokens, pos: (B, 1) their positions → logits (B, V) in float32.
 
-    Writes each token's keys and values at its position in every layer's cache (as the eager step does).
+    Writes each token's keys and values (keys rotated, for RoPE) at its position in every layer's cache (as the
+    eager step does).
     """
     B = tok.shape[0]
     tr = model.transformer
     n_layer = len(tr.h)
+    swiglu = model.config.mlp == "swiglu"
     p = pos[:, 0]                                               # (B,) positions of the new tokens
     lens = p + 1                                                # (B,) valid cache lengths after this step
-    # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's LN₁ / LN₂, written by the kernel that
-    # produces that residual stream (the embedding, then each residual add), so no LayerNorm re-reads x for them
+    # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's first / second norm, written by the
+    # kernel that produces that residual stream (the embedding, then each residual add), so no norm re-reads x
     stats = torch.empty(2 * n_layer, B, 2, dtype=torch.float32, device=tok.device)
-    x = embed_with_stats(tok[:, 0], p, tr.wte.weight, tr.wpe.weight, stats)  # (B, C); stats[0] set, rest zeroed
+    wpe = tr.wpe.weight if "wpe" in tr else None                # RoPE models have no position table
+    x = embed_with_stats(tok[:, 0], p, tr.wte.weight, wpe, stats)  # (B, C); stats[0] set, rest zeroed
+    rope = None
+    if model.rotary is not None:                                # cos, sin (L, D) of positions 0..L-1
+        rope = rope_tables(model, tr.h[0].attn.kv_cache.max_len, x.dtype)
     for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
-        q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, _ln(block.ln_1), cache.k, cache.v, p,
-                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True)  # (B, Hq·D); k, v in the cache
+        ln_1, rms_1 = _norm(block.ln_1)
+        ln_2, rms_2 = _norm(block.ln_2)
+        q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, ln_1, cache.k, cache.v, p,
+                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True, rms=rms_1,
+                            rope=rope)                          # (B, Hq·D), rotated; k (rotated), v in the cache
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
                              check_lens=False)                  # (B, Hq, 1, D)
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 1], pdl=True)     # (B, C)
-        h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=_ln(block.ln_2), gelu=True,
-                      ln_stats=stats[2 * i + 1], pdl=True)      # (B, 4C)
+        h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=ln_2, rms=rms_2, gelu=not swiglu, swiglu=swiglu,
+                      ln_stats=stats[2 * i + 1], pdl=True)      # (B, I)
         x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 2] if i + 1 < n_layer else None, pdl=True)  # (B, C)
     # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than

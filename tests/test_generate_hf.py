@@ -91,3 +91,15 @@ def test_bad_input_is_one_line(llama, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     msg = cli_error(capsys, "--init-from", "hf:HuggingFaceTB/SmolLM2-135M", "--prompt", "hi")
     assert "'hf:HuggingFaceTB/SmolLM2-135M'" in msg and "HF_HUB_OFFLINE" in msg and "tokenizer.json" in msg
+
+
+def test_eval_takes_the_same_init_from(llama, tmp_path):
+    """eval.py --init-from hf:<folder> loads the model as generate.py does and scores with its tokenizer."""
+    from tests.eval_fixtures import HELLASWAG_FIXTURE
+    folder, _ = llama
+    out = tmp_path / "res.json"
+    r = run_entry("eval.py", "--init-from", f"hf:{folder}", "--task", "hellaswag", "--data", HELLASWAG_FIXTURE,
+                  "--limit", "2", "--device", "cpu", "--out", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["n"] == 2 and res["checkpoint"] == f"hf:{folder}" and 0 <= res["acc"] <= 1

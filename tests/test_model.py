@@ -131,7 +131,7 @@ def test_naive_attention_mask_equals_per_sequence_prefixes():
 def test_compiled_backward_has_no_gradient_input_for_the_logits():
     """With targets, the loss is the only differentiable output: the compiled backward takes one tangent (the
     loss's), not also a (B, T, vocab) one for the logits that would be zeros added to d(logits) at run time
-    (a full extra pass over the logits' gradient per step; bench/results/ce_loss/)."""
+    (a full extra pass over the logits' gradient per step; bench/NOTES.md)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 

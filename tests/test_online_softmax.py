@@ -19,10 +19,10 @@ def classic():
     return q, keys, values
 
 
-def test_classic_example_matches_issue_figures():
+def test_classic_example_matches_its_published_figures():
     q, keys, values = classic()
     s1, s2 = online_softmax(q, keys, values, EXAMPLE_BLOCK_SIZE, scale=1.0)
-    # The issue's figures (full precision), tolerance 1e-3.
+    # The example's figures as the walkthrough states them (full precision), tolerance 1e-3.
     assert s1.m == pytest.approx(2, abs=1e-3)
     assert s1.l == pytest.approx(1.368, abs=1e-3)
     assert s1.O[0] == pytest.approx(5.839, abs=1e-3)

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-import runlog
+from training import runlog
 import train as train_mod
 from config import ConfigError, load_config
 from model.checkpoint import load_checkpoint
-from runfolder import LOCK_NAME, RunFolderError, RunLock, _proc_start
+from training.runfolder import LOCK_NAME, RunFolderError, RunLock, _proc_start
 from tests.test_train import metrics
 from tests.util import ROOT, TINY_MODEL, write_corpus
 

@@ -15,7 +15,7 @@ import os
 import socket
 import tempfile
 
-from runfolder import TEMP_PREFIX, write_text_atomic
+from training.runfolder import TEMP_PREFIX, write_text_atomic
 
 
 def wandb_mode() -> str:

@@ -1,0 +1,74 @@
+"""Compile Triton kernels for a GPU on a machine without one, through the project's own launch code.
+
+    with compiling_instead_of_launching(kernel_a, kernel_b) as compiled:
+        wrapper(...)                      # every kernel_a[grid](...) inside compiles, launches nothing
+    compiled                              # [CompiledKernel], in launch order (repeats of one variant: once)
+
+Triton's interpreter accepts kernels that its compiler rejects (a plain Python global read inside a kernel, for
+one), so a kernel tested only on the CPU can still fail to build on a GPU. Inside the context each launch goes
+through Triton's own JITFunction.run with warmup=True against a stand-in driver whose target is TARGET (sm_90):
+Triton binds and specialises the arguments exactly as at a GPU launch (pointer dtypes, integers equal to 1 as
+constants, divisibility by 16) and compiles them to PTX and, with the ptxas Triton ships, a cubin, without
+touching a device. The wrappers themselves must accept the tensors given (CPU tensors: the caller switches off
+their CUDA device checks).
+
+Needs a process whose kernels were decorated with TRITON_INTERPRET=0 (the tests run the interpreter: start a
+subprocess). Nothing is launched, so results of the wrapped calls are unwritten buffers.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100 / H200)
+
+
+class _TargetOnlyDriver:
+    """What JITFunction.run asks the active driver for before it compiles: a device, a stream, a target."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+@contextlib.contextmanager
+def compiling_instead_of_launching(*kernels: JITFunction, target: GPUTarget = TARGET):
+    """Within the context, launching any of `kernels` compiles it for `target` and launches nothing; yields
+    the list that receives each newly compiled variant (CompiledKernel)."""
+    for k in kernels:
+        if not isinstance(k, JITFunction):
+            raise TypeError(f"{k!r} is not a compiled-mode Triton kernel (is TRITON_INTERPRET=1 set?)")
+    compiled: list = []
+    seen: set = set()
+
+    def compile_only(kernel):
+        def run(*args, grid, warmup, **kwargs):
+            c = JITFunction.run(kernel, *args, grid=grid, warmup=True, **kwargs)
+            if id(c) not in seen:  # Triton's per-kernel cache returns the same object for a repeated variant
+                seen.add(id(c))
+                compiled.append(c)
+            return c
+        return run
+
+    previous = driver._active  # not driver.active: that would create the default driver, which needs a GPU
+    driver.set_active(_TargetOnlyDriver(target))
+    for k in kernels:
+        k.run = compile_only(k)  # an instance attribute: k[grid](...) calls it instead of JITFunction.run
+    try:
+        yield compiled
+    finally:
+        for k in kernels:
+            del k.run
+        driver._active = previous
+

@@ -1,0 +1,92 @@
+"""bench/generate.py on the CPU: its arguments, its shapes, and --smoke through the Llama-family fused decode path
+and the transformers provider (the timed run needs a GPU)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.util import ROOT, run_entry
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """bench/generate.py imported as a module: its helpers, without running it."""
+    spec = importlib.util.spec_from_file_location("bench_generate", f"{ROOT}/bench/generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arguments(bench):
+    a = bench.parse_args([])
+    assert a.model == "gpt2" and a.batches is None and not a.smoke
+    a = bench.parse_args(["--model", "smollm2", "--batches", "1,16", "--new-tokens", "256", "--smoke"])
+    assert a.model == "smollm2" and a.batches == [1, 16] and a.new_tokens == 256 and a.smoke
+
+
+@pytest.mark.parametrize("args", [["--model", "llama"], ["--batches", "1,x"], ["--batches", "0"],
+                                  ["--prompt-len", "-3"], ["--reps", "two"]])
+def test_bad_arguments_are_one_line_errors(bench, args, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "error:" in err[-1] and err[-1].split("error: ")[1].startswith("argument --")
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_smollm2_shape_is_smollm2_135m(bench):
+    """The full shape, built on the meta device: SmolLM2-135M's 134,515,008 parameters, GQA 9 over 3 heads."""
+    model = bench.build_model("smollm2", False, "meta", torch.bfloat16)
+    c = model.config
+    assert (c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.mlp_hidden, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert (c.pos_emb, c.norm, c.mlp, c.bias, c.tie_embeddings, c.rope_theta) == ("rope", "rmsnorm", "swiglu", False,
+                                                                                 True, 100000.0)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert set(bench.variants("cuda", False, transformers=True)) >= {"flashgpt-fused+graph", "sdpa+graph",
+                                                                     "transformers-static+compile"}
+
+
+def test_ratio_targets_read_the_best_graph_variant_over_transformers(bench):
+    rows = [dict(batch=1, variant="flashgpt-fused+graph", decode_tok_s=900.0),
+            dict(batch=1, variant="flashgpt+graph", decode_tok_s=500.0),
+            dict(batch=1, variant="flashgpt-fused", decode_tok_s=5000.0),  # eager: not a graph variant
+            dict(batch=1, variant="transformers-static+compile", decode_tok_s=400.0),
+            dict(batch=16, variant="flashgpt-fused+graph", decode_tok_s=1000.0),
+            dict(batch=16, variant="transformers-static+compile", error="RuntimeError: boom")]
+    t = bench.targets_of("smollm2", rows, smoke=False)
+    assert t[1]["measured"] == 2.25 and t[1]["verdict"] == "met" and t[1]["variant"].startswith("flashgpt-fused+g")
+    assert t[16]["measured"] is None and t[16]["verdict"] == "not measured"
+    rows[3]["decode_tok_s"] = 500.0
+    assert bench.targets_of("smollm2", rows, smoke=False)[1]["verdict"] == "NOT met"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real "
+                    "benchmark")
+def test_smoke_runs_the_llama_shape_through_the_fused_step_and_transformers(tmp_path):
+    r = run_entry("bench/generate.py", "--smoke", "--model", "smollm2", "--no-kernel-sweep", "--out", tmp_path,
+                  timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads((tmp_path / "generate_smollm2_smoke.json").read_text())
+    ran = {(row["batch"], row["variant"]): row for row in data["rows"]}
+    for b in (1, 2):
+        for v in ("flashgpt-fused", "flashgpt", "sdpa"):
+            assert "error" not in ran[b, v] and ran[b, v]["decode_tokens"] == b * 5, ran[b, v]
+        assert ran[b, "flashgpt-fused+graph"]["error"].startswith("skipped")
+    hf_present = importlib.util.find_spec("transformers") is not None
+    for b in (1, 2):
+        row = ran[b, "transformers-static"]
+        assert ("error" not in row and row["decode_tokens"] == b * 5) if hf_present else \
+            row["error"].startswith("skipped: transformers is not installed")
+    # the fused step and plain PyTorch (and transformers, with the same float32 weights) choose the same tokens
+    compared = {c["compared"]: c for c in data["correctness"] if "error" not in c}
+    assert compared["flashgpt-fused vs sdpa"]["fraction"] == 1.0
+    if hf_present:
+        assert compared["flashgpt-fused vs transformers-static"]["fraction"] == 1.0
+    assert all(t["verdict"] == "not measured" for t in data["meta"]["targets"].values())
+    md = (tmp_path / "generate_smollm2_smoke.md").read_text()
+    assert "python bench/generate.py --smoke --model smollm2" in md and "rmsnorm" in md

@@ -1,0 +1,380 @@
+"""The fused decode path for Llama-family blocks (RMSNorm, SwiGLU, RoPE, GQA, qkv_bias, untied heads) against
+float64 references.
+
+Criterion as in tests/test_fused_decode.py (tests/error_budget.py): the fused result's max error against the
+float64 reference is at most 2x the error of the unfused path in the same dtype (the eager op sequence, or the
+model's own decode step), plus a floor of 1e-5 x max(1, |reference|). CUDA when present (bf16 included),
+otherwise CPU through the Triton interpreter (fp16/fp32). Outputs and caches are poisoned with NaN first, so a
+missed write or a stray one shows up.
+"""
+import copy
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (triton decorates then)
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels import options  # noqa: E402
+from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from model.fused_decode import fused_decode_step, rope_tables, unsupported_reason  # noqa: E402
+from model.generation import DecodeGraph, decode_one_token, generate, prefill, use_fused_decode  # noqa: E402
+from model.rope import RotaryEmbedding, apply_rope  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from tests.error_budget import assert_within_budget  # noqa: E402
+from tests.test_fused_decode import DEVICE, DTYPES, check_step, oracle_step, row_sums  # noqa: E402
+
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+# head dim 16: pair 0 (wavelength 6.3 tokens) is kept, pair 1 (13.6) blended, pairs 2..7 stretched 8x; the
+# positions decoded pass rope_original_max_pos
+ROPE_LLAMA3 = dict(rope_theta=500.0, rope_scaling="llama3", rope_original_max_pos=16, rope_low_freq_factor=1.0,
+                   rope_high_freq_factor=2.0)
+
+
+# ------------------------------------------------------------------------------------------- the kernels
+
+def rms_norm_ref(x, g, eps, dtype):
+    """model/norms.py's RMSNorm in `dtype`: normalised in float32 (float64 for float64), rounded, times the gain."""
+    x = x.to(dtype)
+    y = F.rms_norm(x.to(torch.promote_types(dtype, torch.float32)), (x.shape[-1],), eps=eps)
+    return g.to(dtype) * y.to(dtype)
+
+
+def mlp_ref(x, w, b, g, eps, swiglu, res, dtype):
+    """The eager op sequence in `dtype` (float64: the oracle): RMSNorm (g given) → linear → SwiGLU → + residual."""
+    x, w = x.to(dtype), w.to(dtype)
+    if g is not None:
+        x = rms_norm_ref(x, g, eps, dtype)
+    y = F.linear(x, w, None if b is None else b.to(dtype))
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if res is None else y + res.to(dtype)
+
+
+def make(M, N, K, dtype, seed, bias=True, res_cols=None):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+    x = r(M, K, scale=3.0) + 1.5
+    w = r(N, K, scale=K ** -0.5 * 2)  # SiLU's curved part, not only its linear tail
+    b = r(N) if bias else None
+    gain = r(K) * 0.3 + 1.0
+    return x, w, b, gain, (r(M, res_cols) if res_cols else None)
+
+
+MLP_VARIANTS = {  # (rms, bias, swiglu, residual)
+    "rms": (True, False, False, False),             # RMSNorm → c_attn (no rope) / lm_head
+    "rms-swiglu": (True, False, True, False),       # RMSNorm → c_fc → SwiGLU (Llama)
+    "rms-swiglu-bias": (True, True, True, False),   # with biases (bias = true)
+    "swiglu-residual": (False, True, True, True),   # every SwiGLU epilogue without a prologue
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 74, 50), (5, 200, 129), (17, 32, 300)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", MLP_VARIANTS)
+@torch.no_grad()
+def test_rms_and_swiglu_match_reference(shape, variant, dtype):
+    M, N, K = shape  # N: the weight's rows (SwiGLU: gate and up halves of N/2 each)
+    rms, bias, swiglu, res = MLP_VARIANTS[variant]
+    n_out = N // 2 if swiglu else N
+    x, w, b, gain, r = make(M, N, K, dtype, seed=M * N + K, bias=bias, res_cols=n_out if res else None)
+    ln = (gain, None, 1e-5) if rms else None
+    out = torch.full((M, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    assert ln_linear(x, w, b, ln=ln, rms=rms, swiglu=swiglu, residual=r, out=out) is out
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    exact = mlp_ref(cpu(x), cpu(w), cpu(b), cpu(gain) if rms else None, 1e-5, swiglu, cpu(r), torch.float64)
+    naive = mlp_ref(x, w, b, gain if rms else None, 1e-5, swiglu, r, dtype)
+    assert_within_budget(f"ln_linear {variant}", out, exact, naive)
+
+
+# the paired modes read two weight tiles per program: split-K (their sums at N and 2N of the workspace), several
+# K steps, and one whole-K tile loaded first
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 1, 3), (16, 32, 2, 1, 8), (64, 64, 4, 2, 1), (32, 512, 4, 1, 1)],
+                         ids=lambda c: "bn{}-bk{}-w{}-s{}-split{}".format(*c))
+@torch.no_grad()
+def test_swiglu_split_k_and_other_tiles(cfg):
+    """Split-K leaves its workspace zeroed: a second call gives the same result."""
+    x, w, b, gain, _ = make(5, 200, 300, torch.float32, seed=sum(cfg))
+    outs = []
+    with forced_config(cfg):
+        for _ in range(2):
+            outs.append(ln_linear(x, w, b, ln=(gain, None, 1e-5), rms=True, swiglu=True,
+                                  out=torch.full((5, 100), float("nan"), device=DEVICE)))
+    exact = mlp_ref(x.cpu(), w.cpu(), b.cpu(), gain.cpu(), 1e-5, True, None, torch.float64)
+    assert_within_budget("swiglu split", outs[0], exact, mlp_ref(x, w, b, gain, 1e-5, True, None, x.dtype))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.no_grad()
+def test_rms_statistics_handed_between_kernels(dtype):
+    """RMSNorm from the row sums a residual-add kernel leaves behind = RMSNorm computed in place."""
+    M, C = 5, 300
+    x, w, b, _, r = make(M, C, C, dtype, seed=21, res_cols=C)
+    stats = torch.zeros(M, 2, device=DEVICE)
+    y = ln_linear(x, w, b, residual=r, stats_out=stats)                   # (M, C): the next residual stream
+    torch.testing.assert_close(stats, row_sums(y), rtol=1e-5, atol=1e-3)
+    _, w2, _, gain, _ = make(M, 128, C, dtype, seed=22)
+    ln = (gain, None, 1e-5)
+    with_stats = ln_linear(y, w2, ln=ln, rms=True, swiglu=True, ln_stats=stats)
+    in_place = ln_linear(y, w2, ln=ln, rms=True, swiglu=True)
+    exact = mlp_ref(y.cpu(), w2.cpu(), None, gain.cpu(), 1e-5, True, None, torch.float64)
+    assert_within_budget("rms from handed statistics", with_stats, exact,
+                         mlp_ref(y, w2, None, gain, 1e-5, True, None, dtype))
+    torch.testing.assert_close(with_stats, in_place, rtol=1e-2, atol={torch.float32: 1e-4}.get(dtype, 5e-2))
+
+
+def qkv_ref(x, w, b, gain, eps, cos, sin, pos, Hq, Hkv, D, dtype):
+    """The eager attention input in `dtype`: RMSNorm → c_attn → rotate q and k (model/rope.py) → (q, k, v) per row,
+    q (B, Hq·D), k and v (B, Hkv, D)."""
+    B = x.shape[0]
+    h = F.linear(rms_norm_ref(x.to(dtype), gain, eps, dtype), w.to(dtype), None if b is None else b.to(dtype))
+    heads = h.view(B, 1, Hq + 2 * Hkv, D)                                  # (B, T=1, heads, D)
+    qk = apply_rope(heads[:, :, :Hq + Hkv], cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype))
+    return qk[:, 0, :Hq].reshape(B, -1), qk[:, 0, Hq:], heads[:, 0, Hq + Hkv:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Hq,Hkv,D,bias", [(4, 2, 16, False), (6, 2, 24, True), (3, 1, 64, False)],
+                         ids=["gqa", "qkv_bias-d24", "mqa-d64"])
+@torch.no_grad()
+def test_rope_qkv_goes_to_the_cache_rotated(Hq, Hkv, D, bias, dtype):
+    """RoPE inside the QKV kernel: q returned and k cached rotated at each row's position, v as it is; nothing
+    else of the cache written."""
+    B, C, max_len = 3, 40, 40
+    cfg = GPTConfig(n_embd=C, n_head=Hq, head_size=D, pos_emb="rope", **ROPE_LLAMA3)
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE)(torch.arange(max_len, device=DEVICE), dtype)  # (L, D) each
+    n_q, n_kv = Hq * D, Hkv * D
+    x, w, b, gain, _ = make(B, n_q + 2 * n_kv, C, dtype, seed=Hq * D, bias=bias)
+    kc = torch.full((B + 1, Hkv, max_len, D), float("nan"), dtype=dtype, device=DEVICE)  # one spare row
+    vc = torch.full_like(kc, float("nan"))
+    pos = torch.tensor([0, 17, max_len - 1], device=DEVICE)  # the first, past the llama3 band, the last
+    q = ln_qkv_to_cache(x, w, b, (gain, None, 1e-6), kc, vc, pos, n_q, rms=True, rope=(cos, sin))  # (B, n_q)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    exact = qkv_ref(cpu(x), cpu(w), cpu(b), cpu(gain), 1e-6, cos.cpu(), sin.cpu(), pos.cpu(), Hq, Hkv, D, torch.float64)
+    naive = qkv_ref(x, w, b, gain, 1e-6, cos, sin, pos, Hq, Hkv, D, dtype)
+    assert_within_budget("rope q", q, exact[0], naive[0])
+    rows = torch.arange(B, device=DEVICE)
+    assert_within_budget("rope k in the cache", kc[rows, :, pos], exact[1], naive[1])
+    assert_within_budget("v in the cache", vc[rows, :, pos], exact[2], naive[2])
+    kc[rows, :, pos] = vc[rows, :, pos] = float("nan")
+    assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
+
+
+@torch.no_grad()
+def test_embedding_without_position_table():
+    wte = torch.randn(50, 72).to(DEVICE)
+    tok, pos = torch.tensor([3, 49, 3], device=DEVICE), torch.tensor([0, 1000, 7], device=DEVICE)
+    stats = torch.full((3, 3, 2), float("nan"), device=DEVICE)
+    x = embed_with_stats(tok, pos, wte, None, stats)  # positions beyond any table: RoPE models have none
+    torch.testing.assert_close(x, wte[tok], rtol=0, atol=0)
+    torch.testing.assert_close(stats[0], row_sums(x), rtol=1e-5, atol=1e-3)
+    assert (stats[1:] == 0).all()
+
+
+def test_bad_modes_raise_value_error():
+    x = torch.randn(2, 8, device=DEVICE)
+    w = torch.randn(6, 8, device=DEVICE)
+    g = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="an RMSNorm has no bias"):
+        ln_linear(x, w, ln=(g, g, 1e-5), rms=True)
+    with pytest.raises(ValueError, match="rms=True without a norm"):
+        ln_linear(x, w, rms=True)
+    with pytest.raises(ValueError, match="pick one"):
+        ln_linear(x, w, gelu=True, swiglu=True)
+    with pytest.raises(ValueError, match="even-rowed"):
+        ln_linear(x, torch.randn(5, 8, device=DEVICE), swiglu=True)
+    with pytest.raises(ValueError, match=r"residual must be \(2, 3\)"):
+        ln_linear(x, w, swiglu=True, residual=torch.zeros(2, 6, device=DEVICE))
+    kc = torch.zeros(2, 1, 4, 2, device=DEVICE)
+    p = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="rope must be"):
+        ln_qkv_to_cache(x, w, None, None, kc, kc.clone(), p, 2, rope=(torch.zeros(4, 3, device=DEVICE),) * 2)
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+SHAPES = {
+    # GQA, llama3 frequency scaling whose band ends inside the positions decoded, untied LM head
+    "llama": dict(n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, tie_embeddings=False, **ROPE_LLAMA3),
+    # qkv_bias, head_size != n_embd / n_head, MQA
+    "qwen2": dict(n_head=4, n_kv_head=1, n_embd=48, head_size=16, qkv_bias=True, intermediate_size=80,
+                  rope_theta=1e6),
+    # SmolLM2's proportions: 3 query heads per kv head, rope_theta 1e5, tied embeddings
+    "smollm2": dict(n_head=6, n_kv_head=2, n_embd=96, intermediate_size=128, rope_theta=1e5),
+    # biases everywhere (bias = true) with Llama blocks
+    "llama-bias": dict(n_head=4, n_kv_head=2, n_embd=64, bias=True),
+}
+
+
+def tiny_llama(name: str, dtype, block_size: int = 48) -> GPT:
+    torch.manual_seed(5)
+    kw = {**LLAMA, **SHAPES[name]}
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=61, n_layer=2, attention="naive", **kw)).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():  # norm gains off 1, biases non-zero, weights with clear margins
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if n.endswith("norm.weight") or ".ln_" in n else 0.0))
+    return model.to(DEVICE, dtype)
+
+
+def decode_three_ways(model, lengths: list[int], max_len: int, steps: int, seed: int = 5) -> None:
+    """Prefill prompts of `lengths`, then decode `steps` steps three ways fed the same tokens: fused (on a twin
+    whose caches start as NaN), the model's own step in its dtype, and the same weights in float64 (the oracle);
+    logits and caches checked with the 2x criterion at every step."""
+    twin = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()  # the same (dtype-rounded) weights, float64 end to end
+    B, T = len(lengths), max(lengths)
+    lens = torch.tensor(lengths, device=DEVICE)
+    idx = torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    for m in (model, twin, exact):
+        m.setup_kv_cache(B, max_len)
+    for block in twin.transformer.h:  # the fused path must never read past a sequence's length
+        block.attn.kv_cache.k.fill_(float("nan"))
+        block.attn.kv_cache.v.fill_(float("nan"))
+    for m in (model, twin, exact):
+        prefill(m, idx, lens)
+    assert unsupported_reason(twin) is None
+    pos = lens[:, None].clone()                                              # (B, 1) each at its own position
+    tok = torch.randint(0, 61, (B, 1), generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    for step in range(steps):
+        want = decode_one_token(model, tok, pos)                             # (B, V) the model's own step
+        got = fused_decode_step(twin, tok, pos)
+        check_step(got, want, oracle_step(exact, tok, pos), twin, model, exact, pos, f"step {step}")
+        tok = want.argmax(-1, keepdim=True)
+        pos = pos + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SHAPES))
+@torch.no_grad()
+def test_fused_step_equals_the_models_step(name, dtype):
+    """Three sequences from positions 1, 6 and 14 decode 4 steps (the llama shape's rope_original_max_pos is 16)."""
+    decode_three_ways(tiny_llama(name, dtype), [1, 6, 14], max_len=24, steps=4)
+
+
+@torch.no_grad()
+def test_fused_step_past_the_first_rope_table():
+    """Positions across 256, the shortest cached cos/sin table (a cache of 300 positions reads one of 512 rows):
+    one sequence decodes across it while another starts near 0."""
+    model = tiny_llama("smollm2", torch.float32, block_size=320)
+    decode_three_ways(model, [3, 254], max_len=300, steps=4)
+
+
+class LaunchLog:
+    """Stands in for kernels.ln_linear._ln_linear_kernel: records each launch's switches, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append({k: kw[k] for k in ("RMS", "SWIGLU", "ROPE", "PAIRED", "GELU", "QKV_CACHE")})
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@torch.no_grad()
+def test_four_fused_launches_per_layer_in_both_families(family, monkeypatch):
+    """GPT-2 blocks launch the fused kernel exactly as before (no new switch on); Llama blocks the same number
+    of times, with RMSNorm and RoPE in the QKV launch and RMSNorm and SwiGLU in the MLP's first."""
+    import kernels.ln_linear as ll
+    log = LaunchLog(ll._ln_linear_kernel)
+    monkeypatch.setattr(ll, "_ln_linear_kernel", log)
+    kw = dict(n_head=4, n_embd=64) if family == "gpt2" else {**LLAMA, **SHAPES["llama"]}
+    model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, attention="naive", **kw)).to(DEVICE).eval()
+    model.setup_kv_cache(2, 16)
+    fused_decode_step(model, torch.tensor([[1], [2]], device=DEVICE), torch.tensor([[0], [3]], device=DEVICE))
+    llama = family == "llama"
+    qkv = dict(RMS=llama, SWIGLU=False, ROPE=llama, PAIRED=llama, GELU=False, QKV_CACHE=True)
+    proj = dict(RMS=False, SWIGLU=False, ROPE=False, PAIRED=False, GELU=False, QKV_CACHE=False)
+    fc = dict(RMS=llama, SWIGLU=llama, ROPE=False, PAIRED=llama, GELU=not llama, QKV_CACHE=False)
+    assert log.launches == [qkv, proj, fc, proj] * 2
+
+
+def test_rope_tables_are_the_models_and_kept():
+    model = tiny_llama("llama", torch.float32)
+    cos, sin = rope_tables(model, 40, torch.float32)
+    assert cos.shape[0] >= 40 and cos.shape[1] == model.config.head_dim
+    want_cos, want_sin = model.rotary(torch.tensor([0, 17, 39], device=DEVICE), torch.float32)
+    torch.testing.assert_close(cos[[0, 17, 39]], want_cos, rtol=0, atol=0)
+    torch.testing.assert_close(sin[[0, 17, 39]], want_sin, rtol=0, atol=0)
+    assert rope_tables(model, 100, torch.float32)[0] is cos         # the same table, not recomputed
+    longer = rope_tables(model, 1000, torch.float32)[0]
+    assert longer.shape[0] >= 1000 and rope_tables(model, 40, torch.float32)[0] is cos  # the old one kept
+    assert rope_tables(model, 40, torch.float16)[0].dtype == torch.float16
+    other = tiny_llama("llama", torch.float32)                      # another model: its own tables
+    assert rope_tables(other, 40, torch.float32)[0] is not cos
+
+
+def test_unsupported_reason_for_llama_blocks():
+    assert unsupported_reason(tiny_llama("llama", torch.float32), check_cache=False) is None
+    qwen3 = GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, qk_norm=True,
+                          **LLAMA))
+    assert "qk_norm" in unsupported_reason(qwen3, check_cache=False)
+    with pytest.raises(ValueError, match="qk_norm"):
+        use_fused_decode(qwen3, True, False, check_cache=False)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@torch.no_grad()
+def test_greedy_generation_with_the_fused_step_equals_without(name):
+    """The same tokens with the fused decode step as with the model's own (float32, prompts of different
+    lengths, so each sequence decodes at its own positions). On a GPU: generate()'s own choice with the flash
+    backend is the fused step, in a CUDA graph and without."""
+    model = tiny_llama(name, torch.float32)
+    prompts = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 5, 17)]
+    plain = generate(model, prompts, GREEDY, fused=False)
+    assert plain.decode_path == "model" and all(len(s) == GREEDY.max_new_tokens for s in plain.sequences)
+    if DEVICE.type == "cpu":
+        fused = generate(model, prompts, GREEDY, fused=True)
+        assert fused.decode_path == "fused" and fused.sequences == plain.sequences
+        return
+    model.set_attention_backend("flash")
+    for graph in (False, True):
+        auto = generate(model, prompts, GREEDY, cuda_graph=graph)
+        assert auto.decode_path == "fused" and auto.sequences == plain.sequences, f"cuda_graph={graph}"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs and programmatic dependent launch need a GPU")
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no-pdl"])
+@torch.no_grad()
+def test_fused_llama_step_replayed_in_a_cuda_graph(pdl, monkeypatch):
+    """SmolLM2-135M's widths in bf16 (576 wide, 9 heads over 3 kv heads, SwiGLU 1536: the down projection splits
+    K under PDL) captured in a CUDA graph with and without programmatic dependent launch: every replay's logits
+    and cache writes match the model's own step."""
+    monkeypatch.setattr(options, "_current", options.get())
+    options.update(pdl=pdl == "1")  # restored by monkeypatch at the end of the test
+    torch.manual_seed(7)
+    model = GPT(GPTConfig(block_size=320, vocab_size=512, n_layer=3, n_head=9, n_kv_head=3, n_embd=576,
+                          intermediate_size=1536, rope_theta=1e5, attention="naive", **LLAMA))
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    twin = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()
+    B, max_len = 3, 320
+    lengths = torch.tensor([1, 77, 300], device=DEVICE)
+    idx = torch.randint(0, 512, (B, 300), device=DEVICE)
+    for m in (model, twin, exact):
+        m.setup_kv_cache(B, max_len)
+    graph = DecodeGraph(twin, B, DEVICE, fused_decode_step)  # before prefill (its warm-up steps write position 0)
+    for m in (model, twin, exact):
+        prefill(m, idx, lengths)
+    pos = lengths[:, None].clone()
+    tok = torch.randint(0, 512, (B, 1), device=DEVICE)
+    for step in range(6):
+        want = decode_one_token(model, tok, pos)
+        got = graph(twin, tok, pos).clone()
+        check_step(got, want, oracle_step(exact, tok, pos), twin, model, exact, pos, f"replay {step}")
+        tok = want.argmax(-1, keepdim=True)
+        pos = pos + 1

@@ -1,0 +1,202 @@
+"""Every kernel variant of the fused decode path compiles for a Hopper GPU (sm_90), checked on any machine.
+
+Triton's interpreter, which runs the kernel tests on a CPU, accepts kernels that its compiler rejects, so the
+decode kernels (kernels/ln_linear.py, kernels/decode.py) are compiled here ahead of time through Triton's GPU
+compiler to PTX and, with the ptxas Triton ships, to a cubin. The argument lists are not written out by hand:
+the project's own wrappers and fused_decode_step run with each launch turned into a compile
+(tests/gpu_compile.py), so every variant compiled is one that a GPU would launch, with the same constexprs,
+tile configs and argument specialisations. Compiling happens in a child process started with
+TRITON_INTERPRET=0 and an empty Triton cache; the child prints a JSON list with a record per compiled variant.
+
+The child stands in for an sm_90 device with programmatic dependent launch (pdl on and off through the pdl
+option) and 132 SMs (H100 / H200), and takes CPU tensors (device checks off; nothing is launched).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+H200_SMS = 132
+DTYPES = ("float16", "bfloat16")
+GPT2 = dict(n_head=8, n_embd=512)  # head dim 64, MLP 2048: the down projection's K splits with and without PDL
+LLAMA = dict(n_head=4, n_kv_head=2, n_embd=512, head_size=128, intermediate_size=2048, pos_emb="rope",
+             norm="rmsnorm", mlp="swiglu", bias=False)  # GQA (2 query heads per kv head), head dim 128
+
+
+# --------------------------------------------------------------------- the child: compile what the path launches
+
+DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_kernel": "Q",
+             "_decode_merge_kernel": "OUT"}  # the argument whose pointer dtype is the variant's dtype
+
+
+def _record(c) -> dict:
+    """One compiled variant: kernel, dtype, constexprs by name, whether the PTX has its entry, cubin size."""
+    names = c.src.fn.arg_names
+    consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
+    return dict(kernel=c.name, dtype=c.src.signature[DTYPE_ARG[c.name]][1:], consts=consts,
+                ptx_entry=f".entry {c.name}(" in c.asm["ptx"], cubin_bytes=len(c.asm.get("cubin") or b""))
+
+
+def _steps(dtype, pdl: bool, batch: int = 1) -> None:
+    """fused_decode_step on a GPT-2-like, a Llama-like and a Qwen2-like (qkv_bias) model."""
+    import torch
+
+    from kernels import options
+    from model import GPT, GPTConfig
+    from model.fused_decode import fused_decode_step
+    for kw in (GPT2, LLAMA, dict(LLAMA, qkv_bias=True)):
+        model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
+        model.setup_kv_cache(batch, 64)
+        with options.use(pdl=pdl):
+            fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
+
+
+def _paired_split_k(dtype, pdl: bool) -> None:
+    """SwiGLU and RoPE-into-the-cache over a K long enough to split (2048) and few output tiles."""
+    import torch
+
+    from kernels import options
+    from kernels.ln_linear import ln_linear, ln_qkv_to_cache
+    K, D = 2048, 64
+
+    def t(*shape):
+        return torch.randn(*shape).to(dtype)
+
+    x, rms = t(1, K), (t(K), None, 1e-5)                                        # (1, K)
+    k_cache, v_cache = t(1, 1, 64, D), t(1, 1, 64, D)                           # (B, Hkv, max_len, D)
+    with options.use(pdl=pdl):
+        ln_linear(x, t(128, K), ln=rms, rms=True, swiglu=True, pdl=pdl)         # [gate | up] rows of 64
+        ln_qkv_to_cache(x, t(4 * D, K), None, rms, k_cache, v_cache, torch.tensor([5]), 2 * D, pdl=pdl,
+                        rms=True, rope=(t(64, D), t(64, D)))                    # Hq = 2, Hkv = 1
+
+
+def _split_attention(dtype) -> None:
+    """decode_attention over 4 splits (and the merge): MHA with head dim 64, GQA with head dim 128."""
+    import torch
+
+    from kernels import options
+    from kernels.decode import decode_attention
+    for hq, hkv, d in ((8, 8, 64), (4, 2, 128)):
+        q = torch.randn(1, hq, 1, d).to(dtype)                                  # (B, Hq, 1, D)
+        cache = torch.randn(1, hkv, 1024, d).to(dtype)                          # (B, Hkv, max_len, D)
+        with options.use(pdl=True):
+            decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4)
+
+
+def compile_decode_launches() -> list[dict]:
+    """Run in a process started with TRITON_INTERPRET=0: every decode launch above compiled for sm_90."""
+    import torch
+
+    import kernels._triton as kt
+    import kernels.decode as decode
+    import kernels.ln_linear as ll
+    from kernels import options
+    from kernels.pdl import triton_has_gdc
+    from tests.gpu_compile import compiling_instead_of_launching
+
+    kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
+    kt.sm_count = lambda device: H200_SMS
+    ll.pdl_enabled = decode.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl  # sm_90
+    torch.manual_seed(0)
+    kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel)
+    with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
+        for dtype in (getattr(torch, name) for name in DTYPES):
+            for pdl in (True, False):
+                _steps(dtype, pdl)
+                _paired_split_k(dtype, pdl)
+            _split_attention(dtype)
+        _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
+    return [_record(c) for c in compiled]
+
+
+# --------------------------------------------------------------------- the test: what must have compiled
+
+def _tags(rec: dict) -> set[str]:
+    """A compiled variant's modes as tags, each switch named on or off."""
+    c = rec["consts"]
+    tags = {rec["kernel"], rec["dtype"], "pdl" if c.get("USE_GDC") else "no_pdl"}
+    if rec["kernel"] == "_ln_linear_kernel":
+        tags.add(("rmsnorm" if c["RMS"] else "layernorm") if c["HAS_LN"] else "no_norm")
+        tags.add("bias" if c["HAS_BIAS"] else "no_bias")
+        tags.add("split_k" if c["SPLIT_K"] > 1 else "one_split")
+        tags.add(f"block_n{c['BLOCK_N']}")
+        tags.update(name.lower() if c[flag] else "no_" + name.lower() for flag, name in (
+            ("LN_HAS_BIAS", "ln_bias"), ("GELU", "gelu"), ("SWIGLU", "swiglu"), ("ROPE", "rope"),
+            ("QKV_CACHE", "qkv_cache"), ("HAS_RES", "residual"), ("LN_STATS_IN", "stats_in"),
+            ("STATS_OUT_ON", "stats_out")))
+    elif rec["kernel"] == "_embed_kernel":
+        tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
+    else:
+        tags.update({f"d{c['HEAD_DIM']}", "split" if c["NUM_SPLITS"] > 1 else "no_split",
+                     "gqa" if c.get("GROUP", 1) > 1 else "mha"})
+    return tags
+
+
+LN_LINEAR_MODES = [  # each launched with and without PDL, in each dtype
+    # GPT-2: the four launches of a layer (the last layer's down projection leaves no statistics)
+    "layernorm ln_bias bias qkv_cache stats_in no_rope no_gelu no_swiglu one_split",
+    "no_norm bias residual stats_out no_gelu no_swiglu one_split",
+    "layernorm ln_bias bias gelu stats_in no_residual one_split",
+    "no_norm bias residual stats_out split_k",
+    "no_norm bias residual no_stats_out split_k",
+    # Llama family: RMSNorm, RoPE into the cache, SwiGLU, no biases; qkv_bias (Qwen2); paired modes split over K
+    "rmsnorm no_ln_bias no_bias qkv_cache rope stats_in one_split",
+    "rmsnorm no_ln_bias bias qkv_cache rope stats_in",
+    "no_norm no_bias residual stats_out one_split",
+    "rmsnorm no_bias swiglu no_gelu stats_in no_residual one_split",
+    "no_norm no_bias residual stats_out split_k",
+    "no_norm no_bias residual no_stats_out split_k",
+    "rmsnorm no_bias swiglu split_k",
+    "rmsnorm no_bias qkv_cache rope split_k",
+]
+OTHER_MODES = [
+    "_embed_kernel wpe", "_embed_kernel no_wpe",
+    # unsplit (the steps' short caches) with and without PDL; split and merged over 4 splits
+    "_decode_split_kernel mha d64 no_split pdl", "_decode_split_kernel mha d64 no_split no_pdl",
+    "_decode_split_kernel gqa d128 no_split pdl", "_decode_split_kernel gqa d128 no_split no_pdl",
+    "_decode_split_kernel mha d64 split pdl", "_decode_split_kernel gqa d128 split pdl",
+    "_decode_merge_kernel d64", "_decode_merge_kernel d128",
+]
+PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns (32 column pairs) wide
+    "_ln_linear_kernel layernorm qkv_cache one_split block_n64",
+    "_ln_linear_kernel no_norm residual stats_out one_split block_n64",
+    "_ln_linear_kernel rmsnorm qkv_cache rope one_split block_n32",
+    "_ln_linear_kernel rmsnorm swiglu one_split block_n32",
+]
+
+
+def required_modes() -> list[set[str]]:
+    out = []
+    for dtype in DTYPES:
+        ptr = PTR_DTYPES[dtype]
+        out += [{"_ln_linear_kernel", ptr, p, *m.split()} for m in LN_LINEAR_MODES for p in ("pdl", "no_pdl")]
+        out += [{ptr, *m.split()} for m in OTHER_MODES]
+    out += [{"bf16", "pdl", *m.split()} for m in WIDE_PDL_MODES]
+    return out
+
+
+def test_decode_kernels_compile_for_hopper(tmp_path):
+    """Each launch variant of the decode path (GPT-2 and Llama-family modes, split-K, PDL on and off, fp16 and
+    bf16, GQA, head dims 64 and 128, split and unsplit attention) compiles to PTX with its entry and to a cubin."""
+    from tests.util import ROOT, pythonpath
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=pythonpath(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_kernels_compile"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = json.loads(proc.stdout)
+    for rec in records:
+        assert rec["ptx_entry"] and rec["cubin_bytes"] > 0, rec
+    tagged = [_tags(rec) for rec in records]
+    missing = [" ".join(sorted(m)) for m in required_modes() if not any(m <= t for t in tagged)]
+    assert not missing, f"no compiled variant for: {missing}"
+
+
+if __name__ == "__main__":
+    json.dump(compile_decode_launches(), sys.stdout)

@@ -77,8 +77,6 @@ def attention(q, k, v, *, backend: str = "naive", causal: bool = True, sm_scale:
         impl = _IMPLS[backend]
     except KeyError:
         raise _unknown_backend(backend) from None
-    if not window and docs is None:
-        return impl(q, k, v, causal=causal, sm_scale=sm_scale)
     return impl(q, k, v, causal=causal, sm_scale=sm_scale, window=window, docs=docs)
 
 
@@ -91,8 +89,6 @@ def attention_qkvpacked(qkv, n_head: int, n_kv_head: int, *, backend: str = "nai
     dv); the other backends attend over the views exactly as attention() does.
     """
     if backend == "flash":
-        if not window and docs is None:
-            return flash_attention_qkvpacked(qkv, n_head, n_kv_head, causal=causal, sm_scale=sm_scale)
         return flash_attention_qkvpacked(qkv, n_head, n_kv_head, causal=causal, sm_scale=sm_scale, window=window,
                                          docs=docs)
     return attention(*split_qkv(qkv, n_head, n_kv_head), backend=backend, causal=causal, sm_scale=sm_scale,

@@ -26,13 +26,15 @@ Same semantics as ``kernels.naive.naive_attention`` (the reference and test orac
   ``docs[b, 1, i]`` the first token and one past the last of the document holding token i of row b
   (``kernels.documents.document_bounds`` builds them from end-of-text tokens, on the device). Query i sees
   only the keys of its own document, with the causal mask (or the whole document with ``causal=False``) and the
-  window on top. Any document lengths >= 1, any number per row, anywhere in the row; the values are trusted
-  (not read back), and bounds outside [0, N] cannot make a kernel read outside the row.
+  window on top. Any document lengths >= 1, any number per row, anywhere in the row. The values are trusted,
+  not read back: they must be bounds as document_bounds writes them (each token inside its own document, the
+  starts and the ends non-decreasing along the row); other values give wrong results, but bounds outside
+  [0, N] cannot make a kernel read outside the row.
 * The varlen form is FlashAttention's packed-sequence interface: q (total, Hq, D), k and v (total, Hkv, D) of
-  sequences laid one after another, ``cu_seqlens`` (n + 1,) int32/int64 their offsets (0 ... total,
-  non-decreasing; empty sequences allowed; the values are checked with one device-to-host read, not under
-  torch.compile). It runs the document kernels on the (1, H, total, D) view; ``max_seqlen`` is optional and
-  only checked. Window, GQA, both masks, every dtype below, forward and backward.
+  sequences laid one after another (total >= 1), ``cu_seqlens`` (n + 1,) int32/int64 their offsets (0 ...
+  total, non-decreasing; empty sequences allowed; the values are checked with one device-to-host read, not
+  under torch.compile). It runs the document kernels on the (1, H, total, D) view; ``max_seqlen`` is optional
+  and only checked. Window, GQA, causal or not, every dtype and head dim below, forward and backward.
 * With a window or documents, each query tile loads only the key blocks that some row of it sees: the blocks
   between the tile's first row's lowest key and its last row's highest key. Those visible to every row run
   without a mask, the blocks at either edge with one; the dK/dV kernel skips query blocks the same way. So
@@ -49,7 +51,10 @@ Supported, forward and backward (anything else raises ValueError before any laun
 * head dims 1 <= D <= 256. D is padded to the constexpr BLOCK_D = max(16, next power of two) with masked loads
   and stores, so 48, 80, 96 (and 8 or 200) work; the padding lanes are zeros and never written back.
 * any lengths Nq, Nk >= 1: the sequence tails are handled with masked loads/stores; nothing needs to be a
-  multiple of a block size.
+  multiple of a block size. Offsets within one (batch, head) are int32: each of q, k, v needs
+  (N - 1)·stride(N) + (D - 1)·stride(D) < 2³¹ elements (contiguous (B, H, N, D): about N·D; the varlen form's
+  (total, H, D): about total·H·D). Batch and head counts up to 65535 (the grid's limits).
+* windows of any size >= 1 (WINDOW is a constexpr: each window size compiles its own kernels; 0 is none).
 * causal and non-causal masks, windows and documents, each in the forward and in the backward (split and fused),
   with GQA, TMA or pointer loads, and the longest-first grid.
 * tensors on a CUDA device, or on the CPU through Triton's interpreter (TRITON_INTERPRET=1 set before the

@@ -77,6 +77,32 @@ def test_packed_row_gives_each_document_its_own_logits(backend, arch):
     assert (plain[0, 5:] - want[0, 5:]).abs().max() > 1e-3  # the mask and the positions made the difference
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_layer_attends_with_the_positions_of_the_document_alone(arch, monkeypatch):
+    """The q, k, v each layer attends with (RoPE applied) are, for the second document of a packed row, those
+    it gets alone: positions restart at its start. RoPE scores depend on relative positions only, so a RoPE
+    model's logits hardly show absolute positions that ran on; its rotated q and k do."""
+    seen = []
+    real = kernels.attention_qkvpacked
+
+    def spy(qkv, *args, **kwargs):
+        seen.append(qkv.detach().clone())  # (B, T, (nh + 2·nkv)·hd)
+        return real(qkv, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention_qkvpacked", spy)
+    torch.manual_seed(3)
+    model = GPT(tiny(**ARCHS[arch])).double().eval()
+    idx, docs = packed_rows([[7, 12]], torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(idx, docs=kernels.document_bounds(idx, EOT))
+        packed = seen[:]
+        seen.clear()
+        model(docs[1][None])
+    assert len(packed) == len(seen) == model.config.n_layer
+    for layer, (a, b) in enumerate(zip(packed, seen)):
+        torch.testing.assert_close(a[:, 7:], b, atol=1e-12, rtol=0, msg=f"layer {layer}")
+
+
 def test_flash_backward_with_documents_matches_naive():
     """Loss gradients of a packed batch through the flash kernels equal naive attention's (float32)."""
     torch.manual_seed(1)

@@ -122,12 +122,13 @@ def test_flash_backward_with_documents_matches_naive():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("backend", ["naive", "flash"])
-def test_attention_window_limits_what_a_token_sees(backend):
-    """attention_window = 4 with 2 layers: a token's logits depend on at most the 2 * 3 tokens before it, and
-    they agree with the naive reference."""
+def test_attention_window_limits_what_a_token_sees(backend, arch):
+    """attention_window = 4 with 2 layers (GPT-2 blocks; Llama-family blocks with RoPE and GQA): a token's
+    logits depend on at most the 2 * 3 tokens before it, and they agree with the naive reference."""
     torch.manual_seed(2)
-    model = GPT(tiny(attention=backend, attention_window=4, n_layer=2)).to(DEVICE).eval()
+    model = GPT(tiny(attention=backend, attention_window=4, n_layer=2, **ARCHS[arch])).to(DEVICE).eval()
     idx = torch.randint(0, V, (1, 30), device=DEVICE)
     changed = idx.clone()
     changed[0, 10] = (changed[0, 10] + 1) % V

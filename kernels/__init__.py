@@ -25,7 +25,7 @@ from ._triton import SUPPORTED_DTYPES, interpreting
 from .ce_loss import cross_entropy as triton_cross_entropy
 from .documents import bounds_from_cu_seqlens, document_bounds, document_mask, document_positions
 from .flash import flash_attention, flash_attention_qkvpacked, flash_attention_varlen
-from .naive import causal_mask, check_qkv, naive_attention, split_qkv, window_mask
+from .naive import causal_mask, check_qkv, check_window, naive_attention, split_qkv, window_mask
 from .options import LOSS_KERNELS
 
 BACKENDS = ("flash", "sdpa", "naive")
@@ -39,6 +39,7 @@ def sdpa_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = Non
     A window or documents become one explicit boolean mask ((Nq, Nk), or (B, 1, N, N) with documents): correct,
     but SDPA then runs its memory-efficient or math kernels, not FlashAttention's."""
     check_qkv(q, k, v)
+    check_window(window, causal)
     Nq, Nk = q.shape[2], k.shape[2]
     if window or docs is not None:
         if (causal and Nq > Nk) or (window and not causal) or (docs is not None and Nq != Nk):
@@ -132,6 +133,6 @@ def resolve_loss_kernel(kernel: str | None, device) -> str:
 __all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
            "flash_attention", "flash_attention_qkvpacked", "flash_attention_varlen", "document_bounds",
            "bounds_from_cu_seqlens", "document_positions", "document_mask", "window_mask", "split_qkv", "BACKENDS",
-           "BACKEND_CHOICES", "check_qkv",
+           "BACKEND_CHOICES", "check_qkv", "check_window",
            "cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS", "options",
            "interpreting", "SUPPORTED_DTYPES"]

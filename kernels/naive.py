@@ -59,6 +59,14 @@ def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
     return j <= i + (Nk - Nq)
 
 
+def check_window(window, causal: bool) -> None:
+    """ValueError (one line) unless window is an int >= 0 (0: no window), and a window > 0 comes with causal."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
+    if window and not causal:
+        raise ValueError(f"window={window} needs causal=True (a window reaches back from the diagonal)")
+
+
 def window_mask(Nq: int, Nk: int, window: int, device=None) -> torch.Tensor:
     """(Nq, Nk) bool, True where key j is among the last `window` keys up to query i's diagonal:
     i + (Nk - Nq) - window < j (bottom-right aligned; combine with causal_mask)."""
@@ -83,8 +91,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     (B, 2, N) int32 document bounds (kernels.documents): query i sees the keys of its own document only.
     """
     check_qkv(q, k, v)
-    if window and not causal:
-        raise ValueError(f"window={window} needs causal=True (a window reaches back from the diagonal)")
+    check_window(window, causal)
     if docs is not None and q.shape[2] != k.shape[2]:
         raise ValueError(f"documents need Nq = Nk (self-attention), got Nq={q.shape[2]}, Nk={k.shape[2]}")
     B, Hq, Nq, D = q.shape

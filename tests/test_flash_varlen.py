@@ -345,13 +345,17 @@ def test_custom_ops_and_torch_compile(request):
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
 def test_other_backends_take_the_same_masks(backend, request):
-    """kernels.attention with a window and documents: naive and sdpa (explicit masks) agree with flash."""
+    """kernels.attention with a window and documents: naive and sdpa (explicit masks) agree with flash, and
+    refuse the windows flash refuses."""
     g = _gen(request)
     q, k, v = (_rand((2, 2, 40, HEAD_DIM), torch.float32, g) for _ in range(3))
     docs = _bounds([[7, 33], [40]])
     for kw in (dict(window=6), dict(docs=docs), dict(window=6, docs=docs), dict(docs=docs, causal=False)):
         want = kernels.attention(q, k, v, backend="flash", **kw)
         torch.testing.assert_close(kernels.attention(q, k, v, backend=backend, **kw), want, atol=1e-5, rtol=1e-5)
+    for bad in (dict(window=-1), dict(window=2.0), dict(window=3, causal=False)):
+        with pytest.raises(ValueError, match="window"):
+            kernels.attention(q, k, v, backend=backend, **bad)
     q2 = _rand((1, 2, 50, HEAD_DIM), torch.float32, g)  # Nq > Nk with a window: blind rows are 0, not NaN
     out = kernels.attention(q2, k[:1], v[:1], backend=backend, window=6)
     torch.testing.assert_close(out, kernels.attention(q2, k[:1], v[:1], backend="flash", window=6), atol=1e-5,

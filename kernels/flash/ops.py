@@ -24,7 +24,7 @@ import torch
 
 from .. import _triton
 from ..documents import bounds_from_cu_seqlens, check_cu_seqlens, check_docs
-from ..naive import check_qkv, split_qkv
+from ..naive import check_qkv, check_window, split_qkv
 from .configs import MAX_HEAD_DIM
 from .launch import _bwd, _fwd, _layout, _packed_bwd, _packed_fwd
 
@@ -51,7 +51,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, causa
         if (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2**31:
             raise ValueError(f"flash_attention: {name} is too long for int32 offsets within one head "
                              f"(shape {tuple(t.shape)}, strides {t.stride()})")
-    _check_window(window, causal)
+    check_window(window, causal)
     if docs is not None:
         check_docs(docs, q.shape[0], q.shape[2], q.device, "flash_attention")
         if k.shape[2] != q.shape[2]:
@@ -63,13 +63,6 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, causa
     if not (math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a finite number > 0, got {sm_scale}")
     return sm_scale
-
-
-def _check_window(window, causal: bool) -> None:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
-    if window and not causal:
-        raise ValueError(f"window={window} needs causal=True (a window reaches back from the diagonal)")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ class GPTConfig:
     qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
     llama_kernels: str = "auto"  # RMSNorm, SwiGLU, RoPE: "triton" | "torch"; "auto" = the llama_kernels option
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
+    attention_window: int = 0  # sliding window: each token attends to itself and the window - 1 tokens before it
+                               # (0 = the whole causal prefix); part of the model: training and evaluation
     loss_kernel: str = "auto"  # "triton" | "torch"; "auto" = the kernels' loss_kernel option (Triton on CUDA)
 
     @property
@@ -94,6 +96,8 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
         self._validate_architecture(bad)
+        if self.attention_window < 0:
+            bad("attention_window", "must be 0 (no window) or a positive number of tokens")
         if self.attention not in BACKEND_CHOICES:
             bad("attention", f"must be one of {', '.join(BACKEND_CHOICES)}")
         if self.loss_kernel not in LOSS_KERNELS:

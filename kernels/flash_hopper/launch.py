@@ -94,11 +94,14 @@ def _desc(t: torch.Tensor, block_rows: int):
             strides[i] = inner
         inner = strides[i] * shape[i]
     block = [1, 1, block_rows, shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, shape, strides, block, layout)
+    return TensorDescriptor(t, shape, strides, block, _smem_layout(block_rows, shape[-1], t.dtype))
 
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16} if AVAILABLE else {}
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
+    """The shared-memory layout of a (1, 1, block_rows, head_dim) block: the widest swizzle its rows allow."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim], gl_dtype)
 
 
 def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,

@@ -3,6 +3,7 @@
     with compiling_instead_of_launching(kernel_a, kernel_b) as compiled:
         wrapper(...)                      # every kernel_a[grid](...) inside compiles, launches nothing
     compiled                              # [CompiledKernel], in launch order (repeats of one variant: once)
+    describe(c, dtype_arg)                # one compiled variant as plain data (for the parent process)
 
 Triton's interpreter accepts kernels that its compiler rejects (a plain Python global read inside a kernel, for
 one), so a kernel tested only on the CPU can still fail to build on a GPU. Inside the context each launch goes
@@ -72,3 +73,11 @@ def compiling_instead_of_launching(*kernels: JITFunction, target: GPUTarget = TA
             del k.run
         driver._active = previous
 
+
+def describe(c, dtype_arg: dict) -> dict:
+    """One compiled variant: kernel name, dtype (of the pointer argument dtype_arg[name] names), constexprs by
+    name, whether the PTX holds its entry, cubin size."""
+    names = c.src.fn.arg_names
+    consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
+    return dict(kernel=c.name, dtype=c.src.signature[dtype_arg[c.name]][1:], consts=consts,
+                ptx_entry=f".entry {c.name}(" in c.asm["ptx"], cubin_bytes=len(c.asm.get("cubin") or b""))

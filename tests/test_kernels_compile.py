@@ -31,14 +31,6 @@ DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_ke
              "_decode_merge_kernel": "OUT"}  # the argument whose pointer dtype is the variant's dtype
 
 
-def _record(c) -> dict:
-    """One compiled variant: kernel, dtype, constexprs by name, whether the PTX has its entry, cubin size."""
-    names = c.src.fn.arg_names
-    consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
-    return dict(kernel=c.name, dtype=c.src.signature[DTYPE_ARG[c.name]][1:], consts=consts,
-                ptx_entry=f".entry {c.name}(" in c.asm["ptx"], cubin_bytes=len(c.asm.get("cubin") or b""))
-
-
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
     """fused_decode_step on a GPT-2-like, a Llama-like and a Qwen2-like (qkv_bias) model."""
     import torch
@@ -94,7 +86,7 @@ def compile_decode_launches() -> list[dict]:
     import kernels.ln_linear as ll
     from kernels import options
     from kernels.pdl import triton_has_gdc
-    from tests.gpu_compile import compiling_instead_of_launching
+    from tests.gpu_compile import compiling_instead_of_launching, describe
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
@@ -108,7 +100,7 @@ def compile_decode_launches() -> list[dict]:
                 _paired_split_k(dtype, pdl)
             _split_attention(dtype)
         _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
-    return [_record(c) for c in compiled]
+    return [describe(c, DTYPE_ARG) for c in compiled]
 
 
 # --------------------------------------------------------------------- the test: what must have compiled

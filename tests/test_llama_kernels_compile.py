@@ -20,13 +20,6 @@ DTYPE_ARG = {"_rms_fwd": "X", "_rms_bwd": "X", "_sum_partials": "OUT", "_swiglu_
              "_rope_qkv": "X"}  # the argument whose pointer dtype is the variant's dtype
 
 
-def _record(c) -> dict:
-    names = c.src.fn.arg_names
-    consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
-    return dict(kernel=c.name, dtype=c.src.signature[DTYPE_ARG[c.name]][1:], consts=consts,
-                ptx_entry=f".entry {c.name}(" in c.asm["ptx"], cubin_bytes=len(c.asm.get("cubin") or b""))
-
-
 def compile_launches() -> list[dict]:
     """Run in a process started with TRITON_INTERPRET=0: the forward and backward launches compiled for sm_90."""
     import torch
@@ -35,7 +28,7 @@ def compile_launches() -> list[dict]:
     import kernels.rmsnorm as rms
     import kernels.rope as rope
     import kernels.swiglu as sw
-    from tests.gpu_compile import compiling_instead_of_launching
+    from tests.gpu_compile import compiling_instead_of_launching, describe
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
@@ -54,7 +47,7 @@ def compile_launches() -> list[dict]:
             qkv = torch.randn(B, T, 15 * D, dtype=torch.bfloat16)  # 9 q heads, 3 kv heads
             cos = torch.randn(*((B, T, D) if per_seq else (T, D)), dtype=torch.bfloat16)
             rope._bwd(rope._fwd(qkv, cos, cos, 9, 3), cos, cos, 9, 3)
-    return [_record(c) for c in compiled]
+    return [describe(c, DTYPE_ARG) for c in compiled]
 
 
 REQUIRED = [  # (kernel, pointer dtype, constexprs that must be among the variant's)

@@ -22,6 +22,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "autotune: run the kernel with its autotuner on (GPU only)")
     config.addinivalue_line("markers", "slow: an exhaustive sweep, skipped unless selected with `-m slow`")
+    if hasattr(config, "workerinput"):  # an xdist worker: its share of the cores, for itself and what it starts
+        threads = max(1, (os.cpu_count() or 1) // int(config.workerinput.get("workercount", 1)))
+        torch.set_num_threads(threads)
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(key, str(threads))
     path = config.getoption("--test-times")
     if path and not hasattr(config, "workerinput"):  # the controller writes (xdist workers send it their reports)
         config.pluginmanager.register(_TestTimes(path), "flashgpt-test-times")

@@ -18,7 +18,7 @@ from model import GPT, GPTConfig
 from model.checkpoint import atomic_save, load_checkpoint
 from model.generation import generate, prefill
 from model.sampling import SamplingParams, sample
-from tests.util import run_entry, write_corpus
+from tests.util import recompute_greedy, run_entry, write_corpus
 
 VOCAB = 97
 PROMPT_LENS = (1, 5, 17, 30)  # single tokens, < 16 (the decode kernel's prefill path), > 16, two chunk sizes
@@ -40,20 +40,6 @@ def random_model(n_kv_head: int = 0, attention: str = "naive", seed: int = 0) ->
 def random_prompts(lens=PROMPT_LENS, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
-
-
-@torch.no_grad()
-def recompute_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
-    """The oracle: no cache, naive attention, the full sequence again at every step."""
-    backend = model.config.attention
-    model.set_attention_backend("naive")
-    seq, out = list(prompt), []
-    for _ in range(n):
-        logits, _ = model(torch.tensor([seq], device=model.lm_head.weight.device))  # (1, T, V)
-        out.append(int(logits[0, -1].argmax()))
-        seq.append(out[-1])
-    model.set_attention_backend(backend)
-    return out
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=N_NEW)

@@ -13,7 +13,7 @@ from model import GPT, GPTConfig
 from model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from model.generation import generate
 from model.sampling import SamplingParams
-from tests.util import ROOT, run_entry, write_corpus
+from tests.util import ROOT, recompute_greedy, run_entry, write_corpus
 
 VOCAB = 97
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
@@ -259,19 +259,6 @@ def test_fused_decode_step_covers_llama_blocks_but_not_qk_norm():
 
 N_NEW = 10
 PROMPT_LENS = (1, 5, 17, 30)
-
-
-@torch.no_grad()
-def recompute_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
-    """The oracle: no cache, naive attention, the whole sequence again at every step."""
-    backend = model.config.attention
-    model.set_attention_backend("naive")
-    seq, out = list(prompt), []
-    for _ in range(n):
-        out.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
-        seq.append(out[-1])
-    model.set_attention_backend(backend)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -37,3 +37,19 @@ def pythonpath(first: str) -> str:
     a folder of their own stay importable)."""
     rest = os.environ.get("PYTHONPATH", "")
     return first + (os.pathsep + rest if rest else "")
+
+
+def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The greedy oracle of the generation tests: no cache, naive attention, the whole sequence again at every
+    step; n new token ids."""
+    import torch
+    backend = model.config.attention
+    model.set_attention_backend("naive")
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(torch.tensor([seq], device=model.lm_head.weight.device))  # (1, T, V)
+            out.append(int(logits[0, -1].argmax()))
+            seq.append(out[-1])
+    model.set_attention_backend(backend)
+    return out

@@ -47,13 +47,36 @@ class _TestTimes:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests run only when the -m expression names them (`-m slow`, `-m "slow or not slow"`)."""
+    """`slow` tests run only when the -m expression names them (`-m slow`, `-m "slow or not slow"`). On a GPU the
+    tests start longest first (see _longest_first)."""
+    if torch.cuda.is_available():
+        _longest_first(items, DURATIONS)
     if "slow" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="slow sweep: select it with -m slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+DURATIONS = os.path.join(os.path.dirname(__file__), "gpu_durations.tsv")
+
+
+def _longest_first(items, path: str) -> None:
+    """Order `items` by their seconds in `path` (tab-separated seconds and test id, one per line), longest first;
+    a test the file does not list counts as the median of those it does. With pytest-xdist handing tests out in
+    this order, the minute-long tests start at the beginning on all workers instead of wherever collection put
+    them, so the run does not end with one worker finishing a long test alone. Only the order changes: every
+    test still runs. Without the file the order stays as collected."""
+    try:
+        with open(path) as f:
+            rows = [line.rstrip("\n").split("\t", 1) for line in f if line.strip() and not line.startswith("#")]
+        seconds = {test: float(s) for s, test in rows}
+    except FileNotFoundError:
+        return
+    known = sorted(seconds.values())
+    default = known[len(known) // 2] if known else 0.0
+    items.sort(key=lambda item: -seconds.get(item.nodeid, default))  # stable: ties keep the collected order
 
 
 # Offline and quiet: hub lookups fail fast instead of retrying, wandb and tiktoken write under the

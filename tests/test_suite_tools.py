@@ -38,3 +38,43 @@ def test_gpu_check_dry_run_reports_each_step(tmp_path):
                        timeout=300)
     summary = (tmp_path / "bad" / "gpu_check.log").read_text()
     assert r.returncode != 0 and "FAIL  help_entry_points" in summary and "1 FAILED" in summary
+
+
+def test_longest_first_orders_by_the_table_and_keeps_every_test(tmp_path):
+    """The GPU run's order: longest first by the table; an unlisted test counts as the median; ties keep the
+    collected order; nothing is dropped; without a table the order stays as collected."""
+    from tests.conftest import _longest_first
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    table = tmp_path / "durations.tsv"
+    table.write_text("# a comment line\n1.0\tt::a\n30.0\tt::b\n5.0\tt::c\n2.0\tt::d\n")
+    items = [Item(n) for n in ("t::a", "t::new1", "t::b", "t::c", "t::d", "t::new2")]
+    _longest_first(items, str(table))
+    # median of (1, 2, 5, 30) by index len//2 of the sorted values is 5.0: unlisted tests tie with t::c
+    assert [i.nodeid for i in items] == ["t::b", "t::new1", "t::c", "t::new2", "t::d", "t::a"]
+    collected = [Item(n) for n in ("x::1", "x::2")]
+    _longest_first(collected, str(tmp_path / "missing.tsv"))
+    assert [i.nodeid for i in collected] == ["x::1", "x::2"]
+
+
+def test_durations_table_is_rebuilt_from_test_times(tmp_path):
+    """tests/durations.py sums each test's phases, keeps the old seconds of tests the run did not reach, drops
+    tests whose file is gone, and refuses a malformed line with one error line."""
+    times = tmp_path / "times.tsv"
+    times.write_text("1.5\tsetup\tpassed\tgw0\ttests/test_config.py::t1\n"
+                     "2.0\tcall\tpassed\tgw0\ttests/test_config.py::t1\n"
+                     "0.5\tteardown\tpassed\tgw0\ttests/test_config.py::t1\n")
+    table = tmp_path / "table.tsv"
+    table.write_text("9.00\ttests/test_config.py::t1\n7.00\ttests/test_config.py::t2\n3.00\ttests/test_gone.py::t\n")
+    r = subprocess.run([sys.executable, "tests/durations.py", str(times), "--table", str(table)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("\t") for line in table.read_text().splitlines() if not line.startswith("#")]
+    assert rows == [["4.00", "tests/test_config.py::t1"], ["7.00", "tests/test_config.py::t2"]]
+    times.write_text("1.0\tcall\n")
+    r = subprocess.run([sys.executable, "tests/durations.py", str(times), "--table", str(table)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and "line 1" in r.stderr

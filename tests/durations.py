@@ -1,0 +1,76 @@
+"""Rebuild tests/gpu_durations.tsv (the GPU run's test order, tests/conftest.py) from a GPU run's --test-times file.
+
+    python tests/durations.py runs/gpu_check/test_times.tsv          # after `bash bench/gpu_check.sh` on a GPU
+
+A test's seconds are the sum of its phases (setup, call, teardown). Tests the run did not reach keep the seconds
+the table already holds for them; tests that no longer exist are dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TABLE = os.path.join(HERE, "gpu_durations.tsv")
+HEADER = ("# seconds per test on one GPU (setup + call + teardown, under pytest-xdist), from a --test-times file\n"
+          "# (tests/durations.py); only the order of the GPU run uses it (tests/conftest.py: _longest_first)\n")
+
+
+def read_test_times(path: str) -> dict[str, float]:
+    """{test id: seconds} summed over the phases of a --test-times file (seconds, phase, outcome, worker, id)."""
+    total: dict[str, float] = defaultdict(float)
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 5:
+                raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
+            total[parts[4]] += float(parts[0])
+    return dict(total)
+
+
+def read_table(path: str) -> dict[str, float]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [line.rstrip("\n").split("\t", 1) for line in f if line.strip() and not line.startswith("#")]
+    return {test: float(s) for s, test in rows}
+
+
+def merged(old: dict[str, float], new: dict[str, float], existing: set[str] | None) -> dict[str, float]:
+    """`new` wins; `old` fills the tests the run did not reach; ids not in `existing` (when given) are dropped."""
+    out = {**old, **new}
+    return {t: s for t, s in out.items() if existing is None or t.split("::")[0] in existing}
+
+
+def write_table(path: str, seconds: dict[str, float]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".durations-")
+    with os.fdopen(fd, "w") as f:
+        f.write(HEADER)
+        for test in sorted(seconds):
+            f.write(f"{seconds[test]:.2f}\t{test}\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("times", help="a --test-times file from a GPU run")
+    p.add_argument("--table", default=TABLE, help="the table to update (default tests/gpu_durations.tsv)")
+    a = p.parse_args(argv)
+    try:
+        new = read_test_times(a.times)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    root = os.path.dirname(HERE)
+    files = {f"tests/{name}" for name in os.listdir(HERE) if name.startswith("test_") and name.endswith(".py")}
+    table = merged(read_table(a.table), new, files)
+    write_table(a.table, table)
+    print(f"{a.table}: {len(table)} tests ({len(new)} from {os.path.relpath(a.times, root)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

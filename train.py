@@ -35,6 +35,7 @@ if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter
 import kernels  # noqa: E402
 from config import (NO_EOT_FOR_DOC_MASK, SECTIONS, ConfigError, RunConfig, apply_changes, format_config,  # noqa: E402
                     load_config, resume_config)
+from data.batches import open_train_data, to_device  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from data.prepare import DataError, prepare  # noqa: E402
 from data.sharded_loader import ShardedData  # noqa: E402
@@ -377,11 +378,8 @@ class Trainer:
         folder = prepare_data() if self.master else None
         self._barrier()
         folder = folder or prepare_data()
-        if sharded:
-            self.data = ShardedData(folder, cfg.model.block_size, seed=self.t.seed,
-                                    pin_memory=self.device.type == "cuda")
-        else:
-            self.data = TokenData(folder, cfg.model.block_size, seed=self.t.seed)
+        self.data = open_train_data(folder, cfg.model.block_size, sharded=sharded, seed=self.t.seed,
+                                    device=self.device)
         if ckpt is not None and ckpt.get("tokenizer") is not None:
             difference = tokenizer_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
             if difference:
@@ -552,8 +550,8 @@ class Trainer:
             no_sync = (model.no_sync() if self.world > 1 and not sync and not self.sharded
                        else contextlib.nullcontext())
             with no_sync, self.autocast:
-                x = x.to(device, non_blocking=True)
-                _, loss = model(x, y.to(device, non_blocking=True), **document_kwargs(x, self.eot))
+                x, y = to_device(x, y, device)
+                _, loss = model(x, y, **document_kwargs(x, self.eot))
                 loss = loss / len(micro)
             self.scaler.scale(loss).backward()
             step_loss += loss.detach()

@@ -3,6 +3,7 @@ eager and compiled.
 
     python bench/train.py [--out DIR] [--steps 20] [--variants flash,sdpa+compile,flash+compile/fused,...]
     python bench/train.py --model configs/smollm2_135m.toml --block 2048 [--llama-kernels triton]
+    python bench/train.py --steps 20 --repeats 3 --variants flash+compile --data memory,shards
 
 GPT-2 124M's shape (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024, or
 with --model the [model] section of a training config (e.g. SmolLM2-135M's Llama shape; --block sets its
@@ -23,17 +24,37 @@ A variant is ATTENTION[+compile][/BWD]: BWD (flash only) = split or fused, the f
 (the backward kernel option, kernels/options.py); without it, the option in force. --loss picks the loss
 kernel of every variant (kernels.cross_entropy: auto = the Triton kernel on CUDA; torch = F.cross_entropy on
 fp32 logits).
+
+--data says what feeds the steps, a list measured for every variant (each pair in its own processes): random
+(the fixed batch above), memory (the in-memory loader, data.loader.TokenData over train.bin / val.bin from
+data.prepare.prepare) and/or shards (the sharded streaming loader, data.sharded_loader.ShardedData over token
+shards from data.shards.prepare_shards). A loader gives a new batch every step, fetched and copied to the GPU
+inside the timed step by train.py's own data path (data/batches.py: open_train_data, then train_batches and
+to_device); the step synchronises at its end, so whatever time the GPU waits for the batch counts (train.py
+fetches a step ahead of the GPU, which can only hide more). Both loaders read folders prepared in a temporary
+folder (removed at the end) from one corpus: documents of GPT-2 text decoded from uniform random tokens, or
+from the first tokens of --tokens, enough that the sharded loader never reads a token twice in a process
+((warmup + steps) x batch x block tokens), in shards of 4 steps' tokens, so that the timed steps cross shards
+and verify each new one's checksum as training does. The report adds, per variant, the sharded loader's
+tokens/s over the in-memory loader's (target >= 0.99x) and the same ratio per round. The command that measures
+it on GPT-2 124M:
+
+    python bench/train.py --steps 20 --repeats 3 --variants flash+compile --data memory,shards
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import math
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -43,11 +64,16 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from bench.report import git_commit  # noqa: E402
+from data.batches import open_train_data, to_device  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 KERNELS = ("fwd", "dq", "dkdv")  # --tiles accepts these (the split backward's kernels)
 
 PEAK = 989e12
+
+DATA_KINDS = {"random": "", "memory": "in-memory loader", "shards": "sharded loader"}  # --data → row label
+GPT2_VOCAB = 50257  # the loaders' corpus is GPT-2 text: the model's vocabulary must hold these ids
 
 
 def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda",
@@ -66,6 +92,83 @@ def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda",
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (batch, block) each
 
 
+def parse_data(text: str) -> list[str]:
+    """'memory,shards' -> ["memory", "shards"]: what feeds the steps, each of DATA_KINDS at most once."""
+    kinds = text.split(",")
+    if any(kind not in DATA_KINDS or kinds.count(kind) > 1 for kind in kinds):
+        raise ValueError(f"bad --data {text!r}: expected a comma-separated list of {', '.join(DATA_KINDS)}, "
+                         "each at most once")
+    return kinds
+
+
+def loader_tokens(steps: int, warmup: int, batch: int, block: int) -> int:
+    """Tokens the sharded loader reads in one process: every warm-up and timed step's batch, and the last target."""
+    return (warmup + steps) * batch * block + 1
+
+
+def write_corpus(folder: str, tokens: int, block: int, tokens_file: str = "") -> int:
+    """Documents doc_00000.txt, ... in `folder`, each the GPT-2 text of 4 x block token ids (uniform random
+    ids, or consecutive windows of the uint16 GPT-2 token file `tokens_file`): as many as give `tokens`, plus
+    one for each loader's validation split. Returns the number of documents."""
+    import numpy as np
+    from data.tokenizers import GPT2Tokenizer
+    doc_tokens = 4 * block
+    n_docs = math.ceil(tokens / doc_tokens) + 2
+    if tokens_file:
+        ids = np.memmap(tokens_file, dtype=np.uint16, mode="r")  # (n,)
+        if len(ids) < n_docs * doc_tokens:
+            raise ValueError(f"--tokens {tokens_file}: {len(ids):,} tokens, fewer than the {n_docs * doc_tokens:,} "
+                             "the loaders' corpus takes; take fewer --steps or a larger file")
+        ids = ids[:n_docs * doc_tokens]
+        if int(ids.max()) >= GPT2_VOCAB:
+            raise ValueError(f"--tokens {tokens_file}: holds id {int(ids.max())}, not GPT-2 tokens")
+    else:
+        ids = np.random.default_rng(0).integers(0, GPT2_VOCAB - 1, n_docs * doc_tokens)  # below end-of-text
+    tok = GPT2Tokenizer()
+    os.makedirs(folder, exist_ok=True)
+    for i in range(n_docs):
+        with open(os.path.join(folder, f"doc_{i:05d}.txt"), "w", encoding="utf-8") as f:
+            f.write(tok.decode(ids[i * doc_tokens:(i + 1) * doc_tokens]))
+    return n_docs
+
+
+@contextlib.contextmanager
+def loader_folders(kinds: list, tokens: int, batch: int, block: int, tokens_file: str = ""):
+    """Prepared folders of the loaders in `kinds` ("memory", "shards"; "random" needs none), built from one corpus
+    (write_corpus) by the project's writers in a temporary folder, removed on leaving: yields {kind: folder}.
+    The sharded train split holds at least `tokens` tokens, in shards of 4 x batch x block tokens; the first
+    document is its validation split, and the in-memory folder's validation split is about one document."""
+    if not any(k in kinds for k in ("memory", "shards")):
+        yield {}
+        return
+    from data.prepare import prepare
+    from data.shards import prepare_shards, read_manifest
+    work = tempfile.mkdtemp(prefix="flashgpt-bench-data-")
+    try:
+        corpus, folders = os.path.join(work, "corpus"), {}
+        n_docs = write_corpus(corpus, tokens, block, tokens_file)
+        if "memory" in kinds:
+            folders["memory"] = prepare(corpus, "gpt2", val_fraction=1 / n_docs, num_proc=1,
+                                        cache_dir=os.path.join(work, "bin"), verbose=False)
+        if "shards" in kinds:
+            folders["shards"] = prepare_shards(corpus, "gpt2", out=os.path.join(work, "shards"),
+                                               shard_tokens=4 * batch * block, val_docs=1, num_proc=1, verbose=False)
+            have = read_manifest(folders["shards"])["tokens"]["train"]
+            if have < tokens:
+                raise ValueError(f"the benchmark's shards hold {have:,} train tokens, fewer than the {tokens:,} "
+                                 "the steps read")
+        yield folders
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def loader_batch(data, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's next training batch as train.py takes it (one micro-batch of one rank) and moves it to the
+    device: (x, y), (batch, block) each."""
+    (x, y), = data.train_batches(batch, 1)
+    return to_device(x, y, device)
+
+
 def model_config(attention: str, block: int, model_toml: str = "", llama_kernels: str = "torch") -> GPTConfig:
     """GPT-2 124M's shape, or the [model] section of the training config `model_toml`, with block_size = block."""
     if not model_toml:
@@ -78,16 +181,22 @@ def model_config(attention: str, block: int, model_toml: str = "", llama_kernels
 
 
 def make_train_step(attention: str, compiled: bool, batch: int, block: int, tokens: str | None = None,
-                    model_toml: str = "", llama_kernels: str = "torch"):
-    """The benchmark's model and one optimizer step on one fixed batch → (model, step); step() → loss."""
+                    model_toml: str = "", llama_kernels: str = "torch", data=None):
+    """The benchmark's model and one optimizer step → (model, step); step() → loss. Each step takes the next batch
+    of the loader `data` (loader_batch), or without one the same fixed batch."""
     torch.manual_seed(0)
     cfg = model_config(attention, block, model_toml, llama_kernels)
     model = GPT(cfg).cuda()
     opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
     step_model = torch.compile(model) if compiled else model
-    x, y = fixed_batch(batch, block, tokens, vocab=cfg.vocab_size)  # (batch, block)
+    if data is None:
+        fixed = fixed_batch(batch, block, tokens, vocab=cfg.vocab_size)  # (batch, block) each
+        next_batch = lambda: fixed  # noqa: E731
+    else:
+        next_batch = lambda: loader_batch(data, batch, "cuda")  # noqa: E731
 
     def step():
+        x, y = next_batch()  # (batch, block) each
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = step_model(x, y)
         loss.backward()
@@ -169,10 +278,14 @@ def flash_tiles() -> dict:
 
 def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int,
                 tiles: dict | None = None, tokens: str | None = None, model_toml: str = "",
-                llama_kernels: str = "torch") -> dict:
+                llama_kernels: str = "torch", data: str = "random", data_folder: str = "") -> dict:
+    """One variant measured in this process; data: "random" (the fixed batch), or "memory" / "shards", the
+    loader of the prepared folder data_folder (open_train_data, as train.py opens it)."""
     from kernels.flash import forced_configs
+    loader = None if data == "random" else open_train_data(data_folder, block, sharded=data == "shards", seed=0,
+                                                           device="cuda")
     with forced_configs(**(tiles or {})):
-        model, step = make_train_step(attention, compiled, batch, block, tokens, model_toml, llama_kernels)
+        model, step = make_train_step(attention, compiled, batch, block, tokens, model_toml, llama_kernels, loader)
         t0 = time.perf_counter()
         for _ in range(warmup):
             loss = step()
@@ -183,13 +296,15 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
         torch.cuda.reset_peak_memory_stats()
         energy = energy_meter()
         e0, t0 = energy() if energy else None, time.perf_counter()
-        med = statistics.median(timed_steps(step, steps)) / 1e3
+        times = timed_steps(step, steps)
+        med = statistics.median(times) / 1e3
         wall, joules = time.perf_counter() - t0, energy() - e0 if energy else None
         row_tiles = flash_tiles() if attention == "flash" else None
     tok_s = batch * block / med
     row = {"attention": attention, "compiled": compiled, "step_ms": med * 1e3, "tokens_per_s": tok_s,
            "mfu": model.flops_per_token() * tok_s / PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6}
+           "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6,
+           "mean_step_ms": statistics.mean(times)}
     if joules is not None:
         row.update(energy_j_per_step=joules / steps, power_w=joules / wall)
     return {**row, "tiles": row_tiles} if row_tiles else row
@@ -214,12 +329,12 @@ def use_variant(variant: str) -> tuple[str, bool]:
     return attention, compiled
 
 
-def run_isolated(variant: str, args) -> dict:
+def run_isolated(variant: str, data: str, data_folder: str, args) -> dict:
     """run_variant in a fresh Python process (this script with --worker); its JSON row, or an error row."""
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", variant, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block),
            "--tiles", args.tiles, "--tokens", args.tokens, "--loss", args.loss, "--model", args.model,
-           "--llama-kernels", args.llama_kernels]
+           "--llama-kernels", args.llama_kernels, "--data", data, "--data-folder", data_folder]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -228,12 +343,12 @@ def run_isolated(variant: str, args) -> dict:
     return {"error": f"worker exit {proc.returncode}: {tail}"[:300]}
 
 
-def run_in_process(variant: str, args) -> dict:
+def run_in_process(variant: str, data: str, data_folder: str, args) -> dict:
     saved = kernels.options.get()
     attention, compiled = use_variant(variant)
     try:
         return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block,
-                           parse_tiles(args.tiles), args.tokens, args.model, args.llama_kernels)
+                           parse_tiles(args.tiles), args.tokens, args.model, args.llama_kernels, data, data_folder)
     except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -243,11 +358,12 @@ def run_in_process(variant: str, args) -> dict:
         kernels.options.update(backward=saved.backward)
 
 
-def combine(variant: str, runs: list) -> dict:
-    """One table row from a variant's runs: the median step over the runs that did not fail."""
+def combine(variant: str, runs: list, data: str = "random") -> dict:
+    """One table row from a variant's runs on one --data kind: the median step over the runs that did not fail."""
     attention, compiled, bwd = parse_variant(variant)
-    row = {"variant": f"{attention}{' + compile' if compiled else ''}{f', {bwd} bwd' if bwd else ''}",
-           "attention": attention, "compiled": compiled}
+    name = f"{attention}{' + compile' if compiled else ''}{f', {bwd} bwd' if bwd else ''}"
+    row = {"variant": f"{name}, {DATA_KINDS[data]}" if DATA_KINDS[data] else name, "attention": attention,
+           "compiled": compiled, "data": data, "base": name}
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {**row, "error": runs[-1]["error"]}
@@ -256,7 +372,8 @@ def combine(variant: str, runs: list) -> dict:
     return {**row, "step_ms": step, "tokens_per_s": tok_s, "mfu": ok[0]["mfu"] / ok[0]["tokens_per_s"] * tok_s,
             "peak_mem_gib": max(r["peak_mem_gib"] for r in ok), "runs_step_ms": [r.get("step_ms") for r in runs],
             "runs_tiles": [r.get("tiles") for r in runs], "errors": [r["error"] for r in runs if "error" in r],
-            "energy_j_per_step": _median_of(ok, "energy_j_per_step"), "power_w": _median_of(ok, "power_w")}
+            "energy_j_per_step": _median_of(ok, "energy_j_per_step"), "power_w": _median_of(ok, "power_w"),
+            "mean_step_ms": _median_of(ok, "mean_step_ms")}
 
 
 def _median_of(runs: list, key: str):
@@ -274,6 +391,21 @@ def describe_model(args) -> str:
             f"heads, {c.pos_emb}, {c.norm}, {c.mlp}; Llama pieces on {args.llama_kernels})")
 
 
+def describe_data(args) -> str:
+    """What fed the steps, in words: the fixed batch's tokens and/or the loaders and their corpus."""
+    kinds = parse_data(getattr(args, "data", "random"))
+    fixed = "tokens of " + args.tokens if args.tokens else "uniform random tokens"
+    parts = [fixed if kinds == ["random"] else f"random: one fixed batch of {fixed}"] if "random" in kinds else []
+    loaders = [f"{k} ({DATA_KINDS[k]})" for k in kinds if k != "random"]
+    if loaders:
+        source = f"the first tokens of {args.tokens}" if args.tokens else "uniform random tokens"
+        parts.append(f"{' and '.join(loaders)}: the loader's next batch every step, fetched and copied to the GPU "
+                     f"inside the timed step as train.py does (data/batches.py); GPT-2 text of {source}, "
+                     f"{loader_tokens(args.steps, args.warmup, args.batch, args.block):,} tokens read per run, "
+                     f"shards of {4 * args.batch * args.block:,} tokens")
+    return "; ".join(parts)
+
+
 def write_results(rows: list, args, argv) -> str:
     """Table (markdown) + JSON of the variants measured so far: written after each run, so a timeout keeps them."""
     device = torch.cuda.get_device_name()
@@ -283,8 +415,8 @@ def write_results(rows: list, args, argv) -> str:
     lines = [f"# {describe_model(args)} training step — {device}", "",
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, batch {args.batch}×{args.block}, bf16 autocast, fused AdamW, "
-             f"median of {args.steps} steps per run, {how}; "
-             f"{'tokens of ' + args.tokens if args.tokens else 'uniform random tokens'}; loss kernel {args.loss}", "",
+             f"median of {args.steps} steps per run, {how}; {describe_data(args)}; loss kernel {args.loss}; "
+             f"commit {git_commit()}", "",
              "| variant | step (ms) | tokens/s | MFU | peak memory (GiB) | energy per step (J), power (W) | "
              "step per run (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -297,17 +429,30 @@ def write_results(rows: list, args, argv) -> str:
                       else "—")
             lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
                          f"{r['peak_mem_gib']:.1f} | {energy} | {per_run} |")
-    by = {r["variant"]: r for r in rows if "step_ms" in r}
-    sdpa = by.get("sdpa + compile")
-    for name, flash in by.items():
+    ok = [r for r in rows if "step_ms" in r]
+    for flash in ok:
+        sdpa = next((r for r in ok if r["attention"] == "sdpa" and r["compiled"] and r["data"] == flash["data"]), None)
         if not (sdpa and flash["attention"] == "flash" and flash["compiled"]):
             continue
-        ratio = flash["tokens_per_s"] / sdpa["tokens_per_s"]
-        lines += ["", f"{name} / sdpa + compile = **{ratio:.3f}×** (target ≥ 1.0×: "
+        name, ratio = flash["variant"], flash["tokens_per_s"] / sdpa["tokens_per_s"]
+        lines += ["", f"{name} / {sdpa['variant']} = **{ratio:.3f}×** (target ≥ 1.0×: "
                       f"{'met' if ratio >= 1.0 else 'NOT met'}); {name} MFU {flash['mfu']:.1%} (stretch 50%)"]
         pairs = [(a, b) for a, b in zip(flash["runs_step_ms"], sdpa["runs_step_ms"]) if a and b]
         if len(pairs) > 1:
             lines.append("per round: " + ", ".join(f"{b / a:.3f}×" for a, b in pairs))
+    for memory in (r for r in ok if r["data"] == "memory"):
+        shards = next((r for r in ok if r["data"] == "shards" and r["base"] == memory["base"]), None)
+        if shards is None:
+            continue
+        ratio = shards["tokens_per_s"] / memory["tokens_per_s"]
+        lines += ["", f"{memory['base']}: sharded / in-memory loader = **{ratio:.3f}×** tokens/s (target ≥ 0.99×: "
+                      f"{'met' if ratio >= 0.99 else 'NOT met'})"]
+        if shards.get("mean_step_ms") and memory.get("mean_step_ms"):
+            lines[-1] += (f"; mean step {shards['mean_step_ms']:.2f} ms sharded, {memory['mean_step_ms']:.2f} ms "
+                          "in-memory")
+        pairs = [(a, b) for a, b in zip(memory["runs_step_ms"], shards["runs_step_ms"]) if a and b]
+        if len(pairs) > 1:
+            lines.append("per round: " + ", ".join(f"{a / b:.3f}×" for a, b in pairs))
     tiled = [(r["variant"], ms, t) for r in rows if "step_ms" in r
              for ms, t in zip(r["runs_step_ms"], r["runs_tiles"]) if t]
     if tiled:
@@ -318,7 +463,8 @@ def write_results(rows: list, args, argv) -> str:
     text = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "command": cmd, "rows": rows}, f, indent=1)
+        json.dump({"device": device, "torch": torch.__version__, "commit": git_commit(), "command": cmd,
+                   "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "train_step.md"), "w") as f:
         f.write(text)
     return text
@@ -347,45 +493,60 @@ def main(argv=None) -> int:
                         "configs/smollm2_135m.toml; --block sets its block_size)")
     p.add_argument("--llama-kernels", default="torch", choices=("torch", "triton"),
                    help="what a Llama-family model's RMSNorm, SwiGLU and RoPE run on (model.llama_kernels)")
+    p.add_argument("--data", default="random", metavar="KIND,...",
+                   help="what feeds the steps, each kind measured for every variant: random (one fixed batch), "
+                        "memory (the in-memory loader, TokenData), shards (the sharded loader, ShardedData); the "
+                        "loaders compared on GPT-2 124M: python bench/train.py --steps 20 --repeats 3 --variants "
+                        "flash+compile --data memory,shards")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
+    p.add_argument("--data-folder", default="", help=argparse.SUPPRESS)  # the worker's prepared loader folder
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: bench/train.py needs a CUDA GPU", file=sys.stderr)
-        return 2
     if args.repeats < 1 or args.steps < 1:
         print("error: --repeats and --steps must be at least 1", file=sys.stderr)
         return 2
     if args.tokens and not os.path.isfile(args.tokens):
         print(f"error: --tokens {args.tokens}: no such file", file=sys.stderr)
         return 2
+    variants = args.variants.split(",")
     try:
         tiles = parse_tiles(args.tiles)
-        if args.model:
-            model_config("sdpa", args.block, args.model, args.llama_kernels)  # a bad file or shape: one line now
+        vocab = model_config("sdpa", args.block, args.model, args.llama_kernels).vocab_size  # a bad file: one line
+        for variant in [args.worker] if args.worker else variants:
+            parse_variant(variant)
+        kinds = parse_data(args.data)
+        if vocab < GPT2_VOCAB and kinds != ["random"]:
+            raise ValueError(f"--data {args.data}: the loaders read GPT-2 tokens (ids below {GPT2_VOCAB}), more "
+                             f"than the model's vocabulary of {vocab}")
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not torch.cuda.is_available():
+        print("error: bench/train.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     kernels.options.update(loss_kernel=args.loss)  # (workers get --loss too)
-    variants = args.variants.split(",")
-    try:
-        for variant in [args.worker] if args.worker else variants:
-            parse_variant(variant)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if args.worker:
         attention, compiled = use_variant(args.worker)
         print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block, tiles,
-                                     args.tokens, args.model, args.llama_kernels)))
+                                     args.tokens, args.model, args.llama_kernels, kinds[0], args.data_folder)))
         return 0
-    runs: dict[str, list] = {v: [] for v in variants}
-    for rnd in range(args.repeats):
-        for variant in variants if rnd % 2 == 0 else variants[::-1]:
-            r = (run_in_process if args.in_process else run_isolated)(variant, args)
-            runs[variant].append(r)
-            print(json.dumps({"variant": variant, "round": rnd, **r}), flush=True)
-            text = write_results([combine(v, runs[v]) for v in variants if runs[v]], args, argv)
+    jobs = [(v, d) for v in variants for d in kinds]  # a variant's data kinds measured one after the other
+    runs: dict[tuple, list] = {job: [] for job in jobs}
+    with contextlib.ExitStack() as stack:
+        try:
+            folders = stack.enter_context(loader_folders(
+                kinds, loader_tokens(args.steps, args.warmup, args.batch, args.block), args.batch, args.block,
+                args.tokens))
+        except (ValueError, OSError) as e:  # the loaders' corpus could not be written or prepared
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for rnd in range(args.repeats):
+            for variant, data in jobs if rnd % 2 == 0 else jobs[::-1]:
+                run = run_in_process if args.in_process else run_isolated
+                r = run(variant, data, folders.get(data, ""), args)
+                runs[variant, data].append(r)
+                print(json.dumps({"variant": variant, "data": data, "round": rnd, **r}), flush=True)
+                text = write_results([combine(v, runs[v, d], d) for v, d in jobs if runs[v, d]], args, argv)
     print(text)
     return 0
 

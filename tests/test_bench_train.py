@@ -1,7 +1,10 @@
 """bench/train.py's table logic (the measurement itself needs a GPU): medians over fresh-process runs, failed runs
-kept visible, the flash/sdpa ratio and its per-round values; its fixed batch (random or real tokens)."""
+kept visible, the flash/sdpa ratio and its per-round values, the sharded/in-memory loader ratio; its fixed batch
+(random or real tokens); the loaders' folders and the batches they feed (train.py's data path)."""
+import glob
 import importlib.util
 import json
+import os
 import types
 
 import numpy as np
@@ -137,3 +140,112 @@ def test_model_from_a_config_and_its_llama_pieces():
     assert bt.describe_model(types.SimpleNamespace(model="")) == "GPT-2 124M"
     with pytest.raises(ValueError, match="config file not found"):
         bt.model_config("flash", 256, ROOT + "/configs/missing.toml")
+
+
+def test_bad_data_kind_is_one_line_before_anything_runs(capsys):
+    bt = _bench_train()
+    assert bt.parse_data("memory,shards") == ["memory", "shards"] and bt.parse_data("random") == ["random"]
+    _assert_rejected(bt.parse_data, ("disk", "shards,shards", ""))
+    for argv, named in ((["--data", "memory,disk"], "'memory,disk'"),
+                        (["--data", "shards", "--model", ROOT + "/configs/smollm2_135m.toml"], "vocabulary of 49152")):
+        assert bt.main(argv) == 2  # refused for its own reason, on any machine (checked before the GPU)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+
+
+def test_loaders_read_one_corpus_through_trains_data_path(tmp_path):
+    """Both loaders' folders come from one corpus, and loader_batch (train.py's fetch and copy) gives (x, y) windows
+    of that corpus's token stream: the sharded loader the stream after its validation document, in order, never a
+    token twice; the in-memory loader random windows of the stream's start (its train split). So a window both
+    loaders read is the same (x, y) from either. The temporary folder is gone afterwards."""
+    from data.batches import open_train_data
+    from data.tokenizers import GPT2Tokenizer
+    bt = _bench_train()
+    B, T, steps = 2, 16, 5
+    need = bt.loader_tokens(steps - 1, 1, B, T)  # what warm-up and timed steps read: steps batches and one token
+    with bt.loader_folders(["memory", "shards"], need, B, T) as folders:
+        work = os.path.dirname(folders["shards"])
+        tok = GPT2Tokenizer()
+        docs = [tok.encode(open(f, encoding="utf-8").read()) + [tok.eot_token]
+                for f in sorted(glob.glob(os.path.join(work, "corpus", "*.txt")))]
+        stream = np.concatenate(docs).astype(np.int64)  # every document, then end-of-text
+        windows = np.lib.stride_tricks.sliding_window_view(stream, T + 1)  # (n - T, T + 1)
+        sharded = open_train_data(folders["shards"], T, sharded=True, seed=0, device="cpu")
+        memory = open_train_data(folders["memory"], T, sharded=False, seed=0, device="cpu")
+        assert sharded.train.total >= need and len(sharded.train.entries) > 2  # the steps cross shards
+        at = len(docs[0])  # the sharded train stream starts after the validation document
+        for _ in range(steps):
+            x, y = bt.loader_batch(sharded, B, "cpu")
+            assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+            rows = stream[at:at + B * T + 1]
+            assert torch.equal(x.flatten(), torch.from_numpy(rows[:-1]))
+            assert torch.equal(y.flatten(), torch.from_numpy(rows[1:]))
+            at += B * T
+        n_train = memory.meta["train_tokens"]
+        for _ in range(steps):
+            x, y = bt.loader_batch(memory, B, "cpu")
+            assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+            for xi, yi in zip(x.numpy(), y.numpy()):
+                found = np.flatnonzero((windows[:, :T] == xi).all(axis=1))
+                assert len(found) == 1 and found[0] + T < n_train  # one window of the train split
+                assert (windows[found[0], 1:] == yi).all()
+    assert not os.path.exists(work)
+
+
+def test_corpus_from_a_token_file_is_checked(tmp_path):
+    bt = _bench_train()
+    short, wide = tmp_path / "short.bin", tmp_path / "wide.bin"
+    np.arange(100, dtype=np.uint16).tofile(short)
+    np.full(4 * 8 * 4, 60000, dtype=np.uint16).tofile(wide)
+    with pytest.raises(ValueError, match="100 tokens, fewer than the 128"):
+        bt.write_corpus(str(tmp_path / "c1"), 64, 8, str(short))  # 2 documents of 32 + 2 for validation
+    with pytest.raises(ValueError, match="holds id 60000, not GPT-2 tokens"):
+        bt.write_corpus(str(tmp_path / "c2"), 64, 8, str(wide))
+
+
+def test_loader_rows_and_their_ratio(tmp_path, monkeypatch):
+    bt = _bench_train()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+
+    def runs(*ms):
+        return [dict(_run(m), mean_step_ms=m + 0.5) for m in ms]
+    rows = [bt.combine("flash+compile", runs(33.0, 33.4), "memory"),
+            bt.combine("flash+compile", runs(33.2, 33.3), "shards"),
+            bt.combine("sdpa+compile", runs(30.0, 30.0), "memory"),
+            bt.combine("sdpa+compile", runs(31.0, 31.0), "shards")]
+    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, warmup=5,
+                                 out=str(tmp_path), tokens="", loss="auto", data="memory,shards")
+    text = bt.write_results(rows, args, [])
+    assert "| flash + compile, in-memory loader | 33.20 |" in text and "| flash + compile, sharded loader | 33.25 |" in text
+    assert "memory (in-memory loader) and shards (sharded loader)" in text and "409,601 tokens read per run" in text
+    assert (f"flash + compile: sharded / in-memory loader = **{33.2 / 33.25:.3f}×** tokens/s (target ≥ 0.99×: met); "
+            "mean step 33.75 ms sharded, 33.70 ms in-memory") in text
+    assert f"per round: {33.0 / 33.2:.3f}×, {33.4 / 33.3:.3f}×" in text
+    assert f"sdpa + compile: sharded / in-memory loader = **{30 / 31:.3f}×** tokens/s (target ≥ 0.99×: NOT met)" in text
+    # flash against sdpa: each loader's rows against the same loader's
+    assert f"flash + compile, sharded loader / sdpa + compile, sharded loader = **{31 / 33.25:.3f}×**" in text
+    saved = json.loads((tmp_path / "train_step.json").read_text())
+    assert [r["data"] for r in saved["rows"]] == ["memory", "shards", "memory", "shards"] and saved["commit"]
+
+
+def test_each_variant_runs_on_each_loader_with_its_folder(tmp_path, monkeypatch):
+    """main's orchestration, its processes replaced: every (variant, data) pair runs --repeats times, the order
+    reversed every other round, each loader run given its prepared folder; the folders are removed at the end."""
+    bt = _bench_train()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+    calls = []
+
+    def fake_run(variant, data, folder, args):
+        assert (folder == "") == (data == "random") and (not folder or os.path.isdir(folder))
+        calls.append((variant, data, folder))
+        return dict(_run({"memory": 33.0, "shards": 33.1, "random": 32.9}[data]), mean_step_ms=33.0)
+    monkeypatch.setattr(bt, "run_isolated", fake_run)
+    argv = ["--out", str(tmp_path), "--steps", "2", "--warmup", "1", "--batch", "2", "--block", "16", "--repeats",
+            "2", "--variants", "flash+compile", "--data", "memory,shards"]
+    assert bt.main(argv) == 0
+    assert [(v, d) for v, d, _ in calls] == [("flash+compile", "memory"), ("flash+compile", "shards"),
+                                             ("flash+compile", "shards"), ("flash+compile", "memory")]
+    assert not any(os.path.exists(f) for _, _, f in calls)
+    text = (tmp_path / "train_step.md").read_text()
+    assert f"flash + compile: sharded / in-memory loader = **{33.0 / 33.1:.3f}×** tokens/s (target ≥ 0.99×: met)" in text

@@ -741,6 +741,8 @@ def train(cfg: RunConfig, *, allow_config_change: bool = False) -> dict:
 
     Rank 0 holds the run folder's lock from before its first look at the folder until the end, however the
     run ends. allow_config_change: on resume, apply [model]/[data] values that differ from the checkpoint's."""
+    if cfg.train.wandb:
+        _require_wandb()
     rank, local_rank, world = setup_distributed(cfg.train.device)
     try:
         summary = _train_holding_the_folder(cfg, rank, local_rank, world, allow_config_change)
@@ -749,6 +751,15 @@ def train(cfg: RunConfig, *, allow_config_change: bool = False) -> dict:
         raise
     teardown_distributed(world)
     return summary
+
+
+def _require_wandb() -> None:
+    """train.wandb = true needs the wandb package: say so before any work rather than after the data is ready."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise TrainError("train.wandb = true needs the wandb package, which is not installed here "
+                         "(pip install wandb, or leave wandb off)") from None
 
 
 def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world: int,

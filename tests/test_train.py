@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import kernels
 import train as train_mod
 from config import load_config
 from model.checkpoint import atomic_save, load_checkpoint
@@ -135,7 +136,8 @@ def test_train_and_generate_end_to_end(tmp_path):
                   f"--cache_dir={tmp_path}/cache", f"--out_dir={out}", "--max_iters=30", "--eval_interval=15",
                   "--num_proc=1", "--eval_iters=2", *TINY_MODEL)
     assert r.returncode == 0, r.stderr
-    assert "attention backend: sdpa" in r.stdout and "val loss" in r.stdout
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what train.device = "auto" picks here
+    assert f"attention backend: {kernels.resolve_backend('auto', device)}" in r.stdout and "val loss" in r.stdout
     assert "loss kernel: torch" in r.stdout or torch.cuda.is_available()  # the Triton loss only on CUDA
     assert "[model]" in r.stdout  # the resolved config is printed at start
     g = run_entry("generate.py", "--ckpt", out, "--prompt", "the king", "--max-new-tokens", "20", "--seed", "1")
@@ -180,7 +182,22 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     assert load_checkpoint(str(out))["iter"] == ckpt["iter"] + 3
 
 
+def test_wandb_without_the_package_is_one_line(tmp_path):
+    """train.wandb = true where wandb is not installed: one line naming the package, before any work."""
+    code = "import sys; sys.modules['wandb'] = None; import train; sys.exit(train.main(sys.argv[1:]))"
+    corpus = write_corpus(tmp_path)
+    r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "demo.toml"),
+                        f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache", f"--out_dir={tmp_path}/run",
+                        "--max_iters=4", "--wandb=true", *TINY_MODEL], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "wandb" in errors[0] and "pip install" in errors[0], r.stderr
+    assert not os.path.exists(tmp_path / "cache")  # refused before the data was prepared
+
+
 def test_wandb_offline_run_and_lazy_import(tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed here")
     code = ("import sys, train; rc = train.main(sys.argv[1:]); "
             "print('WANDB_IMPORTED', 'wandb' in sys.modules); sys.exit(rc)")
     corpus = write_corpus(tmp_path)

@@ -182,7 +182,8 @@ say "== user commands: $failures failed, $(( $(date +%s) - T_START )) s"
 # ---- the GPU test suite ----
 if [ -z "${SKIP_TESTS:-}" ]; then
   workers=()
-  $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
+  # one test at a time to whichever worker is free: the suite is ordered longest first on a GPU (tests/conftest.py)
+  $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}" --maxschedchunk=1)
   # -v: each test's verdict as it ends; --test-times: each test's duration as it ends (tests/conftest.py). At its
   # limit the suite gets SIGINT, so pytest still prints its summary, the failures and the slowest tests.
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.util import ROOT, write_corpus
@@ -17,6 +18,7 @@ def run_bench(*args):
                           env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks: the CPU suite runs these")
 def test_scaling_smoke_runs_every_case_and_merges_invocations(tmp_path):
     corpus = write_corpus(tmp_path)
     common = [f"--out={tmp_path}/out", f"--work={tmp_path}/work", f"--dataset={corpus}", "--steps=3"]

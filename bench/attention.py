@@ -509,11 +509,23 @@ def main(argv=None):
     print(render(results, meta))
 
 
+def varlen_cases(shapes):
+    """The shapes of distinct --varlen cases: packed into one sequence, (B, H, N, D) is the case (B·N, H, D), so
+    two shapes with the same B·N, H and D (e.g. 4,16,4096,128 and 1,16,16384,128) are one case; the first
+    is kept."""
+    seen, out = set(), []
+    for B, H, N, D in shapes:
+        if (B * N, H, D) not in seen:
+            seen.add((B * N, H, D))
+            out.append((B, H, N, D))
+    return out
+
+
 def run_varlen(args, meta, t_start):
     """--varlen: per shape, one packed sequence of documents; every provider on the same tensors."""
     dtype = torch.bfloat16
     results = []
-    for shape in args.shapes:
+    for shape in varlen_cases(args.shapes):
         B, H, N, D = shape
         lengths = doc_lengths(B * N, args.doc_mean, args.doc_seed)
         g = torch.Generator(device="cuda").manual_seed(4321 + N + D)

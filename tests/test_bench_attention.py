@@ -126,3 +126,10 @@ def test_report_lists_each_skip_reason_once_and_the_fa4_ratios():
     assert "- fa4: flash-attn-4 is not installed (flash_attn.cute: ModuleNotFoundError: nope) (2 of 3 cases)" in md
     assert "- sdpa-cudnn: SDPA's cuDNN backend does not take ... (1 of 3 cases)" in md
     assert "Not measured" not in md  # skips are not errors
+
+
+def test_varlen_measures_each_packed_case_once():
+    """--varlen packs (B, H, N, D) into one sequence of B·N tokens: shapes with the same B·N, H and D are one case."""
+    shapes = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128), (2, 16, 8192, 64)]
+    assert ba.varlen_cases(shapes) == [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128)]
+    assert ba.varlen_cases([(1, 2, 8, 16), (1, 2, 8, 32)]) == [(1, 2, 8, 16), (1, 2, 8, 32)]

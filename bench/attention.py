@@ -7,6 +7,8 @@ For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and bac
 (one forward + backward, above the inputs) of
 
 * flash       kernels/flash/ (autotuned on first use of each shape bucket),
+* flash-hopper the same with the hopper_forward option on: the Gluon forward of kernels/flash_hopper/ (sm_90,
+              bf16/fp16, head dims 64 and 128), the tl backward (skipped where the Gluon kernel cannot run),
 * sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
 * sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend (skipped where that backend does not take the
               shape or dtype),
@@ -49,7 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
-PROVIDERS = ["flash", "sdpa-flash", "sdpa-cudnn", "fa4", "flex", "naive"]
+PROVIDERS = ["flash", "flash-hopper", "sdpa-flash", "sdpa-cudnn", "fa4", "flex", "naive"]
 VARLEN_PROVIDERS = ["flex", "flash"]  # flex first: its result is the reference of the "diff" column
 NAIVE_MAX_N = 8192
 FA4_MODULE = "flash_attn.cute"   # flash-attn-4's CuTe-DSL interface (../shared/tools/fa4-wheels.sh installs it)
@@ -70,11 +72,14 @@ def _sdpa_params(q, causal):
 
 def skip_reason(name, q, causal):
     """Why provider `name` cannot run on inputs like q (B, H, N, D) here, or None. Only the peers that need
-    something this machine may lack are checked: SDPA's cuDNN backend and FA4."""
-    if name not in ("sdpa-cudnn", "fa4"):
+    something this machine may lack are checked: SDPA's cuDNN backend, FA4 and the Gluon forward."""
+    if name not in ("sdpa-cudnn", "fa4", "flash-hopper"):
         return None
     if not torch.cuda.is_available():
         return "no CUDA device"
+    if name == "flash-hopper":
+        from kernels.flash_hopper import unsupported
+        return unsupported(q, q, q)
     if name == "sdpa-cudnn":
         if not torch.backends.cudnn.is_available():
             return "cuDNN is not available in this torch build"
@@ -115,6 +120,14 @@ def make_provider(name, N, causal, q=None):
     if name == "flash":
         from kernels.flash import flash_attention
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name == "flash-hopper":
+        from kernels import options
+        from kernels.flash import flash_attention
+
+        def flash_hopper(q, k, v):
+            with options.use(hopper_forward=True):
+                return flash_attention(q, k, v, causal=causal)
+        return flash_hopper
     if name in ("sdpa-flash", "sdpa-cudnn"):
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
 

@@ -37,6 +37,10 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         SwiGLU and RoPE run for "auto"
                                                                         (model.llama_kernels): auto = Triton on
                                                                         CUDA, PyTorch elsewhere
+    hopper_forward             FLASHGPT_HOPPER_FWD=0|1           False  the flash forward runs the Gluon kernel
+                                                                        (kernels/flash_hopper) on sm_90 for the
+                                                                        inputs it takes; off, or other inputs:
+                                                                        the tl kernel (the backward is always tl)
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -66,6 +70,7 @@ class KernelOptions:
     loss_kernel: str = "auto"
     decode_min_keys_per_split: int = 256
     llama_kernels: str = "torch"
+    hopper_forward: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -95,6 +100,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "loss_kernel": (lambda v: v in LOSS_KERNELS, f"expected one of {', '.join(LOSS_KERNELS)}"),
     "decode_min_keys_per_split": (lambda v: _is_int(v) and v >= 1, "expected an int >= 1"),
     "llama_kernels": (lambda v: v in LLAMA_KERNELS, f"expected one of {', '.join(LLAMA_KERNELS)}"),
+    "hopper_forward": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -106,7 +112,8 @@ def _problem(name: str, value) -> str | None:
 ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d": "FLASHGPT_TMA_MIN_D",
        "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
-       "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS"}
+       "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
+       "hopper_forward": "FLASHGPT_HOPPER_FWD"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -72,6 +72,7 @@ def test_peers_skipped_without_cuda_and_others_never(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     assert ba.skip_reason("fa4", q, True) == ba.skip_reason("sdpa-cudnn", q, True) == "no CUDA device"
+    assert ba.skip_reason("flash-hopper", q, True) == "no CUDA device"
     assert all(ba.skip_reason(p, q, True) is None for p in ("flash", "sdpa-flash", "flex", "naive"))
     with pytest.raises(ba.Unavailable, match="no CUDA device"):
         ba.make_provider("sdpa-cudnn", 8, True, q=q)
@@ -93,6 +94,22 @@ def test_cudnn_skipped_where_its_backend_refuses_the_inputs(hopper, monkeypatch)
                                                      "(1, 2, 8, 16) causal=True here")
     usable = True
     assert ba.skip_reason("sdpa-cudnn", q, True) is None and len(seen) == 2
+
+
+def test_flash_hopper_skipped_with_the_gluon_kernels_reason(hopper, monkeypatch):
+    """flash-hopper runs only where the Gluon forward takes the inputs; elsewhere one line says why (the kernel's
+    own reason: here the CPU tensor, on a GPU e.g. a head dim it does not take)."""
+    from kernels.flash_hopper import launch as hopper_launch
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    why = ba.skip_reason("flash-hopper", q, True)
+    assert why == hopper_launch.unsupported(q, q, q) and why and "\n" not in why
+    with pytest.raises(ba.Unavailable, match=why.split(":")[0]):
+        ba.make_provider("flash-hopper", 8, True, q=q)
+    monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(hopper_launch._triton, "INTERPRET", False)
+    if hopper_launch.AVAILABLE:
+        assert ba.skip_reason("flash-hopper", q, True) is None
+        assert "head dim 96" in ba.skip_reason("flash-hopper", torch.randn(1, 2, 8, 96).bfloat16(), True)
 
 
 def test_naive_is_skipped_past_its_memory_limit():

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import _triton
+from .. import flash_hopper as _hopper
 from .. import options as _options
 from ..naive import split_qkv
 from .configs import (GPU_CONFIGS, INTERPRET_CONFIG, KERNELS, MAX_HEAD_DIM, TUNERS, block_d, config_key, forced,
@@ -332,10 +333,23 @@ def _with_docs(tensors: tuple, docs) -> tuple:
     return tensors if docs is None else (*tensors, docs)
 
 
+def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
+    """The Gluon forward (kernels/flash_hopper) into outputs laid out as the tl forward's."""
+    B, Hq, Nq, _ = q.shape
+    o = _empty_like_layout(_layout(q), q.dtype, q.device)  # (B, Hq, Nq, D), laid out like q
+    lse = _triton.empty((B, Hq, Nq), torch.float32, q.device)
+    with _triton.device_guard(q):
+        _hopper.launch.forward_into(q, k, v, o, lse, causal, sm_scale)
+    return o, lse
+
+
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float, window: int = 0,
          docs: torch.Tensor | None = None):
-    """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled)."""
+    """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled).
+    With the hopper_forward option on, inputs that the Gluon kernel takes go to it instead of the tl kernel."""
     opts = _options.get()
+    if opts.hopper_forward and _hopper.unsupported(q, k, v, window, docs) is None:
+        return _hopper_fwd(q, k, v, causal, sm_scale)
     key = _plan_key(_masked("fwd", window, docs), opts, _with_docs((q, k, v), docs), causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None:

@@ -1,0 +1,23 @@
+"""The attention forward for Hopper GPUs (sm_90) in Gluon, FlashAttention-3's structure; an opt-in alternative
+to the tl forward of kernels/flash that the same backward consumes.
+
+    flash_hopper_forward(q, k, v, causal=True, sm_scale=None) -> (o, lse)
+    unsupported(q, k, v, window=0, docs=None) -> str | None      None when the Gluon kernel takes these inputs
+    AVAILABLE, UNAVAILABLE_REASON                                 this Triton has the Gluon API it uses
+
+kernels.flash_attention (and the packed and compiled forms) launches it instead of the tl forward when the
+hopper_forward option is on (kernels/options.py, FLASHGPT_HOPPER_FWD=1) and unsupported() says None; the
+backward is always the tl one, reading this kernel's O and log-sum-exp.
+
+Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;
+GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multiples and unit stride along the
+head dim; compute capability 9.0 only. Not supported (the tl kernel's): float32, other head dims, sliding
+windows, documents (varlen), the interpreter, other GPUs.
+
+    forward.py   the Gluon kernel: producer warp (TMA), two consumer warpgroups (wgmma, online softmax),
+                 ping-pong, persistent longest-first tiles
+    launch.py    which inputs it takes, TMA descriptors, grid, launch
+"""
+from .launch import AVAILABLE, UNAVAILABLE_REASON, flash_hopper_forward, unsupported
+
+__all__ = ["flash_hopper_forward", "unsupported", "AVAILABLE", "UNAVAILABLE_REASON"]

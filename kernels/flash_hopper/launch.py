@@ -1,0 +1,151 @@
+"""Host side of the Hopper forward: which inputs it takes, its TMA descriptors, grid and launch.
+
+    unsupported(q, k, v, window=0, docs=None) -> str | None   why these inputs go to the tl kernel (None: they
+                                                              do not, the Gluon kernel takes them)
+    forward_into(q, k, v, o, lse, causal, sm_scale) -> None   launch into the caller's O and lse
+    flash_hopper_forward(q, k, v, causal=True, sm_scale=None) -> (o, lse)   allocate and launch (tests, benches)
+    AVAILABLE, UNAVAILABLE_REASON                             whether this Triton has the Gluon API the kernel uses
+
+The kernel (kernels/flash_hopper/forward.py) takes float16/bfloat16 q, k, v with head dim 64 or 128, any
+lengths, causal or not, GQA, on a CUDA device of compute capability 9.0 (H100, H200), when every stride of
+q, k, v along a dimension longer than 1 is a multiple of 16 bytes with unit stride along the head dim, and the
+data pointers are 16-byte aligned (TMA). Anything else — fp32, other head dims, windows, documents, other
+GPUs, the interpreter — is for the tl kernel (kernels/flash), which the caller falls back to.
+
+q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D); o like q (any such strides); lse (B, Hq, Nq) float32, contiguous,
+base 2 and scaled, +inf for rows that see no key — what kernels/flash's backward reads.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+
+from .. import _triton
+
+try:
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import forward as _forward
+    _missing = [name for name in ("warp_specialize", "NVMMADistributedLayout", "DotOperandLayout", "SliceLayout",
+                                  "NVMMASharedLayout", "allocate_shared_memory") if not hasattr(gl, name)]
+    if not _missing and next(iter(inspect.signature(gl.warp_specialize).parameters)) != "functions_and_args":
+        _missing = ["warp_specialize([(partition, args), ...], warps, registers)"]  # older Gluon: other form
+    UNAVAILABLE_REASON = (f"this Triton ({triton.__version__}) has Gluon without {', '.join(_missing)}"
+                          if _missing else None)
+except (ImportError, AttributeError, TypeError, ValueError) as e:  # no Gluon, or not the Hopper API the kernel uses
+    UNAVAILABLE_REASON = f"this Triton lacks the Gluon Hopper API the kernel uses: {e}"
+AVAILABLE = UNAVAILABLE_REASON is None
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_M = 64  # query rows per consumer warpgroup (a tile is 2 x BLOCK_M)
+BLOCK_N = 128  # keys per K/V block
+STAGES = {64: 3, 128: 2}  # K/V ring depth per head dim (shared memory: Q, O and the ring fit in 227 KB)
+NUM_WARPS = 4  # the default partition: consumer 0
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device: torch.device) -> bool:
+    """Compute capability exactly 9.0: wgmma and setmaxnreg exist on Hopper only (not on Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Unit stride along D, 16-byte aligned start, every other stride of a dim longer than 1 a positive
+    multiple of 16 bytes (a dim of size 1 is never stepped along: its stride is replaced in _desc)."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(n == 1 or (st > 0 and (st * size) % 16 == 0) for n, st in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, docs=None) -> str | None:
+    """Why the Gluon kernel does not take these (already validated) inputs, or None when it does."""
+    if not AVAILABLE:
+        return UNAVAILABLE_REASON
+    if window or docs is not None:
+        return "sliding windows and documents are the tl kernel's"
+    if _triton.INTERPRET or not _is_sm90(q.device):
+        return f"needs a CUDA device of compute capability 9.0, got {q.device}"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype}: float16 and bfloat16 only"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]}: {' and '.join(map(str, HEAD_DIMS))} only"
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty inputs"
+    if not all(_tma_ok(t) for t in (q, k, v)):
+        return "a stride or start of q, k or v is not 16-byte aligned (TMA)"
+    return None
+
+
+def _desc(t: torch.Tensor, block_rows: int):
+    """A 4-d TMA descriptor over t (B, H, N, D), read and written in (1, 1, block_rows, D) blocks. The stride of
+    a dim of size 1 (any value in torch, never used) becomes a contiguous one, as TMA wants 16-byte multiples."""
+    shape = list(t.shape)
+    strides = list(t.stride())
+    inner = shape[-1]
+    for i in (2, 1, 0):
+        if shape[i] == 1:
+            strides[i] = inner
+        inner = strides[i] * shape[i]
+    block = [1, 1, block_rows, shape[-1]]
+    return TensorDescriptor(t, shape, strides, block, _smem_layout(block_rows, shape[-1], t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
+    """The shared-memory layout of a (1, 1, block_rows, head_dim) block: the widest swizzle its rows allow."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim], gl_dtype)
+
+
+def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                 causal: bool, sm_scale: float) -> None:
+    """Launch the Gluon forward on inputs that unsupported() accepted: O into o (like q: (B, Hq, Nq, D), any
+    strides TMA takes), the log-sum-exp into lse ((B, Hq, Nq) float32, contiguous). On q's device."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if not _tma_ok(o) or o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"flash_hopper: the output buffer {tuple(o.shape)} {o.dtype} (strides {o.stride()}) "
+                         "does not match q or is not TMA-aligned")
+    if lse.shape != (B, Hq, Nq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"flash_hopper: lse must be a contiguous (B, Hq, Nq) float32 buffer, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    n_m = -(-Nq // (2 * BLOCK_M))
+    n_tiles = n_m * B * Hq
+    grid = (min(n_tiles, _triton.sm_count(q.device)),)  # persistent: at most one program per SM
+    _forward._attn_fwd_hopper[grid](
+        _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
+        Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal),
+        num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
+
+
+def flash_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                         sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32 of inputs the kernel takes (a ValueError naming
+    the reason otherwise). No autograd: kernels.flash_attention with the hopper_forward option is the
+    differentiable path."""
+    B, Hq, Nq, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    if (q.dim() != 4 or k.dim() != 4 or k.shape[0] != B or k.shape != v.shape or k.shape[-1] != D
+            or k.shape[1] < 1 or Hq % k.shape[1] or k.shape[2] < 1 or Nq < 1 or not q.dtype == k.dtype == v.dtype
+            or not q.device == k.device == v.device):
+        raise ValueError(f"flash_hopper: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v "
+                         f"{tuple(v.shape)} {v.dtype} are not (B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D) of "
+                         "one dtype and device, Nq, Nk >= 1, Hq a multiple of Hkv")
+    reason = unsupported(q, k, v)
+    if reason is not None:
+        raise ValueError(f"flash_hopper: {reason}")
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"flash_hopper: sm_scale must be a finite number > 0, got {sm_scale}")
+    o = _triton.empty((B, Hq, Nq, D), q.dtype, q.device)
+    lse = _triton.empty((B, Hq, Nq), torch.float32, q.device)
+    with _triton.device_guard(q):
+        forward_into(q, k, v, o, lse, causal, scale)
+    return o, lse

@@ -1,0 +1,188 @@
+"""The Gluon Hopper forward (kernels/flash_hopper) against a float64 reference, on an sm_90 GPU.
+
+Output: within the suite's error budget (tests/error_budget.py) of naive attention computed in the same dtype.
+Log-sum-exp (base 2, scaled, what the tl backward reads): within the budget of the tl forward's own. Rows that
+see no key (causal, Nq > Nk): O exactly 0 and lse exactly +inf. Every buffer the kernels write starts as NaN,
+so an element never written fails the test. The persistent grid is also run with 1 and 5 programs (many tiles
+per program: the mbarrier phases across tiles, tiles with no key block in between), which must give bitwise the
+result of the full grid. Through kernels.flash_attention the hopper_forward switch on and off give the same
+output and gradients within the budget, on and off each launching the forward they should.
+
+Skipped (with the reason) without a CUDA device of compute capability 9.0, or with a Triton lacking Gluon; the
+compile check for any machine is tests/test_flash_hopper_compile.py.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import kernels._triton as kt
+from kernels import flash_attention, flash_attention_qkvpacked, flash_hopper, naive_attention, options, split_qkv
+from kernels.flash import launch
+from kernels.flash_hopper import launch as hopper_launch
+from kernels.naive import causal_mask
+from tests.error_budget import assert_within_budget
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(
+    not (SM90 and flash_hopper.AVAILABLE),
+    reason="needs a CUDA device of compute capability 9.0" if not SM90 else flash_hopper.UNAVAILABLE_REASON)
+
+DTYPES = [torch.bfloat16, torch.float16]
+# (B, Hq, Hkv, Nq, Nk, causal): odd lengths, Nq != Nk both ways (bottom-right causal; Nq > Nk leaves rows that
+# see no key), lengths past one tile and past one key block, GQA and MQA; each in d64 and d128, bf16 and fp16.
+CASES = [
+    (1, 2, 2, 1, 1, True),
+    (1, 2, 2, 1, 1, False),
+    (2, 2, 2, 113, 113, True),
+    (1, 2, 2, 113, 113, False),
+    (1, 2, 2, 1023, 1023, True),
+    (1, 2, 2, 1023, 1023, False),
+    (1, 2, 2, 4097, 4097, True),
+    (1, 1, 1, 4097, 4097, False),
+    (1, 2, 2, 113, 1023, True),
+    (1, 2, 2, 113, 1023, False),
+    (1, 2, 2, 1, 4097, True),
+    (1, 2, 2, 1023, 113, True),
+    (1, 2, 2, 1023, 113, False),
+    (1, 2, 2, 300, 1, True),
+    (2, 4, 2, 1023, 1023, True),
+    (1, 8, 1, 257, 257, False),
+]
+
+
+def _id(case, D):
+    B, Hq, Hkv, Nq, Nk, causal = case
+    return f"B{B}-H{Hq}/{Hkv}-{Nq}x{Nk}-d{D}-{'causal' if causal else 'full'}"
+
+
+MATRIX = [pytest.param(case, D, dtype, id=f"{_id(case, D)}-{str(dtype)[6:]}")
+          for case in CASES for D in (64, 128) for dtype in DTYPES]
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN; no launch plan recorded by another test is replayed."""
+    monkeypatch.setattr(kt, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                            device=device))
+    monkeypatch.setattr(launch, "_plans", {})
+
+
+def _gen(request) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return g
+
+
+def _inputs(case, D, dtype, g):
+    B, Hq, Hkv, Nq, Nk, causal = case
+    q = torch.randn(B, Hq, Nq, D, generator=g).to("cuda", dtype)  # (B, Hq, Nq, D)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to("cuda", dtype)  # (B, Hkv, Nk, D)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to("cuda", dtype)
+    return q, k, v
+
+
+def _reference_lse(q, k, causal: bool, sm_scale: float) -> torch.Tensor:
+    """(B, Hq, Nq) float64: log2 of the row's sum of exp2(s · sm_scale · log2 e), +inf where a row sees no key."""
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hq, Nk, D)
+    s = q.double() @ kk.transpose(-1, -2) * sm_scale  # (B, Hq, Nq, Nk)
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], device=q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) * kt.LOG2E
+    return torch.where(torch.isneginf(lse), float("inf"), lse)
+
+
+@pytest.mark.parametrize("case,D,dtype", MATRIX)
+def test_forward_matches_reference(case, D, dtype, request):
+    causal = case[-1]
+    q, k, v = _inputs(case, D, dtype, _gen(request))
+    scale = 1.0 / math.sqrt(D)
+    o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+
+    ref = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert_within_budget("out", o, ref, naive_attention(q, k, v, causal=causal))
+
+    ref_lse = _reference_lse(q, k, causal, scale)
+    _, tl_lse = launch._fwd(q, k, v, causal, scale)  # the tl forward's (the option is off): the budget
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~seen) and torch.equal(torch.isinf(tl_lse), ~seen)
+    assert_within_budget("lse", lse[seen], ref_lse[seen], tl_lse[seen])
+    if causal and case[3] > case[4]:  # rows that see no key: exactly zero output
+        blind = ~causal_mask(case[3], case[4], device="cuda").any(dim=1)  # (Nq,)
+        assert blind.any() and (o[:, :, blind] == 0).all()
+
+
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((2, 4, 2, 1023, 1023, True), 128, torch.bfloat16, id="causal-d128"),
+    pytest.param((2, 3, 1, 700, 300, False), 64, torch.float16, id="full-d64-mqa"),
+    pytest.param((1, 4, 2, 700, 300, True), 64, torch.bfloat16, id="causal-Nq>Nk-d64"),
+])
+def test_persistent_grid_gives_the_same_result_with_any_program_count(case, D, dtype, programs, request,
+                                                                       monkeypatch):
+    """A program works through tiles program_id, program_id + grid, ...; the result of a tile must not depend
+    on which program takes it or what it did before (ring and barrier phases carried across tiles, tiles with
+    no key block, the O store of the previous tile)."""
+    q, k, v = _inputs(case, D, dtype, _gen(request))
+    full = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
+    monkeypatch.setattr(kt, "sm_count", lambda device: programs)
+    few = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
+    assert torch.equal(few[0], full[0]) and torch.equal(few[1], full[1])
+
+
+def _fwd_bwd(fn, q, k, v, do, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v, causal=causal)
+    o.backward(do)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((2, 4, 2, 1023, 1023, True), 128, torch.bfloat16, id="causal-gqa-d128-bf16"),
+    pytest.param((1, 2, 2, 113, 1023, False), 64, torch.float16, id="full-Nq<Nk-d64-fp16"),
+    pytest.param((1, 2, 2, 1023, 113, True), 64, torch.bfloat16, id="causal-Nq>Nk-d64-bf16"),
+])
+def test_switch_on_and_off_give_the_same_gradients(case, D, dtype, request, monkeypatch):
+    """kernels.flash_attention with hopper_forward on runs the Gluon forward (and no tl forward), and the tl
+    backward reads its O and lse: output and dq, dk, dv within the budget of naive attention, as with it off."""
+    causal = case[-1]
+    q, k, v = _inputs(case, D, dtype, _gen(request))
+    do = torch.randn(q.shape, generator=_gen(request)).to("cuda", dtype)
+    gluon, tl = [], []
+    real_into, real_launch = hopper_launch.forward_into, launch._launch
+    monkeypatch.setattr(hopper_launch, "forward_into", lambda *a: gluon.append(1) or real_into(*a))
+    monkeypatch.setattr(launch, "_launch", lambda name, *a: tl.append(name) or real_launch(name, *a))
+    with options.use(hopper_forward=True):
+        on = _fwd_bwd(flash_attention, q, k, v, do, causal)
+    assert gluon == [1] and "fwd" not in tl
+    tl.clear()
+    off = _fwd_bwd(flash_attention, q, k, v, do, causal)
+    assert gluon == [1] and "fwd" in tl
+    ref = _fwd_bwd(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
+    low = _fwd_bwd(naive_attention, q, k, v, do, causal)
+    for name, a, b, r, n in zip(("out", "dq", "dk", "dv"), on, off, ref, low):
+        assert_within_budget(f"{name} (switch on)", a, r, n)
+        assert_within_budget(f"{name} (switch off)", b, r, n)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_packed_projection_layout(D, request):
+    """The model's path: q, k, v as (B, N, H, D) views of one projection (no copy), through the packed form with
+    the switch on; O laid out like q, as the tl forward lays it out."""
+    B, N, Hq, Hkv = 2, 333, 4, 2
+    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=_gen(request)).to("cuda", torch.bfloat16)
+    qkv.requires_grad_()
+    with options.use(hopper_forward=True):
+        o = flash_attention_qkvpacked(qkv, Hq, Hkv)
+    q, k, v = (t.detach() for t in split_qkv(qkv, Hq, Hkv))  # (B, H, N, D) views
+    assert hopper_launch.unsupported(q, k, v) is None  # the Gluon kernel took these strides
+    ref = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    assert_within_budget("out", o, ref, naive_attention(q, k, v, causal=True))
+    assert o.stride() == launch._empty_like_layout(launch._layout(q), q.dtype, q.device).stride()
+    o.sum().backward()
+    assert qkv.grad is not None and not torch.isnan(qkv.grad).any()
+

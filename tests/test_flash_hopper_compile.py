@@ -1,0 +1,158 @@
+"""The Gluon Hopper forward (kernels/flash_hopper) compiles for sm_90 with the Triton installed, and the host side
+takes exactly the inputs it documents; checked on any machine.
+
+Gluon kernels do not run in Triton's interpreter, so the kernel is compiled ahead of time through Triton's GPU
+compiler to PTX and a cubin, in a child process (TRITON_INTERPRET=0, an empty Triton cache) that stands in for an
+sm_90 device with 132 SMs and takes CPU tensors (device checks off; nothing is launched, tests/gpu_compile.py).
+The launches come from kernels.flash_attention with the hopper_forward option on — the hook in
+kernels/flash/launch.py, the packed form and the model's (B, N, H, D) strides included — so what compiles is
+what a GPU would launch. The child prints a JSON list with a record per compiled variant.
+
+Skipped, with the reason, where the installed Triton lacks the Gluon names the kernel uses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels._triton as kt
+from kernels import flash_hopper, options
+from kernels.flash_hopper import launch as hopper_launch
+
+H200_SMS = 132
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+needs_gluon = pytest.mark.skipif(not flash_hopper.AVAILABLE, reason=f"{flash_hopper.UNAVAILABLE_REASON}")
+
+
+# --------------------------------------------------------------------- the child: compile what the hook launches
+
+def _record(c) -> dict:
+    names = c.src.fn.arg_names
+    consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
+    ptx = c.asm["ptx"]
+    desc = str(c.src.signature["q_desc"])  # e.g. "tensordesc<bf16[1, 1, 64, 64],...>"
+    return dict(consts=consts, dtype=desc[desc.index("<") + 1:desc.index("[")], shared=c.metadata.shared,
+                num_warps=c.metadata.num_warps, cubin_bytes=len(c.asm.get("cubin") or b""),
+                wgmma="wgmma.mma_async" in ptx, tma_load="cp.async.bulk.tensor.4d.shared" in ptx,
+                tma_store="cp.async.bulk.tensor.4d.global.shared" in ptx, mbarrier="mbarrier.try_wait" in ptx,
+                regs_to_consumers=re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx) is not None,
+                regs_from_producer=re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx) is not None)
+
+
+def compile_hopper_launches() -> list[dict]:
+    """Run in a process started with TRITON_INTERPRET=0: every variant the hook launches, compiled for sm_90."""
+    import kernels
+    from kernels.flash_hopper import forward
+    from tests.gpu_compile import compiling_instead_of_launching
+
+    kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
+    kt.sm_count = lambda device: H200_SMS
+    hopper_launch._is_sm90 = lambda device: True
+    with compiling_instead_of_launching(forward._attn_fwd_hopper) as compiled, torch.no_grad(), \
+            options.use(hopper_forward=True):
+        for dtype in (torch.bfloat16, torch.float16):
+            for D in (64, 128):
+                for causal in (True, False):
+                    q = torch.randn(2, 4, 113, D).to(dtype)                     # (B, Hq, Nq, D)
+                    kv = torch.randn(2, 2, 203, D).to(dtype)                    # (B, Hkv, Nk, D): GQA, Nk != Nq
+                    kernels.flash_attention(q, kv, kv, causal=causal)
+        qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)           # (B, N, (Hq + 2·Hkv)·D)
+        kernels.flash_attention_qkvpacked(qkv, 4, 2)                            # (B, N, H, D) strides
+    return [_record(c) for c in compiled]
+
+
+# --------------------------------------------------------------------- the tests
+
+@needs_gluon
+def test_hopper_forward_compiles_for_sm90(tmp_path):
+    """Each variant (bf16 and fp16, head dims 64 and 128, causal or not) compiles to a cubin with wgmma, 4-d TMA
+    loads and stores, mbarrier waits and the producer-to-consumer register reallocation; 12 warps (two
+    consumer warpgroups, the producer's); shared memory within sm_90's limit."""
+    from tests.util import ROOT, pythonpath
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=pythonpath(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_flash_hopper_compile"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = json.loads(proc.stdout)
+    for rec in records:
+        assert rec["cubin_bytes"] > 0 and rec["wgmma"] and rec["tma_load"] and rec["tma_store"], rec
+        assert rec["mbarrier"] and rec["regs_to_consumers"] and rec["regs_from_producer"], rec
+        assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec
+    got = {(rec["dtype"], rec["consts"]["HEAD_D"], rec["consts"]["CAUSAL"]) for rec in records}
+    assert got == {(dt, D, causal) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)}
+
+
+def _inputs(D=64, dtype=torch.bfloat16, Hq=4, Hkv=2):
+    q = torch.randn(2, Hq, 17, D).to(dtype)
+    kv = torch.randn(2, Hkv, 33, D).to(dtype)
+    return q, kv, kv
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(dtype=torch.float32), "dtype torch.float32"),
+    (dict(D=96), "head dim 96"),
+    (dict(D=256), "head dim 256"),
+])
+def test_unsupported_inputs_name_the_reason(change, reason, monkeypatch):
+    """On an sm_90 device (stood in for) the kernel takes bf16/fp16, head dims 64 and 128 and TMA-aligned
+    strides; anything else goes to the tl kernel, with the reason."""
+    monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    if not flash_hopper.AVAILABLE:
+        assert hopper_launch.unsupported(*_inputs()) == flash_hopper.UNAVAILABLE_REASON
+        return
+    assert hopper_launch.unsupported(*_inputs()) is None
+    assert hopper_launch.unsupported(*_inputs(Hq=4, Hkv=1)) is None  # MQA
+    assert reason in hopper_launch.unsupported(*_inputs(**change))
+
+
+def test_unsupported_layouts_masks_and_devices(monkeypatch):
+    monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    if not flash_hopper.AVAILABLE:
+        pytest.skip(flash_hopper.UNAVAILABLE_REASON)
+    q, k, v = _inputs()
+    assert "window" in hopper_launch.unsupported(q, k, v, window=8)
+    assert "documents" in hopper_launch.unsupported(q, k, v, docs=torch.zeros(2, 2, 17, dtype=torch.int32))
+    # the model's layout: q, k, v as (B, N, H, D) memory seen as (B, H, N, D), taken as is
+    qkv = torch.randn(2, 17, 8 * 64).to(torch.bfloat16)  # (B, N, (Hq + 2·Hkv)·D), Hq = 4, Hkv = 2
+    views = [t.transpose(1, 2) for t in qkv.view(2, 17, 8, 64).split([4, 2, 2], dim=2)]  # (B, H, N, D)
+    assert hopper_launch.unsupported(*views) is None
+    # a row stride of 68 elements (136 bytes) or a start 2 bytes off: not TMA-aligned
+    assert "16-byte" in hopper_launch.unsupported(q, k, torch.randn(2, 2, 33, 64 + 4).bfloat16()[..., :64])
+    assert "16-byte" in hopper_launch.unsupported(q, k, torch.randn(2 * 2 * 33 * 64 + 1).bfloat16()[1:].view(
+        2, 2, 33, 64))
+    assert "empty" in hopper_launch.unsupported(q[:, :, :0], k, v)
+    monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: False)
+    assert "compute capability 9.0" in hopper_launch.unsupported(q, k, v)
+
+
+def test_the_switch_falls_back_to_the_tl_kernel_where_the_gluon_kernel_cannot_run(monkeypatch):
+    """With hopper_forward on, inputs the Gluon kernel does not take (here: head dim 16; on a CPU also the
+    interpreter's tensors) run the tl forward, with the same result as with the switch off."""
+    import kernels
+    from kernels.flash import launch
+
+    launched = []
+    real = launch._launch
+    monkeypatch.setattr(launch, "_launch", lambda name, *a: launched.append(name) or real(name, *a))
+    monkeypatch.setattr(launch, "_plan_key", lambda *args: None)  # no replays: every launch goes through _launch
+    q, k, v = (torch.randn(1, 2, 9, 16, device="cuda" if torch.cuda.is_available() else "cpu") for _ in range(3))
+    assert hopper_launch.unsupported(q, k, v) is not None  # head dim 16 (and, on a CPU, the device)
+    with options.use(hopper_forward=True):
+        on = kernels.flash_attention(q, k, v)
+    off = kernels.flash_attention(q, k, v)
+    assert launched == ["fwd", "fwd"]
+    assert torch.equal(on, off)
+
+
+if __name__ == "__main__":
+    json.dump(compile_hopper_launches(), sys.stdout)

@@ -44,13 +44,13 @@ import torch
 
 from .checkpoint import (SHARDED_META, TEMP_PREFIX, CheckpointError, _best_folders, _fsync_dir, _link_or_copy,
                          _prune, _read_torch_file, _remove_tree, atomic_save)
+from .parallel import MODEL_PREFIX, OPTIM_PREFIX, optimizer_state_dict
 
 __all__ = ["load_rank_state", "load_sharded_checkpoint", "open_sharded_checkpoint", "read_sharded_meta",
            "read_sharded_tensors", "save_sharded_checkpoint", "verify_sharded_files"]
 
 FORMAT = "flashgpt-sharded"
 VERSION = 1
-MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"
 SHARD_NAME = re.compile(r"__(\d+)_\d+\.distcp")
 REQUIRED = ("format", "version", "iter", "best_val", "config", "tokenizer", "world_size", "tied",
             "optimizer_groups", "files")
@@ -413,7 +413,6 @@ def load_sharded_checkpoint(folder: str, map_location="cpu", *, with_optimizer: 
             "best_val": meta["best_val"], "data": rank0["data"], "rng": rank0["rng"], "version": 1,
             "path": folder, "verified": True, "world_size": meta["world_size"]}
     if with_optimizer:
-        from .parallel import optimizer_state_dict
         saved = optimizer_state_dict(meta["optimizer_groups"], targets)
         for group in saved["param_groups"]:
             del group["param_names"]

@@ -14,8 +14,6 @@ option) and 132 SMs (H100 / H200), and takes CPU tensors (device checks off; not
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 H200_SMS = 132
@@ -175,16 +173,9 @@ def required_modes() -> list[set[str]]:
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """Each launch variant of the decode path (GPT-2 and Llama-family modes, split-K, PDL on and off, fp16 and
     bf16, GQA, head dims 64 and 128, split and unsplit attention) compiles to PTX with its entry and to a cubin."""
-    from tests.util import ROOT, pythonpath
+    from tests.util import compiled_records
 
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=pythonpath(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_kernels_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = json.loads(proc.stdout)
-    for rec in records:
-        assert rec["ptx_entry"] and rec["cubin_bytes"] > 0, rec
+    records = compiled_records("tests.test_kernels_compile", tmp_path)
     tagged = [_tags(rec) for rec in records]
     missing = [" ".join(sorted(m)) for m in required_modes() if not any(m <= t for t in tagged)]
     assert not missing, f"no compiled variant for: {missing}"

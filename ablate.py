@@ -180,7 +180,7 @@ def run(args, cfg, device, full, command: str) -> tuple[dict, int]:
 
 def _train_part(args, cfg, device, results, t0) -> int:
     from ablation.matched import probe_context, run_matched
-    from data.prepare import DataError
+    from data.errors import DataError
     from data.tokenizers import TokenizerError
     from train import TrainError
     backends = args.train_backends
@@ -230,7 +230,7 @@ def _version(module: str) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from data.prepare import DataError
+    from data.errors import DataError
     try:
         args, cfg, device, full = prepare_run(argv)
     except ConfigError as e:

@@ -37,7 +37,8 @@ from config import (NO_EOT_FOR_DOC_MASK, SECTIONS, ConfigError, RunConfig, apply
                     load_config, resume_config)
 from data.batches import open_train_data, to_device  # noqa: E402
 from data.loader import TokenData  # noqa: E402
-from data.prepare import DataError, prepare  # noqa: E402
+from data.errors import DataError  # noqa: E402
+from data.prepare import prepare  # noqa: E402
 from data.sharded_loader import ShardedData  # noqa: E402
 from data.shards import prepare_shards  # noqa: E402
 from data.tokenizers import TokenizerError  # noqa: E402

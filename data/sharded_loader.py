@@ -28,7 +28,7 @@ import os
 import numpy as np
 import torch
 
-from .prepare import DataError
+from .errors import DataError
 from .shards import MANIFEST, read_manifest, shard_entries
 from .sources import new_hash
 from .tokenizers import tokenizer_from_spec

@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from .prepare import DataError
+from .errors import DataError
 from .sources import Source, checksum_algorithm, new_hash
 from .tokenizers import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_spec
 

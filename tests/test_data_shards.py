@@ -12,7 +12,7 @@ import torch
 
 import data.shards as shards
 from config import load_config
-from data.prepare import DataError
+from data.errors import DataError
 from data.sharded_loader import ShardedData
 from data.shards import prepare_shards, read_manifest
 from data.sources import new_hash

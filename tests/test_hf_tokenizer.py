@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from data.chat import ChatTemplateError, render_chat
-from data.prepare import DataError, load_meta, prepare
+from data.errors import DataError
+from data.prepare import load_meta, prepare
 from data.tokenizers import CharTokenizer, HFTokenizer, TokenizerError, hf_tokenizer, tokenizer_from_spec
 from tests.hf_models import CHAT_TEMPLATE, write_tokenizer
 from tests.util import write_corpus

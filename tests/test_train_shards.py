@@ -9,7 +9,7 @@ import torch
 
 import train as train_mod
 from config import load_config
-from data.prepare import DataError
+from data.errors import DataError
 from data.shards import prepare_shards
 from model.checkpoint import load_checkpoint
 from tests.test_data_shards import documents, write_jsonl

@@ -321,6 +321,9 @@ PDL_FEW_ROWS = 4
 # shares of 256 along K (split-K: 3 shares at K = 576, 4 at 896) of 32 pairs (64 weight rows, as a 64-column
 # GPT-2 tile) with 8 warps: 106 (SwiGLU) and 114 (RoPE-QKV) registers, no spills, at batch 1, 8 and 16.
 # Without PDL the halved GPT-2 tile (16 pairs x 256 steps, 4 warps, 3 stages) stays: 168 registers, no spills.
+# Only up to PDL_FEW_ROWS rows: at SmolLM2-135M's shape the decode step took 784 instead of 1,899 us at batch 1
+# but 994 instead of 796 us at batch 16 (bench/results/generate_smollm2/), so above it the halved GPT-2 tile
+# (32 pairs x 1024, 272-296 B of spills) stays.
 PDL_PAIRED_TILES = dict(block_n=32, block_k=256, warps=8)
 
 
@@ -328,8 +331,8 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for one launch; shapes only, so graph-safe.
 
     paired (SwiGLU, RoPE): N counts column pairs (two weight rows each) and so does the BLOCK_N returned. Under
-    PDL with K up to PDL_TILES["max_one_tile_k"], PDL_PAIRED_TILES in one-tile shares of K; otherwise the tile of
-    the unpaired launch over the 2N weight rows, its column block halved.
+    PDL with K up to PDL_TILES["max_one_tile_k"] and at most PDL_FEW_ROWS rows, PDL_PAIRED_TILES in one-tile
+    shares of K; otherwise the tile of the unpaired launch over the 2N weight rows, its column block halved.
 
     Without PDL (chosen on the GPT-2 decode shapes at batch 1 and 16, bench/NOTES.md): 16-column tiles for
     N <= 1024, 32 above; split-K (32 x 128 tiles, up to 8 splits of >= 3 steps) only for a long K over fewer
@@ -343,7 +346,7 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False,
         return _forced
     if paired:
         t = PDL_PAIRED_TILES
-        if pdl and PDL_TILES["preload"] and K <= PDL_TILES["max_one_tile_k"]:
+        if pdl and PDL_TILES["preload"] and K <= PDL_TILES["max_one_tile_k"] and M <= PDL_FEW_ROWS:
             block_k = min(t["block_k"], triton.next_power_of_2(K))
             return t["block_n"], block_k, t["warps"], 1, triton.cdiv(K, block_k)
         block_n, block_k, warps, stages, split = pick_config(M, 2 * N, K, device, pdl)

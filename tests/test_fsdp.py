@@ -156,13 +156,26 @@ def test_exact_resume_with_two_ranks(runs):
     assert curve(resumed, "val_loss") == curve(runs["two"], "val_loss")
 
 
-def test_four_fsdp_ranks_match_one_process(runs, tmp_path):
+def test_four_fsdp_ranks_match_one_process_and_resume_on_two(runs, tmp_path):
     four = torchrun(4, cli_args(runs["tmp"], runs["corpus"], tmp_path / "four", "--grad_accum_steps=1",
                                 "--parallel=fsdp"))
     assert four.returncode == 0, four.stderr[-3000:]
     assert_close(curve(runs["one"]), curve(tmp_path / "four"))
     assert_close(curve(runs["one"], "val_loss"), curve(tmp_path / "four", "val_loss"))
     assert len([f for f in os.listdir(tmp_path / "four" / "ckpt_0000012") if f.endswith(".distcp")]) == 4
+
+    # saved by 4 ranks at step 6, resumed by 2 (2 micro-batches each, the same global batch): DCP reshards 4 → 2
+    # and the curve continues the 4-rank run's
+    halved = tmp_path / "four-then-two"
+    copy_run_until(tmp_path / "four", halved, 6)
+    two = torchrun(2, cli_args(runs["tmp"], runs["corpus"], halved, "--grad_accum_steps=2", "--parallel=fsdp",
+                               "--resume"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "resuming at step 6" in two.stdout
+    assert [i for i, _ in curve(halved)] == list(range(1, 13))
+    assert_close(curve(halved), curve(tmp_path / "four"))
+    assert_close(curve(halved, "val_loss"), curve(tmp_path / "four", "val_loss"))
+    assert len([f for f in os.listdir(halved / "ckpt_0000012") if f.endswith(".distcp")]) == 2
 
 
 # ------------------------------------------------------------------------------------ in one process

@@ -177,14 +177,21 @@ PAIRED_TILE_MODELS = {"smollm2-135m": (576, 9, 3, 64, 1536), "qwen2-0.5b": (896,
 
 @pytest.mark.parametrize("model", list(PAIRED_TILE_MODELS))
 def test_paired_launches_pick_their_own_tiles_at_llama_shapes(model, monkeypatch):
-    """Under PDL the paired launches (SwiGLU, RoPE-QKV) take PDL_PAIRED_TILES: 32 column pairs, one-tile shares of
-    256 along K, 8 warps (kernels/ln_linear.py gives the ptxas evidence); without PDL the GPT-2 tile halved. The
+    """Under PDL, up to PDL_FEW_ROWS rows, the paired launches (SwiGLU, RoPE-QKV) take PDL_PAIRED_TILES: 32 column
+    pairs, one-tile shares of 256 along K, 8 warps (kernels/ln_linear.py gives the evidence); above it, and without
+    PDL, the GPT-2 tile halved. The
     launches ask pick_config in pairs, so the table is what they run."""
     C, Hq, Hkv, D, inter = PAIRED_TILE_MODELS[model]
     pairs = {"rope-qkv": (Hq + 2 * Hkv) * D // 2, "swiglu": inter}
-    for M in (1, 8, 16):
+    for M in (1, 4, 8, 16):
         for mode, n in pairs.items():
-            assert pick_config(M, n, C, DEVICE, pdl=True, paired=True) == (32, 256, 8, 1, triton.cdiv(C, 256)), mode
+            if M <= ll.PDL_FEW_ROWS:
+                want = (32, 256, 8, 1, triton.cdiv(C, 256))
+            else:  # above PDL_FEW_ROWS: the unpaired tile over 2n weight rows, its column block halved
+                bn, bk, warps, stages, split = pick_config(M, 2 * n, C, DEVICE, pdl=True)
+                want = (bn // 2, bk, warps, stages, split)
+                assert want == (32, 1024, 8, 1, 1), mode
+            assert pick_config(M, n, C, DEVICE, pdl=True, paired=True) == want, (mode, M)
             assert pick_config(M, n, C, DEVICE, paired=True) == (16, 256, 4, 3, 1), mode
         # an unpaired launch of the same width keeps the GPT-2 table
         assert pick_config(M, 2 * pairs["swiglu"], C, DEVICE, pdl=True) == (32 if M <= 4 else 64, 1024, 8, 1, 1)

@@ -11,13 +11,12 @@ TRITON_INTERPRET=0 and an empty Triton cache; the child prints a JSON list with 
 The child stands in for an sm_90 device with programmatic dependent launch (pdl on and off through the pdl
 option) and 132 SMs (H100 / H200), and takes CPU tensors (device checks off; nothing is launched). It also runs
 a layer of SmolLM2-135M's and of Qwen2-0.5B's shape in bf16 at batch 1, 8 and 16, and reports `ptxas -v`'s
-registers and spills of every paired (SwiGLU, RoPE-QKV) variant: none may spill.
+registers and spills of every paired (SwiGLU, RoPE-QKV) variant: none may spill but the whole-K tiles that the
+paired launches keep under PDL above PDL_FEW_ROWS rows (kernels/ln_linear.py: measured faster there).
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 H200_SMS = 132
@@ -184,18 +183,21 @@ OTHER_MODES = [
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
-WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns wide (the paired: 32 pairs, split)
+WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns wide (the paired: 32 pairs)
     "_ln_linear_kernel layernorm qkv_cache one_split block_n64",
     "_ln_linear_kernel no_norm residual stats_out one_split block_n64",
-    "_ln_linear_kernel rmsnorm qkv_cache rope split_k block_n32",
-    "_ln_linear_kernel rmsnorm swiglu split_k block_n32",
+    "_ln_linear_kernel rmsnorm qkv_cache rope one_split block_n32",
+    "_ln_linear_kernel rmsnorm swiglu one_split block_n32",
 ]
-LLAMA_MODEL_MODES = [  # bf16, LLAMA_MODELS: the paired launches' own PDL tiles (K 576: 3 shares, 896: 4), and
-    # without PDL the GPT-2 tile halved
+LLAMA_MODEL_MODES = [  # bf16, LLAMA_MODELS: the paired launches' own PDL tiles at batch 1 (K 576: 3 shares, 896:
+    # 4), the GPT-2 PDL tile halved at batch 8 and 16 (one whole-K tile), and without PDL the GPT-2 tile halved
     "pdl rmsnorm no_bias qkv_cache rope block_n32 block_k256 splits3",   # SmolLM2-135M
     "pdl rmsnorm no_bias swiglu block_n32 block_k256 splits3",
     "pdl rmsnorm bias qkv_cache rope block_n32 block_k256 splits4",      # Qwen2-0.5B (qkv_bias)
     "pdl rmsnorm no_bias swiglu block_n32 block_k256 splits4",
+    "pdl rmsnorm no_bias qkv_cache rope block_n32 block_k1024 one_split",
+    "pdl rmsnorm bias qkv_cache rope block_n32 block_k1024 one_split",
+    "pdl rmsnorm no_bias swiglu block_n32 block_k1024 one_split",
     "no_pdl rmsnorm no_bias qkv_cache rope block_n16 block_k256 one_split",
     "no_pdl rmsnorm bias qkv_cache rope block_n16 block_k256 one_split",
     "no_pdl rmsnorm no_bias swiglu block_n16 block_k256 one_split",
@@ -216,23 +218,18 @@ def required_modes() -> list[set[str]]:
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """Each launch variant of the decode path (GPT-2 and Llama-family modes, split-K, PDL on and off, fp16 and
     bf16, GQA, head dims 64 and 128, split and unsplit attention) compiles to PTX with its entry and to a cubin;
-    the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's shapes too, do not spill."""
-    from tests.util import ROOT, pythonpath
+    the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's shapes too, do not spill, but for
+    the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured faster there despite their spills)."""
+    from tests.util import compiled_records
 
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=pythonpath(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_kernels_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = json.loads(proc.stdout)
-    for rec in records:
-        assert rec["ptx_entry"] and rec["cubin_bytes"] > 0, rec
+    records = compiled_records("tests.test_kernels_compile", tmp_path)
     tagged = [_tags(rec) for rec in records]
     missing = [" ".join(sorted(m)) for m in required_modes() if not any(m <= t for t in tagged)]
     assert not missing, f"no compiled variant for: {missing}"
     paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if "ptxas" in rec]
     assert len(paired) >= len(LLAMA_MODEL_MODES)
-    spilled = [(tags, usage) for tags, usage in paired if usage["spill_stores"] or usage["spill_loads"]]
+    spills = [(tags, usage) for tags, usage in paired if usage["spill_stores"] or usage["spill_loads"]]
+    spilled = [(tags, usage) for tags, usage in spills if not {"pdl", "one_split"} <= set(tags.split())]
     assert not spilled, f"paired launches that spill at sm_90: {spilled}"
 
 

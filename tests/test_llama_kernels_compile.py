@@ -11,8 +11,6 @@ The child prints a JSON list with a record per compiled variant.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 H200_SMS = 132
@@ -65,16 +63,9 @@ REQUIRED = [  # (kernel, pointer dtype, constexprs that must be among the varian
 def test_llama_training_kernels_compile_for_hopper(tmp_path):
     """Every variant the wrappers launch at these shapes compiles to PTX with its entry and to a cubin, and the
     variants named in REQUIRED are among them."""
-    from tests.util import ROOT, pythonpath
+    from tests.util import compiled_records
 
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=pythonpath(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_llama_kernels_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = json.loads(proc.stdout)
-    for rec in records:
-        assert rec["ptx_entry"] and rec["cubin_bytes"] > 0, rec
+    records = compiled_records("tests.test_llama_kernels_compile", tmp_path)
     missing = [req for req in REQUIRED if not any(
         rec["kernel"] == req[0] and rec["dtype"] == req[1] and req[2].items() <= rec["consts"].items()
         for rec in records)]

@@ -39,6 +39,24 @@ def pythonpath(first: str) -> str:
     return first + (os.pathsep + rest if rest else "")
 
 
+def compiled_records(module: str, tmp_path) -> list[dict]:
+    """Run `python -m module` in a child process with Triton's interpreter off (so its kernels compile for a GPU
+    target, tests/gpu_compile.py) and a Triton cache of its own; its stdout is a JSON list of compiled-variant
+    records, each of which must name its PTX entry and have a cubin."""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=pythonpath(ROOT))
+    proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = json.loads(proc.stdout)
+    for rec in records:
+        assert rec["ptx_entry"] and rec["cubin_bytes"] > 0, rec
+    return records
+
+
 def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
     """The greedy oracle of the generation tests: no cache, naive attention, the whole sequence again at every
     step; n new token ids."""

@@ -27,7 +27,8 @@ of mean --doc-mean, at least 1 token; the last one cut to fit), causal within ea
 window with --window), bf16: the flash kernels with the documents' bounds (flash_attention(..., docs=...), the
 training path: no cu_seqlens read-back) against torch.compile(flex_attention) with the document mask as a block
 mask (create_block_mask), in the same run. FLOPs count the visible (query, key) pairs exactly: 4·H·D per pair,
-backward 2.5x. Writes attention_varlen.json/.md (--tag) and prints the table with flash / flex.
+backward 2.5x. Writes attention_varlen.json/.md (--tag) and prints the table with flash / flex, of the calls'
+do_bench times and of their kernels' GPU time alone (torch.profiler), which a short call's host time cannot move.
 """
 from __future__ import annotations
 
@@ -239,7 +240,35 @@ def _cfg_str(cfg):
     return f"{kw.get('BLOCK_M')}x{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')}"
 
 
-def measure(name, fn, q, k, v, do, ref, warmup, rep):
+def kernel_ms(fn, q, k, v, do, iters: int = 10) -> dict:
+    """GPU time of the kernels that one forward call and one backward call launch (torch.profiler, summed over
+    `iters` calls and divided by them): what a call costs without the host time that do_bench's timing of a
+    short call can include. Kernels only (memsets and copies the call makes count too)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def per_call(run) -> float:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                run()
+            torch.cuda.synchronize()
+        us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+        return us / iters / 1e3
+
+    out = fn(q, k, v)
+
+    def backward():
+        for t in (q, k, v):
+            t.grad = None
+        out.backward(do, retain_graph=True)
+    times = dict(fwd_kernel_ms=per_call(lambda: fn(q, k, v)), bwd_kernel_ms=per_call(backward))
+    for t in (q, k, v):
+        t.grad = None
+    return times
+
+
+def measure(name, fn, q, k, v, do, ref, warmup, rep, kernels: bool = False):
     from triton.testing import do_bench
     before = {tk: set(t.cache) for tk, t in _tuners().items()}
     t0 = time.time()
@@ -276,6 +305,11 @@ def measure(name, fn, q, k, v, do, ref, warmup, rep):
     for t in (q, k, v):
         t.grad = None
     out = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, peak_gib=peak / 2**30, diff=diff, first_call_s=compile_s)
+    if kernels:
+        try:
+            out.update(kernel_ms(fn, q, k, v, do))
+        except Exception as e:  # noqa: BLE001 - the profiler's column is extra: the call times stand without it
+            out["kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if tuning:
         out["autotune"] = tuning
     return out
@@ -368,8 +402,8 @@ def render_varlen(results, meta):
              f"{meta['triton']}; bf16; do_bench medians; documents of seeded exponential lengths packed into B·N "
              "tokens, causal within each; FLOPs 4·H·D per visible (query, key) pair, bwd ×2.5.", "",
              "| B·N tokens, H, D | documents (mean len) | window | " + " | ".join(VARLEN_PROVIDERS)
-             + " | flash / flex fwd / bwd |", "| --- | --- | --- | " + " | ".join("---" for _ in VARLEN_PROVIDERS)
-             + " | --- |"]
+             + " | flash / flex fwd / bwd | kernels only: flash / flex fwd / bwd |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in VARLEN_PROVIDERS) + " | --- | --- |"]
     for r in results:
         pr = r["providers"]
         cells = []
@@ -383,10 +417,15 @@ def render_varlen(results, meta):
         f, x = pr.get("flash", {}), pr.get("flex", {})
         ratios = [f[f"{mode}_tflops"] / x[f"{mode}_tflops"] if f.get(f"{mode}_tflops") and x.get(f"{mode}_tflops")
                   else None for mode in ("fwd", "bwd")]
+        kratios = [x[f"{mode}_kernel_ms"] / f[f"{mode}_kernel_ms"] if f.get(f"{mode}_kernel_ms")
+                   and x.get(f"{mode}_kernel_ms") else None for mode in ("fwd", "bwd")]
         B, H, N, D = r["shape"]
         lines.append(f"| {B * N}, {H}, {D} | {r['n_docs']} ({r['doc_mean']:g}) | {r['window'] or '—'} | "
-                     + " | ".join(cells) + f" | {fmt(ratios[0], 2)} / {fmt(ratios[1], 2)} |")
-    lines += ["", "Target: flash ≥ 1.0× flex, forward and backward."]
+                     + " | ".join(cells) + f" | {fmt(ratios[0], 2)} / {fmt(ratios[1], 2)} | "
+                     f"{fmt(kratios[0], 2)} / {fmt(kratios[1], 2)} |")
+    lines += ["", "Target: flash ≥ 1.0× flex, forward and backward. The ratios are of do_bench's call times; the "
+              "last column divides the GPU time of each call's kernels alone (torch.profiler), which leaves out "
+              "any host time a short call's timing includes."]
     errs = [(r["shape"], p, m["error"]) for r in results for p, m in r["providers"].items() if "error" in m]
     if errs:
         lines += ["", "Not measured:", ""] + [f"- {s} {p}: {e}" for s, p, e in errs]
@@ -541,14 +580,16 @@ def run_varlen(args, meta, t_start):
                 continue
             try:
                 fn = make_varlen_provider(p, lengths, args.window)
-                m = measure(p, fn, q, k, v, do, ref, args.warmup, args.rep)
+                m = measure(p, fn, q, k, v, do, ref, args.warmup, args.rep, kernels=True)
                 if ref is None:
                     ref = fwd_bwd(fn, q, k, v, do)
                 m["fwd_tflops"] = varlen_flops(lengths, H, D, args.window, "fwd") / (m["fwd_ms"] * 1e-3) / 1e12
                 m["bwd_tflops"] = varlen_flops(lengths, H, D, args.window, "bwd") / (m["bwd_ms"] * 1e-3) / 1e12
                 row["providers"][p] = m
                 print(f"{shape} docs={len(lengths)} window={args.window} {p:6s} fwd {m['fwd_tflops']:6.1f} TFLOP/s "
-                      f"({m['fwd_ms']:.3f} ms)  bwd {m['bwd_tflops']:6.1f} TFLOP/s ({m['bwd_ms']:.3f} ms)", flush=True)
+                      f"({m['fwd_ms']:.3f} ms)  bwd {m['bwd_tflops']:6.1f} TFLOP/s ({m['bwd_ms']:.3f} ms)  kernels "
+                      + (f"{m['fwd_kernel_ms']:.3f} / {m['bwd_kernel_ms']:.3f} ms" if "fwd_kernel_ms" in m
+                         else m.get("kernel_error", "—")), flush=True)
             except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 row["providers"][p] = dict(error=msg)

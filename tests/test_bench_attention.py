@@ -133,3 +133,20 @@ def test_varlen_measures_each_packed_case_once():
     shapes = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128), (2, 16, 8192, 64)]
     assert ba.varlen_cases(shapes) == [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128)]
     assert ba.varlen_cases([(1, 2, 8, 16), (1, 2, 8, 32)]) == [(1, 2, 8, 16), (1, 2, 8, 32)]
+
+
+def test_varlen_table_gives_call_and_kernel_ratios():
+    """The --varlen table divides flash's by Flex's call throughput and, in its own column, Flex's kernel time by
+    flash's; a provider without kernel times leaves that column empty."""
+    def measured(fwd_tf, bwd_tf, fwd_k=None, bwd_k=None):
+        m = dict(fwd_tflops=fwd_tf, bwd_tflops=bwd_tf, peak_gib=0.1, diff=None)
+        if fwd_k is not None:
+            m.update(fwd_kernel_ms=fwd_k, bwd_kernel_ms=bwd_k)
+        return m
+    meta = dict(gpu="GPU", command="python bench/attention.py --varlen", date="d", torch="t", triton="tr")
+    row = dict(shape=[8, 12, 1024, 64], n_docs=16, doc_mean=512, window=0,
+               providers={"flex": measured(60, 100, 0.120, 0.200), "flash": measured(66, 80, 0.060, 0.160)})
+    md = ba.render_varlen([row], meta)
+    assert "| 1.10 / 0.80 | 2.00 / 1.25 |" in md
+    row["providers"]["flash"] = measured(66, 80)
+    assert "| 1.10 / 0.80 | — / — |" in ba.render_varlen([row], meta)

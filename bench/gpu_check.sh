@@ -5,7 +5,7 @@
 #   SKIP_TESTS=1 bash bench/gpu_check.sh    # the user commands only
 #   ONLY='train_shakespeare|gen_' bash bench/gpu_check.sh   # the steps whose names match (later ones may need
 #                                           # earlier ones: generation needs the trained checkpoint)
-#   STEP_S=300 TEST_S=300 TEST_WORKERS=16   # the limits of one step and of the test suite (seconds), and the
+#   STEP_S=300 TEST_S=420 TEST_WORKERS=16   # the limits of one step and of the test suite (seconds), and the
 #                                           # suite's pytest-xdist workers where xdist is installed
 #   COMMIT=abc1234                          # the commit to name in the log (a copy of a tree may have no git)
 #
@@ -188,7 +188,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # limit the suite gets SIGINT, so pytest still prints its summary, the failures and the slowest tests.
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
   suite() {
-    timeout -s INT -k 30 "${TEST_S:-300}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
+    timeout -s INT -k 30 "${TEST_S:-420}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
       tests -rfE --durations=60 --test-times "$OUT/test_times.tsv"
   }
   run gpu_test_suite tests_ok suite

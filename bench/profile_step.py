@@ -11,7 +11,8 @@ group), takes --warmup steps (compilation included), then --timed steps timed wi
 both ends (ms per step), then --profiled steps under torch.profiler. Every CUDA kernel of the profiled steps is
 summed by name and by kind (matmul, attention, Inductor's fused kernels, loss, optimizer, communication,
 copies, other ATen kernels); "GPU busy" is the union of the kernels' intervals, so the step time minus it is
-the time the GPU waited. The cases run one after another, never side by side.
+the time the GPU waited. With --cprofile N, N more steps run under cProfile: the Python functions the host's
+time goes to (where the GPU waits for the host). The cases run one after another, never side by side.
 
 Prints, and writes into --out (and $OUT when set): profile_step.md (kinds per case and their differences from
 the first case, then the kernels with the largest differences) and profile_step.json (every kernel).
@@ -62,6 +63,27 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
             total += e - end
             end = e
     return total
+
+
+def host_profile(steps, n: int, top: int = 25) -> dict:
+    """n steps under cProfile: the host's time per step and the Python functions it goes to (ms per step,
+    own time and with callees; a call that waits for the device counts its wait as its own time)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    steps(n)
+    prof.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / n
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.items():
+        short = file.split("site-packages/")[-1] if "site-packages/" in file else os.path.relpath(file, ROOT)
+        where = name if file == "~" else f"{short}:{line}({name})"
+        rows.append({"function": where, "calls": calls / n, "own_ms": own * 1e3 / n, "cum_ms": cum * 1e3 / n})
+    return {"wall_ms": wall_ms, "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
 
 
 def profile_one(args, overrides: list[str]) -> dict:
@@ -117,7 +139,8 @@ def profile_one(args, overrides: list[str]) -> dict:
             kinds: dict[str, float] = {}
             for r in rows:
                 kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["ms"]
-            return {"step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
+            host = host_profile(steps, args.cprofile) if args.cprofile else None
+            return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
                     "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "kernel_ms": sum(r["ms"] for r in rows),
                     "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                     "tokens_per_step": trainer.tokens_per_step}
@@ -161,6 +184,16 @@ def report(cases: list[dict], command: str, commit: str, top: int) -> str:
         short = name if len(name) <= 90 else name[:87] + "..."
         cells = " | ".join(f"{v[0]:.3f} ({v[1]:g})" if v else "–" for v in vals)
         out.append(f"| `{short}` | {kind} | {cells} |")
+    for c in cases:
+        host = c.get("host")
+        if not host:
+            continue
+        out += ["", f"`{c['name']}` on the host under cProfile: {host['wall_ms']:.1f} ms per step (cProfile slows Python "
+                "code down, so this is an upper bound). Functions by own time, then by time with callees (ms per step):",
+                "", "| function | calls | own ms | | function | calls | with callees ms |", "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+        for a, b in zip(host["by_own"], host["by_cum"]):
+            out.append(f"| `{a['function'][-70:]}` | {a['calls']:g} | {a['own_ms']:.2f} | | `{b['function'][-70:]}` | "
+                       f"{b['calls']:g} | {b['cum_ms']:.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -174,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--timed", type=int, default=4, help="steps timed")
     p.add_argument("--profiled", type=int, default=2, help="steps profiled")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="then N more steps under cProfile: where the host's time goes (default 0: none)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per case")
     p.add_argument("--out", default=str(ROOT / "runs" / "profile_step"), help="results folder")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: the case process writes JSON here
@@ -207,7 +242,7 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             path = f.name
         cmd = [sys.executable, __file__, args.config, f"--one={path}", f"--warmup={args.warmup}",
-               f"--timed={args.timed}", f"--profiled={args.profiled}", *common, *overrides]
+               f"--timed={args.timed}", f"--profiled={args.profiled}", f"--cprofile={args.cprofile}", *common, *overrides]
         print(f"== {name}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
         try:
             r = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, capture_output=True, text=True)

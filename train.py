@@ -53,7 +53,6 @@ from model.parallel import (broadcast_parameters, check_parallel, clip_grad_norm
 from model.sharded_checkpoint import (load_rank_state, open_sharded_checkpoint, read_sharded_tensors,  # noqa: E402
                                       save_sharded_checkpoint)
 from training.pretrained import load_pretrained, settle_run_config  # noqa: E402
-from training.readback import Readback  # noqa: E402
 from training.runfolder import RunFolderError, RunLock, format_bytes, remove_stale_temp_files, write_text_atomic  # noqa: E402
 from training.runlog import RunLog, rewind_metrics  # noqa: E402
 
@@ -265,7 +264,7 @@ class Trainer:
         # while step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not
         # wait for the host to launch the next one), at once on log steps, and always before an evaluation or
         # a checkpoint, so a checkpoint never holds weights that a non-finite step has touched.
-        self.pending = None       # (step, Readback of [loss, grad norm, ranks asked to stop]) of the last step
+        self.pending = None       # (step, loss, grad norm, ranks asked to stop) of the last step, not read back
         self.stop_agreed = False  # under DDP: a settled step says some rank was asked to stop
         self.log = None
         self.bar = None
@@ -564,12 +563,10 @@ class Trainer:
             self.settle()  # the previous step, while this one's forward and backward run on the GPU
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.raw_model, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        # copied out as the device reaches this point: the next settle() waits for it, not for later work
-        readback = Readback([step_loss, grad_norm, stop_votes if stop_votes is not None else step_loss.new_zeros(())])
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.pending = (self.it, readback)
+        self.pending = (self.it, step_loss, grad_norm, stop_votes)
         self.it += 1
         self.bar.update(1)
         self.tokens_since += self.tokens_per_step
@@ -586,14 +583,13 @@ class Trainer:
         return stats[0] / self.world, stats[1]
 
     def settle(self) -> tuple[float, float]:
-        """Read back the pending step (waits until the GPU has computed its loss and grad norm, not for work
-        queued after them); a non-finite loss stops the run."""
-        step, readback = self.pending
-        loss_value, norm_value, votes = readback.read()
+        """Read back the pending step (waits for it on the GPU); a non-finite loss stops the run."""
+        step, loss_t, norm_t, votes_t = self.pending
+        loss_value, norm_value = loss_t.item(), norm_t.item()
         if not math.isfinite(loss_value):
             raise TrainError(f"non-finite loss ({loss_value}) at step {step}: stopping; the last good "
                              f"checkpoint is {self.last_ckpt or 'none (no checkpoint was written yet)'}")
-        if votes > 0:
+        if votes_t is not None and votes_t.item() > 0:
             self.stop_agreed = True
         self.pending = None
         return loss_value, norm_value

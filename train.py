@@ -546,8 +546,8 @@ class Trainer:
         micro = self.data.train_batches(t.batch_size, t.grad_accum_steps, self.rank, self.world)
         for m, (x, y) in enumerate(micro):
             sync = m == len(micro) - 1
-            if self.sharded and len(micro) > 1:
-                set_gradient_sync(model, sync)
+            if self.sharded and len(micro) > 1 and (m == 0 or sync):
+                set_gradient_sync(model, sync)  # off from the first micro-batch, on for the last
             no_sync = (model.no_sync() if self.world > 1 and not sync and not self.sharded
                        else contextlib.nullcontext())
             with no_sync, self.autocast:

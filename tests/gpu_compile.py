@@ -4,6 +4,7 @@
         wrapper(...)                      # every kernel_a[grid](...) inside compiles, launches nothing
     compiled                              # [CompiledKernel], in launch order (repeats of one variant: once)
     describe(c, dtype_arg)                # one compiled variant as plain data (for the parent process)
+    ptxas_usage(c)                        # its registers and spill bytes per thread, from `ptxas -v`
 
 Triton's interpreter accepts kernels that its compiler rejects (a plain Python global read inside a kernel, for
 one), so a kernel tested only on the CPU can still fail to build on a GPU. Inside the context each launch goes
@@ -19,6 +20,10 @@ subprocess). Nothing is launched, so results of the wrapped calls are unwritten 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import tempfile
 
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
@@ -81,3 +86,26 @@ def describe(c, dtype_arg: dict) -> dict:
     consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
     return dict(kernel=c.name, dtype=c.src.signature[dtype_arg[c.name]][1:], consts=consts,
                 ptx_entry=f".entry {c.name}(" in c.asm["ptx"], cubin_bytes=len(c.asm.get("cubin") or b""))
+
+
+def ptxas_usage(c) -> dict:
+    """registers, spill_stores, spill_loads (bytes per thread) of one compiled variant: its PTX assembled again by
+    the ptxas Triton ships, with `-v` and the options Triton 3.9's own cubin step passes (line info, register
+    allocation level 2, fused multiply-add as the variant was compiled), for the variant's target."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    arch = c.metadata.target.arch
+    options = ["-lineinfo", "-v", "--regAllocOptLevel=2"] + ([] if c.metadata.enable_fp_fusion else ["--fmad=false"])
+    options += (c.metadata.ptx_options or "").split()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(c.asm["ptx"])
+        cmd = [get_ptxas(arch).path, *options, f"--gpu-name={sm_arch_from_capability(arch)}", src,
+               "-o", os.path.join(tmp, "kernel.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas -v output for {c.name}: {log[-2000:]}")
+    return dict(registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))

@@ -200,13 +200,18 @@ def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_p
         return real_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(Block, "forward", counted)
-    common = ["--grad_accum_steps=2", "--dropout=0.1"]
+    switches = []  # gradient sync is switched off at a step's first micro-batch and on at its last, not between
+    real_switch = train_mod.set_gradient_sync
+    monkeypatch.setattr(train_mod, "set_gradient_sync", lambda model, sync: (switches.append(sync),
+                                                                             real_switch(model, sync)))
+    common = ["--grad_accum_steps=3", "--dropout=0.1"]
     block_calls = {}
     for name, extra in {"ddp": [], "fsdp": ["--parallel=fsdp"], "ddp-ac": ["--activation_checkpointing=true"],
                         "fsdp-ac": ["--parallel=fsdp", "--activation_checkpointing=true"]}.items():
         calls["n"] = 0
         train_mod.train(cfg_for(tmp_path, name, *common, *extra))
         block_calls[name] = calls["n"]
+    assert switches == [False, True] * 8 * 2  # 8 steps, in each of the two sharded runs
     reference = curve(tmp_path / "ddp")
     assert len(reference) == 8
     # recomputing a block replays its forward exactly, under either mode: bit for bit
@@ -217,9 +222,9 @@ def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_p
     # order FSDP2's one-rank gradient reduction differently, hence the reduction-order tolerance)
     for key in ("loss", "val_loss"):
         assert_close(curve(tmp_path / "fsdp", key), curve(tmp_path / "ddp", key))
-    # checkpointed blocks run forward again in backward: 8 steps x 2 micro-batches x 2 blocks more
+    # checkpointed blocks run forward again in backward: 8 steps x 3 micro-batches x 2 blocks more
     assert block_calls["ddp"] == block_calls["fsdp"]
-    assert block_calls["ddp-ac"] == block_calls["fsdp-ac"] == block_calls["ddp"] + 8 * 2 * 2
+    assert block_calls["ddp-ac"] == block_calls["fsdp-ac"] == block_calls["ddp"] + 8 * 3 * 2
     import torch.distributed as dist
     assert not dist.is_initialized()  # the one-process group ended with the run
 

@@ -16,10 +16,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (triton decorates then)
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import options  # noqa: E402
-from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache  # noqa: E402
+import kernels.ln_linear as ll  # noqa: E402
+from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, rope_tables, unsupported_reason  # noqa: E402
 from model.generation import DecodeGraph, decode_one_token, generate, prefill, use_fused_decode  # noqa: E402
@@ -165,6 +167,80 @@ def test_rope_qkv_goes_to_the_cache_rotated(Hq, Hkv, D, bias, dtype):
     rows = torch.arange(B, device=DEVICE)
     assert_within_budget("rope k in the cache", kc[rows, :, pos], exact[1], naive[1])
     assert_within_budget("v in the cache", vc[rows, :, pos], exact[2], naive[2])
+    kc[rows, :, pos] = vc[rows, :, pos] = float("nan")
+    assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
+
+
+# (n_embd, n_head, n_kv_head, head dim, intermediate) of the models the paired tiles were chosen for
+PAIRED_TILE_MODELS = {"smollm2-135m": (576, 9, 3, 64, 1536), "qwen2-0.5b": (896, 14, 2, 64, 4864)}
+
+
+@pytest.mark.parametrize("model", list(PAIRED_TILE_MODELS))
+def test_paired_launches_pick_their_own_tiles_at_llama_shapes(model, monkeypatch):
+    """Under PDL, up to PDL_FEW_ROWS rows, the paired launches (SwiGLU, RoPE-QKV) take PDL_PAIRED_TILES: 32 column
+    pairs, one-tile shares of 256 along K, 8 warps (kernels/ln_linear.py gives the evidence); above it, and without
+    PDL, the GPT-2 tile halved. The
+    launches ask pick_config in pairs, so the table is what they run."""
+    C, Hq, Hkv, D, inter = PAIRED_TILE_MODELS[model]
+    pairs = {"rope-qkv": (Hq + 2 * Hkv) * D // 2, "swiglu": inter}
+    for M in (1, 4, 8, 16):
+        for mode, n in pairs.items():
+            if M <= ll.PDL_FEW_ROWS:
+                want = (32, 256, 8, 1, triton.cdiv(C, 256))
+            else:  # above PDL_FEW_ROWS: the unpaired tile over 2n weight rows, its column block halved
+                bn, bk, warps, stages, split = pick_config(M, 2 * n, C, DEVICE, pdl=True)
+                want = (bn // 2, bk, warps, stages, split)
+                assert want == (32, 1024, 8, 1, 1), mode
+            assert pick_config(M, n, C, DEVICE, pdl=True, paired=True) == want, (mode, M)
+            assert pick_config(M, n, C, DEVICE, paired=True) == (16, 256, 4, 3, 1), mode
+        # an unpaired launch of the same width keeps the GPT-2 table
+        assert pick_config(M, 2 * pairs["swiglu"], C, DEVICE, pdl=True) == (32 if M <= 4 else 64, 1024, 8, 1, 1)
+    asked = []
+    real = ll.pick_config
+    monkeypatch.setattr(ll, "pick_config", lambda *a, **kw: asked.append(a) or real(*a, **kw))
+    x, w, _, gain, _ = make(2, 2 * inter, C, torch.float32, seed=3, bias=False)
+    with forced_config((512, 1024, 4, 1, 1)), torch.no_grad():  # few programs: the interpreter is slow
+        ln_linear(x, w, ln=(gain, None, 1e-5), rms=True, swiglu=True)
+        kc = torch.zeros(2, Hkv, 8, D, device=DEVICE)
+        cos = torch.ones(8, D, device=DEVICE)
+        ln_qkv_to_cache(x, w[:(Hq + 2 * Hkv) * D], None, (gain, None, 1e-5), kc, kc.clone(),
+                        torch.tensor([1, 2], device=DEVICE), Hq * D, rms=True, rope=(cos, cos))
+    assert [(a[1], a[2], a[5]) for a in asked] == [(pairs["swiglu"], C, True), (pairs["rope-qkv"], C, True)]
+
+
+@torch.no_grad()
+def test_paired_launches_with_their_pdl_tiles_match_reference():
+    """The PDL tiles of the paired modes, run here without PDL: 32 pairs in shares of 256 along K = 600 (split 3,
+    the last share short), column pairs that end inside a tile; SwiGLU, and RoPE-QKV with qkv biases into the
+    cache. Split-K leaves its workspace zeroed: a second SwiGLU call gives the same result."""
+    M, K, D, Hq, Hkv = 3, 600, 16, 6, 2
+    cfg = pick_config(M, 40, K, DEVICE, pdl=True, paired=True)
+    assert cfg == (32, 256, 8, 1, 3)
+    x, w, b, gain, _ = make(M, 80, K, torch.float32, seed=7)          # 40 [gate | up] pairs
+    rms = (gain, None, 1e-5)
+    with forced_config(cfg):
+        outs = [ln_linear(x, w, b, ln=rms, rms=True, swiglu=True,
+                          out=torch.full((M, 40), float("nan"), device=DEVICE)) for _ in range(2)]
+    exact = mlp_ref(x.cpu(), w.cpu(), b.cpu(), gain.cpu(), 1e-5, True, None, torch.float64)
+    assert_within_budget("swiglu, PDL tiles", outs[0], exact, mlp_ref(x, w, b, gain, 1e-5, True, None, x.dtype))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+    n_q, n_kv, max_len = Hq * D, Hkv * D, 12
+    cos, sin = RotaryEmbedding(GPTConfig(n_embd=Hq * D, n_head=Hq, pos_emb="rope", **ROPE_LLAMA3)).to(DEVICE)(
+        torch.arange(max_len, device=DEVICE), torch.float32)              # (L, D) each
+    x, w, b, gain, _ = make(M, n_q + 2 * n_kv, K, torch.float32, seed=8)  # 80 pairs: the third tile half full
+    kc = torch.full((M, Hkv, max_len, D), float("nan"), device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    pos = torch.tensor([0, 5, max_len - 1], device=DEVICE)
+    with forced_config(cfg):
+        q = ln_qkv_to_cache(x, w, b, (gain, None, 1e-5), kc, vc, pos, n_q, rms=True, rope=(cos, sin))
+    exact = qkv_ref(x.cpu(), w.cpu(), b.cpu(), gain.cpu(), 1e-5, cos.cpu(), sin.cpu(), pos.cpu(), Hq, Hkv, D,
+                    torch.float64)
+    naive = qkv_ref(x, w, b, gain, 1e-5, cos, sin, pos, Hq, Hkv, D, torch.float32)
+    rows = torch.arange(M, device=DEVICE)
+    assert_within_budget("rope q, PDL tiles", q, exact[0], naive[0])
+    assert_within_budget("rope k in the cache, PDL tiles", kc[rows, :, pos], exact[1], naive[1])
+    assert_within_budget("v in the cache, PDL tiles", vc[rows, :, pos], exact[2], naive[2])
     kc[rows, :, pos] = vc[rows, :, pos] = float("nan")
     assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
 

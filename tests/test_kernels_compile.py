@@ -9,7 +9,10 @@ tile configs and argument specialisations. Compiling happens in a child process 
 TRITON_INTERPRET=0 and an empty Triton cache; the child prints a JSON list with a record per compiled variant.
 
 The child stands in for an sm_90 device with programmatic dependent launch (pdl on and off through the pdl
-option) and 132 SMs (H100 / H200), and takes CPU tensors (device checks off; nothing is launched).
+option) and 132 SMs (H100 / H200), and takes CPU tensors (device checks off; nothing is launched). It also runs
+a layer of SmolLM2-135M's and of Qwen2-0.5B's shape in bf16 at batch 1, 8 and 16, and reports `ptxas -v`'s
+registers and spills of every paired (SwiGLU, RoPE-QKV) variant: none may spill but the whole-K tiles that the
+paired launches keep under PDL above PDL_FEW_ROWS rows (kernels/ln_linear.py: measured faster there).
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ DTYPES = ("float16", "bfloat16")
 GPT2 = dict(n_head=8, n_embd=512)  # head dim 64, MLP 2048: the down projection's K splits with and without PDL
 LLAMA = dict(n_head=4, n_kv_head=2, n_embd=512, head_size=128, intermediate_size=2048, pos_emb="rope",
              norm="rmsnorm", mlp="swiglu", bias=False)  # GQA (2 query heads per kv head), head dim 128
+LLAMA_MODELS = {  # one layer of each, as the paired tiles were chosen for (kernels/ln_linear.py)
+    "smollm2-135m": dict(n_head=9, n_kv_head=3, n_embd=576, intermediate_size=1536),
+    "qwen2-0.5b": dict(n_head=14, n_kv_head=2, n_embd=896, intermediate_size=4864, qkv_bias=True),
+}
 
 
 # --------------------------------------------------------------------- the child: compile what the path launches
@@ -41,6 +48,24 @@ def _steps(dtype, pdl: bool, batch: int = 1) -> None:
         model.setup_kv_cache(batch, 64)
         with options.use(pdl=pdl):
             fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
+
+
+def _llama_model_steps() -> None:
+    """fused_decode_step in bf16 on one layer of each of LLAMA_MODELS, at batch 1, 8 and 16, with and without PDL."""
+    import torch
+
+    from kernels import options
+    from model import GPT, GPTConfig
+    from model.fused_decode import fused_decode_step
+    for kw in LLAMA_MODELS.values():
+        cfg = GPTConfig(block_size=64, vocab_size=64, n_layer=1, attention="naive", pos_emb="rope", norm="rmsnorm",
+                        mlp="swiglu", bias=False, **kw)
+        model = GPT(cfg).to(torch.bfloat16).eval()
+        for batch in (1, 8, 16):
+            model.setup_kv_cache(batch, 64)
+            for pdl in (True, False):
+                with options.use(pdl=pdl):
+                    fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
 
 
 def _paired_split_k(dtype, pdl: bool) -> None:
@@ -84,7 +109,7 @@ def compile_decode_launches() -> list[dict]:
     import kernels.ln_linear as ll
     from kernels import options
     from kernels.pdl import triton_has_gdc
-    from tests.gpu_compile import compiling_instead_of_launching, describe
+    from tests.gpu_compile import compiling_instead_of_launching, describe, ptxas_usage
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
@@ -98,7 +123,12 @@ def compile_decode_launches() -> list[dict]:
                 _paired_split_k(dtype, pdl)
             _split_attention(dtype)
         _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
-    return [describe(c, DTYPE_ARG) for c in compiled]
+        _llama_model_steps()
+    records = [describe(c, DTYPE_ARG) for c in compiled]
+    for c, rec in zip(compiled, records):
+        if rec["kernel"] == "_ln_linear_kernel" and (rec["consts"]["SWIGLU"] or rec["consts"]["ROPE"]):
+            rec["ptxas"] = ptxas_usage(c)
+    return records
 
 
 # --------------------------------------------------------------------- the test: what must have compiled
@@ -111,7 +141,7 @@ def _tags(rec: dict) -> set[str]:
         tags.add(("rmsnorm" if c["RMS"] else "layernorm") if c["HAS_LN"] else "no_norm")
         tags.add("bias" if c["HAS_BIAS"] else "no_bias")
         tags.add("split_k" if c["SPLIT_K"] > 1 else "one_split")
-        tags.add(f"block_n{c['BLOCK_N']}")
+        tags.update({f"block_n{c['BLOCK_N']}", f"block_k{c['BLOCK_K']}", f"splits{c['SPLIT_K']}"})
         tags.update(name.lower() if c[flag] else "no_" + name.lower() for flag, name in (
             ("LN_HAS_BIAS", "ln_bias"), ("GELU", "gelu"), ("SWIGLU", "swiglu"), ("ROPE", "rope"),
             ("QKV_CACHE", "qkv_cache"), ("HAS_RES", "residual"), ("LN_STATS_IN", "stats_in"),
@@ -132,10 +162,11 @@ LN_LINEAR_MODES = [  # each launched with and without PDL, in each dtype
     "no_norm bias residual stats_out split_k",
     "no_norm bias residual no_stats_out split_k",
     # Llama family: RMSNorm, RoPE into the cache, SwiGLU, no biases; qkv_bias (Qwen2); paired modes split over K
-    "rmsnorm no_ln_bias no_bias qkv_cache rope stats_in one_split",
+    # (under PDL the paired launches are always split: LLAMA_MODEL_MODES)
+    "rmsnorm no_ln_bias no_bias qkv_cache rope stats_in",
     "rmsnorm no_ln_bias bias qkv_cache rope stats_in",
     "no_norm no_bias residual stats_out one_split",
-    "rmsnorm no_bias swiglu no_gelu stats_in no_residual one_split",
+    "rmsnorm no_bias swiglu no_gelu stats_in no_residual",
     "no_norm no_bias residual stats_out split_k",
     "no_norm no_bias residual no_stats_out split_k",
     "rmsnorm no_bias swiglu split_k",
@@ -152,11 +183,24 @@ OTHER_MODES = [
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
-WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns (32 column pairs) wide
+WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns wide (the paired: 32 pairs)
     "_ln_linear_kernel layernorm qkv_cache one_split block_n64",
     "_ln_linear_kernel no_norm residual stats_out one_split block_n64",
     "_ln_linear_kernel rmsnorm qkv_cache rope one_split block_n32",
     "_ln_linear_kernel rmsnorm swiglu one_split block_n32",
+]
+LLAMA_MODEL_MODES = [  # bf16, LLAMA_MODELS: the paired launches' own PDL tiles at batch 1 (K 576: 3 shares, 896:
+    # 4), the GPT-2 PDL tile halved at batch 8 and 16 (one whole-K tile), and without PDL the GPT-2 tile halved
+    "pdl rmsnorm no_bias qkv_cache rope block_n32 block_k256 splits3",   # SmolLM2-135M
+    "pdl rmsnorm no_bias swiglu block_n32 block_k256 splits3",
+    "pdl rmsnorm bias qkv_cache rope block_n32 block_k256 splits4",      # Qwen2-0.5B (qkv_bias)
+    "pdl rmsnorm no_bias swiglu block_n32 block_k256 splits4",
+    "pdl rmsnorm no_bias qkv_cache rope block_n32 block_k1024 one_split",
+    "pdl rmsnorm bias qkv_cache rope block_n32 block_k1024 one_split",
+    "pdl rmsnorm no_bias swiglu block_n32 block_k1024 one_split",
+    "no_pdl rmsnorm no_bias qkv_cache rope block_n16 block_k256 one_split",
+    "no_pdl rmsnorm bias qkv_cache rope block_n16 block_k256 one_split",
+    "no_pdl rmsnorm no_bias swiglu block_n16 block_k256 one_split",
 ]
 
 
@@ -167,18 +211,26 @@ def required_modes() -> list[set[str]]:
         out += [{"_ln_linear_kernel", ptr, p, *m.split()} for m in LN_LINEAR_MODES for p in ("pdl", "no_pdl")]
         out += [{ptr, *m.split()} for m in OTHER_MODES]
     out += [{"bf16", "pdl", *m.split()} for m in WIDE_PDL_MODES]
+    out += [{"_ln_linear_kernel", "bf16", *m.split()} for m in LLAMA_MODEL_MODES]
     return out
 
 
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """Each launch variant of the decode path (GPT-2 and Llama-family modes, split-K, PDL on and off, fp16 and
-    bf16, GQA, head dims 64 and 128, split and unsplit attention) compiles to PTX with its entry and to a cubin."""
+    bf16, GQA, head dims 64 and 128, split and unsplit attention) compiles to PTX with its entry and to a cubin;
+    the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's shapes too, do not spill, but for
+    the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured faster there despite their spills)."""
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path)
     tagged = [_tags(rec) for rec in records]
     missing = [" ".join(sorted(m)) for m in required_modes() if not any(m <= t for t in tagged)]
     assert not missing, f"no compiled variant for: {missing}"
+    paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if "ptxas" in rec]
+    assert len(paired) >= len(LLAMA_MODEL_MODES)
+    spills = [(tags, usage) for tags, usage in paired if usage["spill_stores"] or usage["spill_loads"]]
+    spilled = [(tags, usage) for tags, usage in spills if not {"pdl", "one_split"} <= set(tags.split())]
+    assert not spilled, f"paired launches that spill at sm_90: {spilled}"
 
 
 if __name__ == "__main__":

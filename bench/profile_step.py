@@ -1,0 +1,273 @@
+"""Where a training step's GPU time goes: train.py's own step under torch.profiler, its kernels summed by kind.
+
+    python bench/profile_step.py configs/gpt2_124m.toml --case ddp: --case fsdp:--parallel=fsdp \\
+        --dataset=shakespeare --batch_size=16 --grad_accum_steps=8
+    python bench/profile_step.py configs/smollm2_135m.toml --case flash:--attention=flash \\
+        --case sdpa:--attention=sdpa --batch_size=16 --block_size=2048 --grad_accum_steps=1
+
+Each --case NAME:OVERRIDES (space-separated --key=value, added after the common ones) runs in a process of its
+own: train.py's Trainer is set up as for a real run (one GPU, no torchrun; FSDP2 starts its own one-process
+group), takes --warmup steps (compilation included), then --timed steps timed with the device synchronised at
+both ends (ms per step), then --profiled steps under torch.profiler. Every CUDA kernel of the profiled steps is
+summed by name and by kind (matmul, attention, Inductor's fused kernels, loss, optimizer, communication,
+copies, other ATen kernels); "GPU busy" is the union of the kernels' intervals, so the step time minus it is
+the time the GPU waited. With --cprofile N, N more steps run under cProfile: the Python functions the host's
+time goes to (where the GPU waits for the host). The cases run one after another, never side by side.
+
+Prints, and writes into --out (and $OUT when set): profile_step.md (kinds per case and their differences from
+the first case, then the kernels with the largest differences) and profile_step.json (every kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (kind, pattern on the kernel name), first match wins
+KINDS = [
+    ("communication", r"nccl"),
+    ("attention", r"_attn_|flash|fmha|cudnn|attention|sdpa"),
+    ("loss", r"cross_entropy|_ce_|nll_loss|log_softmax"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|gemv|splitKreduce"),
+    ("Inductor fused", r"^triton_"),
+    ("copies", r"[Mm]emcpy|[Mm]emset|copy_kernel|CatArrayBatched"),
+    ("other Triton", r"^_"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other ATen"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (µs)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def host_profile(steps, n: int, top: int = 25) -> dict:
+    """n steps under cProfile: the host's time per step and the Python functions it goes to (ms per step,
+    own time and with callees; a call that waits for the device counts its wait as its own time)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    steps(n)
+    prof.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / n
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.items():
+        short = file.split("site-packages/")[-1] if "site-packages/" in file else os.path.relpath(file, ROOT)
+        where = name if file == "~" else f"{short}:{line}({name})"
+        rows.append({"function": where, "calls": calls / n, "own_ms": own * 1e3 / n, "cum_ms": cum * 1e3 / n})
+    return {"wall_ms": wall_ms, "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
+
+
+def profile_one(args, overrides: list[str]) -> dict:
+    """Runs in the case's own process: set up train.py's Trainer, warm up, time, profile."""
+    import torch
+    sys.path.insert(0, str(ROOT))
+    import train
+    from config import load_config
+    total = args.warmup + args.timed + args.profiled
+    with tempfile.TemporaryDirectory(prefix="profile_step_") as work:
+        cfg = load_config(args.config, [*overrides, f"--out_dir={work}", f"--max_iters={total + 1}",
+                                        "--eval_interval=1000000", "--wandb=false"])
+        trainer = train.Trainer(cfg)
+        try:
+            trainer.setup()
+            trainer.bar = type("NoBar", (), {"update": lambda self, n: None})()
+            trainer.tokens_since = 0
+
+            cuda = trainer.device.type == "cuda"
+
+            def steps(n: int) -> None:
+                for _ in range(n):
+                    trainer.step()
+                trainer.settle()
+                if cuda:
+                    torch.cuda.synchronize()
+
+            t0 = time.perf_counter()
+            steps(args.warmup)
+            warmup_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            steps(args.timed)
+            step_ms = (time.perf_counter() - t0) * 1e3 / args.timed
+            from torch.profiler import ProfilerActivity, profile
+            # on a CPU (the tool's own test) the CPU ops are profiled but not counted: no kernels, times only
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                steps(args.profiled)
+                profiled_ms = (time.perf_counter() - t0) * 1e3 / args.profiled
+            kernels: dict[str, list[float]] = {}
+            intervals = []
+            for e in prof.events():
+                if e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                start, end = e.time_range.start, e.time_range.end
+                intervals.append((start, end))
+                entry = kernels.setdefault(e.name, [0.0, 0])
+                entry[0] += end - start
+                entry[1] += 1
+            n = args.profiled
+            rows = sorted(({"name": k, "kind": kind_of(k), "ms": v[0] / 1e3 / n, "calls": v[1] / n}
+                           for k, v in kernels.items()), key=lambda r: -r["ms"])
+            kinds: dict[str, float] = {}
+            for r in rows:
+                kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["ms"]
+            host = host_profile(steps, args.cprofile) if args.cprofile else None
+            return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
+                    "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "kernel_ms": sum(r["ms"] for r in rows),
+                    "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                    "tokens_per_step": trainer.tokens_per_step}
+        finally:
+            trainer.close()
+
+
+def report(cases: list[dict], command: str, commit: str, top: int) -> str:
+    first = cases[0]
+    names = [c["name"] for c in cases]
+    head = "| | " + " | ".join(f"`{n}`" for n in names) + "".join(f" | `{n}` − `{first['name']}`"
+                                                                     for n in names[1:]) + " |"
+    rule = "| --- |" + " ---: |" * (2 * len(cases) - 1)
+    out = [f"# Where a training step's GPU time goes\n", "```bash", command, "```", "",
+           f"Commit {commit}. Milliseconds per optimizer step (all its micro-batches). Cases:", ""]
+    out += [f"- `{c['name']}`: `{' '.join(c['overrides']) or '(the common overrides only)'}`; "
+            f"{c['tokens_per_step']:,} tokens per step, warm-up {c['warmup_s']:.0f} s, peak {c['peak_gib']:.1f} GiB"
+            for c in cases]
+    out += ["", head, rule]
+
+    def row(label, values):
+        base = values[0]
+        return (f"| {label} | " + " | ".join(f"{v:.2f}" for v in values)
+                + "".join(f" | {v - base:+.2f}" for v in values[1:]) + " |")
+    out.append(row("step (timed, synchronised)", [c["step_ms"] for c in cases]))
+    out.append(row("step (profiled)", [c["profiled_step_ms"] for c in cases]))
+    out.append(row("GPU busy", [c["gpu_busy_ms"] for c in cases]))
+    out.append(row("GPU waiting (profiled step − busy)", [c["profiled_step_ms"] - c["gpu_busy_ms"] for c in cases]))
+    kinds = sorted({k for c in cases for k in c["kinds"]}, key=lambda k: -max(c["kinds"].get(k, 0) for c in cases))
+    for k in kinds:
+        out.append(row(f"kernels: {k}", [c["kinds"].get(k, 0.0) for c in cases]))
+    out += ["", f"The {top} kernels whose time differs most between the cases (ms per step; calls per step in "
+            "brackets):", "", "| kernel | kind | " + " | ".join(f"`{n}`" for n in names) + " |",
+            "| --- | --- |" + " ---: |" * len(cases)]
+    table = {}
+    for i, c in enumerate(cases):
+        for r in c["kernels"]:
+            table.setdefault(r["name"], [r["kind"], [None] * len(cases)])[1][i] = (r["ms"], r["calls"])
+    spread = lambda v: max(x[0] if x else 0 for x in v) - min(x[0] if x else 0 for x in v)  # noqa: E731
+    for name, (kind, vals) in sorted(table.items(), key=lambda kv: -spread(kv[1][1]))[:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        cells = " | ".join(f"{v[0]:.3f} ({v[1]:g})" if v else "–" for v in vals)
+        out.append(f"| `{short}` | {kind} | {cells} |")
+    for c in cases:
+        host = c.get("host")
+        if not host:
+            continue
+        out += ["", f"`{c['name']}` on the host under cProfile: {host['wall_ms']:.1f} ms per step (cProfile slows Python "
+                "code down, so this is an upper bound). Functions by own time, then by time with callees (ms per step):",
+                "", "| function | calls | own ms | | function | calls | with callees ms |", "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+        for a, b in zip(host["by_own"], host["by_cum"]):
+            out.append(f"| `{a['function'][-70:]}` | {a['calls']:g} | {a['own_ms']:.2f} | | `{b['function'][-70:]}` | "
+                       f"{b['calls']:g} | {b['cum_ms']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("config", help="TOML config (configs/)")
+    p.add_argument("--case", action="append", default=[], metavar="NAME:OVERRIDES",
+                   help="a case to profile; repeat it (at least one)")
+    p.add_argument("--warmup", type=int, default=4, help="steps before timing (compilation included)")
+    p.add_argument("--timed", type=int, default=4, help="steps timed")
+    p.add_argument("--profiled", type=int, default=2, help="steps profiled")
+    p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="then N more steps under cProfile: where the host's time goes (default 0: none)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per case")
+    p.add_argument("--out", default=str(ROOT / "runs" / "profile_step"), help="results folder")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: the case process writes JSON here
+    args, common = p.parse_known_args(argv)
+    bad = [o for o in common if not o.startswith("--")]
+    if bad:
+        p.error(f"unexpected argument {bad[0]!r}: overrides are --key=value")
+    if args.one:
+        result = profile_one(args, common)
+        with open(args.one, "w") as f:
+            json.dump(result, f)
+        return 0
+    if not args.case:
+        p.error("give at least one --case NAME:OVERRIDES")
+    if min(args.warmup, args.timed, args.profiled) < 1:
+        p.error("--warmup, --timed and --profiled must be at least 1")
+    specs = []
+    for spec in args.case:
+        name, sep, rest = spec.partition(":")
+        if not sep or not name:
+            p.error(f"--case {spec!r}: expected NAME:OVERRIDES (OVERRIDES may be empty)")
+        specs.append((name, shlex.split(rest)))
+    import torch
+    if not torch.cuda.is_available():
+        print("error: profile_step needs a CUDA GPU", file=sys.stderr)
+        return 1
+    sys.path.insert(0, str(ROOT))
+    from bench.report import git_commit
+    cases = []
+    for name, overrides in specs:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+        cmd = [sys.executable, __file__, args.config, f"--one={path}", f"--warmup={args.warmup}",
+               f"--timed={args.timed}", f"--profiled={args.profiled}", f"--cprofile={args.cprofile}", *common, *overrides]
+        print(f"== {name}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            print(f"error: case {name} ran past --timeout={args.timeout} s", file=sys.stderr)
+            return 1
+        if r.returncode != 0:
+            print(r.stdout[-2000:] + r.stderr[-4000:], file=sys.stderr)
+            print(f"error: case {name} failed (exit {r.returncode})", file=sys.stderr)
+            return 1
+        with open(path) as f:
+            result = json.load(f)
+        os.unlink(path)
+        result.update(name=name, overrides=overrides)
+        print(f"   {result['step_ms']:.2f} ms/step, GPU busy {result['gpu_busy_ms']:.2f} ms", flush=True)
+        cases.append(result)
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
+    text = report(cases, command, git_commit(), args.top)
+    print(text)
+    for folder in {args.out, os.environ.get("OUT") or args.out}:
+        os.makedirs(folder, exist_ok=True)
+        Path(folder, "profile_step.md").write_text(text)
+        Path(folder, "profile_step.json").write_text(json.dumps({"command": command, "cases": cases}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""bench/profile_step.py: kernel kinds, the busy-time union, the report, and a case process on a CPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import profile_step as ps  # noqa: E402
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+    ("_attn_fwd", "attention"), ("_attn_bwd_dkdv", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("triton_per_fused__to_copy_add_native_layer_norm_3", "Inductor fused"),
+    ("_ce_loss_fwd_kernel", "loss"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("void at::native::vectorized_elementwise_kernel<4, add>", "other ATen"),
+])
+def test_kernel_kinds(name, kind):
+    assert ps.kind_of(name) == kind
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert ps.busy_us([]) == 0
+    assert ps.busy_us([(0, 10), (5, 12), (20, 25)]) == 17      # overlap counted once, the gap not at all
+    assert ps.busy_us([(20, 25), (0, 10), (2, 3)]) == 15       # unsorted, one inside another
+
+
+def _case(name, step, kinds, kernels):
+    return {"name": name, "overrides": [f"--x={name}"], "step_ms": step, "profiled_step_ms": step + 1,
+            "gpu_busy_ms": step - 2, "warmup_s": 30.0, "peak_gib": 10.0, "tokens_per_step": 131072,
+            "kinds": kinds, "kernels": [{"name": n, "kind": ps.kind_of(n), "ms": ms, "calls": c}
+                                        for n, ms, c in kernels]}
+
+
+def test_report_lists_differences_from_the_first_case():
+    a = _case("ddp", 240.0, {"matmul": 150.0, "Inductor fused": 40.0},
+              [("nvjet_a", 150.0, 96), ("triton_poi_fused_1", 40.0, 8)])
+    b = _case("fsdp", 250.5, {"matmul": 151.0, "communication": 3.0},
+              [("nvjet_a", 151.0, 96), ("ncclDevKernel_AllGather", 3.0, 24)])
+    text = ps.report([a, b], "python bench/profile_step.py X", "abc1234", top=2)
+    assert "| step (timed, synchronised) | 240.00 | 250.50 | +10.50 |" in text
+    assert "| kernels: communication | 0.00 | 3.00 | +3.00 |" in text
+    lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert lines[0].startswith("| `triton_poi_fused_1` | Inductor fused | 40.000 (8) | – |")  # largest spread first
+    assert len(lines) == 2 and "Commit abc1234" in text
+
+
+def test_case_process_runs_the_trainer_steps_on_a_cpu(tmp_path):
+    out = tmp_path / "one.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), str(ROOT / "configs" / "demo.toml"),
+                        f"--one={out}", "--warmup=1", "--timed=2", "--profiled=1", "--device=cpu", "--compile=false",
+                        "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["step_ms"] > 0 and result["tokens_per_step"] == 2 * 32
+    assert result["kernels"] == [] and result["gpu_busy_ms"] == 0  # a CPU has no kernels to count
+
+
+def test_bad_arguments_are_one_line_errors():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "configs/demo.toml",
+                        "--case", "nocolon"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    err = r.stderr.strip().splitlines()[-1]
+    assert "error:" in err and "NAME:OVERRIDES" in err

@@ -181,8 +181,9 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """Before each micro-batch of a sharded model: sync=False for all but the last of a step. Then gradients
-    accumulate unsharded on each rank, with no reduce-scatter, and the blocks' parameters stay gathered from one
+    """For a step of several micro-batches of a sharded model: sync=False before the first, sync=True before the
+    last (the setting stays in between; each call walks every module). With sync off, gradients accumulate
+    unsharded on each rank, with no reduce-scatter, and the blocks' parameters stay gathered from one
     micro-batch to the next (no all-gather); sync=True restores reduce-scatter and resharding for the last one."""
     model.set_requires_gradient_sync(sync)
     model.set_reshard_after_backward(sync)

@@ -5,6 +5,7 @@ folder (model/sharded_checkpoint.py).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pickle
@@ -44,15 +45,22 @@ def fsync_dir(folder: str) -> None:
 
 def atomic_save(obj, path: str) -> None:
     """torch.save `obj` to `path` through a temporary file and a rename; the temporary file never stays."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
-    try:
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=os.path.dirname(os.path.abspath(path)))
+    with _replacing(tmp, path):
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(folder)
+
+
+@contextlib.contextmanager
+def _replacing(tmp: str, dst: str):
+    """The block writes `tmp`; then it replaces `dst` (a rename) and the folder is synced. On any error the
+    temporary file is removed and `dst` is left as it was."""
+    try:
+        yield
+        os.replace(tmp, dst)
+        fsync_dir(os.path.dirname(os.path.abspath(dst)))
     except BaseException:
         if os.path.exists(tmp):
             remove_quietly(tmp)
@@ -112,21 +120,14 @@ def link_or_copy(src: str, dst: str) -> None:
     """Make `dst` a file with `src`'s content, atomically: a hard link where the file system allows one (no
     extra disk space; the files are only ever replaced, never written in place), else a copy. On any error
     the temporary file is removed and `dst` is left as it was."""
-    folder = os.path.dirname(os.path.abspath(dst))
-    tmp = os.path.join(folder, f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}")
-    try:
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}")
+    with _replacing(tmp, dst):
         try:
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, dst)
-        fsync_dir(folder)
-    except BaseException:
-        if os.path.exists(tmp):
-            remove_quietly(tmp)
-        raise
 
 
 def prune(out_dir: str, keep_last: int) -> None:

@@ -139,7 +139,7 @@ def profile_one(args, overrides: list[str]) -> dict:
             kinds: dict[str, float] = {}
             for r in rows:
                 kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["ms"]
-            host = host_profile(steps, args.cprofile) if args.cprofile else None
+            host = host_profile(steps, args.cprofile, args.top) if args.cprofile else None
             return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
                     "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "kernel_ms": sum(r["ms"] for r in rows),
                     "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps before timing (compilation included)")
     p.add_argument("--timed", type=int, default=4, help="steps timed")
     p.add_argument("--profiled", type=int, default=2, help="steps profiled")
-    p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--top", type=int, default=25, help="kernels listed, and host functions under --cprofile")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="then N more steps under cProfile: where the host's time goes (default 0: none)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per case")

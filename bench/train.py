@@ -10,8 +10,10 @@ with --model the [model] section of a training config (e.g. SmolLM2-135M's Llama
 block_size, --llama-kernels what its RMSNorm, SwiGLU and RoPE run on),
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
 one fixed batch: uniform random tokens, or (--tokens FILE) real text, windows of a token file from
-data/prepare.py (train.bin: uint16), spread evenly over it. For each variant: median step time over --steps after warm-up (compile included in warm-up),
-tokens/s, MFU (nanoGPT's 6N + 12·L·H·Dh·T FLOPs per token, of 989 TFLOP/s bf16 dense), peak memory, and
+data/prepare.py (train.bin: uint16), spread evenly over it. For each variant: median step time over --steps after warm-up (compile included in warm-up), each step
+synchronised at its end, so the host time the GPU waits for at a step's start counts; then --steps more steps
+queued back to back as train.py queues them (each loss read after the next step is queued), whose mean is the
+queued step time; tokens/s, MFU (nanoGPT's 6N + 12·L·H·Dh·T FLOPs per token, of 989 TFLOP/s bf16 dense), peak memory, and
 (with nvidia-ml-py installed: `pip install -e ".[bench]"`) the GPU's energy per timed step and its mean power.
 
 Each variant is measured in a fresh process (--repeats R: R processes per variant, the order of the variants
@@ -254,6 +256,23 @@ def timed_steps(step, steps: int) -> list:
     return times
 
 
+def queued_steps(step, steps: int) -> float:
+    """Milliseconds per step of `steps` steps queued back to back as train.py queues them: each step's loss is
+    read back (.item()) only after the next step is queued, so the GPU never drains between steps and the host
+    time of a step hides behind the GPU work of the one before. Wall clock, synchronised at both ends."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pending = None
+    for _ in range(steps):
+        loss = step()
+        if pending is not None:
+            pending.item()  # the previous step's loss, as train.py's settle() reads it
+        pending = loss
+    pending.item()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def parse_tiles(text: str) -> dict:
     """'fwd=128x64x8x4,dkdv=32x128x4x3' -> {"fwd": (128, 64, 8, 4), ...}: (BLOCK_M, BLOCK_N, warps, stages)."""
     tiles = {}
@@ -299,12 +318,13 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
         times = timed_steps(step, steps)
         med = statistics.median(times) / 1e3
         wall, joules = time.perf_counter() - t0, energy() - e0 if energy else None
+        queued_ms = queued_steps(step, steps)
         row_tiles = flash_tiles() if attention == "flash" else None
     tok_s = batch * block / med
     row = {"attention": attention, "compiled": compiled, "step_ms": med * 1e3, "tokens_per_s": tok_s,
            "mfu": model.flops_per_token() * tok_s / PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "warmup_s": warm_s, "loss": loss.item(), "params_M": model.num_params() / 1e6,
-           "mean_step_ms": statistics.mean(times)}
+           "mean_step_ms": statistics.mean(times), "queued_step_ms": queued_ms}
     if joules is not None:
         row.update(energy_j_per_step=joules / steps, power_w=joules / wall)
     return {**row, "tiles": row_tiles} if row_tiles else row
@@ -373,7 +393,8 @@ def combine(variant: str, runs: list, data: str = "random") -> dict:
             "peak_mem_gib": max(r["peak_mem_gib"] for r in ok), "runs_step_ms": [r.get("step_ms") for r in runs],
             "runs_tiles": [r.get("tiles") for r in runs], "errors": [r["error"] for r in runs if "error" in r],
             "energy_j_per_step": _median_of(ok, "energy_j_per_step"), "power_w": _median_of(ok, "power_w"),
-            "mean_step_ms": _median_of(ok, "mean_step_ms")}
+            "mean_step_ms": _median_of(ok, "mean_step_ms"), "queued_step_ms": _median_of(ok, "queued_step_ms"),
+            "runs_queued_step_ms": [r.get("queued_step_ms") for r in runs]}
 
 
 def _median_of(runs: list, key: str):
@@ -415,7 +436,8 @@ def write_results(rows: list, args, argv) -> str:
     lines = [f"# {describe_model(args)} training step — {device}", "",
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, batch {args.batch}×{args.block}, bf16 autocast, fused AdamW, "
-             f"median of {args.steps} steps per run, {how}; {describe_data(args)}; loss kernel {args.loss}; "
+             f"median of {args.steps} steps per run, each synchronised at its end (then {args.steps} more queued back to "
+             f"back for the queued figure), {how}; {describe_data(args)}; loss kernel {args.loss}; "
              f"commit {git_commit()}", "",
              "| variant | step (ms) | tokens/s | MFU | peak memory (GiB) | energy per step (J), power (W) | "
              "step per run (ms) |",
@@ -440,6 +462,14 @@ def write_results(rows: list, args, argv) -> str:
         pairs = [(a, b) for a, b in zip(flash["runs_step_ms"], sdpa["runs_step_ms"]) if a and b]
         if len(pairs) > 1:
             lines.append("per round: " + ", ".join(f"{b / a:.3f}×" for a, b in pairs))
+        if flash.get("queued_step_ms") and sdpa.get("queued_step_ms"):
+            queued = sdpa["queued_step_ms"] / flash["queued_step_ms"]
+            lines.append(f"steps queued back to back as train.py runs them (each loss read after the next step is "
+                         f"queued): {flash['queued_step_ms']:.2f} against {sdpa['queued_step_ms']:.2f} ms, "
+                         f"**{queued:.3f}×**")
+            pairs = [(a, b) for a, b in zip(flash["runs_queued_step_ms"], sdpa["runs_queued_step_ms"]) if a and b]
+            if len(pairs) > 1:
+                lines.append("queued, per round: " + ", ".join(f"{b / a:.3f}×" for a, b in pairs))
     for memory in (r for r in ok if r["data"] == "memory"):
         shards = next((r for r in ok if r["data"] == "shards" and r["base"] == memory["base"]), None)
         if shards is None:

@@ -40,8 +40,10 @@ def _run(step_ms: float, mem: float = 11.5) -> dict:
 def test_rows_are_medians_over_runs_and_keep_failures(tmp_path, monkeypatch):
     bt = _bench_train()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
-    flash = bt.combine("flash+compile", [_run(33.0), _run(34.0, 11.6), _run(33.2)])
-    sdpa = bt.combine("sdpa+compile", [_run(33.6), {"error": "worker exit 1: OOM"}, _run(33.4)])
+    queued = lambda run, ms: dict(run, queued_step_ms=ms)  # noqa: E731
+    flash = bt.combine("flash+compile", [queued(_run(33.0), 32.0), _run(34.0, 11.6), queued(_run(33.2), 32.4)])
+    sdpa = bt.combine("sdpa+compile", [queued(_run(33.6), 32.5), {"error": "worker exit 1: OOM"},
+                                       queued(_run(33.4), 32.1)])
     naive = bt.combine("naive", [{"error": "worker exit 1: CUDA out of memory"}])
     assert flash["variant"] == "flash + compile" and flash["step_ms"] == 33.2 and flash["peak_mem_gib"] == 11.6
     assert abs(flash["tokens_per_s"] - 16 * 1024 / 0.0332) < 1e-6 * flash["tokens_per_s"]
@@ -57,6 +59,9 @@ def test_rows_are_medians_over_runs_and_keep_failures(tmp_path, monkeypatch):
     assert "33.60, failed, 33.40" in text and "CUDA out of memory" in text
     assert f"**{33.5 / 33.2:.3f}×** (target ≥ 1.0×: met)" in text
     assert f"per round: {33.6 / 33.0:.3f}×, {33.4 / 33.2:.3f}×" in text  # the failed round is left out
+    # queued figures: medians over the runs that have one (32.2 and 32.3 ms); rounds paired where both have one
+    assert f"32.20 against 32.30 ms, **{32.3 / 32.2:.3f}×**" in text
+    assert f"queued, per round: {32.5 / 32.0:.3f}×, {32.1 / 32.4:.3f}×\n" in text
     saved = json.loads((tmp_path / "train_step.json").read_text())
     assert saved["device"] == "TEST GPU" and [r["variant"] for r in saved["rows"]] == [
         "flash + compile", "sdpa + compile", "naive"]

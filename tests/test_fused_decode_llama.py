@@ -208,7 +208,8 @@ def test_paired_launches_pick_their_own_tiles_at_llama_shapes(model, monkeypatch
         cos = torch.ones(8, D, device=DEVICE)
         ln_qkv_to_cache(x, w[:(Hq + 2 * Hkv) * D], None, (gain, None, 1e-5), kc, kc.clone(),
                         torch.tensor([1, 2], device=DEVICE), Hq * D, rms=True, rope=(cos, cos))
-    assert [(a[1], a[2], a[5]) for a in asked] == [(pairs["swiglu"], C, True), (pairs["rope-qkv"], C, True)]
+    launches = [a for a in asked if len(a) == 6]  # the launches' own calls, not pick_config asking itself
+    assert [(a[1], a[2], a[5]) for a in launches] == [(pairs["swiglu"], C, True), (pairs["rope-qkv"], C, True)]
 
 
 @torch.no_grad()

@@ -89,6 +89,8 @@ class TrainConfig:
                                     # the end-of-text token) and positions restart at 0 for each document
     parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    fsdp_blocks_per_unit: int = 1   # parallel=fsdp: consecutive blocks gathered and resharded together; larger
+                                    # units cost more memory while gathered and less host time per step
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
     wandb_project: str = "flashgpt"
     wandb_run_name: str = ""
@@ -96,7 +98,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         positive = ("batch_size", "grad_accum_steps", "max_iters", "eval_interval", "eval_iters",
-                    "log_interval", "keep_last")
+                    "log_interval", "keep_last", "fsdp_blocks_per_unit")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r}: must be positive")

@@ -422,7 +422,7 @@ class Trainer:
                 broadcast_parameters(model)  # every rank starts from rank 0's weights, as under DDP
             if t.compile:
                 compile_blocks(model)
-            shard_model(model, device, self.dtype if device.type == "cuda" else None)
+            shard_model(model, device, self.dtype if device.type == "cuda" else None, t.fsdp_blocks_per_unit)
         self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
                                                    device.type)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)

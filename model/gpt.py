@@ -237,7 +237,8 @@ class GPT(nn.Module):
         rope = None
         if self.rotary is not None:
             rope = self.rotary(pos, x.dtype if not torch.is_autocast_enabled(x.device.type)
-                               else torch.get_autocast_dtype(x.device.type))  # cos, sin: (T | B T, hd)
+                               else torch.get_autocast_dtype(x.device.type),
+                               bound=T if input_pos is None else None)  # cos, sin: (T | B T, hd)
         else:
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)

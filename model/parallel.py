@@ -5,7 +5,7 @@
     enable_activation_checkpointing(model)        # each block recomputes its activations in backward
     compile_blocks(model)                         # one compiled block forward, shared by every block
     broadcast_parameters(model)                   # rank 0's initial weights on every rank
-    shard_model(model, device, compute_dtype)     # FSDP2, in place: fully_shard each block, then the root
+    shard_model(model, device, compute_dtype, k)  # FSDP2, in place: fully_shard each unit of k blocks, then the root
     set_gradient_sync(model, sync)                # FSDP2 gradient accumulation without communication
     grad_norm = clip_grad_norm(model, max_norm)   # one plain tensor, sharded or not
     sharded_state(model, optimizer) / optimizer_groups(model, optimizer) / load_sharded_state(...)
@@ -13,9 +13,10 @@
 `parallel = "ddp"`: every rank holds the whole model (train.py wraps it in DistributedDataParallel when the world
 has more than one rank; one process is plain single-process training).
 
-`parallel = "fsdp"`: `torch.distributed.fsdp.fully_shard` (FSDP2) on each transformer block and on the root, so a
-rank keeps 1/world of every parameter, gradient and AdamW moment, and gathers a block's parameters only while the
-block runs. The modules keep their class names and parameter names (checkpoints use the same keys as unsharded
+`parallel = "fsdp"`: `torch.distributed.fsdp.fully_shard` (FSDP2) on each unit of `train.fsdp_blocks_per_unit`
+consecutive transformer blocks (default 1) and on the root, so a rank keeps 1/world of every parameter, gradient
+and AdamW moment, and gathers a unit's parameters only while its blocks run. Larger units gather more at once
+(more memory) and cost the host less per step: FSDP2's hooks run once per unit and micro-batch. The modules keep their class names and parameter names (checkpoints use the same keys as unsharded
 ones); parameters become DTensors. With a compute dtype (bf16 on CUDA), each block's parameters are gathered and
 used in that dtype and its gradients reduced in fp32 (a MixedPrecisionPolicy); the root (embeddings, final norm,
 tied head) keeps fp32 parameters, so the residual stream stays fp32 as under plain autocast, which still picks
@@ -27,6 +28,8 @@ per transformer block, then fully_shard; here the compiled function is one for a
 argument, so it is traced once and reused). Under DDP train.py compiles the whole model instead.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn as nn
@@ -158,11 +161,14 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
             dist.broadcast(tensor, src)
 
 
-def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None) -> nn.Module:
-    """FSDP2 in place over all ranks of the default process group: fully_shard each transformer block, then the
-    root (which then holds the embeddings, final norm and the tied head). compute_dtype (e.g. bf16): the blocks'
-    parameters are gathered in it and their gradients reduced in fp32; None keeps everything fp32. The last
-    block keeps its parameters gathered after forward (backward needs them first). Returns the model."""
+def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None,
+                blocks_per_unit: int = 1) -> nn.Module:
+    """FSDP2 in place over all ranks of the default process group: fully_shard each unit of blocks_per_unit
+    consecutive transformer blocks (gathered and resharded together), then the root (which then holds the
+    embeddings, final norm and the tied head). compute_dtype (e.g. bf16): the blocks' parameters are gathered
+    in it and their gradients reduced in fp32; None keeps everything fp32. The last unit keeps its parameters
+    gathered after forward (backward needs them first). Each parameter is sharded on its own whatever the
+    units, so a checkpoint loads under any blocks_per_unit. Returns the model."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -173,11 +179,20 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
         # inputs stay as they come (the fp32 residual stream); autocast casts each op's inputs
         block_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                             cast_forward_inputs=False)
+    if blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit={blocks_per_unit}: must be at least 1")
     blocks = _blocks(model)
-    for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=i < len(blocks) - 1)
+    units = [blocks[i:i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    for i, unit in enumerate(units):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=block_policy,
+                    reshard_after_forward=i < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    _units[model] = units
     return model
+
+
+_units: "weakref.WeakKeyDictionary[nn.Module, list[list[nn.Module]]]" = weakref.WeakKeyDictionary()
+# a sharded model → its units of blocks (shard_model), for set_gradient_sync
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:
@@ -187,9 +202,9 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
     micro-batch to the next (no all-gather); sync=True restores reduce-scatter and resharding for the last one."""
     model.set_requires_gradient_sync(sync)
     model.set_reshard_after_backward(sync)
-    blocks = _blocks(model)
-    for i, block in enumerate(blocks):
-        block.set_reshard_after_forward(sync and i < len(blocks) - 1, recurse=False)
+    units = _units.get(model) or [[block] for block in _blocks(model)]
+    for i, unit in enumerate(units):
+        unit[0].set_reshard_after_forward(sync and i < len(units) - 1, recurse=False)  # the unit's one state
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
     rotary = RotaryEmbedding(cfg)             # holds inv_freq (head_dim/2,), float32, not in the state dict
     cos, sin = rotary(pos, dtype)             # pos (T,) or (B, T) → each (T, D) or (B, T, D)
+    cos, sin = rotary(pos, dtype, bound=T)    # every pos < T <= block_size: looked up in a table
     q = apply_rope(q, cos, sin)               # q (B, T, H, D), the heads of one packed projection
 
 Head-dim pair (i, i + D/2) of a token at position p is turned by the angle p · inv_freq[i], with
@@ -40,30 +41,51 @@ def _llama3_scaled(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of the RoPE angles at given positions. inv_freq is a plain float32 tensor, not a buffer: it is
-    in no state dict, DistributedDataParallel does not broadcast it every step, and a cast of the model
-    (model.to(torch.bfloat16)) does not round it. It follows the module's moves (to, cuda, to_empty), recomputed
-    from the config on the new device, so a model built on the meta device gets real values."""
+    """cos and sin of the RoPE angles at given positions. inv_freq and the cos/sin tables of positions below
+    block_size are plain float32 tensors, not buffers: they are in no state dict, DistributedDataParallel does
+    not broadcast them every step, and a cast of the model (model.to(torch.bfloat16)) does not round them. They
+    follow the module's moves (to, cuda, to_empty), recomputed from the config on the new device, so a model
+    built on the meta device gets real values."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.inv_freq = rope_inv_freq(cfg)  # (D/2,) float32
+        self.inv_freq = rope_inv_freq(cfg)  # (D/2,) float32, on the default device
+        self.reset()
 
     def reset(self, device=None) -> None:
-        """Recompute inv_freq (float32) on `device` (default: where it is)."""
-        self.inv_freq = rope_inv_freq(self.cfg, device if device is not None else self.inv_freq.device)
+        """Recompute inv_freq and the cos/sin tables (float32) on `device` (default: where they are)."""
+        device = device if device is not None else self.inv_freq.device
+        self.inv_freq = rope_inv_freq(self.cfg, device)  # (D/2,)
+        # the angles of positions 0 .. block_size - 1, as forward() computes them: (block_size, D) each
+        self.cos_table, self.sin_table = self._cos_sin(torch.arange(self.cfg.block_size, device=device))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self.reset(fn(self.inv_freq).device)  # where the move sends tensors; the dtype stays float32
         return self
 
-    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos: (T,) or (B, T) integer positions → cos, sin: (T, D) or (B, T, D) in `dtype`."""
+    def _cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos (...) integer → cos, sin (..., D) float32."""
         freqs = pos[..., None].float() * self.inv_freq   # (..., D/2) angles
         angles = torch.cat((freqs, freqs), dim=-1)       # (..., D): pair (i, i + D/2) shares angle i
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype,
+                bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos: (T,) or (B, T) integer positions → cos, sin: (T, D) or (B, T, D) in `dtype`.
+
+        bound: a number that every position is known to be below without reading pos (a training sequence's
+        length T: positions 0 .. T - 1, or restarting at each document), at most block_size. Then cos and sin
+        are read from the tables instead of computed: the same values. Under torch.compile this keeps cos and
+        sin out of every layer's RoPE kernel, where Inductor would otherwise recompute both for each element
+        of q and k, forward and backward. Without it (generation: cache positions may pass block_size) they
+        are computed.
+        """
+        if bound is not None and bound <= self.cfg.block_size:
+            return self.cos_table[pos].to(dtype), self.sin_table[pos].to(dtype)
+        cos, sin = self._cos_sin(pos)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -164,12 +164,12 @@ def test_four_fsdp_ranks_match_one_process_and_resume_on_two(runs, tmp_path):
     assert_close(curve(runs["one"], "val_loss"), curve(tmp_path / "four", "val_loss"))
     assert len([f for f in os.listdir(tmp_path / "four" / "ckpt_0000012") if f.endswith(".distcp")]) == 4
 
-    # saved by 4 ranks at step 6, resumed by 2 (2 micro-batches each, the same global batch): DCP reshards 4 → 2
-    # and the curve continues the 4-rank run's
+    # saved by 4 ranks at step 6, resumed by 2 (2 micro-batches each, the same global batch) with both blocks in
+    # one FSDP unit: DCP reshards 4 → 2 and the curve continues the 4-rank run's
     halved = tmp_path / "four-then-two"
     copy_run_until(tmp_path / "four", halved, 6)
     two = torchrun(2, cli_args(runs["tmp"], runs["corpus"], halved, "--grad_accum_steps=2", "--parallel=fsdp",
-                               "--resume"))
+                               "--fsdp_blocks_per_unit=2", "--resume"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "resuming at step 6" in two.stdout
     assert [i for i, _ in curve(halved)] == list(range(1, 13))
@@ -246,6 +246,35 @@ def test_compiled_checkpointed_blocks_match_eager(parallel, tmp_path, monkeypatc
     assert counters["stats"]["unique_graphs"] >= 1  # the blocks did run compiled
     assert_close(curve(tmp_path / "eager"), curve(tmp_path / "compiled"))
     torch._dynamo.reset()
+
+
+def test_units_of_blocks_match_ddp_and_resume_under_another_unit_size(tmp_path):
+    """fsdp_blocks_per_unit=2 on 3 blocks: units [0, 1] and [2] (one FSDP state each), the same losses as DDP;
+    a run saved with units of 2 resumes with units of 1 and continues the uninterrupted curve exactly."""
+    from model.parallel import _units, end_single_process_group, shard_model, start_single_process_group
+    three = ["--n_layer=3", "--grad_accum_steps=3", "--lr_decay_iters=8"]
+    train_mod.train(cfg_for(tmp_path, "ddp", *three))
+    train_mod.train(cfg_for(tmp_path, "units", *three, "--parallel=fsdp", "--fsdp_blocks_per_unit=2"))
+    for key in ("loss", "val_loss"):
+        assert_close(curve(tmp_path / "units", key), curve(tmp_path / "ddp", key))
+    train_mod.train(cfg_for(tmp_path / "b", "units", *three, "--parallel=fsdp", "--fsdp_blocks_per_unit=2",
+                            "--max_iters=4"))
+    train_mod.train(cfg_for(tmp_path / "b", "units", *three, "--parallel=fsdp", "--fsdp_blocks_per_unit=1",
+                            "--init_from=resume"))
+    assert curve(tmp_path / "b" / "units") == curve(tmp_path / "units")
+    # the units themselves
+    shape = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=32, vocab_size=64)
+    assert start_single_process_group(torch.device("cpu"))
+    try:
+        model = shard_model(GPT(shape), torch.device("cpu"), None, blocks_per_unit=2)
+        blocks = list(model.transformer.h)
+        assert [[blocks.index(b) for b in unit] for unit in _units[model]] == [[0, 1], [2]]
+        state = lambda m: m._get_fsdp_state()  # noqa: E731
+        assert state(blocks[0]) is state(blocks[1]) and state(blocks[1]) is not state(blocks[2])
+        with pytest.raises(ValueError, match="blocks_per_unit=0"):
+            shard_model(GPT(shape), torch.device("cpu"), None, blocks_per_unit=0)
+    finally:
+        end_single_process_group()
 
 
 @pytest.mark.parametrize("log_interval", [1, 2])  # 2: one step in two is read back late

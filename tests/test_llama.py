@@ -177,6 +177,46 @@ def test_inv_freq_stays_float32_and_meta_models_recover():
         meta = GPT(cfg)
     meta.to_empty(device="cpu")
     assert torch.equal(meta.rotary.inv_freq, rope_inv_freq(cfg))
+    for table in (meta.rotary.cos_table, meta.rotary.sin_table):  # real values again, float32
+        assert table.dtype == torch.float32 and not table.is_meta and table.shape == (cfg.block_size, cfg.head_dim)
+    assert torch.equal(meta.rotary.cos_table, model.rotary.cos_table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_tables_give_the_computed_values(dtype):
+    """Below block_size, cos and sin come from tables: bit for bit what computing them gives, for positions of
+    one sequence, restarting per document (B, T), and in every dtype; past the bound they are computed."""
+    cfg = GPTConfig(n_embd=64, n_head=4, pos_emb="rope", rope_theta=10000.0, block_size=64)
+    rot = RotaryEmbedding(cfg)
+    for pos in (torch.arange(37), torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 7, 8, 0, 1, 2, 3, 4]])):
+        bound = pos.shape[-1] if pos.dim() == 1 else 9
+        got = rot(pos, dtype, bound=bound)
+        want = rot(pos, dtype)  # computed
+        for g, w in zip(got, want):
+            assert g.dtype == dtype and g.shape == (*pos.shape, cfg.head_dim)
+            assert torch.equal(g, w)
+    far = torch.tensor([0, 63, 64, 500])  # past block_size (a KV cache past the training length): computed
+    cos, sin = rot(far, torch.float32, bound=None)
+    assert torch.equal(cos[:2], rot.cos_table[[0, 63]]) and cos.shape == (4, cfg.head_dim)
+    assert torch.equal(rot(far[:2], torch.float32, bound=65)[0], cos[:2])  # a bound past the table: computed
+
+
+def test_rope_model_output_is_the_same_with_tables():
+    """A training forward reads cos/sin from the tables (bound = T) and gives the logits computing them gives."""
+    model = random_model()
+    idx = torch.randint(0, model.config.vocab_size, (2, 11))
+    table_forward, bounds = model.rotary.forward, []
+
+    def recording(pos, dtype, bound=None):
+        bounds.append(bound)
+        return table_forward(pos, dtype, bound)
+    model.rotary.forward = recording
+    logits, _ = model(idx)
+    assert bounds == [11]
+    model.rotary.forward = lambda pos, dtype, bound=None: table_forward(pos, dtype)  # computed
+    want, _ = model(idx)
+    del model.rotary.forward
+    assert torch.equal(logits, want)
 
 
 # ---------------------------------------------------------------------------------------- model behaviour

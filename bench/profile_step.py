@@ -197,6 +197,13 @@ def report(cases: list[dict], command: str, commit: str, top: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def case_command(args, out_json: str, overrides: list[str]) -> list[str]:
+    """The command line of one case's own process: this script with --one, every measuring option passed on."""
+    return [sys.executable, __file__, args.config, f"--one={out_json}", f"--warmup={args.warmup}",
+            f"--timed={args.timed}", f"--profiled={args.profiled}", f"--cprofile={args.cprofile}", f"--top={args.top}",
+            *overrides]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -241,8 +248,7 @@ def main(argv=None) -> int:
     for name, overrides in specs:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             path = f.name
-        cmd = [sys.executable, __file__, args.config, f"--one={path}", f"--warmup={args.warmup}",
-               f"--timed={args.timed}", f"--profiled={args.profiled}", f"--cprofile={args.cprofile}", *common, *overrides]
+        cmd = case_command(args, path, [*common, *overrides])
         print(f"== {name}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
         try:
             r = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, capture_output=True, text=True)

@@ -1,4 +1,5 @@
 """bench/profile_step.py: kernel kinds, the busy-time union, the report, and a case process on a CPU."""
+import argparse
 import json
 import subprocess
 import sys
@@ -57,12 +58,22 @@ def test_case_process_runs_the_trainer_steps_on_a_cpu(tmp_path):
     out = tmp_path / "one.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), str(ROOT / "configs" / "demo.toml"),
                         f"--one={out}", "--warmup=1", "--timed=2", "--profiled=1", "--device=cpu", "--compile=false",
-                        "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2"],
+                        "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2",
+                        "--cprofile=1", "--top=3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["step_ms"] > 0 and result["tokens_per_step"] == 2 * 32
     assert result["kernels"] == [] and result["gpu_busy_ms"] == 0  # a CPU has no kernels to count
+    host = result["host"]  # --top bounds the host functions listed
+    assert host["wall_ms"] > 0 and len(host["by_own"]) == len(host["by_cum"]) == 3
+
+
+def test_case_command_passes_every_measuring_option_on():
+    args = argparse.Namespace(config="configs/demo.toml", warmup=2, timed=3, profiled=1, cprofile=4, top=7)
+    cmd = ps.case_command(args, "/tmp/x.json", ["--attention=sdpa"])
+    assert cmd[2:] == ["configs/demo.toml", "--one=/tmp/x.json", "--warmup=2", "--timed=3", "--profiled=1",
+                       "--cprofile=4", "--top=7", "--attention=sdpa"]
 
 
 def test_bad_arguments_are_one_line_errors():

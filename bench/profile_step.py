@@ -11,7 +11,8 @@ group), takes --warmup steps (compilation included), then --timed steps timed wi
 both ends (ms per step), then --profiled steps under torch.profiler. Every CUDA kernel of the profiled steps is
 summed by name and by kind (matmul, attention, Inductor's fused kernels, loss, optimizer, communication,
 copies, other ATen kernels); "GPU busy" is the union of the kernels' intervals, so the step time minus it is
-the time the GPU waited. With --cprofile N, N more steps run under cProfile: the Python functions the host's
+the time the GPU waited; the idle gaps between kernels are summed by size and by the kernel before and after
+each. With --cprofile N, N more steps run under cProfile: the Python functions the host's
 time goes to (where the GPU waits for the host). The cases run one after another, never side by side.
 
 Prints, and writes into --out (and $OUT when set): profile_step.md (kinds per case and their differences from
@@ -63,6 +64,36 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
             total += e - end
             end = e
     return total
+
+
+GAP_SIZES_US = (5.0, 50.0)  # idle gaps shorter than 5 µs (back-to-back launches), up to 50 µs, and longer
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], steps: int, top: int = 25) -> dict:
+    """Where the GPU idles between kernels: each gap between the union of the kernels so far and the next
+    kernel's start (µs, from (start, end, name) triples) counted against the kernel after it and the kernel
+    before it, in ms and gaps per step, and by size (GAP_SIZES_US). Idle time before the first kernel and after
+    the last is not a gap."""
+    before: dict[str, list[float]] = {}
+    after: dict[str, list[float]] = {}
+    sizes = [[0.0, 0] for _ in range(len(GAP_SIZES_US) + 1)]
+    end, last = None, ""
+    for s, e, name in sorted(kernels):
+        if end is not None and s > end:
+            gap = s - end
+            for table, key in ((before, name), (after, last)):
+                entry = table.setdefault(key, [0.0, 0])
+                entry[0] += gap
+                entry[1] += 1
+            bucket = sizes[sum(gap >= b for b in GAP_SIZES_US)]
+            bucket[0] += gap
+            bucket[1] += 1
+        if end is None or e > end:
+            end, last = e, name
+    rows = lambda t: sorted(({"kernel": k, "ms": v[0] / 1e3 / steps, "gaps": v[1] / steps}  # noqa: E731
+                             for k, v in t.items()), key=lambda r: -r["ms"])[:top]
+    return {"total_ms": sum(b[0] for b in sizes) / 1e3 / steps, "before": rows(before), "after": rows(after),
+            "by_size": [{"ms": b[0] / 1e3 / steps, "gaps": b[1] / steps} for b in sizes]}
 
 
 def host_profile(steps, n: int, top: int = 25) -> dict:
@@ -124,12 +155,13 @@ def profile_one(args, overrides: list[str]) -> dict:
                 steps(args.profiled)
                 profiled_ms = (time.perf_counter() - t0) * 1e3 / args.profiled
             kernels: dict[str, list[float]] = {}
-            intervals = []
+            intervals, named = [], []
             for e in prof.events():
                 if e.device_type != torch.autograd.DeviceType.CUDA:
                     continue
                 start, end = e.time_range.start, e.time_range.end
                 intervals.append((start, end))
+                named.append((start, end, e.name))
                 entry = kernels.setdefault(e.name, [0.0, 0])
                 entry[0] += end - start
                 entry[1] += 1
@@ -141,7 +173,8 @@ def profile_one(args, overrides: list[str]) -> dict:
                 kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["ms"]
             host = host_profile(steps, args.cprofile, args.top) if args.cprofile else None
             return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
-                    "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "kernel_ms": sum(r["ms"] for r in rows),
+                    "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "gaps": idle_gaps(named, n, args.top),
+                    "kernel_ms": sum(r["ms"] for r in rows),
                     "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                     "tokens_per_step": trainer.tokens_per_step}
         finally:
@@ -184,6 +217,23 @@ def report(cases: list[dict], command: str, commit: str, top: int) -> str:
         short = name if len(name) <= 90 else name[:87] + "..."
         cells = " | ".join(f"{v[0]:.3f} ({v[1]:g})" if v else "–" for v in vals)
         out.append(f"| `{short}` | {kind} | {cells} |")
+    gapped = [c for c in cases if c.get("gaps")]
+    if gapped:
+        labels = ([f"< {GAP_SIZES_US[0]:g} µs"] + [f"{a:g}–{b:g} µs" for a, b in zip(GAP_SIZES_US, GAP_SIZES_US[1:])]
+                  + [f"≥ {GAP_SIZES_US[-1]:g} µs"])
+        out += ["", "Idle gaps between kernels in the profiled steps (ms per step, gaps per step in brackets), by size:",
+                "", "| gap size | " + " | ".join(f"`{c['name']}`" for c in gapped) + " |",
+                "| --- |" + " ---: |" * len(gapped)]
+        for i, label in enumerate(labels):
+            out.append(f"| {label} | " + " | ".join(f"{c['gaps']['by_size'][i]['ms']:.2f} ({c['gaps']['by_size'][i]['gaps']:g})"
+                                               for c in gapped) + " |")
+        out.append("| all | " + " | ".join(f"{c['gaps']['total_ms']:.2f}" for c in gapped) + " |")
+        for c in gapped:
+            out += ["", f"`{c['name']}`: the kernels the GPU idles before, and after (ms per step, gaps per step):", "",
+                    "| idle before | ms | gaps | | idle after | ms | gaps |", "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+            for a, b in zip(c["gaps"]["before"], c["gaps"]["after"]):
+                out.append(f"| `{a['kernel'][:70]}` | {a['ms']:.3f} | {a['gaps']:g} | | `{b['kernel'][:70]}` | "
+                           f"{b['ms']:.3f} | {b['gaps']:g} |")
     for c in cases:
         host = c.get("host")
         if not host:

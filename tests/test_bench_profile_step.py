@@ -34,6 +34,20 @@ def test_busy_time_is_the_union_of_intervals():
     assert ps.busy_us([(20, 25), (0, 10), (2, 3)]) == 15       # unsorted, one inside another
 
 
+def test_idle_gaps_are_counted_against_the_kernels_around_them():
+    kernels = [(0, 10, "a"), (12, 20, "b"), (15, 30, "c"), (100, 110, "a"), (110.5, 111, "d")]  # µs
+    gaps = ps.idle_gaps(kernels, steps=2)
+    # gaps: 10 -> 12 (a, then b), 30 -> 100 (c ends the union, then a), 110 -> 110.5 (a, then d); c overlaps b
+    assert gaps["total_ms"] == (2 + 70 + 0.5) / 1e3 / 2
+    assert [(r["kernel"], r["ms"], r["gaps"]) for r in gaps["before"]] == [
+        ("a", 0.035, 0.5), ("b", 0.001, 0.5), ("d", 0.00025, 0.5)]
+    assert [(r["kernel"], r["gaps"]) for r in gaps["after"]] == [("c", 0.5), ("a", 1.0)]
+    assert [b["gaps"] for b in gaps["by_size"]] == [1.0, 0, 0.5]  # < 5 µs: two gaps; >= 50 µs: one
+    assert ps.idle_gaps([], 1) == {"total_ms": 0, "before": [], "after": [],
+                                   "by_size": [{"ms": 0, "gaps": 0}] * (len(ps.GAP_SIZES_US) + 1)}
+    assert len(ps.idle_gaps([(i * 10, i * 10 + 5, f"k{i}") for i in range(9)], 1, top=3)["before"]) == 3
+
+
 def _case(name, step, kinds, kernels):
     return {"name": name, "overrides": [f"--x={name}"], "step_ms": step, "profiled_step_ms": step + 1,
             "gpu_busy_ms": step - 2, "warmup_s": 30.0, "peak_gib": 10.0, "tokens_per_step": 131072,
@@ -46,10 +60,13 @@ def test_report_lists_differences_from_the_first_case():
               [("nvjet_a", 150.0, 96), ("triton_poi_fused_1", 40.0, 8)])
     b = _case("fsdp", 250.5, {"matmul": 151.0, "communication": 3.0},
               [("nvjet_a", 151.0, 96), ("ncclDevKernel_AllGather", 3.0, 24)])
+    b["gaps"] = ps.idle_gaps([(0, 10, "nvjet_a"), (70, 80, "ncclDevKernel_AllGather")], 1)
     text = ps.report([a, b], "python bench/profile_step.py X", "abc1234", top=2)
+    assert "| ≥ 50 µs | 0.06 (1) |" in text and "| all | 0.06 |" in text  # the one case with gaps
+    assert "| `ncclDevKernel_AllGather` | 0.060 | 1 | | `nvjet_a` | 0.060 | 1 |" in text
     assert "| step (timed, synchronised) | 240.00 | 250.50 | +10.50 |" in text
     assert "| kernels: communication | 0.00 | 3.00 | +3.00 |" in text
-    lines = [line for line in text.splitlines() if line.startswith("| `")]
+    lines = [line for line in text.splitlines() if line.startswith("| `") and " | | " not in line]  # kernel rows
     assert lines[0].startswith("| `triton_poi_fused_1` | Inductor fused | 40.000 (8) | – |")  # largest spread first
     assert len(lines) == 2 and "Commit abc1234" in text
 

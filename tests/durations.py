@@ -1,6 +1,7 @@
 """Rebuild tests/gpu_durations.tsv (the GPU run's test order, tests/conftest.py) from a GPU run's --test-times file.
 
     python tests/durations.py runs/gpu_check/test_times.tsv          # after `bash bench/gpu_check.sh` on a GPU
+    python tests/durations.py --unfinished runs/gpu_check/test_times.tsv   # the tests that never ended
 
 A test's seconds are the sum of its phases (setup, call, teardown). Tests the run did not reach keep the seconds
 the table already holds for them; tests that no longer exist are dropped.
@@ -31,6 +32,22 @@ def read_test_times(path: str) -> dict[str, float]:
     return dict(total)
 
 
+def unfinished(path: str) -> list[str]:
+    """The tests of a --test-times file that were set up but never torn down: still running (or hung) when the
+    run was stopped, so they have no verdict. In the order they started."""
+    started, ended = [], set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 5:
+                raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
+            if parts[1] == "setup":
+                started.append(parts[4])
+            elif parts[1] == "teardown":
+                ended.add(parts[4])
+    return [t for t in started if t not in ended]
+
+
 def read_table(path: str) -> dict[str, float]:
     if not os.path.exists(path):
         return {}
@@ -58,7 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("times", help="a --test-times file from a GPU run")
     p.add_argument("--table", default=TABLE, help="the table to update (default tests/gpu_durations.tsv)")
+    p.add_argument("--unfinished", action="store_true",
+                   help="only list the tests that started and never ended (exit 1 if there are any); no table")
     a = p.parse_args(argv)
+    if a.unfinished:
+        try:
+            hung = unfinished(a.times)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(hung))
+        return 1 if hung else 0
     try:
         new = read_test_times(a.times)
     except (OSError, ValueError) as e:

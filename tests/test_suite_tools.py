@@ -78,3 +78,27 @@ def test_durations_table_is_rebuilt_from_test_times(tmp_path):
     r = subprocess.run([sys.executable, "tests/durations.py", str(times), "--table", str(table)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("error:") == 1 and "line 1" in r.stderr
+
+
+def test_unfinished_lists_the_tests_that_started_and_never_ended(tmp_path):
+    """tests/durations.py --unfinished: the tests with a setup line and no teardown line (running or hung when
+    the run was stopped), in the order they started; exit 1 when there are any, 0 when none, 2 on a bad file."""
+    times = tmp_path / "times.tsv"
+    lines = ["0.1\tsetup\tpassed\tgw0\ttests/a.py::done", "0.1\tsetup\tpassed\tgw1\ttests/a.py::hung[2]",
+             "1.0\tcall\tpassed\tgw0\ttests/a.py::done", "0.1\tsetup\tskipped\tgw0\ttests/a.py::skipped",
+             "0.0\tteardown\tpassed\tgw0\ttests/a.py::skipped", "0.0\tteardown\tpassed\tgw0\ttests/a.py::done",
+             "0.1\tsetup\tpassed\tgw0\ttests/a.py::hung[1]"]
+    times.write_text("\n".join(lines) + "\n")
+
+    def unfinished(path):
+        return subprocess.run([sys.executable, "tests/durations.py", "--unfinished", str(path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    r = unfinished(times)
+    assert r.returncode == 1 and r.stdout.split() == ["tests/a.py::hung[2]", "tests/a.py::hung[1]"]
+    times.write_text("\n".join(lines[:6]) + "\n0.0\tteardown\tpassed\tgw1\ttests/a.py::hung[2]\n")
+    r = unfinished(times)
+    assert r.returncode == 0 and r.stdout.strip() == ""
+    times.write_text("0.1\tsetup\n")
+    r = unfinished(times)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1
+    assert unfinished(tmp_path / "missing.tsv").returncode == 2

@@ -219,18 +219,20 @@ def report(cases: list[dict], command: str, commit: str, top: int) -> str:
         out.append(f"| `{short}` | {kind} | {cells} |")
     gapped = [c for c in cases if c.get("gaps")]
     if gapped:
-        labels = ([f"< {GAP_SIZES_US[0]:g} µs"] + [f"{a:g}–{b:g} µs" for a, b in zip(GAP_SIZES_US, GAP_SIZES_US[1:])]
-                  + [f"≥ {GAP_SIZES_US[-1]:g} µs"])
-        out += ["", "Idle gaps between kernels in the profiled steps (ms per step, gaps per step in brackets), by size:",
-                "", "| gap size | " + " | ".join(f"`{c['name']}`" for c in gapped) + " |",
+        bounds = GAP_SIZES_US
+        labels = ([f"< {bounds[0]:g} µs"] + [f"{a:g}–{b:g} µs" for a, b in zip(bounds, bounds[1:])]
+                  + [f"≥ {bounds[-1]:g} µs"])
+        out += ["", "Idle gaps between kernels in the profiled steps (ms per step, gaps per step in brackets), "
+                "by size:", "", "| gap size | " + " | ".join(f"`{c['name']}`" for c in gapped) + " |",
                 "| --- |" + " ---: |" * len(gapped)]
         for i, label in enumerate(labels):
-            out.append(f"| {label} | " + " | ".join(f"{c['gaps']['by_size'][i]['ms']:.2f} ({c['gaps']['by_size'][i]['gaps']:g})"
-                                               for c in gapped) + " |")
+            cells = (c["gaps"]["by_size"][i] for c in gapped)
+            out.append(f"| {label} | " + " | ".join(f"{b['ms']:.2f} ({b['gaps']:g})" for b in cells) + " |")
         out.append("| all | " + " | ".join(f"{c['gaps']['total_ms']:.2f}" for c in gapped) + " |")
         for c in gapped:
-            out += ["", f"`{c['name']}`: the kernels the GPU idles before, and after (ms per step, gaps per step):", "",
-                    "| idle before | ms | gaps | | idle after | ms | gaps |", "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+            out += ["", f"`{c['name']}`: the kernels the GPU idles before, and after (ms per step, gaps per step):",
+                    "", "| idle before | ms | gaps | | idle after | ms | gaps |",
+                    "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
             for a, b in zip(c["gaps"]["before"], c["gaps"]["after"]):
                 out.append(f"| `{a['kernel'][:70]}` | {a['ms']:.3f} | {a['gaps']:g} | | `{b['kernel'][:70]}` | "
                            f"{b['ms']:.3f} | {b['gaps']:g} |")

@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.decode is imported (triton decorates then)
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -193,11 +194,19 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
-    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--sweep", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "split" in r.stdout and (tmp_path / "decode_attention_smoke.json").exists()
     assert (tmp_path / "decode_attention_smoke.md").exists()
+    data = json.loads((tmp_path / "decode_attention_smoke.json").read_text())
+    assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
+    for row in data["rows"]:  # every provider checked and timed
+        assert set(row["providers"]) == {"split", "split-fit", "nosplit", "sdpa", "copy"}
+        assert all("eager" in m for m in row["providers"].values()), row
+    sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
+    assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
+    assert all("error" not in c for s in sweep for c in s["candidates"]), sweep
 
 
 # ------------------------------------------------------------------ the split plan each sequence makes on the device

@@ -7,7 +7,11 @@ For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and bac
 
 * flash       kernels/flash/ (autotuned on first use of each shape bucket),
 * sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
-* sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend,
+* sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend (skipped where that backend does not take the
+              shape or dtype),
+* fa4         FlashAttention-4 (package flash-attn-4, CuTe-DSL kernels: flash_attn.cute.flash_attn_func), given
+              (B, N, H, D) views of the same tensors (transpose(1, 2), no copy; skipped where it is not
+              installed or the GPU is not sm_90 / sm_100),
 * flex        torch.compile(flex_attention) with a causal block mask (no mask when non-causal),
 * naive       kernels.naive.naive_attention (skipped at N = 16384: it would need tens of GiB),
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import pathlib
@@ -36,8 +41,54 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
-PROVIDERS = ["flash", "sdpa-flash", "sdpa-cudnn", "flex", "naive"]
+PROVIDERS = ["flash", "sdpa-flash", "sdpa-cudnn", "fa4", "flex", "naive"]
 NAIVE_MAX_N = 8192
+FA4_MODULE = "flash_attn.cute"   # flash-attn-4's CuTe-DSL interface (../shared/tools/fa4-wheels.sh installs it)
+FA4_ARCH_MAJORS = (9, 10)        # the GPUs its kernels are written for: sm_90 (Hopper), sm_100 (Blackwell)
+
+
+class Unavailable(RuntimeError):
+    """A provider that cannot run here (the reason is its message, one line): reported as skipped."""
+
+
+def _sdpa_params(q, causal):
+    from torch.backends.cuda import SDPAParams
+    try:
+        return SDPAParams(q, q, q, None, 0.0, causal, False)  # torch >= 2.5: enable_gqa
+    except TypeError:
+        return SDPAParams(q, q, q, None, 0.0, causal)
+
+
+def skip_reason(name, q, causal):
+    """Why provider `name` cannot run on inputs like q (B, H, N, D) here, or None. Only the peers that need
+    something this machine may lack are checked: SDPA's cuDNN backend and FA4."""
+    if name not in ("sdpa-cudnn", "fa4"):
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if name == "sdpa-cudnn":
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch build"
+        try:
+            usable = torch.backends.cuda.can_use_cudnn_attention(_sdpa_params(q, causal), False)
+        except (AttributeError, RuntimeError, TypeError):  # no such check in this torch: the run itself tells
+            return None
+        if not usable:
+            return (f"SDPA's cuDNN backend does not take {str(q.dtype).replace('torch.', '')} "
+                    f"(B, H, N, D) = {tuple(q.shape)} causal={causal} here")
+        return None
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major not in FA4_ARCH_MAJORS:
+        return f"FA4's kernels are for sm_90 / sm_100 GPUs, this one is sm_{major}{minor}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"FA4 takes float16 / bfloat16, not {q.dtype}"
+    try:
+        module = importlib.import_module(FA4_MODULE)
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install failing at import
+        return f"flash-attn-4 is not installed ({FA4_MODULE}: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    if not hasattr(module, "flash_attn_func"):
+        return f"{FA4_MODULE} has no flash_attn_func (flash-attn-4 {getattr(module, '__version__', '?')})"
+    return None
 
 
 def flops(B, H, N, D, causal, mode):
@@ -45,8 +96,12 @@ def flops(B, H, N, D, causal, mode):
     return f * (2.5 if mode == "bwd" else 1.0)
 
 
-def make_provider(name, N, causal):
-    """Returns fn(q, k, v) -> o, or raises if the provider cannot run here."""
+def make_provider(name, N, causal, q=None):
+    """Returns fn(q, k, v) -> o on (B, H, N, D) tensors, or raises (Unavailable: it cannot run here; checked
+    against q's shape and dtype when given)."""
+    reason = skip_reason(name, q, causal) if q is not None else None
+    if reason:
+        raise Unavailable(reason)
     if name == "flash":
         from kernels.flash import flash_attention
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
@@ -57,6 +112,14 @@ def make_provider(name, N, causal):
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return sdpa
+    if name == "fa4":
+        fa4 = importlib.import_module(FA4_MODULE).flash_attn_func
+
+        def fa4_attention(q, k, v):  # (B, H, N, D) -> (B, N, H, D) views -> FA4 -> (B, H, N, D)
+            o = fa4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+            o = o[0] if isinstance(o, tuple) else o  # (out, lse) in the 4.0 betas, out alone before
+            return o.transpose(1, 2)
+        return fa4_attention
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         compiled = _flex_compiled(flex_attention)
@@ -66,7 +129,7 @@ def make_provider(name, N, causal):
         return lambda q, k, v: compiled(q, k, v, block_mask=mask)
     if name == "naive":
         if N > NAIVE_MAX_N:
-            raise RuntimeError(f"skipped: N={N} > {NAIVE_MAX_N} (O(N^2) memory)")
+            raise Unavailable(f"N={N} > {NAIVE_MAX_N} (O(N^2) memory)")
         from kernels.naive import naive_attention
         return lambda q, k, v: naive_attention(q, k, v, causal=causal)
     raise ValueError(name)
@@ -191,8 +254,9 @@ def render(results, meta):
                      + " | ".join(cells) + " |")
     lines += ["", "Targets (N ≥ 4096): flash ≥ 1.0× Flex and ≥ 1.3× SDPA-flash, forward and backward; "
               "stretch ≥ 0.9× cuDNN. Ratios flash / peer:", "",
-              "| B,H,N,D | causal | vs flex fwd / bwd | vs sdpa-flash fwd / bwd | vs cudnn fwd / bwd | met |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| B,H,N,D | causal | vs flex fwd / bwd | vs sdpa-flash fwd / bwd | vs cudnn fwd / bwd "
+              "| vs fa4 fwd / bwd | met |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         pr = r["providers"]
         f = pr.get("flash", {})
@@ -205,6 +269,7 @@ def render(results, meta):
         rf, rb = ratio("flex", "fwd"), ratio("flex", "bwd")
         sf, sb = ratio("sdpa-flash", "fwd"), ratio("sdpa-flash", "bwd")
         cf, cb = ratio("sdpa-cudnn", "fwd"), ratio("sdpa-cudnn", "bwd")
+        af, ab = ratio("fa4", "fwd"), ratio("fa4", "bwd")
         if r["shape"][2] >= 4096:
             checks = [x is not None and x >= t for x, t in ((rf, 1.0), (rb, 1.0), (sf, 1.3), (sb, 1.3))]
             met = "yes" if all(checks) else "no"
@@ -214,7 +279,15 @@ def render(results, meta):
             met = "n/a (N < 4096)"
         lines.append(f"| {','.join(map(str, r['shape']))} | {'yes' if r['causal'] else 'no'} | "
                      f"{fmt(rf, 2)} / {fmt(rb, 2)} | {fmt(sf, 2)} / {fmt(sb, 2)} | {fmt(cf, 2)} / {fmt(cb, 2)} | "
-                     f"{met} |")
+                     f"{fmt(af, 2)} / {fmt(ab, 2)} | {met} |")
+    skips = {}  # (provider, reason) -> cases: one line per distinct reason
+    for r in results:
+        for p, m in r["providers"].items():
+            if "skipped" in m:
+                skips.setdefault((p, m["skipped"]), []).append(r)
+    if skips:
+        lines += ["", "Skipped:", ""] + [f"- {p}: {why} ({len(rs)} of {len(results)} cases)"
+                                         for (p, why), rs in skips.items()]
     errs = [(r["shape"], r["causal"], p, m["error"]) for r in results for p, m in r["providers"].items()
             if "error" in m]
     if errs:
@@ -267,7 +340,7 @@ def main():
                     row["providers"][p] = dict(error="skipped: benchmark deadline reached")
                     continue
                 try:
-                    fn = make_provider(p, N, causal)
+                    fn = make_provider(p, N, causal, q=q)
                     if args.warm_compile_only:
                         t0 = time.time()
                         fwd_bwd(fn, q, k, v, do)
@@ -284,6 +357,9 @@ def main():
                           f"({m['fwd_ms']:.3f} ms)  bwd {m['bwd_tflops']:6.1f} TFLOP/s ({m['bwd_ms']:.3f} ms)  "
                           f"peak {m['peak_gib']:.2f} GiB  diff {m['diff'] if m['diff'] is None else format(m['diff'], '.1e')}  first call {m['first_call_s']:.1f}s",
                           flush=True)
+                except Unavailable as e:  # a peer this machine cannot run: one note in the report
+                    row["providers"][p] = dict(skipped=str(e))
+                    print(f"{shape} causal={causal} {p}: skipped: {e}", flush=True)
                 except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
                     msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     row["providers"][p] = dict(error=msg)

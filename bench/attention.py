@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import pathlib
@@ -82,8 +81,9 @@ def skip_reason(name, q, causal):
         return f"FA4's kernels are for sm_90 / sm_100 GPUs, this one is sm_{major}{minor}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"FA4 takes float16 / bfloat16, not {q.dtype}"
+    from importlib import import_module
     try:
-        module = importlib.import_module(FA4_MODULE)
+        module = import_module(FA4_MODULE)
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken install failing at import
         return f"flash-attn-4 is not installed ({FA4_MODULE}: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if not hasattr(module, "flash_attn_func"):
@@ -113,7 +113,8 @@ def make_provider(name, N, causal, q=None):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return sdpa
     if name == "fa4":
-        fa4 = importlib.import_module(FA4_MODULE).flash_attn_func
+        from importlib import import_module
+        fa4 = import_module(FA4_MODULE).flash_attn_func
 
         def fa4_attention(q, k, v):  # (B, H, N, D) -> (B, N, H, D) views -> FA4 -> (B, H, N, D)
             o = fa4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)

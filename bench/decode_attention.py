@@ -200,6 +200,7 @@ class Shape:
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
         self.ref = F.scaled_dot_product_attention(self.q.float(), k, v)                     # (B, H, 1, D)
         self.sdpa_err = (self.sdpa(0).float() - self.ref).abs().max().item()
+        self.poison(False)  # the other views' valid prefixes overlap view 0's tail
         self.bound = 2 * self.sdpa_err + (4e-3 if dtype != torch.float32 else 1e-5)
 
     def poison(self, on: bool):

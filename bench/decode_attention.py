@@ -426,7 +426,7 @@ def main(argv=None) -> int:
         lost = str(e)
         run.meta["skipped"].append(f"everything after a CUDA error that ends the context: {lost}")
     run.meta["wall_s"] = round(time.time() - run.t_start, 1)
-    run.meta["targets"] = targets(run.rows)
+    run.meta["target"] = targets(run.rows)
     run.write()
     print("\n" + render_markdown(run.meta, run.rows))
     if args.sweep:
@@ -518,7 +518,7 @@ def render_markdown(meta, rows) -> str:
         lines.append(f"| {r['B']} | {r['L']} | " + " | ".join(_t(r["providers"].get(n), "eager") for n in names)
                      + f" | {ratio(r['eager_split_vs_sdpa'])} |")
     lines.append("")
-    for mode, t in meta.get("targets", {}).items():
+    for mode, t in meta.get("target", {}).items():
         v, c = t["vs_sdpa"], t["copy"]
         lines.append(f"Targets ({mode}): {v['rule']}: {'met' if v['met'] else 'NOT met'}"
                      + (f" (misses: {'; '.join(v['misses'])})" if v["misses"] else "") + f"; {c['rule']}: "

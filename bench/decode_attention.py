@@ -19,13 +19,13 @@ holds NaN for this check), then timed two ways, each the median of repeated meas
             between two visits of one copy exceed 3x the L2 cache, so no call finds its data in L2
     eager   triton.testing.do_bench medians of plain calls (L2 flushed before each; the host's launch time
             shows where it exceeds the flush), the median of three
-The split kernel's output is checked again after timing. GB/s counts the bytes of K and V read (2·B·Hkv·L·D·
+The decode kernels' outputs are checked again after timing. GB/s counts the bytes of K and V read (2·B·Hkv·L·D·
 bytes); the copy's GB/s counts bytes read plus written, i.e. the bandwidth a streaming kernel can reach; "of
 copy" = a kernel's GB/s over the copy's. Decode calls pass check_lens=False (no host sync, as in a graph).
 
---sweep (after the table above, per shape; graph timing): every tile config in SWEEP_TILES with the automatic
-split count, then the fastest two and the default with explicit split counts from SWEEP_SPLITS, and the
-automatic count under other decode_min_keys_per_split values. Each candidate's output is checked before it is
+--sweep (once the table above is complete, per shape; graph timing): every tile config in SWEEP_TILES with the
+automatic split count, then the fastest two and the default with explicit split counts from SWEEP_SPLITS, and
+the automatic count under other decode_min_keys_per_split values. Each candidate's output is checked before it is
 timed; a candidate that fails to compile, run or match is recorded with its error and skipped. Writes
 decode_attention_sweep.json/.md: the winner per shape and how far the default (tile, auto splits) is from it.
 
@@ -302,19 +302,32 @@ class Run:
         return m
 
     def all_shapes(self) -> None:
-        for B in self.batches:
-            for L in self.lens:
-                if self.late():
-                    self.meta["skipped"].append(f"B={B} L={L}: deadline reached")
-                    continue
-                self.one_shape(B, L)
-                if self.bench.cuda:
-                    self.torch.cuda.empty_cache()
+        """The table at every shape, then (--sweep) the sweep at every shape: a deadline cuts the sweep first."""
+        for sweep in (False, True) if self.args.sweep else (False,):
+            for B in self.batches:
+                for L in self.lens:
+                    if self.late():
+                        self.meta["skipped"].append(f"{'sweep ' if sweep else ''}B={B} L={L}: deadline reached")
+                        continue
+                    shape = self.shape(B, L)
+                    if sweep:
+                        row = next((r for r in self.rows if r["B"] == B and r["L"] == L), {"providers": {}})
+                        self.sweep.append(self.sweep_shape(shape, row))
+                        self.write()
+                    else:
+                        self.one_shape(shape)
+                    del shape
+                    if self.bench.cuda:
+                        self.torch.cuda.empty_cache()
 
-    def one_shape(self, B: int, L: int) -> None:
+    def shape(self, B: int, L: int) -> Shape:
+        n_views = rotation_count(2 * B * self.Hkv * L * self.D * self.elem, self.l2) if self.bench.cuda else 1
+        return Shape(self.torch, self.F, self.device, self.dtype, B, self.H, self.Hkv, self.D, L, self.capacity,
+                     n_views)
+
+    def one_shape(self, shape) -> None:
         torch, dec, Hkv, D = self.torch, self.decode, self.Hkv, self.D
-        n_views = rotation_count(2 * B * Hkv * L * D * self.elem, self.l2) if self.bench.cuda else 1
-        shape = Shape(torch, self.F, self.device, self.dtype, B, self.H, Hkv, D, L, self.capacity, n_views)
+        B, L, n_views = shape.B, shape.L, shape.n_views
         grid_splits = dec.auto_num_splits(B * Hkv, self.capacity, self.device)
         used = dec.plan_splits(L, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, self.default.block_n)[1] \
             if grid_splits > 1 else 1
@@ -353,9 +366,6 @@ class Run:
         self.rows.append(row)
         print(one_line(row), flush=True)
         self.write()
-        if self.args.sweep:
-            self.sweep.append(self.sweep_shape(shape, row))
-            self.write()
 
     def sweep_shape(self, shape, row) -> dict:
         """--sweep at one shape: every tile with the auto split count, the best two and the default over explicit

@@ -98,7 +98,7 @@ def parse_args(argv=None):
 
 def rotation_count(bytes_per_call: int, l2_bytes: int) -> int:
     """Cache copies to rotate over so that L2_FACTOR x L2 bytes are read between two visits of one copy."""
-    return max(2, math.ceil(L2_FACTOR * l2_bytes / max(bytes_per_call, 1)))
+    return max(2, math.ceil(L2_FACTOR * l2_bytes / max(bytes_per_call, 1)) + 1)
 
 
 def candidate_splits(L: int, block_n: int, splits=SWEEP_SPLITS) -> list[int]:
@@ -130,6 +130,16 @@ class Bench:
     def sync(self):
         if self.cuda:
             self.torch.cuda.synchronize()
+
+    def alive(self) -> bool:
+        """Whether the device still runs work (after an error: an illegal address ends the CUDA context)."""
+        try:
+            self.sync()
+            if self.cuda:
+                self.torch.ones(1, device=self.device).add_(1).item()
+            return True
+        except Exception:  # noqa: BLE001 - any failure here means nothing more can run
+            return False
 
     def eager_us(self, fn) -> dict:
         for _ in range(3 if self.cuda else 1):  # warm: compile, allocator, first-launch costs
@@ -360,7 +370,7 @@ class Run:
             except Exception as e:  # noqa: BLE001 - one provider's failure is reported, not fatal
                 row["providers"][name] = dict(error=error_line(e))
                 self.meta["correctness_failures"].append(f"B={B} L={L} {name}: {error_line(e)}")
-                if self.bench.cuda and "CUDA error" in str(e):
+                if not self.bench.alive():
                     raise ContextLost(error_line(e)) from e
         add_rates(row)
         self.rows.append(row)
@@ -391,7 +401,7 @@ class Run:
                 cand["us"] = (m["graph"] or m["eager"])["median"]
             except Exception as e:  # noqa: BLE001 - a candidate that cannot run is recorded and skipped
                 cand["error"] = error_line(e)
-                if self.bench.cuda and "CUDA error" in str(e):
+                if not self.bench.alive():
                     raise ContextLost(cand["error"]) from e
             return cand
 
@@ -538,7 +548,7 @@ def render_markdown(meta, rows) -> str:
         lines.append("Failures: " + "; ".join(meta["correctness_failures"]))
     else:
         lines.append("Correctness: every provider within 2x SDPA's error (+ floor) of a float32 SDPA reference, "
-                     "with the cache past the valid length full of NaN; the split kernels again after timing.")
+                     "with the cache past the valid length full of NaN; the decode kernels again after timing.")
     if meta["skipped"]:
         lines.append("Not measured: " + "; ".join(meta["skipped"]))
     return "\n".join(lines) + "\n"

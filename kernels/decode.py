@@ -38,7 +38,8 @@ cache stays right inside a CUDA graph whose lengths change at every replay:
     num_splits=None  (auto) the grid from auto_num_splits(rows of work, length): `length` is the longest
                      cache_lens when the host reads them (check_lens=True outside graph capture), else
                      max_len. On the device a sequence uses min(grid, L // decode_min_keys_per_split) splits
-                     (one when L <= SINGLE_SPLIT_MAX_LEN): never fewer keys per split than the option says.
+                     (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
+                     keys (chunks are rounded up to BLOCK_N; the last split holds the remainder).
     num_splits=k     exactly k splits of ceil(L / k) keys each (rounded up to BLOCK_N; the last splits of a
                      short sequence may then be empty)
     num_splits=1     the plain non-split kernel, which writes the output directly (the benchmark's baseline)

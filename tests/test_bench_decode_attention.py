@@ -40,6 +40,8 @@ def test_every_sweep_tile_is_a_valid_config_and_splits_keep_a_block():
     assert bd.candidate_splits(100, 128) == [1]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the --smoke settings (CPU tensors) need the interpreter; a GPU "
+                    "runs the real sweep")
 def test_sweep_records_a_failing_candidate_and_keeps_going(monkeypatch, tmp_path):
     run = bd.Run(bd.parse_args(["--smoke", "--sweep", "--out", str(tmp_path), "--batches", "1", "--lens", "600"]),
                  None)

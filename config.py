@@ -85,6 +85,8 @@ class TrainConfig:
                                     # (Hugging Face weights) | a run folder (its best.pt) or checkpoint: fine-tune
     export_hf: bool = False         # at the end, export best.pt as a Hugging Face model into <out_dir>/hf
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
+    doc_mask: bool = False          # attention stays within each document of a packed row (documents end after
+                                    # the end-of-text token) and positions restart at 0 for each document
     parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
@@ -140,6 +142,8 @@ class RunConfig:
         self.model.validate()
         self.data.validate()
         self.train.validate()
+        if self.train.doc_mask and self.data.format == "bin" and self.data.tokenizer == "char":
+            raise ConfigError(NO_EOT_FOR_DOC_MASK.format(what="the char tokenizer of data.format = 'bin'"))
         if self.data.tokenizer == "model" and self.train.init_from == "scratch":
             raise ConfigError("data.tokenizer='model' is the tokenizer of a pretrained model: set train.init_from "
                               "to 'hf:<repo-or-dir>' or a run folder, or choose 'char', 'gpt2' or 'hf:<repo-or-dir>'")
@@ -157,6 +161,8 @@ class RunConfig:
 
 
 SECTIONS = ("model", "data", "train")
+NO_EOT_FOR_DOC_MASK = ("train.doc_mask = true needs documents that end with an end-of-text token, and {what} has "
+                       "none: use data.format = 'shards' (its char tokenizer adds one) or the gpt2 tokenizer")
 
 
 def is_hf_name(value: str) -> bool:

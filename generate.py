@@ -202,6 +202,9 @@ def run(args) -> int:
             raise GenerateError("--attention flash on CPU runs in Triton's interpreter, which gets bfloat16 wrong: "
                                 "use --dtype float32 or --attention sdpa")
     model, tok = load_model(args, device)
+    if model.config.attention_window:
+        raise GenerateError(f"the model was trained with model.attention_window={model.config.attention_window}, "
+                            "which generation's KV cache does not apply")
     model.set_attention_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()
     if args.max_new_tokens is None:

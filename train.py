@@ -33,7 +33,8 @@ if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels  # noqa: E402
-from config import SECTIONS, ConfigError, RunConfig, apply_changes, format_config, load_config, resume_config  # noqa: E402
+from config import (NO_EOT_FOR_DOC_MASK, SECTIONS, ConfigError, RunConfig, apply_changes, format_config,  # noqa: E402
+                    load_config, resume_config)
 from data.loader import TokenData  # noqa: E402
 from data.prepare import DataError, prepare  # noqa: E402
 from data.sharded_loader import ShardedData  # noqa: E402
@@ -178,15 +179,24 @@ def lr_at(it: int, t) -> float:
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (t.learning_rate - t.min_lr)
 
 
+def document_kwargs(x: torch.Tensor, eot_token: int | None) -> dict:
+    """The model's keyword arguments for a batch x (B, T) on the device: {"docs": its document bounds} under
+    train.doc_mask (eot_token set), else none (the model's plain call)."""
+    return {} if eot_token is None else {"docs": kernels.document_bounds(x, eot_token)}
+
+
 @torch.no_grad()
 def estimate_loss(model, data: TokenData | ShardedData, t, device, autocast) -> dict:
+    """Mean train and val loss over t.eval_iters batches each (documents masked as in training: t.doc_mask)."""
     model.eval()
     out = {}
+    eot = data.eot_token if t.doc_mask else None
     for split in ("train", "val"):
         losses = []
         for x, y in data.eval_batches(split, t.batch_size, t.eval_iters):
+            x = x.to(device)
             with autocast:
-                _, loss = model(x.to(device), y.to(device))
+                _, loss = model(x, y.to(device), **document_kwargs(x, eot))
             losses.append(loss.item())
         out[split] = sum(losses) / len(losses)
     model.train()
@@ -386,6 +396,13 @@ class Trainer:
         elif cfg.model.vocab_size < tok_vocab:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: smaller than the tokenizer's {tok_vocab}")
         cfg.model.attention = kernels.resolve_backend(cfg.model.attention, self.device)
+        self.eot = None  # the end-of-text token that ends each document, under train.doc_mask
+        if self.t.doc_mask:
+            self.eot = self.data.eot_token
+            if self.eot is None:
+                raise ConfigError(NO_EOT_FOR_DOC_MASK.format(
+                    what=f"the {self.data.meta['tokenizer'].get('kind')} tokenizer of data.dataset="
+                         f"{cfg.data.dataset!r}"))
 
     def _build_model(self, ckpt: dict | None) -> None:
         """Model, optimizer and grad scaler; restored from the checkpoint when resuming. Activation checkpointing
@@ -535,7 +552,8 @@ class Trainer:
             no_sync = (model.no_sync() if self.world > 1 and not sync and not self.sharded
                        else contextlib.nullcontext())
             with no_sync, self.autocast:
-                _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                x = x.to(device, non_blocking=True)
+                _, loss = model(x, y.to(device, non_blocking=True), **document_kwargs(x, self.eot))
                 loss = loss / len(micro)
             self.scaler.scale(loss).backward()
             step_loss += loss.detach()

@@ -170,7 +170,7 @@ def run_sweep(s: SweepSettings, log=print) -> dict:
                          "timing": "triton.testing.do_bench median" if s.device.type == "cuda"
                          else f"median of {s.cpu_reps}-25 perf_counter runs after one warm-up, one CPU thread",
                          "memory": "measured: torch.cuda.max_memory_allocated above the inputs"
-                         if s.device.type == "cuda" else "analytical (bench/io_model.py *_activation_bytes)"}}
+                         if s.device.type == "cuda" else "analytical (ablation/io_model.py *_activation_bytes)"}}
 
 
 def _sweep_rows(s: SweepSettings, rows: list, oom: dict, skipped: list, log) -> None:

@@ -1,6 +1,7 @@
 """Attention benchmark on a GPU: this repo's Triton FlashAttention against PyTorch's fused kernels.
 
     python bench/attention.py [--out DIR] [--deadline-s S] [--shapes 8,12,1024,64 ...]
+    python bench/attention.py --varlen [--doc-mean 512] [--doc-seed 0] [--window W] [--shapes ...]
 
 For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and backward TFLOP/s and peak memory
 (one forward + backward, above the inputs) of
@@ -20,11 +21,19 @@ all in the same run, timed with triton.testing.do_bench medians (it flushes L2 b
 before timing each provider's output and gradients are compared with SDPA-flash's (relative L2 difference,
 column "diff"). Writes attention.json and attention.md into bench/results/ (and into --out / $OUT when given)
 and prints one table, then the target ratios.
+
+--varlen: documents packed into one sequence of B·N tokens (lengths drawn from a seeded exponential distribution
+of mean --doc-mean, at least 1 token; the last one cut to fit), causal within each document (and a sliding
+window with --window), bf16: the flash kernels with the documents' bounds (flash_attention(..., docs=...), the
+training path: no cu_seqlens read-back) against torch.compile(flex_attention) with the document mask as a block
+mask (create_block_mask), in the same run. FLOPs count the visible (query, key) pairs exactly: 4·H·D per pair,
+backward 2.5x. Writes attention_varlen.json/.md (--tag) and prints the table with flash / flex.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -41,6 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 PROVIDERS = ["flash", "sdpa-flash", "sdpa-cudnn", "fa4", "flex", "naive"]
+VARLEN_PROVIDERS = ["flex", "flash"]  # flex first: its result is the reference of the "diff" column
 NAIVE_MAX_N = 8192
 FA4_MODULE = "flash_attn.cute"   # flash-attn-4's CuTe-DSL interface (../shared/tools/fa4-wheels.sh installs it)
 FA4_ARCH_MAJORS = (9, 10)        # the GPUs its kernels are written for: sm_90 (Hopper), sm_100 (Blackwell)
@@ -147,6 +157,61 @@ def _flex_compiled(flex_attention):
         torch._functorch.config.donated_buffer = False
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
+
+
+# ---------------------------------------------------------------------------------- documents (--varlen)
+
+def doc_lengths(total: int, mean: float, seed: int) -> list[int]:
+    """Document lengths summing to `total`: drawn from an exponential distribution of the given mean (seeded,
+    rounded up, so at least 1 token each), the last one cut to fit."""
+    import random
+    rng = random.Random(seed)
+    lengths, left = [], total
+    while left > 0:
+        n = min(max(1, int(rng.expovariate(1.0 / mean)) + 1), left)
+        lengths.append(n)
+        left -= n
+    return lengths
+
+
+def visible_pairs(lengths, window: int = 0) -> int:
+    """(query, key) pairs a causal document mask (and window) leaves visible: sum over documents of
+    sum_i min(i + 1, window or infinity)."""
+    total = 0
+    for n in lengths:
+        if window and n > window:
+            total += window * (window + 1) // 2 + (n - window) * window
+        else:
+            total += n * (n + 1) // 2
+    return total
+
+
+def varlen_flops(lengths, H: int, D: int, window: int, mode: str) -> float:
+    f = 4 * H * D * visible_pairs(lengths, window)
+    return f * (2.5 if mode == "bwd" else 1.0)
+
+
+def make_varlen_provider(name, lengths, window: int, device="cuda"):
+    """fn(q, k, v) -> o on (1, H, total, D) inputs holding the documents `lengths` one after another."""
+    total = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    if name == "flash":
+        from kernels import bounds_from_cu_seqlens, flash_attention
+        docs = bounds_from_cu_seqlens(cu, total)  # (1, 2, total): built once, as a training step builds its own
+        return lambda q, k, v: flash_attention(q, k, v, causal=True, window=window, docs=docs)
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        doc = torch.searchsorted(cu[1:], torch.arange(total, device=device), right=True)  # (total,) document ids
+
+        def document_causal(b, h, q_idx, kv_idx):
+            visible = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+            if window:
+                visible = visible & (q_idx - kv_idx < window)
+            return visible
+        mask = create_block_mask(document_causal, None, None, total, total, device=device)
+        compiled = _flex_compiled(flex_attention)
+        return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+    raise ValueError(name)
 
 
 def rel(a, b):
@@ -296,24 +361,84 @@ def render(results, meta):
     return "\n".join(lines) + "\n"
 
 
-def main():
+def render_varlen(results, meta):
+    """The --varlen table: TFLOP/s forward / backward of each provider (visible pairs only) and flash / flex."""
+    lines = [f"# Document-masked attention benchmark ({meta['gpu']})", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; torch {meta['torch']}, triton "
+             f"{meta['triton']}; bf16; do_bench medians; documents of seeded exponential lengths packed into B·N "
+             "tokens, causal within each; FLOPs 4·H·D per visible (query, key) pair, bwd ×2.5.", "",
+             "| B·N tokens, H, D | documents (mean len) | window | " + " | ".join(VARLEN_PROVIDERS)
+             + " | flash / flex fwd / bwd |", "| --- | --- | --- | " + " | ".join("---" for _ in VARLEN_PROVIDERS)
+             + " | --- |"]
+    for r in results:
+        pr = r["providers"]
+        cells = []
+        for p in VARLEN_PROVIDERS:
+            m = pr.get(p, {})
+            if "fwd_tflops" in m:
+                diff = "ref" if m["diff"] is None else f"diff {m['diff']:.1e}"
+                cells.append(f"{m['fwd_tflops']:.0f} / {m['bwd_tflops']:.0f} ({m['peak_gib']:.2f} GiB, {diff})")
+            else:
+                cells.append("—")
+        f, x = pr.get("flash", {}), pr.get("flex", {})
+        ratios = [f[f"{mode}_tflops"] / x[f"{mode}_tflops"] if f.get(f"{mode}_tflops") and x.get(f"{mode}_tflops")
+                  else None for mode in ("fwd", "bwd")]
+        B, H, N, D = r["shape"]
+        lines.append(f"| {B * N}, {H}, {D} | {r['n_docs']} ({r['doc_mean']:g}) | {r['window'] or '—'} | "
+                     + " | ".join(cells) + f" | {fmt(ratios[0], 2)} / {fmt(ratios[1], 2)} |")
+    lines += ["", "Target: flash ≥ 1.0× flex, forward and backward."]
+    errs = [(r["shape"], p, m["error"]) for r in results for p, m in r["providers"].items() if "error" in m]
+    if errs:
+        lines += ["", "Not measured:", ""] + [f"- {s} {p}: {e}" for s, p, e in errs]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (no GPU needed to parse it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="extra folder for the JSON/markdown copies")
     ap.add_argument("--deadline-s", type=float, default=None, help="skip what would start after this")
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--providers", default=None,
+                    help=f"comma-separated (default: {','.join(PROVIDERS)}; --varlen: {','.join(VARLEN_PROVIDERS)})")
     ap.add_argument("--shapes", nargs="*", default=None, help="B,H,N,D ...")
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--warm-compile-only", action="store_true",
                     help="only compile Flex for every case (to fill the inductor cache), no timing")
-    ap.add_argument("--tag", default="attention", help="file name stem under bench/results/")
-    args = ap.parse_args()
+    ap.add_argument("--tag", default=None, help="file name stem under bench/results/ (default: attention, "
+                                                "attention_varlen with --varlen)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="documents packed in B·N tokens: flash with document bounds against Flex's document mask")
+    ap.add_argument("--doc-mean", type=float, default=512.0, help="--varlen: mean document length in tokens")
+    ap.add_argument("--doc-seed", type=int, default=0, help="--varlen: seed of the document lengths")
+    ap.add_argument("--window", type=int, default=0, help="--varlen: sliding window (0 = none)")
+    args = ap.parse_args(argv)
+    try:
+        args.shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES)
+    except ValueError:
+        ap.error(f"--shapes: expected B,H,N,D integers, got {' '.join(args.shapes)}")
+    if any(len(s) != 4 or min(s) < 1 for s in args.shapes):
+        ap.error("--shapes: each shape is four positive integers B,H,N,D")
+    known = VARLEN_PROVIDERS if args.varlen else PROVIDERS
+    args.providers = args.providers.split(",") if args.providers else list(known)
+    unknown = [p for p in args.providers if p not in known]
+    if unknown:
+        ap.error(f"--providers: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if args.doc_mean < 1 or args.window < 0:
+        ap.error("--doc-mean must be >= 1 and --window >= 0")
+    if args.window and not args.varlen:
+        ap.error("--window applies to --varlen")
+    args.tag = args.tag or ("attention_varlen" if args.varlen else "attention")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/attention.py needs a CUDA GPU")
     t_start = time.time()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    providers = args.providers.split(",")
+    shapes, providers = args.shapes, args.providers
     causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
     import triton
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -321,6 +446,8 @@ def main():
                 command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
                 + (f" (run by `{os.environ['ATTN_BENCH_VIA']}`)" if os.environ.get("ATTN_BENCH_VIA") else ""))
     dtype = torch.bfloat16
+    if args.varlen:
+        return run_varlen(args, meta, t_start)
     results = []
     for shape in shapes:
         B, H, N, D = shape
@@ -382,9 +509,54 @@ def main():
     print(render(results, meta))
 
 
+def run_varlen(args, meta, t_start):
+    """--varlen: per shape, one packed sequence of documents; every provider on the same tensors."""
+    dtype = torch.bfloat16
+    results = []
+    for shape in args.shapes:
+        B, H, N, D = shape
+        lengths = doc_lengths(B * N, args.doc_mean, args.doc_seed)
+        g = torch.Generator(device="cuda").manual_seed(4321 + N + D)
+        q, k, v, do = (torch.randn(1, H, B * N, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+        row = dict(shape=list(shape), causal=True, window=args.window, doc_mean=args.doc_mean,
+                   doc_seed=args.doc_seed, n_docs=len(lengths), providers={})
+        ref = None
+        for p in args.providers:
+            if args.deadline_s is not None and time.time() - t_start > args.deadline_s:
+                row["providers"][p] = dict(error="skipped: benchmark deadline reached")
+                continue
+            try:
+                fn = make_varlen_provider(p, lengths, args.window)
+                m = measure(p, fn, q, k, v, do, ref, args.warmup, args.rep)
+                if ref is None:
+                    ref = fwd_bwd(fn, q, k, v, do)
+                m["fwd_tflops"] = varlen_flops(lengths, H, D, args.window, "fwd") / (m["fwd_ms"] * 1e-3) / 1e12
+                m["bwd_tflops"] = varlen_flops(lengths, H, D, args.window, "bwd") / (m["bwd_ms"] * 1e-3) / 1e12
+                row["providers"][p] = m
+                print(f"{shape} docs={len(lengths)} window={args.window} {p:6s} fwd {m['fwd_tflops']:6.1f} TFLOP/s "
+                      f"({m['fwd_ms']:.3f} ms)  bwd {m['bwd_tflops']:6.1f} TFLOP/s ({m['bwd_ms']:.3f} ms)", flush=True)
+            except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                row["providers"][p] = dict(error=msg)
+                print(f"{shape} {p}: {msg}", flush=True)
+                if p == "flash":
+                    traceback.print_exc()
+            torch.cuda.empty_cache()
+        del q, k, v, do, ref
+        results.append(row)
+        _write(results, meta, args)
+    meta["autotune_picks"] = autotune_picks()
+    meta["wall_s"] = time.time() - t_start
+    _write(results, meta, args)
+    print()
+    print(render_varlen(results, meta))
+
+
 def _write(results, meta, args):
     blob = json.dumps(dict(meta=meta, results=results), indent=1)
-    md = render(results, meta)
+    md = render_varlen(results, meta) if args.varlen else render(results, meta)
     dirs = [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else [])
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)

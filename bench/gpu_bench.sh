@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's benchmarks on one CUDA GPU, each with the command its results folder names.
 #
-#   bash bench/gpu_bench.sh                       # attention, train, generate, decode, loss
+#   bash bench/gpu_bench.sh                       # attention, train, generate, decode, loss, llama
+#   bash bench/gpu_bench.sh train_smollm2 generate_smollm2 varlen   # the Llama-family and document-mask figures
 #   bash bench/gpu_bench.sh attention generate    # some of them
 #   BASE=../other-checkout bash bench/gpu_bench.sh attention   # each benchmark in BASE first, then here, in the
 #                                                 # same run: a change measured against the tree before it
@@ -24,11 +25,16 @@ declare -A ARGS=(
   [generate]="${GENERATE_ARGS:---no-kernel-sweep}"
   [decode]="${DECODE_ARGS:-}"
   [loss]="${LOSS_ARGS:-}"
+  [llama]="${LLAMA_ARGS:---sweep}"
+  [train_smollm2]="${TRAIN_SMOLLM2_ARGS:---model configs/smollm2_135m.toml --block 2048 --steps 20 --repeats 3 --variants flash+compile,sdpa+compile}"
+  [generate_smollm2]="${GENERATE_SMOLLM2_ARGS:---model smollm2 --no-kernel-sweep}"
+  [varlen]="${VARLEN_ARGS:---varlen}"
 )
 declare -A SCRIPT=([attention]=attention.py [train]=train.py [generate]=generate.py [decode]=decode_attention.py
-                   [loss]=cross_entropy.py)
+                   [loss]=cross_entropy.py [llama]=llama_kernels.py
+                   [train_smollm2]=train.py [generate_smollm2]=generate.py [varlen]=attention.py)
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(attention train generate decode loss)
+[ ${#names[@]} -gt 0 ] || names=(attention train generate decode loss llama)
 
 status=0
 bench() {  # NAME TREE SUFFIX
@@ -43,7 +49,7 @@ bench() {  # NAME TREE SUFFIX
   [ $rc -eq 0 ] || status=1
 }
 for name in "${names[@]}"; do
-  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss)"; exit 2; }
+  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss, llama, train_smollm2, generate_smollm2, varlen)"; exit 2; }
   [ -z "${BASE:-}" ] || bench "$name" "$BASE" _base
   bench "$name" "$ROOT" ""
 done

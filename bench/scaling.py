@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.report import git_commit  # noqa: E402
 
 MODELS = {
     "124m": {"shape": [], "micro_batch": 16, "describe": "GPT-2 124M (12 layers, 12 heads, 768 wide)"},
@@ -89,15 +91,6 @@ def parse_args(argv=None):
     return args
 
 
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def free_port() -> int:

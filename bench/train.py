@@ -1,8 +1,12 @@
-"""Training-step benchmark on a GPU: GPT-2 124M with flash, sdpa and naive attention, eager and compiled.
+"""Training-step benchmark on a GPU: GPT-2 124M (or a config's model) with flash, sdpa and naive attention,
+eager and compiled.
 
     python bench/train.py [--out DIR] [--steps 20] [--variants flash,sdpa+compile,flash+compile/fused,...]
+    python bench/train.py --model configs/smollm2_135m.toml --block 2048 [--llama-kernels triton]
 
-GPT-2 124M's shape (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024,
+GPT-2 124M's shape (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024, or
+with --model the [model] section of a training config (e.g. SmolLM2-135M's Llama shape; --block sets its
+block_size, --llama-kernels what its RMSNorm, SwiGLU and RoPE run on),
 bf16 autocast, fused AdamW, one optimizer step per measured iteration (forward, backward, clip, step) on
 one fixed batch: uniform random tokens, or (--tokens FILE) real text, windows of a token file from
 data/prepare.py (train.bin: uint16), spread evenly over it. For each variant: median step time over --steps after warm-up (compile included in warm-up),
@@ -46,12 +50,13 @@ KERNELS = ("fwd", "dq", "dkdv")  # --tiles accepts these (the split backward's k
 PEAK = 989e12
 
 
-def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets (batch, block): uniform random tokens, or `batch` windows of block + 1 tokens spread
-    evenly over the uint16 token file `tokens`."""
+def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda",
+                vocab: int = 50304) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (batch, block): uniform random tokens below `vocab`, or `batch` windows of block + 1
+    tokens spread evenly over the uint16 token file `tokens`."""
     if not tokens:
-        return (torch.randint(0, 50304, (batch, block), device=device),
-                torch.randint(0, 50304, (batch, block), device=device))
+        return (torch.randint(0, vocab, (batch, block), device=device),
+                torch.randint(0, vocab, (batch, block), device=device))
     import numpy as np
     data = np.memmap(tokens, dtype=np.uint16, mode="r")  # (n,)
     if len(data) < batch * (block + 1):
@@ -61,15 +66,26 @@ def fixed_batch(batch: int, block: int, tokens: str | None, device="cuda") -> tu
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (batch, block) each
 
 
-def make_train_step(attention: str, compiled: bool, batch: int, block: int, tokens: str | None = None):
-    """The benchmark's GPT-2 124M and one optimizer step on one fixed batch → (model, step); step() → loss."""
+def model_config(attention: str, block: int, model_toml: str = "", llama_kernels: str = "torch") -> GPTConfig:
+    """GPT-2 124M's shape, or the [model] section of the training config `model_toml`, with block_size = block."""
+    if not model_toml:
+        return GPTConfig(block_size=block, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
+                         attention=attention)
+    from config import load_config
+    cfg = load_config(model_toml, [f"--model.block_size={block}", f"--model.attention={attention}",
+                                   f"--model.llama_kernels={llama_kernels}"]).model
+    return cfg if cfg.vocab_size else GPTConfig(**{**vars(cfg), "vocab_size": 50304})
+
+
+def make_train_step(attention: str, compiled: bool, batch: int, block: int, tokens: str | None = None,
+                    model_toml: str = "", llama_kernels: str = "torch"):
+    """The benchmark's model and one optimizer step on one fixed batch → (model, step); step() → loss."""
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=block, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
-                    attention=attention)
+    cfg = model_config(attention, block, model_toml, llama_kernels)
     model = GPT(cfg).cuda()
     opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
     step_model = torch.compile(model) if compiled else model
-    x, y = fixed_batch(batch, block, tokens)  # (batch, block)
+    x, y = fixed_batch(batch, block, tokens, vocab=cfg.vocab_size)  # (batch, block)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -152,10 +168,11 @@ def flash_tiles() -> dict:
 
 
 def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int,
-                tiles: dict | None = None, tokens: str | None = None) -> dict:
+                tiles: dict | None = None, tokens: str | None = None, model_toml: str = "",
+                llama_kernels: str = "torch") -> dict:
     from kernels.flash import forced_configs
     with forced_configs(**(tiles or {})):
-        model, step = make_train_step(attention, compiled, batch, block, tokens)
+        model, step = make_train_step(attention, compiled, batch, block, tokens, model_toml, llama_kernels)
         t0 = time.perf_counter()
         for _ in range(warmup):
             loss = step()
@@ -201,7 +218,8 @@ def run_isolated(variant: str, args) -> dict:
     """run_variant in a fresh Python process (this script with --worker); its JSON row, or an error row."""
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", variant, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block),
-           "--tiles", args.tiles, "--tokens", args.tokens, "--loss", args.loss]
+           "--tiles", args.tiles, "--tokens", args.tokens, "--loss", args.loss, "--model", args.model,
+           "--llama-kernels", args.llama_kernels]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -215,7 +233,7 @@ def run_in_process(variant: str, args) -> dict:
     attention, compiled = use_variant(variant)
     try:
         return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block,
-                           parse_tiles(args.tiles), args.tokens)
+                           parse_tiles(args.tiles), args.tokens, args.model, args.llama_kernels)
     except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -247,13 +265,22 @@ def _median_of(runs: list, key: str):
     return statistics.median(vals) if vals else None
 
 
+def describe_model(args) -> str:
+    """The measured model in words: GPT-2 124M, or the config file's name and shape."""
+    if not getattr(args, "model", ""):
+        return "GPT-2 124M"
+    c = model_config("sdpa", args.block, args.model, args.llama_kernels)
+    return (f"{os.path.basename(args.model)} ({c.n_layer} layers, {c.n_embd} wide, {c.n_head}/{c.n_kv_head or c.n_head} "
+            f"heads, {c.pos_emb}, {c.norm}, {c.mlp}; Llama pieces on {args.llama_kernels})")
+
+
 def write_results(rows: list, args, argv) -> str:
     """Table (markdown) + JSON of the variants measured so far: written after each run, so a timeout keeps them."""
     device = torch.cuda.get_device_name()
     cmd = "python bench/train.py " + " ".join(argv if argv is not None else sys.argv[1:])
     how = ("all in one process" if args.in_process else
            f"each in a fresh process, {args.repeats} per variant (order reversed every other round)")
-    lines = [f"# GPT-2 124M training step — {device}", "",
+    lines = [f"# {describe_model(args)} training step — {device}", "",
              f"`{cmd.strip()}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, batch {args.batch}×{args.block}, bf16 autocast, fused AdamW, "
              f"median of {args.steps} steps per run, {how}; "
@@ -315,6 +342,11 @@ def main(argv=None) -> int:
                    help="real text: a uint16 token file from data/prepare.py (train.bin) instead of random tokens")
     p.add_argument("--loss", default="auto", choices=kernels.LOSS_KERNELS,
                    help="the loss kernel of every variant (kernels.cross_entropy)")
+    p.add_argument("--model", default="", metavar="TOML",
+                   help="the [model] section of this training config instead of GPT-2 124M (e.g. "
+                        "configs/smollm2_135m.toml; --block sets its block_size)")
+    p.add_argument("--llama-kernels", default="torch", choices=("torch", "triton"),
+                   help="what a Llama-family model's RMSNorm, SwiGLU and RoPE run on (model.llama_kernels)")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -328,7 +360,9 @@ def main(argv=None) -> int:
         return 2
     try:
         tiles = parse_tiles(args.tiles)
-    except ValueError as e:
+        if args.model:
+            model_config("sdpa", args.block, args.model, args.llama_kernels)  # a bad file or shape: one line now
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -343,7 +377,7 @@ def main(argv=None) -> int:
     if args.worker:
         attention, compiled = use_variant(args.worker)
         print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block, tiles,
-                                     args.tokens)))
+                                     args.tokens, args.model, args.llama_kernels)))
         return 0
     runs: dict[str, list] = {v: [] for v in variants}
     for rnd in range(args.repeats):

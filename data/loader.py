@@ -26,6 +26,7 @@ class TokenData:
         self.meta = load_meta(folder)
         self.block_size = block_size
         self.tokenizer = tokenizer_from_spec(self.meta["tokenizer"])
+        self.eot_token = self.tokenizer.eot_token  # ends every document (data/prepare.py); None: no documents
         self.splits = {s: self._open(f"{folder}/{s}.bin", s) for s in ("train", "val")}
         for split, data in self.splits.items():
             if len(data) <= block_size + 1:

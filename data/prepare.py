@@ -10,9 +10,14 @@ Sources (`data.dataset` in the config):
   "hf:NAME[:CONFIG]"      a Hugging Face hub dataset with a "text" column (needs internet), e.g. hf:openwebtext
 
 A local source is read as bytes, one file at a time: those bytes are hashed, decoded as UTF-8 (universal
-newlines, as text-mode `open` reads them) and written into a private Arrow file that `datasets` tokenises in
-parallel, so the tokens always come from the bytes that were hashed; no cache is trusted by file size or mtime.
+newlines, as text-mode `open` reads them) and written into a private Arrow file whose documents are then
+tokenised, so the tokens always come from the bytes that were hashed; no cache is trusted by file size or mtime.
 A file that is not UTF-8 is refused with the byte offset of its first invalid byte.
+
+Tokenisation runs in this process (num_proc = 1) or in num_proc worker processes started by a fork server,
+never in forks of this process: the caller (a training run, a test session) may be running threads — torch's,
+a process group's — and a forked child inherits their locks in whatever state they are, which can leave it
+waiting for ever.
 
 The output folder is keyed by a hash of the source contents (hub datasets: of their name), the tokenizer and the
 split, so the same corpus is tokenised once and reused; a changed file gives a new folder. Layout:
@@ -21,13 +26,17 @@ Token files are flat arrays of uint16 (vocab < 65536) or uint32, read back with 
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import glob
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 
 import numpy as np
@@ -36,6 +45,8 @@ from .tokenizers import CharTokenizer, GPT2Tokenizer, hf_tokenizer, tokenizer_fr
 
 FORMAT_VERSION = 1
 ID_SCAN_CHUNK = 1 << 24  # tokens per block when a token file is scanned for ids outside the vocabulary
+TOKENIZE_BATCH = 16      # documents per tokenisation task, at most (a local source's file is one document)
+TASKS_PER_WORKER = 2     # tasks in flight per worker process
 
 
 class DataError(ValueError):
@@ -147,17 +158,43 @@ def _tokenizer_for(spec_json: str):
     return tokenizer_from_spec(json.loads(spec_json))
 
 
-def _tokenize_batch(batch: dict, spec_json: str) -> dict:
-    """datasets.map worker: each document → its ids, GPT-2 documents ending with <|endoftext|>."""
+def _tokenize_texts(spec_json: str, texts: list[str]) -> list[list[int]]:
+    """Tokenisation task: each document → its ids, followed by the end-of-text id when the tokenizer has one."""
     tok = _tokenizer_for(spec_json)
     try:
-        ids = tok.encode_batch(batch["text"])
+        ids = tok.encode_batch(texts)
     except Exception as e:  # e.g. a character outside a WordLevel vocabulary: tokenizers raises a bare Exception
         raise DataError(f"data.dataset: the {tok.name} tokenizer cannot encode the corpus "
                         f"({' '.join(str(e).split())[:160]})") from None
     if tok.eot_token is not None:
         ids = [doc + [tok.eot_token] for doc in ids]
-    return {"ids": ids, "len": [len(doc) for doc in ids]}
+    return ids
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops, then the workers
+
+
+def _tokenized(batches, spec_json: str, num_proc: int):
+    """The ids of each batch of texts (_tokenize_texts), in the batches' order: in this process when num_proc
+    is 1, else in num_proc workers started by a fork server (see the module's docstring), with at most
+    num_proc * TASKS_PER_WORKER batches in flight."""
+    if num_proc <= 1:
+        for texts in batches:
+            yield _tokenize_texts(spec_json, texts)
+        return
+    pool = concurrent.futures.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("forkserver"),
+                                                  initializer=_ignore_sigint)
+    try:
+        window = collections.deque()
+        for texts in batches:
+            window.append(pool.submit(_tokenize_texts, spec_json, texts))
+            if len(window) >= num_proc * TASKS_PER_WORKER:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _load_hub_dataset(dataset: str, hf_cache: str):
@@ -232,8 +269,9 @@ def _spec_id(spec: dict) -> str:
 
 def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, fixed, val_fraction: float, num_proc: int,
               cache_dir: str, work: str, verbose: bool, out: str) -> str:
-    """prepare()'s cache miss: documents → token ids (parallel) → train.bin / val.bin / meta.json in `out`."""
+    """prepare()'s cache miss: documents → token ids (_tokenized) → train.bin / val.bin / meta.json in `out`."""
     import datasets
+    from datasets.utils import tqdm  # off while datasets' progress bars are off (_datasets_progress)
     if files is None:
         ds, source_sha256 = _load_hub_dataset(dataset, os.path.join(cache_dir, "hf")), None
     else:
@@ -256,26 +294,24 @@ def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, fixed, val_
     else:
         tok = fixed or GPT2Tokenizer()
     spec_json = json.dumps(tok.spec())
-    map_cache = {} if files is None else {"cache_file_name": os.path.join(work, "ids.arrow"),
-                                          "load_from_cache_file": False}
-    ds = ds.map(_tokenize_batch, batched=True, batch_size=16, fn_kwargs={"spec_json": spec_json},
-                remove_columns=ds.column_names, num_proc=max(1, min(num_proc, len(ds))),
-                desc=f"tokenizing ({tok.name})", **map_cache)
-    total = int(np.sum(ds["len"], dtype=np.int64))
+    dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
+    tmp = os.path.join(work, "tokens")  # written whole, then renamed into place (same file system)
+    os.mkdir(tmp)
+    total = 0
+    workers = max(1, min(num_proc, len(ds)))
+    per_task = min(TOKENIZE_BATCH, -(-len(ds) // workers))  # a few documents still go to every worker
+    batches = (b["text"] for b in ds.select_columns(["text"]).iter(batch_size=per_task))
+    with open(os.path.join(tmp, "all.bin"), "wb") as f, \
+            tqdm(total=len(ds), desc=f"tokenizing ({tok.name})", unit=" documents") as bar:
+        for ids in _tokenized(batches, spec_json, workers):
+            for doc in ids:
+                f.write(np.asarray(doc, dtype=dtype).tobytes())
+                total += len(doc)
+            bar.update(len(ids))
     n_val = int(total * val_fraction)
     if total - n_val < 2 or (val_fraction > 0 and n_val < 2):
         raise DataError(f"data.dataset: {dataset!r} is too small ({total} tokens) to split into train and val")
-    dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
-
-    tmp = os.path.join(work, "tokens")  # written whole, then renamed into place (same file system)
-    os.mkdir(tmp)
-    flat = np.memmap(os.path.join(tmp, "all.bin"), dtype=dtype, mode="w+", shape=(total,))
-    pos = 0
-    for shard in ds.iter(batch_size=256):
-        for doc in shard["ids"]:
-            flat[pos:pos + len(doc)] = doc
-            pos += len(doc)
-    flat.flush()
+    flat = np.memmap(os.path.join(tmp, "all.bin"), dtype=dtype, mode="r", shape=(total,))
     n_train = total - n_val
     flat[:n_train].tofile(os.path.join(tmp, "train.bin"))
     flat[n_train:].tofile(os.path.join(tmp, "val.bin"))

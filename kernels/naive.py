@@ -1,13 +1,16 @@
 """Naive multi-head attention: the reference, the CPU fallback and the test oracle.
 
 It materialises the full score matrix S = Q Kᵀ (B, Hq, Nq, Nk) and the probabilities P in memory —
-exactly what FlashAttention avoids — so it is simple and obviously right, and O(N²) in memory.
+exactly what FlashAttention avoids — so it is simple and obviously right, and O(N²) in memory. The sliding
+window and packed documents are explicit (Nq, Nk) and (B, 1, N, N) masks here (window_mask, document_mask).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from .documents import document_mask
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -56,8 +59,25 @@ def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
     return j <= i + (Nk - Nq)
 
 
+def check_window(window, causal: bool) -> None:
+    """ValueError (one line) unless window is an int >= 0 (0: no window), and a window > 0 comes with causal."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0 = no window), got {window!r}")
+    if window and not causal:
+        raise ValueError(f"window={window} needs causal=True (a window reaches back from the diagonal)")
+
+
+def window_mask(Nq: int, Nk: int, window: int, device=None) -> torch.Tensor:
+    """(Nq, Nk) bool, True where key j is among the last `window` keys up to query i's diagonal:
+    i + (Nk - Nq) - window < j (bottom-right aligned; combine with causal_mask)."""
+    i = torch.arange(Nq, device=device)[:, None]
+    j = torch.arange(Nk, device=device)[None, :]
+    return j > i + (Nk - Nq) - window
+
+
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    sm_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                    sm_scale: float | None = None, mask: torch.Tensor | None = None, window: int = 0,
+                    docs: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · sm_scale + mask) V, computed in q's dtype (the softmax itself in float32, or in float64 for
     float64 inputs; P is rounded to q's dtype before P V).
 
@@ -67,8 +87,13 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     that sees no key at all (only when Nq > Nk) returns zeros. Returns (B, Hq, Nq, D).
     mask (optional): a bool tensor broadcastable to (B, Hq, Nq, Nk), True where a query may see a key; it is
     combined with the causal mask (the KV cache's per-sequence lengths use it with causal=False).
+    window > 0 (causal only): query i also sees no key j <= i + Nk - Nq - window. docs (optional, Nq = Nk = N):
+    (B, 2, N) int32 document bounds (kernels.documents): query i sees the keys of its own document only.
     """
     check_qkv(q, k, v)
+    check_window(window, causal)
+    if docs is not None and q.shape[2] != k.shape[2]:
+        raise ValueError(f"documents need Nq = Nk (self-attention), got Nq={q.shape[2]}, Nk={k.shape[2]}")
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
@@ -78,9 +103,13 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     s = (q @ k.transpose(-2, -1)) * scale  # (B, Hq, Nq, Nk)
     if causal:
         visible = causal_mask(Nq, Nk, device=q.device)  # (Nq, Nk)
+        if window:
+            visible = visible & window_mask(Nq, Nk, window, device=q.device)
         s = s.masked_fill(~visible, float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
+    if docs is not None:
+        s = s.masked_fill(~document_mask(docs), float("-inf"))  # (B, 1, N, N)
     # the softmax runs in float32 for 16- and 32-bit inputs (P then rounded to q's dtype, as the kernels round it)
     # and in float64 for float64 inputs, so that the float64 oracle is float64 end to end
     p = torch.softmax(s if s.dtype == torch.float64 else s.float(), dim=-1).to(q.dtype)  # (B, Hq, Nq, Nk)

@@ -33,6 +33,10 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         auto = Triton on CUDA, PyTorch elsewhere
     decode_min_keys_per_split  FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT=<int>   256   the split-KV decode never cuts
                                                                         the cache finer (automatic split count)
+    llama_kernels              FLASHGPT_LLAMA_KERNELS=auto|triton|torch   torch   what the model's RMSNorm,
+                                                                        SwiGLU and RoPE run for "auto"
+                                                                        (model.llama_kernels): auto = Triton on
+                                                                        CUDA, PyTorch elsewhere
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 
 BACKWARDS = ("split", "fused")
 LOSS_KERNELS = ("auto", "triton", "torch")
+LLAMA_KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class KernelOptions:
     pdl: bool = True
     loss_kernel: str = "auto"
     decode_min_keys_per_split: int = 256
+    llama_kernels: str = "torch"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -88,6 +94,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "pdl": (lambda v: isinstance(v, bool), "expected True or False"),
     "loss_kernel": (lambda v: v in LOSS_KERNELS, f"expected one of {', '.join(LOSS_KERNELS)}"),
     "decode_min_keys_per_split": (lambda v: _is_int(v) and v >= 1, "expected an int >= 1"),
+    "llama_kernels": (lambda v: v in LLAMA_KERNELS, f"expected one of {', '.join(LLAMA_KERNELS)}"),
 }
 
 
@@ -99,7 +106,7 @@ def _problem(name: str, value) -> str | None:
 ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d": "FLASHGPT_TMA_MIN_D",
        "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
-       "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT"}
+       "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

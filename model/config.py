@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kernels import BACKEND_CHOICES, LOSS_KERNELS
+from kernels import BACKEND_CHOICES, LLAMA_KERNELS, LOSS_KERNELS
 
 MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comfortably in memory
 POS_EMBS = ("learned", "rope")
@@ -53,7 +53,10 @@ class GPTConfig:
     qkv_bias: bool = False     # biases on the QKV projection even when bias = false (Qwen2)
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
+    llama_kernels: str = "auto"  # RMSNorm, SwiGLU, RoPE: "triton" | "torch"; "auto" = the llama_kernels option
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
+    attention_window: int = 0  # sliding window: each token attends to itself and the window - 1 tokens before it
+                               # (0 = the whole causal prefix); part of the model: training and evaluation
     loss_kernel: str = "auto"  # "triton" | "torch"; "auto" = the kernels' loss_kernel option (Triton on CUDA)
 
     @property
@@ -93,6 +96,8 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             bad("dropout", "must be in [0, 1)")
         self._validate_architecture(bad)
+        if self.attention_window < 0:
+            bad("attention_window", "must be 0 (no window) or a positive number of tokens")
         if self.attention not in BACKEND_CHOICES:
             bad("attention", f"must be one of {', '.join(BACKEND_CHOICES)}")
         if self.loss_kernel not in LOSS_KERNELS:
@@ -127,3 +132,5 @@ class GPTConfig:
             bad("mlp", f"must be one of {', '.join(MLPS)}")
         if self.intermediate_size < 0:
             bad("intermediate_size", "must be positive (or 0 for the MLP kind's default)")
+        if self.llama_kernels not in LLAMA_KERNELS:
+            bad("llama_kernels", f"must be one of {', '.join(LLAMA_KERNELS)}")

@@ -52,6 +52,9 @@ def hf_family(cfg: GPTConfig) -> str:
     config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
     biases on q, k, v only → Qwen2; qk_norm → Qwen3. ExportError names what no architecture represents.
     """
+    if cfg.attention_window:
+        raise ExportError(f"no Hugging Face architecture of these families represents model.attention_window="
+                          f"{cfg.attention_window} (a sliding window)")
     blocks = (cfg.pos_emb, cfg.norm, cfg.mlp)
     if blocks == ("learned", "layernorm", "gelu"):
         problems = []

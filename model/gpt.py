@@ -15,6 +15,10 @@ Parameter names follow GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...)
 Attention goes through `kernels.attention_qkvpacked(qkv, ...)` (training, no cache) or the KV cache's
 `attend` (prefill and decode): "flash" (Triton), "sdpa" (PyTorch) or "naive" (the reference). RoPE models
 rotate q and k inside the packed projection before that call (model/rope.py).
+
+Documents packed into a row (forward(..., docs=...), kernels/documents.py) attend within their own document
+only, and their positions (learned or RoPE) start at 0 at every document start. config.attention_window limits
+every token to itself and the attention_window - 1 tokens before it (no KV cache: generation refuses it).
 """
 from __future__ import annotations
 
@@ -39,16 +43,20 @@ class CausalSelfAttention(nn.Module):
                                 bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
         self.qk_norm = cfg.qk_norm
+        self.llama_kernels = cfg.llama_kernels
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.backend = cfg.attention
+        self.window = cfg.attention_window
         self.kv_cache = None  # set by GPT.setup_kv_cache for inference
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: (B, T, C) → (B, T, C). rope: (cos, sin) of the tokens' positions, for RoPE models."""
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, C) → (B, T, C). rope: (cos, sin) of the tokens' positions, for RoPE models. docs: (B, 2, T)
+        int32 bounds of the documents packed in each row (no KV cache): attention stays within each."""
         B, T, C = x.shape
         qkv = self.c_attn(x)  # (B, T, (nh + 2·nkv)·hd)
         if rope is not None or self.qk_norm:
@@ -56,8 +64,8 @@ class CausalSelfAttention(nn.Module):
         backend = kernels.resolve_backend(self.backend, x.device)
         if self.kv_cache is None:
             # packed: flash's backward then writes d(qkv) in one buffer, no concatenation of dq, dk, dv
-            y = kernels.attention_qkvpacked(qkv, self.n_head, self.n_kv_head, backend=backend,
-                                           causal=True)  # (B, nh, T, hd)
+            y = kernels.attention_qkvpacked(qkv, self.n_head, self.n_kv_head, backend=backend, causal=True,
+                                           window=self.window, docs=docs)  # (B, nh, T, hd)
         else:
             q, k, v = kernels.split_qkv(qkv, self.n_head, self.n_kv_head)  # (B, nh | nkv, T, hd) views
             y = self.kv_cache.attend(q, k, v, input_pos, backend=backend)  # (B, nh, T, hd)
@@ -76,6 +84,9 @@ class CausalSelfAttention(nn.Module):
         qk, v = heads[:, :, :nh + nkv], heads[:, :, nh + nkv:]  # (B, T, nh + nkv, hd), (B, T, nkv, hd)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :, :nh]), self.k_norm(qk[:, :, nh:])), dim=2)
+        if rope is not None and kernels.resolve_llama_kernels(self.llama_kernels, qkv.device) == "triton":
+            packed = torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1) if self.qk_norm else qkv
+            return kernels.triton_rope_qkv(packed, *rope, nh, nkv)  # (B, T, (nh + 2·nkv)·hd), one launch
         if rope is not None:
             qk = apply_rope(qk, *rope)  # (B, T, nh + nkv, hd)
         return torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1)  # (B, T, (nh + 2·nkv)·hd)
@@ -91,10 +102,13 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.llama_kernels = cfg.llama_kernels
 
     def forward(self, x):
         h = self.c_fc(x)  # (B, T, I) or (B, T, 2I)
-        if self.swiglu:
+        if self.swiglu and kernels.resolve_llama_kernels(self.llama_kernels, h.device) == "triton":
+            h = kernels.triton_swiglu(h)  # (B, T, I)
+        elif self.swiglu:
             gate, up = h.chunk(2, dim=-1)  # (B, T, I) each
             h = F.silu(gate) * up
         else:
@@ -110,8 +124,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, input_pos=None, rope=None):
-        x = x + self.attn(self.ln_1(x), input_pos, rope)
+    def forward(self, x, input_pos=None, rope=None, docs=None):
+        x = x + self.attn(self.ln_1(x), input_pos, rope, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -173,6 +187,9 @@ class GPT(nn.Module):
     def setup_kv_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         """Attach a static KVCache of (batch, n_kv_head, max_len, head_dim) to every attention layer."""
         from .kv_cache import KVCache
+        if self.config.attention_window:
+            raise ValueError(f"model.attention_window={self.config.attention_window}: the KV cache attends over "
+                             "every cached token, so generation cannot run a windowed model")
         if max_len > self.config.block_size:
             raise ValueError(f"cache length {max_len} exceeds block_size={self.config.block_size}")
         p = self.lm_head.weight
@@ -190,11 +207,14 @@ class GPT(nn.Module):
         self.config.attention = backend
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                input_pos: torch.Tensor | None = None):
+                input_pos: torch.Tensor | None = None, docs: torch.Tensor | None = None):
         """idx: (B, T) token ids → (logits (B, T, vocab), loss or None).
 
         input_pos: None for training (positions 0..T-1, no cache); with a KV cache attached, the
         positions of idx's tokens: (T,) shared by the batch, or (B, T) per sequence.
+        docs (training, no cache): (B, 2, T) int32 bounds of the documents packed in each row
+        (kernels.document_bounds(idx, eot_token)): every token attends within its document only, and positions
+        restart at 0 at each document start, so each document gets the logits it would get alone.
         With targets the loss is the differentiable output and the logits come back detached (for logging or
         accuracy; a loss of your own on the logits: call without targets). Under torch.compile an output that
         requires grad gets a gradient input of its own in the backward graph — zeros added to the loss's
@@ -208,6 +228,11 @@ class GPT(nn.Module):
             pos = torch.arange(T, device=idx.device)  # (T,)
         else:
             pos = input_pos
+        if docs is not None:
+            if input_pos is not None or tuple(docs.shape) != (B, 2, T):
+                raise ValueError(f"docs must be ({B}, 2, {T}) document bounds of idx, without input_pos (a KV cache)"
+                                 f"; got {tuple(docs.shape)}")
+            pos = kernels.document_positions(docs)  # (B, T)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.rotary is not None:
@@ -217,7 +242,7 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, input_pos, rope)
+            x = block(x, input_pos, rope, docs)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:

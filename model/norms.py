@@ -5,18 +5,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · weight over the last dim, normalised in float32 (float64 for float64 x) and
     rounded back to x's dtype before the weight is applied (transformers' LlamaRMSNorm, so bf16 models round the
-    same way)."""
+    same way). kernel: "triton" | "torch" | "auto" (kernels.resolve_llama_kernels): "triton" runs the same function
+    as kernels/rmsnorm.py's fused forward and backward."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, kernel: str = "auto"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.resolve_llama_kernels(self.kernel, x.device) == "triton":
+            return kernels.triton_rms_norm(x, self.weight, self.eps)  # (..., dim)
         y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)  # (..., dim)
         return self.weight * y.to(x.dtype)
 
@@ -28,5 +34,5 @@ def make_norm(cfg, dim: int | None = None) -> nn.Module:
     """A norm over `dim` (default n_embd) of the config's kind; LayerNorm has a bias when cfg.bias."""
     dim = dim or cfg.n_embd
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, eps=cfg.norm_eps)
+        return RMSNorm(dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)

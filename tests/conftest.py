@@ -13,9 +13,32 @@ if not torch.cuda.is_available():
 os.environ.setdefault("FLASHGPT_AUTOTUNE", "0")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--test-times", metavar="PATH", default=None,
+                     help="append one line per test phase to PATH as it ends (seconds, phase, outcome, worker, "
+                          "test id, tab-separated): the durations survive a run stopped at its limit")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "autotune: run the kernel with its autotuner on (GPU only)")
     config.addinivalue_line("markers", "slow: an exhaustive sweep, skipped unless selected with `-m slow`")
+    path = config.getoption("--test-times")
+    if path and not hasattr(config, "workerinput"):  # the controller writes (xdist workers send it their reports)
+        config.pluginmanager.register(_TestTimes(path), "flashgpt-test-times")
+
+
+class _TestTimes:
+    """Writes each test phase's duration as it ends, flushed line by line."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1)
+
+    def pytest_runtest_logreport(self, report):
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "-")
+        self.file.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{worker}\t{report.nodeid}\n")
+
+    def pytest_unconfigure(self, config):
+        self.file.close()
 
 
 def pytest_collection_modifyitems(config, items):

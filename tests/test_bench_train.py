@@ -119,3 +119,21 @@ def test_fixed_batch_random_or_windows_of_a_token_file(tmp_path):
     assert x.is_contiguous() and y.is_contiguous()
     with pytest.raises(ValueError, match="fewer than batch x"):
         bt.fixed_batch(12, 8, str(path), device="cpu")
+
+
+def test_model_from_a_config_and_its_llama_pieces():
+    """--model takes a training config's [model] section (its vocabulary, GQA and Llama pieces) at --block, and the
+    fixed batch's random tokens stay below that vocabulary; without --model, GPT-2 124M's shape."""
+    bt = _bench_train()
+    c = bt.model_config("flash", 256, ROOT + "/configs/smollm2_135m.toml", "triton")
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.vocab_size, c.block_size) == (30, 576, 9, 3, 49152, 256)
+    assert (c.attention, c.llama_kernels, c.pos_emb, c.mlp) == ("flash", "triton", "rope", "swiglu")
+    g = bt.model_config("sdpa", 128)
+    assert (g.n_layer, g.n_embd, g.vocab_size, g.block_size, g.attention) == (12, 768, 50304, 128, "sdpa")
+    x, y = bt.fixed_batch(64, 32, None, device="cpu", vocab=c.vocab_size)
+    assert x.shape == y.shape == (64, 32) and int(x.max()) < 49152 and int(y.max()) < 49152
+    args = types.SimpleNamespace(model=ROOT + "/configs/smollm2_135m.toml", block=2048, llama_kernels="torch")
+    assert bt.describe_model(args).startswith("smollm2_135m.toml (30 layers, 576 wide, 9/3 heads, rope")
+    assert bt.describe_model(types.SimpleNamespace(model="")) == "GPT-2 124M"
+    with pytest.raises(ValueError, match="config file not found"):
+        bt.model_config("flash", 256, ROOT + "/configs/missing.toml")

@@ -50,6 +50,22 @@ def test_parallel_tokenisation_matches_one_process(tmp_path):
     assert tokens_of(two).count(50256) == 5  # one <|endoftext|> per document
 
 
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_tokenisation_never_forks_the_calling_process(tmp_path, monkeypatch, num_proc):
+    """The caller may run threads (a training run's process group, torch's pools): a fork of it can inherit a
+    lock held by one of them and wait for ever, so prepare() tokenises in this process or in workers of a fork
+    server, never in forks of this process."""
+    def no_fork():
+        raise AssertionError("prepare() forked the calling process")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    folder = tmp_path / "docs"
+    for i in range(3):
+        write_corpus(folder / f"part{i}", n_lines=10, seed=i)
+    out = prepare(str(folder), "gpt2", num_proc=num_proc, cache_dir=str(tmp_path / "c"), verbose=False)
+    assert load_meta(out)["documents"] == 3
+
+
 def test_crlf_newlines_are_read_as_newlines(tmp_path):
     corpus = tmp_path / "dos.txt"
     corpus.write_bytes(b"to be,\r\nor not\rto be\n" * 40)

@@ -4,6 +4,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from tests.util import ROOT, TINY_MODEL, write_corpus
 
 
@@ -13,6 +16,7 @@ def losses(folder):
     return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks: the CPU suite runs this")
 def test_two_ranks_match_one_process(tmp_path):
     corpus = write_corpus(tmp_path)
     common = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "configs", "demo.toml"), f"--dataset={corpus}",

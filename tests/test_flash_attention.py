@@ -153,9 +153,17 @@ def _tma_for(kernel: str, D: int) -> bool:
         kt.INTERPRET or configs.block_d(D) >= launch.TMA_MIN_BLOCK_D[kernel])
 
 
+def _matrix(cases: list) -> list:
+    """(case, dtype) parameters: every case in every dtype. On a GPU each distinct shape and dtype compiles kernels
+    of its own, so there the default run takes every case in bf16 (the training dtype) and every sixth case in
+    fp16 and fp32; the rest of the matrix is `slow` (`-m slow`). On the CPU every pair runs."""
+    return [pytest.param(case, dtype, id=f"{_id(case)}-{dtype}",
+                         marks=[pytest.mark.slow] if CUDA and dtype != torch.bfloat16 and i % 6 else [])
+            for i, case in enumerate(cases) for dtype in DTYPES]
+
+
 @pytest.mark.parametrize("path", ["tma", "pointers"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case,dtype", _matrix(CASES))
 def test_matches_reference(case, dtype, path, request, monkeypatch):
     """Both load paths of every kernel: tensor descriptors (TMA on Hopper, here in all three kernels at every head
     dim, whatever the default policy; these inputs are aligned) and masked pointer loads."""
@@ -183,8 +191,7 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", FUSED_CASES, ids=_id)
+@pytest.mark.parametrize("case,dtype", _matrix(FUSED_CASES))
 def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
     """The fused backward (delta pass, dK/dV kernel adding dQ with atomics, dQ pass) against float64, both load
     paths of its dK/dV kernel and both ways of adding dQ: TMA reduce-adds where the GPU and Triton have them
@@ -292,8 +299,15 @@ def test_peaky_softmax_and_custom_scale(causal, dtype, request):
     _check(1, 2, 1, 203, 331, 64, causal, dtype, _gen(request), amp=3.0, sm_scale=0.3)
 
 
-@pytest.mark.parametrize("cfg", [(32, 64, 4, 1), (64, 32, 4, 1), (16, 128, 4, 1), (128, 16, 4, 1)])
-@pytest.mark.parametrize("causal", [True, False])
+# On a GPU the default run takes the two most lopsided tiles, causal (each forced tile compiles every kernel
+# anew); all of them run under `-m slow` and on the CPU.
+_GPU_SLOW = [pytest.mark.slow] if CUDA else []
+
+
+@pytest.mark.parametrize("cfg", [pytest.param((32, 64, 4, 1), marks=_GPU_SLOW),
+                                 pytest.param((64, 32, 4, 1), marks=_GPU_SLOW), (16, 128, 4, 1), (128, 16, 4, 1)],
+                         ids=str)
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=_GPU_SLOW)])
 def test_other_tile_shapes(cfg, causal, request):
     """BLOCK_M != BLOCK_N in every kernel: the causal block ranges and tails must not assume square tiles."""
     with fa.forced_configs(fwd=cfg, dkdv=cfg, dq=cfg):
@@ -539,14 +553,18 @@ def compile_one(name, head_dim, **flags):
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn)
     if name in ("fwd", "dq", "dkdv", "dkdvq"):
         consts.update(CAUSAL=True, DOT_PRECISION="tf32", LPT=False,
-                      TMA=bd >= TMA_MIN_BLOCK_D["dkdv" if name == "dkdvq" else name])
+                      TMA=bd >= TMA_MIN_BLOCK_D["dkdv" if name == "dkdvq" else name], WINDOW=0, VARLEN=False)
     if name in ("dkdv", "dkdvq"):
         consts.update(GQA=False, FUSED_DQ=0)
     consts.update(flags)
+    if "DOCS" in fn.arg_names and not consts["VARLEN"]:
+        consts["DOCS"] = None  # what the host passes without documents: a constant, not a parameter
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in consts:
             sig[arg] = "constexpr"
+        elif arg == "DOCS":
+            sig[arg] = "*i32"
         elif arg in PTRS:
             sig[arg] = "*fp32" if arg in FP32 else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -565,13 +583,21 @@ compile_one("dkdv", 128)
 compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2)
 compile_one("prep", 64)
 compile_one("dqout", 64)
+compile_one("fwd", 64, VARLEN=True, LPT=True)
+compile_one("fwd", 128, TMA=True, WINDOW=256)
+compile_one("dq", 128, TMA=True, VARLEN=True, WINDOW=128)
+compile_one("dq", 64, VARLEN=True, CAUSAL=False)
+compile_one("dkdv", 64, GQA=True, VARLEN=True)
+compile_one("dkdv", 128, WINDOW=256, CAUSAL=True)
+compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2, VARLEN=True, CAUSAL=False)
 """
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU every other test compiles these kernels for the GPU itself")
 def test_kernels_compile_for_hopper():
     """Triton's GPU compiler is stricter than its interpreter: compile every flash kernel for sm_90 ahead of time
-    (PTX and ptxas, no GPU needed) with the load paths, grids and GQA / fused-dQ variants a GPU launches, in its
-    own process (the tests run the interpreter)."""
+    (PTX and ptxas, no GPU needed) with the load paths, grids and GQA / fused-dQ variants a GPU launches, and
+    the window and document (VARLEN) variants, in its own process (the tests run the interpreter)."""
     import pathlib
     import subprocess
     import sys
@@ -582,7 +608,9 @@ def test_kernels_compile_for_hopper():
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["fwd", "64", "True", "fwd", "128", "True", "dq", "64", "True", "dq", "128", "True",
                                 "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True", "prep", "64",
-                                "True", "dqout", "64", "True"]
+                                "True", "dqout", "64", "True",
+                                "fwd", "64", "True", "fwd", "128", "True", "dq", "128", "True", "dq", "64", "True",
+                                "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True"]
 
 
 @pytest.mark.parametrize("entry", ["function", "dispatch", "packed"])

@@ -21,6 +21,10 @@ from model import GPT, GPTConfig
 from model.checkpoint import CheckpointError, load_checkpoint
 from tests.util import ROOT, TINY_MODEL, run_entry, write_corpus
 
+# Every test here runs gloo ranks on the CPU (train.device=cpu): on a CUDA machine they would only repeat the CPU
+# suite's run, at the cost of minutes of its CPU cores. FSDP on GPUs needs several of them (NCCL).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks: the CPU suite runs these")
+
 REDUCTION_ORDER_TOL = 1e-5
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_DATASETS_OFFLINE="1")
 

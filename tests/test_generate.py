@@ -258,6 +258,9 @@ def ckpt(tmp_path_factory):
     bad = dict(base, model=dict(base["model"]))
     bad["model"]["transformer.wpe.weight"] = torch.zeros(16, 32)
     atomic_save(bad, str(tmp / "wrong_shapes.pt"))
+    # a sliding-window model: the KV cache cannot apply the window
+    windowed = dict(base, config=dict(base["config"], model=dict(base["config"]["model"], attention_window=8)))
+    atomic_save(windowed, str(tmp / "windowed.pt"))
     (tmp / "corrupt.pt").write_bytes(b"\x80\x02not a checkpoint at all")
     (tmp / "prompt.txt").write_text("the queen")
     return tmp
@@ -329,9 +332,10 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--ckpt", "/nonexistent/run", "--prompt", "hi"], None, "checkpoint not found"),
     (["--ckpt", "{tmp}/corrupt.pt", "--prompt", "hi"], None, "corrupt or truncated checkpoint"),
     (["--ckpt", "{tmp}/wrong_shapes.pt", "--prompt", "hi"], None, "size mismatch for transformer.wpe.weight"),
+    (["--ckpt", "{tmp}/windowed.pt", "--prompt", "hi"], None, "model.attention_window=8"),
     (["--prompt", "hi", "--device", "cuda:7"], None, "--device=cuda:7"),
 ], ids=["empty", "empty-stdin", "temperature", "temperature-nan", "top-p-nan", "top-p-0", "top-p-1.5", "top-k", "max-new-tokens", "prompt-file",
-        "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "device"])
+        "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "windowed", "device"])
 def test_cli_errors_are_one_line(ckpt, args, stdin, message):
     args = [a.format(tmp=ckpt) for a in args]
     if "--ckpt" not in args:

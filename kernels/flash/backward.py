@@ -14,23 +14,26 @@ import triton
 import triton.language as tl
 
 from .. import _triton
-from .blocks import _key_blocks, _kv_descriptors, _lpt_tile, _query_tile
+from .blocks import _key_blocks, _key_range, _kv_descriptors, _lpt_tile, _query_range, _query_tile
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                 stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
-                lo, hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
+                lo, hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
                 MASK: tl.constexpr, GQA: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FUSED_DQ: tl.constexpr):
+                BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr):
     """Accumulate dK, dV of one key tile over query blocks [lo, hi) of each of the GROUP query heads that
     read it (GQA; 1 otherwise), in one flat loop: head g = step // blocks. (A loop over the heads around
     this one kept the accumulators of both loops live: 255 registers and spills on sm_90.)
 
     Works transposed (keys along rows): sT = K Qᵀ is (BLOCK_N, BLOCK_M). MASK: 0 = full query blocks, no checks;
-    1 = the Nq tail (rows past Nq load as q = dO = 0 with lse = +inf, so their P is 0); 2 = causal diagonal
-    blocks (causal mask + the row checks of 1). q_base, do_base, lse_base, delta_base address the group's
-    first query head (head g at + g * stride_qh, ..., + g * Nq for lse and delta). TMA: q_base, do_base are
+    1 = the Nq tail (rows past Nq load as q = dO = 0 with lse = +inf, so their P is 0); 2 = blocks that cross
+    the causal diagonal, the window's edge (WINDOW) or a document boundary (VARLEN: key_lo, key_hi are the
+    document bounds of the tile's keys), masked, with the row checks of 1. q_base, do_base, lse_base,
+    delta_base address the group's first query head (head g at + g * stride_qh, ..., + g * Nq for lse and
+    delta). TMA: q_base, do_base are
     tensor descriptors over the group's (GROUP, Nq, HEAD_DIM) (zeros past either end), else pointers.
     FUSED_DQ (0: off): also add each tile's dQ part dS K (unscaled, fp32) into the group's rows of the
     accumulator ((GROUP, Nq, BLOCK_D) fp32, contiguous): 1 = element atomic adds at the pointer dq_base, 2 = one
@@ -67,7 +70,14 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
             lse = tl.load(lse_base + g_rows + offs_m, mask=row_ok, other=float("inf"))  # (BLOCK_M,)
         sT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         if MASK == 2:
-            visible = offs_n[:, None] <= offs_m[None, :] + offset  # key j <= query i + offset
+            if CAUSAL:
+                visible = offs_n[:, None] <= offs_m[None, :] + offset  # key j <= query i + offset
+            else:  # (documents without the causal mask) query i at or after key j's document start
+                visible = offs_m[None, :] >= key_lo[:, None]
+            if WINDOW > 0:
+                visible = visible & (offs_n[:, None] > offs_m[None, :] + offset - WINDOW)
+            if VARLEN:  # query i before the end of key j's document (causal: its start is then implied)
+                visible = visible & (offs_m[None, :] < key_hi[:, None])
             sT = tl.where(visible, sT * qk_scale, float("-inf"))
             pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         else:
@@ -108,7 +118,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, DOCS,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -118,15 +128,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
                    Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr, GQA: tl.constexpr,
-                   FUSED_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   FUSED_DQ: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV of BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that read them.
 
-    Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, GQA, strides; TMA: Q/dO through
-    descriptors). Needs DELTA = rowsum(O * dO): from _attn_bwd_dq, which runs first, or (FUSED_DQ) from
-    _attn_bwd_prep. FUSED_DQ (1: element atomics, 2: TMA reduce-add per tile, Hopper+): dQ too, accumulated
-    unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by _attn_bwd_prep) with atomic adds — 5 matmuls per
-    tile instead of the two kernels' 7, but the summation order, and so the last bits of dQ, vary from run to
-    run; _attn_bwd_dq_out writes dQ from it.
+    Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, WINDOW, VARLEN with DOCS, GQA, strides;
+    TMA: Q/dO through descriptors). Needs DELTA = rowsum(O * dO): from _attn_bwd_dq, which runs first, or
+    (FUSED_DQ) from _attn_bwd_prep. FUSED_DQ (1: element atomics, 2: TMA reduce-add per tile, Hopper+): dQ
+    too, accumulated unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by _attn_bwd_prep) with atomic adds —
+    5 matmuls per tile instead of the two kernels' 7, but the summation order, and so the last bits of dQ, vary
+    from run to run; _attn_bwd_dq_out writes dQ from it.
     """
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid
@@ -150,20 +161,35 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    m_full = (Nq // BLOCK_M) * BLOCK_M  # query blocks below this hold no row past Nq
-    m_end = tl.cdiv(Nq, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        # queries i >= start_n - offset see some key of this tile; i >= start_n + BLOCK_N - 1 - offset see all
-        lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
-        full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, m_end)
-        lo = tl.minimum(lo, full_lo)
+    if WINDOW > 0 or VARLEN:
+        docs_base = DOCS  # None without documents
+        if VARLEN:
+            docs_base = DOCS + b.to(tl.int64) * 2 * Nk
+        # query blocks: [lo, full_lo) and [full_hi, hi) masked (with row checks), [full_lo, full_hi) no checks
+        lo, full_lo, full_hi, hi = _query_range(start_n, Nq, Nk, offset, docs_base, CAUSAL, WINDOW, VARLEN,
+                                                BLOCK_M, BLOCK_N)
+        key_lo = offs_n
+        key_hi = offs_n
+        if VARLEN:
+            key_lo = tl.load(docs_base + offs_n, mask=n_ok, other=0)  # (BLOCK_N,) document bounds of the keys
+            key_hi = tl.load(docs_base + Nk + offs_n, mask=n_ok, other=0)
     else:
-        lo = 0
-        full_lo = 0
-    tail_lo = tl.maximum(full_lo, m_full)
-    # query blocks: [lo, full_lo) causal diagonal (masked); [full_lo, m_full) no checks at all;
-    # [tail_lo, m_end) the partial block at the Nq tail (row checks only). The tail loop runs first: entering
-    # the main loop with zero-initialised accumulators made ptxas serialise the non-causal kernel's wgmmas.
+        key_lo = offs_n
+        key_hi = offs_n
+        m_full = (Nq // BLOCK_M) * BLOCK_M  # query blocks below this hold no row past Nq
+        m_end = tl.cdiv(Nq, BLOCK_M) * BLOCK_M
+        if CAUSAL:
+            # queries i >= start_n - offset see some key of this tile; i >= start_n + BLOCK_N - 1 - offset see all
+            lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+            full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, m_end)
+            lo = tl.minimum(lo, full_lo)
+        else:
+            lo = 0
+            full_lo = 0
+        tail_lo = tl.maximum(full_lo, m_full)
+        # query blocks: [lo, full_lo) causal diagonal (masked); [full_lo, m_full) no checks at all;
+        # [tail_lo, m_end) the partial block at the Nq tail (row checks only). The tail loop runs first: entering
+        # the main loop with zero-initialised accumulators made ptxas serialise the non-causal kernel's wgmmas.
     # the GROUP query heads that read this kv head, all in this program: no atomics needed for GQA
     h0 = hk * GROUP
     q_base = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh
@@ -179,19 +205,34 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
     if FUSED_DQ == 2:
         dq_base = tl.make_tensor_descriptor(dq_base, shape=[GROUP, Nq, BLOCK_D], strides=[Nq * BLOCK_D, BLOCK_D, 1],
                                             block_shape=[1, BLOCK_M, BLOCK_D])
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
-                         tail_lo, m_end, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
-                         1, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ)
-    if CAUSAL:
+    if WINDOW > 0 or VARLEN:
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                              stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
-                             lo, full_lo, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
-                             2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
-                         full_lo, m_full, GROUP, Nq, offset, qk_scale, offs_n, offs_d,
-                         0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ)
+                             lo, full_lo, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
+                             2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                             stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                             full_lo, full_hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
+                             0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                             stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                             full_hi, hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
+                             2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
+    else:
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                             stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                             tail_lo, m_end, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
+                             1, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                                 stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                                 lo, full_lo, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
+                                 2, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW,
+                                 VARLEN)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                             stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
+                             full_lo, m_full, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
+                             0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
     dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
@@ -203,10 +244,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-              lo, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
+              lo, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d, row_lo, row_hi,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """Accumulate dQ of one query tile over key blocks [lo, hi); MASKED and TMA as in _fwd_inner."""
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+              WINDOW: tl.constexpr, VARLEN: tl.constexpr):
+    """Accumulate dQ of one query tile over key blocks [lo, hi); MASKED, row_lo, row_hi and TMA as in
+    _fwd_inner."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,)
@@ -231,6 +274,12 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
             visible = cols[None, :] < Nk
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + offset)
+            if WINDOW > 0:
+                visible = visible & (cols[None, :] > offs_m[:, None] + offset - WINDOW)
+            if VARLEN:
+                visible = visible & (cols[None, :] >= row_lo[:, None])
+                if not CAUSAL:
+                    visible = visible & (cols[None, :] < row_hi[:, None])
             s = tl.where(visible, s * qk_scale, float("-inf"))
             p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
         else:
@@ -242,7 +291,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
 
 
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
-def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DOCS,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -252,13 +301,13 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
                  Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of BLOCK_M query rows, and the rows' delta = rowsum(O * dO) in fp32 (the softmax backward's row term),
     computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
     runs after this one (no separate delta pass over O and dO).
 
-    Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, GQA, strides). grid: as the forward's
-    (_query_tile)."""
+    Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, WINDOW, VARLEN with DOCS, GQA, strides).
+    grid: as the forward's (_query_tile)."""
     pid_m, h, b = _query_tile(Nq, Hq, lpt_group, CAUSAL, LPT, BLOCK_M)
     bh = b * Hq + h
     hk = h // GROUP
@@ -283,13 +332,33 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
     k_base, v_base = _kv_descriptors(k_base, v_base, Nk, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_hi, hi = _key_blocks(start_m, Nk, offset, CAUSAL, BLOCK_M, BLOCK_N)  # as the forward's
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
-                   False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d,
-                   True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA)
+    if WINDOW > 0 or VARLEN:  # the forward's key ranges and masks
+        docs_base = DOCS  # None without documents
+        row_lo = offs_m
+        row_hi = offs_m
+        if VARLEN:
+            docs_base = DOCS + b.to(tl.int64) * 2 * Nk
+            row_lo = tl.load(docs_base + offs_m, mask=row_ok, other=0)  # (BLOCK_M,)
+            row_hi = tl.load(docs_base + Nk + offs_m, mask=row_ok, other=Nk)
+        lo, full_lo, full_hi, hi = _key_range(start_m, Nq, Nk, offset, docs_base, CAUSAL, WINDOW, VARLEN,
+                                              BLOCK_M, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       lo, full_lo, Nk, offset, qk_scale, offs_m, offs_n, offs_d, row_lo, row_hi,
+                       True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, WINDOW, VARLEN)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       full_lo, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d, row_lo, row_hi,
+                       False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, WINDOW, VARLEN)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d, row_lo, row_hi,
+                       True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, WINDOW, VARLEN)
+    else:
+        full_hi, hi = _key_blocks(start_m, Nk, offset, CAUSAL, BLOCK_M, BLOCK_N)  # as the forward's
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       0, full_hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d, offs_m, offs_m,
+                       False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, WINDOW, VARLEN)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d, offs_m, offs_m,
+                       True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, WINDOW, VARLEN)
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),

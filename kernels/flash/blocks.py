@@ -1,5 +1,6 @@
 """@triton.jit helpers shared by the forward and backward kernels: which tile a program owns, which key blocks
-a query tile visits under the mask, and how a kv head's K and V are read (descriptors or pointers).
+a query tile visits under the mask (causal; or a window and/or documents: _key_range, and _query_range for the
+dK/dV kernel's query blocks), and how a kv head's K and V are read (descriptors or pointers).
 
 Triton inlines these into each kernel; they hold no state.
 """
@@ -80,3 +81,85 @@ def _kv_descriptors(k_base, v_base, Nk, stride_kn, stride_vn,
         v_base = tl.make_tensor_descriptor(v_base, shape=[Nk, HEAD_DIM], strides=[stride_vn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
     return k_base, v_base
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sliding windows and documents (WINDOW > 0 and/or VARLEN): key ranges bounded on both sides
+# ----------------------------------------------------------------------------------------------------------
+# With a window (query i sees keys j with i + offset - WINDOW < j <= i + offset) or documents (query i sees keys
+# of its own document only: docs[b, 0, i] <= j < docs[b, 1, i], Nq = Nk), the keys a row sees are an interval
+# [Lo(i), Hi(i)) whose two ends never decrease with i. So a query tile sees keys [Lo(first row), Hi(last row)),
+# and the key blocks inside [Lo(last row), Hi(first row)) are visible to every row of the tile (no mask); the
+# blocks on either side of that need the mask, the rest are never loaded. The dK/dV kernel reads the same
+# intervals from the keys' side. DOCS is (B, 2, N) int32: row b's document start and end of every token.
+
+
+@triton.jit
+def _key_range(start_m, Nq, Nk, offset, docs_base, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks of the query tile [start_m, start_m + BLOCK_M) under a window and/or documents:
+    (lo, full_lo, full_hi, hi). Blocks in [lo, full_lo) and [full_hi, hi) need the mask, [full_lo, full_hi) is
+    visible to every real row of the tile; nothing outside [lo, hi) is visible. lo, full_lo, full_hi are
+    multiples of BLOCK_N, all four lie in [0, cdiv(Nk, BLOCK_N) * BLOCK_N] and keys in [full_lo, full_hi) are
+    below Nk. When no block is fully visible, full_lo = full_hi >= hi (one masked range [lo, hi))."""
+    r0 = start_m
+    r1 = tl.minimum(start_m + BLOCK_M, Nq) - 1  # the last real row
+    lo_first = 0
+    lo_last = 0
+    hi_first = Nk
+    hi_last = Nk
+    if CAUSAL:
+        hi_first = tl.minimum(tl.maximum(r0 + offset + 1, 0), Nk)
+        hi_last = tl.minimum(tl.maximum(r1 + offset + 1, 0), Nk)
+    if WINDOW > 0:
+        lo_first = tl.maximum(r0 + offset - WINDOW + 1, 0)
+        lo_last = tl.maximum(r1 + offset - WINDOW + 1, 0)
+    if VARLEN:
+        # Nq = Nk: bounds clamped into [0, Nk] so that no value of DOCS can send a load out of the row
+        lo_first = tl.maximum(lo_first, tl.minimum(tl.load(docs_base + r0), Nk))
+        lo_last = tl.maximum(lo_last, tl.minimum(tl.load(docs_base + r1), Nk))
+        hi_first = tl.minimum(hi_first, tl.maximum(tl.load(docs_base + Nk + r0), 0))
+        hi_last = tl.minimum(hi_last, tl.maximum(tl.load(docs_base + Nk + r1), 0))
+    lo = (lo_first // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
+    full_hi = (hi_first // BLOCK_N) * BLOCK_N
+    hi = hi_last
+    hi_up = tl.maximum(tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo)
+    has_full = full_lo < full_hi
+    full_lo = tl.where(has_full, full_lo, hi_up)
+    full_hi = tl.where(has_full, full_hi, hi_up)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, Nq, Nk, offset, docs_base, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dK/dV kernel's side of _key_range: query blocks of the key tile [start_n, start_n + BLOCK_N),
+    (lo, full_lo, full_hi, hi), all multiples of BLOCK_M in [0, cdiv(Nq, BLOCK_M) * BLOCK_M]. Blocks in
+    [lo, full_lo) and [full_hi, hi) need the mask and row checks, [full_lo, full_hi) holds real rows that see
+    every real key of the tile; no query outside [lo, hi) sees one."""
+    c0 = start_n
+    c1 = tl.minimum(start_n + BLOCK_N, Nk) - 1  # the last real key
+    lo_first = 0
+    lo_last = 0
+    hi_first = Nq
+    hi_last = Nq
+    if CAUSAL:  # queries i >= j - offset see key j
+        lo_first = tl.maximum(c0 - offset, 0)
+        lo_last = tl.maximum(c1 - offset, 0)
+    if WINDOW > 0:  # queries i < j - offset + WINDOW see key j
+        hi_first = tl.minimum(tl.maximum(c0 - offset + WINDOW, 0), Nq)
+        hi_last = tl.minimum(tl.maximum(c1 - offset + WINDOW, 0), Nq)
+    if VARLEN:  # the queries of key j's own document
+        lo_first = tl.maximum(lo_first, tl.minimum(tl.load(docs_base + c0), Nq))
+        lo_last = tl.maximum(lo_last, tl.minimum(tl.load(docs_base + c1), Nq))
+        hi_first = tl.minimum(hi_first, tl.maximum(tl.load(docs_base + Nk + c0), 0))
+        hi_last = tl.minimum(hi_last, tl.maximum(tl.load(docs_base + Nk + c1), 0))
+    lo = (lo_first // BLOCK_M) * BLOCK_M
+    full_lo = tl.cdiv(lo_last, BLOCK_M) * BLOCK_M
+    full_hi = (hi_first // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(tl.cdiv(hi_last, BLOCK_M) * BLOCK_M, lo)
+    has_full = full_lo < full_hi
+    full_lo = tl.where(has_full, full_lo, hi)
+    full_hi = tl.where(has_full, full_hi, hi)
+    return lo, full_lo, full_hi, hi

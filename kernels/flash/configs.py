@@ -94,8 +94,8 @@ def _tuners(kernels: dict) -> dict:
         if _triton.INTERPRET or len(cfgs) == 1:
             continue
         key = ["HEAD_DIM", "CAUSAL", "TMA", "LPT", "q_bucket", "k_bucket"]  # + the tensor dtypes (triton)
-        if "GQA" in kernels[name].arg_names:  # dK/dV only (newer Triton rejects key names that are not arguments)
-            key.append("GQA")
+        # dK/dV only, and the masking kernels only (newer Triton rejects key names that are not arguments)
+        key += [arg for arg in ("GQA", "WINDOW", "VARLEN") if arg in kernels[name].arg_names]
         zero = ["DQACC"] if name == "dkdvq" else None  # each trial adds into it: start every one from zeros
         out[(name, dcls, bd)] = triton.autotune(configs=[_as_config(c) for c in cfgs], key=key,
                                                 reset_to_zero=zero)(kernels[name])

@@ -1,7 +1,14 @@
 """Host side of the flash kernels: from validated tensors to launches.
 
-    _fwd(q, k, v, causal, sm_scale) -> (o, lse)            _bwd(do, q, k, v, o, lse, causal, sm_scale, out=None)
-    _packed_fwd(qkv, n_head, n_kv_head, causal, sm_scale)   _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, ...)
+    _fwd(q, k, v, causal, sm_scale, window=0, docs=None) -> (o, lse)
+    _bwd(do, q, k, v, o, lse, causal, sm_scale, window=0, docs=None, out=None) -> (dq, dk, dv)
+    _packed_fwd(qkv, n_head, n_kv_head, causal, sm_scale, window=0, docs=None) -> (o, lse)
+    _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window=0, docs=None) -> d(qkv)
+
+window > 0: the sliding window (WINDOW, a constexpr: one compiled kernel per window size); docs: the (B, 2, N)
+int32 document bounds (VARLEN), the kernels' DOCS argument. Without documents DOCS is None, which Triton compiles
+as a constant: the kernels without a window or documents have exactly the signature and code they have without
+these options.
 
 What it decides per call: the outputs' memory layout (that of the inputs), the load path (TMA descriptors or
 pointers), the grid order (per head, or longest-first), the backward's structure, the tile config (forced,
@@ -164,7 +171,12 @@ def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: in
 # off, every launch goes through JITFunction.run.
 _compiled: dict[tuple, object] = {}
 _COMPILED_MAX = 4096  # signatures kept (one per distinct shape/stride set); the cache starts over beyond it
-_N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 9, "dkdvq": 9, "prep": 4, "dqout": 2}  # tensors lead the arguments
+# Tensors lead the arguments (DOCS, the last of them in fwd, dq and dk/dv, may be None).
+_N_TENSOR_ARGS = {"fwd": 6, "dq": 9, "dkdv": 10, "dkdvq": 10, "prep": 4, "dqout": 2}
+
+
+def _tensor_sig(t):
+    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
 
 
 def _fast_launch() -> bool:
@@ -184,14 +196,14 @@ def _run(name: str, grid: tuple, cfg, args, kwargs):
         KERNELS[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         return None
     n = _N_TENSOR_ARGS[name]
-    key = (name, cfg, args[0].device.index, *kwargs.values(), *args[n:],
-           *[(t.dtype, t.data_ptr() % 16 == 0) for t in args[:n]])
+    key = (name, cfg, args[0].device.index, *kwargs.values(), *args[n:], *[_tensor_sig(t) for t in args[:n]])
     kernel = _compiled.get(key)
     if kernel is None:
         kernel = KERNELS[name][grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         # the launcher takes every parameter in the kernel's order: the positional args, then the constexprs
         if (hasattr(kernel, "run") and list(KERNELS[name].arg_names[len(args):]) == [*kwargs, "BLOCK_M", "BLOCK_N"]
-                and all(isinstance(a, torch.Tensor) == (i < n) for i, a in enumerate(args))):
+                and all((isinstance(a, torch.Tensor) or (a is None and i < n)) == (i < n)
+                        for i, a in enumerate(args))):
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
             _compiled[key] = kernel
@@ -239,7 +251,8 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
         tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], kwargs.get("GQA"),
-                kwargs.get("FUSED_DQ"), args[-2], args[-1], args[0].device.index)  # the buckets are the last two args
+                kwargs.get("FUSED_DQ"), kwargs.get("WINDOW"), kwargs.get("VARLEN"), args[-2], args[-1],
+                args[0].device.index)  # the buckets are the last two args
         cfg = _picked.get(tkey)
         if cfg is None:
             grid = lambda meta: _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"],  # noqa: E731
@@ -272,6 +285,12 @@ def _plan_key(kind: str, opts: _options.KernelOptions, tensors, *scalars) -> tup
             *sorted(forced.items()),  # a plan replays the configs it was recorded with
             *TMA_MIN_BLOCK_D.values(), LPT_MIN_GROUP,
             *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _masked(kind: str, window: int, docs) -> str:
+    """The plan kind of a call with a window or documents ("fwd" → "fwd/window=8/docs"); plain calls keep
+    theirs. (The documents' tensor also ends the key's tensors.)"""
+    return kind + (f"/window={window}" if window else "") + ("/docs" if docs is not None else "")
 
 
 def _planned(name: str, launched, idx: tuple, tail: tuple, kwargs: dict):
@@ -309,16 +328,21 @@ def _replay(launches, pool, like: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
+def _with_docs(tensors: tuple, docs) -> tuple:
+    return tensors if docs is None else (*tensors, docs)
+
+
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float, window: int = 0,
+         docs: torch.Tensor | None = None):
     """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled)."""
     opts = _options.get()
-    key = _plan_key("fwd", opts, (q, k, v), causal, sm_scale)
+    key = _plan_key(_masked("fwd", window, docs), opts, _with_docs((q, k, v), docs), causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None:
         o_layout, lse_shape, launches = plan
         o = _empty_like_layout(o_layout, q.dtype, q.device)
         lse = _triton.empty(lse_shape, torch.float32, q.device)
-        _replay(launches, (q, k, v, o, lse), q)
+        _replay(launches, (q, k, v, o, lse, docs), q)
         return o, lse
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -326,29 +350,32 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     o = _empty_like_layout(o_layout, q.dtype, q.device)  # (B, Hq, Nq, D), laid out like q
     lse = _triton.empty((B, Hq, Nq), torch.float32, q.device)
     group = _lpt_group(k, Nk, B * Hq)
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+    args = (q, k, v, o, lse, docs, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, group, _bucket(Nq), _bucket(Nk))
     kwargs = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-                  TMA=_tma_ok("fwd", opts, k, v), LPT=_lpt(causal, group, opts))
+                  TMA=_tma_ok("fwd", opts, k, v), LPT=_lpt(causal, group, opts), WINDOW=int(window),
+                  VARLEN=docs is not None)
     with _triton.device_guard(q):
         launched = _launch("fwd", Nq, Hq, B, q.dtype, args, kwargs)
-    _record(key, (o_layout, (B, Hq, Nq), [_planned("fwd", launched, range(5), args[5:], kwargs)]))
+    _record(key, (o_layout, (B, Hq, Nq), [_planned("fwd", launched, range(6), args[6:], kwargs)]))
     return o, lse
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
+def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, docs: torch.Tensor | None = None,
+         out=None):
     """Launch the backward (the backward option: "split": dQ, which also stores delta, then dK/dV; "fused":
     delta pass, dK/dV adding dQ, dQ pass). Returns dq, dk, dv shaped like q, k, v, written into `out` =
     (dq, dk, dv) when given (views of one packed gradient), else new buffers."""
     opts = _options.get()
-    key = _plan_key("bwd", opts, (do, q, k, v, o, lse, *(out or ())), causal, sm_scale)
+    key = _plan_key(_masked("bwd", window, docs), opts, _with_docs((do, q, k, v, o, lse, *(out or ())), docs),
+                    causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None:
         delta_shape, layouts, acc_shape, launches = plan
         delta = _triton.empty(delta_shape, torch.float32, q.device)
         acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, q.device)
         dq, dk, dv = out or [_empty_like_layout(lay, q.dtype, q.device) for lay in layouts]
-        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv, acc), q)
+        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv, acc, docs), q)
         return dq, dk, dv
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -364,15 +391,16 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
     else:
         dq, dk, dv = out
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    masks = dict(WINDOW=int(window), VARLEN=docs is not None)  # the last constexprs before the tile sizes
     dq_group, dkdv_group = _lpt_group(k, Nk, B * Hq), _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
     qk_scale = sm_scale * _triton.LOG2E
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, docs, *q.stride(), *k.stride(), *v.stride(),
+                 *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
                  dkdv_group, _bucket(Nq), _bucket(Nk))
     dkdv_kwargs = dict(kwargs, TMA=_tma_ok("dkdv", opts, q, do), LPT=_lpt(causal, dkdv_group, opts), GQA=Hq > Hkv,
-                       FUSED_DQ=_fused_dq_mode(q.device, opts) if fused else 0)
-    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused)
-    dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10)
+                       FUSED_DQ=_fused_dq_mode(q.device, opts) if fused else 0, **masks)
+    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused), docs
+    dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10, 11)
     if fused:
         rows = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D)
         prep_args = (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq)
@@ -382,18 +410,18 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, out=None):
                         _launch("dkdvq", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs),
                         _launch("dqout", Nq, Hq, B, q.dtype, out_args, rows)]
         launches = [_planned("prep", launched[0], (3, 4, 6, 10), prep_args[4:], rows),
-                    _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[9:], dkdv_kwargs),
+                    _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[10:], dkdv_kwargs),
                     _planned("dqout", launched[2], (10, 7), out_args[2:], rows)]
     else:
-        dq_args = (q, k, v, o, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        dq_args = (q, k, v, o, do, lse, delta, dq, docs, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                    *do.stride(), *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group,
                    _bucket(Nq), _bucket(Nk))
-        dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, dq_group, opts))
+        dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, dq_group, opts), **masks)
         with _triton.device_guard(q):
             dq_launch = _launch("dq", Nq, Hq, B, q.dtype, dq_args, dq_kwargs)
             dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
-        launches = [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7), dq_args[8:], dq_kwargs),
-                    _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[9:], dkdv_kwargs)]
+        launches = [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7, 11), dq_args[9:], dq_kwargs),
+                    _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[10:], dkdv_kwargs)]
     _record(key, ((B, Hq, Nq), layouts, acc_shape, launches))
     return dq, dk, dv
 
@@ -427,28 +455,33 @@ def _record_packed(key, inner_key, offsets: tuple) -> None:
 _UNPACKABLE = ((),)
 
 
-def _packed_fwd(qkv, n_head: int, n_kv_head: int, causal: bool, sm_scale: float):
+def _packed_fwd(qkv, n_head: int, n_kv_head: int, causal: bool, sm_scale: float, window: int = 0,
+                docs: torch.Tensor | None = None):
     opts = _options.get()
-    key = _plan_key("packed_fwd", opts, (qkv,), n_head, n_kv_head, causal, sm_scale)
+    key = _plan_key(_masked("packed_fwd", window, docs), opts, _with_docs((qkv,), docs), n_head, n_kv_head, causal,
+                    sm_scale)
     plan = _plans.get(key)
     if plan is not None and plan is not _UNPACKABLE:
         offsets, o_layout, lse_shape, launches = plan
         o = _empty_like_layout(o_layout, qkv.dtype, qkv.device)
         lse = _triton.empty(lse_shape, torch.float32, qkv.device)
         at = qkv.data_ptr()
-        _replay(launches, (*[at + off for off in offsets], o, lse), qkv)
+        _replay(launches, (*[at + off for off in offsets], o, lse, docs), qkv)
         return o, lse
     q, k, v = split_qkv(qkv, n_head, n_kv_head)
-    o, lse = _fwd(q, k, v, causal, sm_scale)
+    o, lse = _fwd(q, k, v, causal, sm_scale, window, docs)
     if plan is None:
-        _record_packed(key, _plan_key("fwd", opts, (q, k, v), causal, sm_scale), _offsets(qkv, (q, k, v)))
+        _record_packed(key, _plan_key(_masked("fwd", window, docs), opts, _with_docs((q, k, v), docs), causal,
+                                      sm_scale), _offsets(qkv, (q, k, v)))
     return o, lse
 
 
-def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_scale: float) -> torch.Tensor:
+def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_scale: float, window: int = 0,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
     opts = _options.get()
     dqkv = _triton.empty(tuple(qkv.shape), qkv.dtype, qkv.device)  # (B, N, (Hq + 2·Hkv)·D), contiguous
-    key = _plan_key("packed_bwd", opts, (do, qkv, o, lse, dqkv), n_head, n_kv_head, causal, sm_scale)
+    key = _plan_key(_masked("packed_bwd", window, docs), opts, _with_docs((do, qkv, o, lse, dqkv), docs), n_head,
+                    n_kv_head, causal, sm_scale)
     plan = _plans.get(key)
     if plan is not None and plan is not _UNPACKABLE:
         offsets, delta_shape, _, acc_shape, launches = plan
@@ -456,12 +489,13 @@ def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_s
         acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, qkv.device)
         at, grad_at = qkv.data_ptr(), dqkv.data_ptr()
         _replay(launches, (*[at + off for off in offsets[:3]], o, do, lse, delta,
-                           *[grad_at + off for off in offsets[3:]], acc), qkv)
+                           *[grad_at + off for off in offsets[3:]], acc, docs), qkv)
         return dqkv
     q, k, v = split_qkv(qkv, n_head, n_kv_head)
     out = split_qkv(dqkv, n_head, n_kv_head)
-    _bwd(do, q, k, v, o, lse, causal, sm_scale, out=out)
+    _bwd(do, q, k, v, o, lse, causal, sm_scale, window, docs, out=out)
     if plan is None:
-        _record_packed(key, _plan_key("bwd", opts, (do, q, k, v, o, lse, *out), causal, sm_scale),
+        _record_packed(key, _plan_key(_masked("bwd", window, docs), opts, _with_docs((do, q, k, v, o, lse, *out), docs),
+                                      causal, sm_scale),
                        _offsets(qkv, (q, k, v)) + _offsets(dqkv, out))
     return dqkv

@@ -1,15 +1,20 @@
 """The front door of the flash kernels: input checks, autograd, and the custom ops torch.compile traces.
 
-    flash_attention(q, k, v, *, causal=True, sm_scale=None) -> (B, Hq, Nq, D)
-    flash_attention_qkvpacked(qkv, n_head, n_kv_head=None, *, causal=True, sm_scale=None) -> (B, Hq, N, D)
+    flash_attention(q, k, v, *, causal=True, sm_scale=None, window=0, docs=None) -> (B, Hq, Nq, D)
+    flash_attention_qkvpacked(qkv, n_head, n_kv_head=None, *, causal=True, sm_scale=None, window=0, docs=None)
+        -> (B, Hq, N, D)
+    flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, window=0, sm_scale=None)
+        -> (total, Hq, D)
 
-Both forms check their inputs here (every ValueError before any launch), then take one of two paths to the
+Every form checks its inputs here (every ValueError before any launch), then takes one of two paths to the
 same launches (kernels/flash/launch.py): eager calls go through one torch.autograd.Function (_FlashAttention,
-shared by both forms: its dispatch costs less per call than a custom op's); under torch.compile the forms are
+shared by the forms: its dispatch costs less per call than a custom op's); under torch.compile the forms are
 the custom ops flashgpt::flash_attn_fwd / flash_attn_bwd and flashgpt::flash_attn_qkvpacked_fwd /
-flash_attn_qkvpacked_bwd, with fake (meta) implementations and their autograd formula (register_autograd), so
-torch.compile(fullgraph=True) traces through them without a graph break. Both paths save the same tensors and
-compute the same gradients (_save, _grads). Double backward is not supported: it raises a RuntimeError.
+flash_attn_qkvpacked_bwd (the window and the document bounds are arguments of the same ops), with fake (meta)
+implementations and their autograd formula (register_autograd), so torch.compile(fullgraph=True) traces
+through them without a graph break. Both paths save the same tensors and compute the same gradients (_save,
+_grads). Double backward is not supported: it raises a RuntimeError. The varlen form is flash_attention on a
+(1, Hq, total, D) view with the document bounds of cu_seqlens (kernels/documents.py).
 """
 from __future__ import annotations
 
@@ -18,12 +23,14 @@ import math
 import torch
 
 from .. import _triton
-from ..naive import check_qkv, split_qkv
+from ..documents import bounds_from_cu_seqlens, check_cu_seqlens, check_docs
+from ..naive import check_qkv, check_window, split_qkv
 from .configs import MAX_HEAD_DIM
 from .launch import _bwd, _fwd, _layout, _packed_bwd, _packed_fwd
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> float:
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, causal: bool = True, window: int = 0,
+              docs: torch.Tensor | None = None) -> float:
     """All checks happen here, before any launch. Returns the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -44,6 +51,12 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> fl
         if (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2**31:
             raise ValueError(f"flash_attention: {name} is too long for int32 offsets within one head "
                              f"(shape {tuple(t.shape)}, strides {t.stride()})")
+    check_window(window, causal)
+    if docs is not None:
+        check_docs(docs, q.shape[0], q.shape[2], q.device, "flash_attention")
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"flash_attention: documents need Nq = Nk (self-attention), got Nq={q.shape[2]}, "
+                             f"Nk={k.shape[2]}")
     if sm_scale is None:
         return 1.0 / math.sqrt(D)
     sm_scale = float(sm_scale)
@@ -55,43 +68,45 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale) -> fl
 # ----------------------------------------------------------------------------------------------------------
 # What a backward needs, and the gradients, for both forms. inputs: (q, k, v) with heads None (the plain form),
 # or (qkv,) with heads = (n_head, n_kv_head) (the packed form). Beyond the inputs only O and the log-sum-exp
-# are saved.
+# are saved (and the document bounds, when given).
 # ----------------------------------------------------------------------------------------------------------
 
-def _save(ctx, inputs: tuple, o: torch.Tensor, lse: torch.Tensor, causal: bool, sm_scale: float, heads) -> None:
-    ctx.save_for_backward(*inputs, o, lse)
+def _save(ctx, inputs: tuple, o: torch.Tensor, lse: torch.Tensor, causal: bool, sm_scale: float, heads,
+          window: int, docs: torch.Tensor | None) -> None:
+    ctx.save_for_backward(*inputs, o, lse, docs)
     ctx.causal = causal
     ctx.sm_scale = sm_scale
     ctx.heads = heads
+    ctx.window = window
 
 
 def _grads(ctx, do: torch.Tensor, bwd, packed_bwd) -> tuple:
     """The gradients of the saved inputs: (dq, dk, dv), or (d(qkv),) in one buffer. bwd, packed_bwd: the
     launches themselves (eager) or the backward custom ops (under torch.compile)."""
-    *inputs, o, lse = ctx.saved_tensors
+    *inputs, o, lse, docs = ctx.saved_tensors
     if ctx.heads is None:
-        return tuple(bwd(do, *inputs, o, lse, ctx.causal, ctx.sm_scale))
-    return (packed_bwd(do, inputs[0], o, lse, *ctx.heads, ctx.causal, ctx.sm_scale),)
+        return tuple(bwd(do, *inputs, o, lse, ctx.causal, ctx.sm_scale, ctx.window, docs))
+    return (packed_bwd(do, inputs[0], o, lse, *ctx.heads, ctx.causal, ctx.sm_scale, ctx.window, docs),)
 
 
 class _FlashAttention(torch.autograd.Function):
     """The eager path of both forms: a thin autograd.Function over the launches (less dispatch overhead per
     call than the custom ops, which matters for short sequences where the kernels take tens of microseconds).
-    apply(heads, causal, sm_scale, *inputs), inputs and heads as for _save."""
+    apply(heads, causal, sm_scale, window, docs, *inputs), inputs and heads as for _save."""
 
     @staticmethod
-    def forward(ctx, heads, causal, sm_scale, *inputs):
+    def forward(ctx, heads, causal, sm_scale, window, docs, *inputs):
         if heads is None:
-            o, lse = _fwd(*inputs, causal, sm_scale)
+            o, lse = _fwd(*inputs, causal, sm_scale, window, docs)
         else:
-            o, lse = _packed_fwd(*inputs, *heads, causal, sm_scale)
-        _save(ctx, inputs, o, lse, causal, sm_scale, heads)
+            o, lse = _packed_fwd(*inputs, *heads, causal, sm_scale, window, docs)
+        _save(ctx, inputs, o, lse, causal, sm_scale, heads, window, docs)
         return o
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        return (None, None, None, *_grads(ctx, do, _bwd, _packed_bwd))
+        return (None, None, None, None, None, *_grads(ctx, do, _bwd, _packed_bwd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -118,41 +133,45 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(shape).permute(*perm)
 
 
-def _fwd_fake(q, k, v, causal, sm_scale):
+def _fwd_fake(q, k, v, causal, sm_scale, window=0, docs=None):
     B, Hq, Nq, D = q.shape
     return _fake_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
+# window and docs come last, with defaults: a call that leaves them out is the plain (dense) attention
+_MASKS = "int window=0, Tensor? docs=None"
 _flash_attn_fwd_op = _define(
-    "flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float sm_scale) -> (Tensor, Tensor)",
+    "flash_attn_fwd", f"(Tensor q, Tensor k, Tensor v, bool causal, float sm_scale, {_MASKS}) -> (Tensor, Tensor)",
     _fwd, _fwd_fake)
 _flash_attn_bwd_op = _define(
     "flash_attn_bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
-                      "float sm_scale) -> (Tensor, Tensor, Tensor)",
-    _bwd, lambda do, q, k, v, o, lse, causal, sm_scale: (_fake_like(q), _fake_like(k), _fake_like(v)))
+                      f"float sm_scale, {_MASKS}) -> (Tensor, Tensor, Tensor)",
+    _bwd, lambda do, q, k, v, o, lse, causal, sm_scale, window=0, docs=None: (_fake_like(q), _fake_like(k),
+                                                                               _fake_like(v)))
 _packed_fwd_op = _define(
-    "flash_attn_qkvpacked_fwd", "(Tensor qkv, int n_head, int n_kv_head, bool causal, float sm_scale) "
+    "flash_attn_qkvpacked_fwd", f"(Tensor qkv, int n_head, int n_kv_head, bool causal, float sm_scale, {_MASKS}) "
                                 "-> (Tensor, Tensor)",
-    _packed_fwd, lambda qkv, n_head, n_kv_head, causal, sm_scale: _fwd_fake(
+    _packed_fwd, lambda qkv, n_head, n_kv_head, causal, sm_scale, window=0, docs=None: _fwd_fake(
         split_qkv(qkv, n_head, n_kv_head)[0], None, None, causal, sm_scale))
 _packed_bwd_op = _define(
     "flash_attn_qkvpacked_bwd", "(Tensor do, Tensor qkv, Tensor o, Tensor lse, int n_head, int n_kv_head, "
-                                "bool causal, float sm_scale) -> Tensor",
-    _packed_bwd, lambda do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale: qkv.new_empty(qkv.shape))
+                                f"bool causal, float sm_scale, {_MASKS}) -> Tensor",
+    _packed_bwd, lambda do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window=0, docs=None:
+    qkv.new_empty(qkv.shape))
 
 
 def _register_autograd(op_name: str, n_tensors: int) -> None:
     """The autograd formula of a forward op whose first n_tensors inputs are differentiable, followed by the
-    packed head counts (if any), causal and sm_scale; its backward runs the backward ops."""
+    packed head counts (if any), causal, sm_scale, window and docs; its backward runs the backward ops."""
     def setup_context(ctx, inputs, output):
         o, lse = output
         ctx.mark_non_differentiable(lse)
-        *heads, causal, sm_scale = inputs[n_tensors:]
-        _save(ctx, inputs[:n_tensors], o, lse, causal, sm_scale, tuple(heads) or None)
+        *heads, causal, sm_scale, window, docs = inputs[n_tensors:]  # (defaults filled in by torch.library)
+        _save(ctx, inputs[:n_tensors], o, lse, causal, sm_scale, tuple(heads) or None, window, docs)
 
     def backward(ctx, do, dlse):
         grads = _grads(ctx, do, _flash_attn_bwd_op, _packed_bwd_op)
-        return (*grads, *[None] * (5 - n_tensors))  # both forward ops take 5 inputs
+        return (*grads, *[None] * (7 - n_tensors))  # both forward ops take 7 inputs
 
     torch.library.register_autograd("flashgpt::" + op_name, backward, setup_context=setup_context, lib=_LIB)
 
@@ -165,35 +184,73 @@ _register_autograd("flash_attn_qkvpacked_fwd", 1)
 # The public functions
 # ----------------------------------------------------------------------------------------------------------
 
-def _attend(inputs: tuple, heads, causal: bool, scale: float) -> torch.Tensor:
+def _attend(inputs: tuple, heads, causal: bool, scale: float, window: int, docs) -> torch.Tensor:
     if torch.compiler.is_compiling():
         if heads is None:
-            o, _ = _flash_attn_fwd_op(*inputs, causal, scale)
+            o, _ = _flash_attn_fwd_op(*inputs, causal, scale, window, docs)
         else:
-            o, _ = _packed_fwd_op(*inputs, *heads, causal, scale)
+            o, _ = _packed_fwd_op(*inputs, *heads, causal, scale, window, docs)
         return o
-    return _FlashAttention.apply(heads, causal, scale, *inputs)
+    return _FlashAttention.apply(heads, causal, scale, window, docs, *inputs)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    sm_scale: float | None = None) -> torch.Tensor:
+                    sm_scale: float | None = None, window: int = 0,
+                    docs: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · sm_scale + mask) V with the FlashAttention kernels; see kernels/flash/__init__.py.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq % Hkv == 0. Returns (B, Hq, Nq, D) in q's dtype.
+    window > 0 (causal only): query i sees keys j with i + Nk - Nq - window < j <= i + Nk - Nq.
+    docs: documents packed in each row, (B, 2, N) int32 (kernels.documents.document_bounds; Nq = Nk = N):
+    query i sees only keys j with docs[b, 0, i] <= j < docs[b, 1, i] (and the causal mask and window).
     """
-    scale = _validate(q, k, v, sm_scale)
-    return _attend((q, k, v), None, bool(causal), scale)
+    scale = _validate(q, k, v, sm_scale, causal, window, docs)
+    return _attend((q, k, v), None, bool(causal), scale, window, None if docs is None else docs.contiguous())
 
 
 def flash_attention_qkvpacked(qkv: torch.Tensor, n_head: int, n_kv_head: int | None = None, *,
-                              causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+                              causal: bool = True, sm_scale: float | None = None, window: int = 0,
+                              docs: torch.Tensor | None = None) -> torch.Tensor:
     """flash_attention over the views q, k, v = split_qkv(qkv, n_head, n_kv_head) of one packed projection.
 
     qkv: (B, N, (Hq + 2·Hkv)·D) (per token: all query heads, then the key heads, then the value heads);
-    n_kv_head defaults to n_head. Returns (B, Hq, N, D) in qkv's dtype, exactly flash_attention's result;
-    its gradient w.r.t. qkv is written by the backward kernels into one (B, N, (Hq + 2·Hkv)·D) buffer.
+    n_kv_head defaults to n_head. Returns (B, Hq, N, D) in qkv's dtype, exactly flash_attention's result
+    (window and docs as there); its gradient w.r.t. qkv is written by the backward kernels into one
+    (B, N, (Hq + 2·Hkv)·D) buffer.
     """
     n_kv_head = n_head if n_kv_head is None else n_kv_head
     q, k, v = split_qkv(qkv, n_head, n_kv_head)
-    scale = _validate(q, k, v, sm_scale)
-    return _attend((qkv,), (n_head, n_kv_head), bool(causal), scale)
+    scale = _validate(q, k, v, sm_scale, causal, window, docs)
+    return _attend((qkv,), (n_head, n_kv_head), bool(causal), scale, window,
+                   None if docs is None else docs.contiguous())
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int | None = None, *, causal: bool = True, window: int = 0,
+                           sm_scale: float | None = None) -> torch.Tensor:
+    """Attention within each of several sequences packed one after another (FlashAttention's varlen form).
+
+    q: (total, Hq, D); k, v: (total, Hkv, D), Hq % Hkv == 0; cu_seqlens: (n + 1,) int32 or int64 on q's device,
+    the sequences' offsets: sequence s is tokens [cu_seqlens[s], cu_seqlens[s + 1]), cu_seqlens[0] = 0,
+    cu_seqlens[n] = total, non-decreasing (empty sequences allowed). Query t sees the keys of its own sequence
+    only (causal: up to itself; window > 0: the last `window` of them). Returns (total, Hq, D) in q's dtype,
+    differentiable in q, k and v. max_seqlen (optional, for FlashAttention's signature): an upper bound of the
+    sequence lengths, checked when given; the kernels do not need it (their grid tiles the packed tokens).
+
+    Checks cu_seqlens' values: one device-to-host read per call (skipped under torch.compile), so a training
+    loop that builds its bounds itself passes docs to flash_attention instead.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"flash_attention_varlen: {name} must be a 3-d (total, H, D) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"flash_attention_varlen: q and k hold different token counts ({q.shape[0]} and "
+                         f"{k.shape[0]})")
+    total = q.shape[0]
+    check_cu_seqlens(cu_seqlens, total, q.device, max_seqlen, check_values=not torch.compiler.is_compiling())
+    docs = bounds_from_cu_seqlens(cu_seqlens, total)  # (1, 2, total)
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, H, total, D) views
+    scale = _validate(q4, k4, v4, sm_scale, causal, window, docs)
+    o = _attend((q4, k4, v4), None, bool(causal), scale, window, docs)  # (1, Hq, total, D), laid out like q
+    return o[0].transpose(0, 1)  # (total, Hq, D)

@@ -1,23 +1,43 @@
-"""Decode-attention benchmark: split-KV (flash-decoding) vs the non-split kernel vs SDPA, GPT-2-like shape.
+"""Decode-attention benchmark: the split-KV kernel against SDPA and a copy of the same bytes, GPT-2-like shape.
 
     python bench/decode_attention.py                 # GPU: B in (1, 16), H=12, D=64, bf16, Nq=1, 1k..32k cache
-    python bench/decode_attention.py --smoke         # CPU, Triton interpreter, tiny sizes: checks the script runs
+    python bench/decode_attention.py --sweep         # GPU: also time tile configs and split counts per shape
+    python bench/decode_attention.py --smoke [--sweep]   # CPU, Triton interpreter, tiny sizes: the script runs
 
-Providers, all over the same static cache of capacity max(--lens) (positions past the valid length hold NaN):
-    split    decode_attention(..., num_splits=None)  the auto split count
-    nosplit  decode_attention(..., num_splits=1)     one program per (sequence, kv head): the baseline
-    sdpa     F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
-Each (batch, length) is first checked against a float32 SDPA reference (error <= 2x bf16 SDPA's + 4e-3), then
-timed with triton.testing.do_bench medians (µs per call). The decode calls pass check_lens=False (no host sync,
-as in a CUDA-graph decode step). GB/s counts the bytes of K and V read: 2·B·H·L·D·bytes. Results go to --out as
-decode_attention.json and .md (decode_attention_smoke.* with --smoke), with the split kernel's speed-up over the
-non-split kernel at the longest cache (the reason the split form exists: it should be >= 4x at 32k, batch 1).
+Every (batch, length) reads a static cache of capacity --capacity (default the longest length) whose first L
+positions are valid, as a decode step inside a CUDA graph does. Providers:
+    split      decode_attention(..., num_splits=None): the grid sized for the capacity (what a graph holds),
+               each sequence's split plan from its length on the device
+    split-fit  the same over a cache view of exactly L positions (the grid sized for L)
+    nosplit    decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
+    sdpa       F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
+    copy       a device-to-device copy of the same bytes as K and V's valid prefixes: the bandwidth limit
+Each is first checked against a float32 SDPA reference (error <= 2x bf16 SDPA's + 4e-3; the cache past L
+holds NaN for this check), then timed two ways, each the median of repeated measurements after warm-up calls:
+    graph   per-call µs of a CUDA graph of back-to-back calls (the GPU's time, as in the model's decode step);
+            the calls rotate over copies of the cache placed side by side, enough of them that the bytes read
+            between two visits of one copy exceed 3x the L2 cache, so no call finds its data in L2
+    eager   triton.testing.do_bench medians of plain calls (L2 flushed before each; the host's launch time
+            shows where it exceeds the flush), the median of three
+The decode kernels' outputs are checked again after timing. GB/s counts the bytes of K and V read (2·B·Hkv·L·D·
+bytes); the copy's GB/s counts bytes read plus written, i.e. the bandwidth a streaming kernel can reach; "of
+copy" = a kernel's GB/s over the copy's. Decode calls pass check_lens=False (no host sync, as in a graph).
+
+--sweep (once the table above is complete, per shape; graph timing): every tile config in SWEEP_TILES with the
+automatic split count, then the fastest two and the default with explicit split counts from SWEEP_SPLITS, and
+the automatic count under other decode_min_keys_per_split values. Each candidate's output is checked before it is
+timed; a candidate that fails to compile, run or match is recorded with its error and skipped. Writes
+decode_attention_sweep.json/.md: the winner per shape and how far the default (tile, auto splits) is from it.
+
+Results go to --out (default bench/results/) as decode_attention.json/.md (..._smoke with --smoke), rewritten
+after every shape (atomically), so a run stopped by --deadline-s or a time limit keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -27,143 +47,537 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# (block_n, num_warps, num_stages, dot) candidates of --sweep; dot=False applies where a program holds one query row
+SWEEP_TILES = [
+    (32, 4, 3, True), (32, 4, 4, True), (64, 2, 3, True), (64, 4, 2, True), (64, 4, 3, True), (64, 4, 4, True),
+    (64, 8, 3, True), (128, 4, 2, True), (128, 4, 3, True), (128, 8, 2, True), (128, 8, 3, True),
+    (256, 8, 2, True),
+    (32, 4, 1, False), (64, 2, 1, False), (64, 4, 1, False), (64, 8, 1, False), (128, 4, 1, False),
+    (128, 8, 1, False), (256, 8, 1, False),
+]
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 44, 64, 96, 128)
+SWEEP_MIN_KEYS = (64, 128, 512, 1024)  # decode_min_keys_per_split values tried with the automatic split count
+SMOKE_TILES = [(16, 4, 1, True), (32, 2, 1, False)]
+SMOKE_SPLITS = (1, 3)
+TARGET_LEN, TARGET_COPY_FRACTION, TARGET_VS_SDPA = 32768, 0.75, 1.0
+L2_FACTOR = 3  # bytes read between two visits of one cache copy, in L2 sizes
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="directory for JSON + markdown (default bench/results/)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
+    p.add_argument("--sweep", action="store_true", help="also time tile configs and split counts per shape")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16)")
     p.add_argument("--lens", default=None, help="comma-separated cache lengths (default 1024,...,32768)")
-    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--capacity", type=int, default=None, help="cache capacity (default: the longest length)")
+    p.add_argument("--heads", type=int, default=12, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads, i.e. MHA)")
     p.add_argument("--head-dim", type=int, default=64)
-    return p.parse_args(argv)
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start nothing new after this many seconds (what was measured is written)")
+    a = p.parse_args(argv)
+
+    def ints(text, name):
+        try:
+            vals = [int(x) for x in text.split(",")]
+        except ValueError:
+            p.error(f"{name}: expected comma-separated integers, got {text!r}")
+        if not vals or min(vals) < 1:
+            p.error(f"{name}: values must be >= 1, got {text!r}")
+        return vals
+    a.batches = ints(a.batches, "--batches") if a.batches else None
+    a.lens = ints(a.lens, "--lens") if a.lens else None
+    a.kv_heads = a.kv_heads or a.heads
+    if a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:
+        p.error(f"--heads ({a.heads}) must be a positive multiple of --kv-heads ({a.kv_heads})")
+    if a.capacity is not None and a.lens and a.capacity < max(a.lens):
+        p.error(f"--capacity {a.capacity} is below the longest length {max(a.lens)}")
+    return a
 
 
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before kernels.decode is imported
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-
-from kernels.decode import auto_num_splits, decode_attention  # noqa: E402
-
-TARGET_LEN, TARGET_SPEEDUP = 32768, 4.0
+def rotation_count(bytes_per_call: int, l2_bytes: int) -> int:
+    """Cache copies to rotate over so that L2_FACTOR x L2 bytes are read between two visits of one copy."""
+    return max(2, math.ceil(L2_FACTOR * l2_bytes / max(bytes_per_call, 1)) + 1)
 
 
-def time_us(fn) -> float:
-    """Median µs per call: do_bench on CUDA; a plain timer in the interpreter (smoke only, meaningless)."""
-    if torch.cuda.is_available() and not ARGS.smoke:
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+def candidate_splits(L: int, block_n: int, splits=SWEEP_SPLITS) -> list[int]:
+    """The split counts worth timing at length L: each split keeps at least one block of keys."""
+    return [s for s in splits if s == 1 or s * block_n <= L]
 
 
-def main() -> int:
-    if ARGS.smoke:
-        device, dtype = torch.device("cpu"), torch.float32  # the interpreter's tl.dot is wrong for bf16
-        batches, lens, H, D = [1, 2], [64, 600], 2, 16  # capacity 600: the auto path splits
-    else:
-        if not torch.cuda.is_available():
-            print("error: the benchmark needs a CUDA GPU (use --smoke on CPU)", file=sys.stderr)
-            return 2
-        device, dtype = torch.device("cuda"), torch.bfloat16
-        batches, lens, H, D = [1, 16], [1024, 2048, 4096, 8192, 16384, 32768], ARGS.heads, ARGS.head_dim
-    if ARGS.batches:
-        batches = [int(x) for x in ARGS.batches.split(",")]
-    if ARGS.lens:
-        lens = [int(x) for x in ARGS.lens.split(",")]
-    capacity = max(lens)
-    out_dir = Path(ARGS.out) if ARGS.out else ROOT / "bench" / "results"
+def summarize(times: list[float]) -> dict:
+    return dict(median=statistics.median(times), min=min(times), max=max(times), n=len(times))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class ContextLost(RuntimeError):
+    """A CUDA error that leaves the context unusable (an illegal address, say): nothing after it can run."""
+
+
+class Bench:
+    """Timing on one device: graph (CUDA graph replays, µs per call) and eager (do_bench or a CPU timer)."""
+
+    def __init__(self, torch, device, smoke: bool):
+        self.torch, self.device, self.smoke = torch, device, smoke
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def alive(self) -> bool:
+        """Whether the device still runs work (after an error: an illegal address ends the CUDA context)."""
+        try:
+            self.sync()
+            if self.cuda:
+                self.torch.ones(1, device=self.device).add_(1).item()
+            return True
+        except Exception:  # noqa: BLE001 - any failure here means nothing more can run
+            return False
+
+    def eager_us(self, fn) -> dict:
+        for _ in range(3 if self.cuda else 1):  # warm: compile, allocator, first-launch costs
+            fn()
+        self.sync()
+        if not self.cuda:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            return summarize(times)
+        from triton.testing import do_bench
+        return summarize([do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3 for _ in range(3)])
+
+    def graph_us(self, call, n_views: int, est_us: float, replays: int = 10) -> dict | None:
+        """µs per call of a CUDA graph holding n calls (call(j % n_views) for j < n); None off CUDA."""
+        if not self.cuda:
+            return None
+        torch = self.torch
+        n = max(n_views, min(500, math.ceil(4000.0 / max(est_us, 1.0))))  # a replay of ~4 ms or more
+        n = math.ceil(n / n_views) * n_views
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm outside capture
+            for j in range(n_views):
+                call(j)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.sync()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for j in range(n):
+                call(j % n_views)
+        graph.replay()
+        self.sync()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / n)
+        del graph
+        return summarize(times)
+
+
+class Shape:
+    """One (batch, length) case: q, n_views side-by-side cache copies (views of one buffer), and checks."""
+
+    def __init__(self, torch, F, device, dtype, B, H, Hkv, D, L, capacity, n_views):
+        self.torch, self.F = torch, F
+        self.B, self.H, self.Hkv, self.D, self.L, self.capacity, self.n_views = B, H, Hkv, D, L, capacity, n_views
+        self.group = H // Hkv
+        self.q = torch.randn(B, H, 1, D, device=device, dtype=dtype)                        # (B, H, 1, D)
+        total = capacity + (n_views - 1) * L
+        self.k_big = torch.randn(B, Hkv, total, D, device=device, dtype=dtype)               # (B, Hkv, total, D)
+        self.v_big = torch.randn(B, Hkv, total, D, device=device, dtype=dtype)
+        self.k = [self.k_big[:, :, i * L:i * L + capacity] for i in range(n_views)]          # (B, Hkv, cap, D)
+        self.v = [self.v_big[:, :, i * L:i * L + capacity] for i in range(n_views)]
+        self.lens = torch.full((B,), L, device=device, dtype=torch.int32)
+        self.out = torch.empty_like(self.q)
+        self.nbytes = 2 * B * Hkv * L * D * self.q.element_size()
+        # the reference, with the cache past L (view 0) full of NaN while it is computed
+        self.poison(True)
+        k, v = self.k[0][:, :, :L].float(), self.v[0][:, :, :L].float()
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+        self.ref = F.scaled_dot_product_attention(self.q.float(), k, v)                     # (B, H, 1, D)
+        self.sdpa_err = (self.sdpa(0).float() - self.ref).abs().max().item()
+        self.poison(False)  # the other views' valid prefixes overlap view 0's tail
+        self.bound = 2 * self.sdpa_err + (4e-3 if dtype != torch.float32 else 1e-5)
+
+    def poison(self, on: bool):
+        """Fill cache positions [L, capacity) of view 0 with NaN (on), or back with random values (off)."""
+        for big in (self.k_big, self.v_big):
+            tail = big[:, :, self.L:self.capacity]
+            if on:
+                tail.fill_(float("nan"))
+            else:
+                tail.normal_()
+
+    def sdpa(self, i):
+        kw = dict(enable_gqa=True) if self.group > 1 else {}
+        return self.F.scaled_dot_product_attention(self.q, self.k[i][:, :, :self.L], self.v[i][:, :, :self.L],
+                                                   **kw)
+
+    def error(self, result) -> float:
+        return (result.float() - self.ref).abs().max().item()
+
+    def check(self, fn) -> float:
+        """fn(0)'s max error with the cache tail poisoned; raises when over the bound (NaN included)."""
+        self.poison(True)
+        try:
+            err = self.error(fn(0))
+        finally:
+            self.poison(False)
+        if not err <= self.bound:
+            raise AssertionError(f"error {err:.3g} > bound {self.bound:.3g}")
+        return err
+
+
+def error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+class Run:
+    """One benchmark run: its settings, the kernels' module, timing, results, and their files."""
+
+    def __init__(self, args, argv):
+        import torch
+        import torch.nn.functional as F
+        import triton
+
+        import kernels.decode as decode
+        from kernels import options
+        self.args, self.torch, self.F, self.decode, self.options = args, torch, F, decode, options
+        if args.smoke:
+            self.device, self.dtype = torch.device("cpu"), torch.float32  # the interpreter's tl.dot: not bf16
+            batches, lens, self.H, self.Hkv, self.D = [1, 2], [64, 600], 2, 2, 16  # both sides of the unsplit limit
+            self.tiles, self.splits_grid, self.min_keys_grid = SMOKE_TILES, SMOKE_SPLITS, (64,)
+        else:
+            self.device, self.dtype = torch.device("cuda"), torch.bfloat16
+            batches, lens = [1, 16], [1024, 2048, 4096, 8192, 16384, 32768]
+            self.H, self.Hkv, self.D = args.heads, args.kv_heads, args.head_dim
+            self.tiles, self.splits_grid, self.min_keys_grid = SWEEP_TILES, SWEEP_SPLITS, SWEEP_MIN_KEYS
+        self.batches, self.lens = args.batches or batches, args.lens or lens
+        self.capacity = args.capacity or max(self.lens)
+        self.out_dir = Path(args.out) if args.out else ROOT / "bench" / "results"
+        self.stem = "decode_attention" + ("_smoke" if args.smoke else "")
+        self.t_start = time.time()
+        self.bench = Bench(torch, self.device, args.smoke)
+        cuda = self.bench.cuda
+        self.l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 64 << 20) if cuda \
+            else 1 << 16
+        self.elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.default = decode.default_tile(triton.next_power_of_2(self.D), self.elem, self.H // self.Hkv)
+        self.min_keys = options.get().decode_min_keys_per_split
+        self.meta = dict(
+            command="python " + " ".join(["bench/decode_attention.py", *(sys.argv[1:] if argv is None else argv)]),
+            date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
+            device=torch.cuda.get_device_name(self.device) if cuda else f"CPU interpreter ({platform.machine()})",
+            torch=torch.__version__, triton=triton.__version__, dtype=str(self.dtype).replace("torch.", ""), Nq=1,
+            H=self.H, Hkv=self.Hkv, D=self.D, capacity=self.capacity, l2_bytes=self.l2, default_tile=str(self.default),
+            min_keys_per_split=self.min_keys, single_split_max_len=decode.SINGLE_SPLIT_MAX_LEN,
+            timing=("graph: CUDA-graph replays of back-to-back calls over rotating cache copies (median of 10); "
+                    "eager: median of 3 do_bench medians" if cuda else "perf_counter medians (smoke)"),
+            correctness_failures=[], skipped=[])
+        self.rows, self.sweep = [], []
+
+    def late(self) -> bool:
+        return self.args.deadline_s is not None and time.time() - self.t_start > self.args.deadline_s
+
+    def write(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        d, stem = self.out_dir, self.stem
+        write_atomic(d / f"{stem}.json", json.dumps(dict(meta=self.meta, rows=self.rows), indent=2) + "\n")
+        write_atomic(d / f"{stem}.md", render_markdown(self.meta, self.rows))
+        if self.args.sweep:
+            write_atomic(d / f"{stem}_sweep.json", json.dumps(dict(meta=self.meta, shapes=self.sweep), indent=2) + "\n")
+            write_atomic(d / f"{stem}_sweep.md", render_sweep(self.meta, self.sweep))
+
+    def measure(self, shape, fn, est_us=None) -> dict:
+        """Eager and graph timing of fn(view); graph only (eager off CUDA) when est_us is given (the sweep)."""
+        m = {}
+        if est_us is None or not self.bench.cuda:
+            m["eager"] = self.bench.eager_us(lambda: fn(0))
+            est_us = m["eager"]["median"]
+        m["graph"] = self.bench.graph_us(fn, shape.n_views, est_us)
+        return m
+
+    def all_shapes(self) -> None:
+        """The table at every shape, then (--sweep) the sweep at every shape: a deadline cuts the sweep first."""
+        for sweep in (False, True) if self.args.sweep else (False,):
+            for B in self.batches:
+                for L in self.lens:
+                    if self.late():
+                        self.meta["skipped"].append(f"{'sweep ' if sweep else ''}B={B} L={L}: deadline reached")
+                        continue
+                    shape = self.shape(B, L)
+                    if sweep:
+                        row = next((r for r in self.rows if r["B"] == B and r["L"] == L), {"providers": {}})
+                        self.sweep.append(self.sweep_shape(shape, row))
+                        self.write()
+                    else:
+                        self.one_shape(shape)
+                    del shape
+                    if self.bench.cuda:
+                        self.torch.cuda.empty_cache()
+
+    def shape(self, B: int, L: int) -> Shape:
+        n_views = rotation_count(2 * B * self.Hkv * L * self.D * self.elem, self.l2) if self.bench.cuda else 1
+        return Shape(self.torch, self.F, self.device, self.dtype, B, self.H, self.Hkv, self.D, L, self.capacity,
+                     n_views)
+
+    def one_shape(self, shape) -> None:
+        torch, dec, Hkv, D = self.torch, self.decode, self.Hkv, self.D
+        B, L, n_views = shape.B, shape.L, shape.n_views
+        grid_splits = dec.auto_num_splits(B * Hkv, self.capacity, self.device)
+        used = dec.plan_splits(L, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, self.default.block_n)[1] \
+            if grid_splits > 1 else 1
+        n_el = shape.nbytes // self.elem
+        copy_src = torch.empty(n_views * n_el, device=self.device, dtype=self.dtype)  # (views * n_el,)
+        copy_dst = torch.empty(n_el, device=self.device, dtype=self.dtype)
+        q, lens, out = shape.q, shape.lens, shape.out
+        providers = {
+            "split": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out, check_lens=False),
+            "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
+                                                        check_lens=False),
+            "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,
+                                                      check_lens=False),
+            "sdpa": shape.sdpa,
+            "copy": lambda i: copy_dst.copy_(copy_src[i * n_el:(i + 1) * n_el]),
+        }
+        row = dict(B=B, H=self.H, Hkv=Hkv, D=D, L=L, capacity=self.capacity, rotation=n_views,
+                   grid_splits=grid_splits, fit_splits=dec.auto_num_splits(B * Hkv, L, self.device), used_splits=used,
+                   nbytes=shape.nbytes, sdpa_err=shape.sdpa_err, providers={})
+        for name, fn in providers.items():
+            try:
+                if name != "copy":
+                    row["providers"][name] = dict(max_err=shape.check(fn))
+                m = self.measure(shape, fn)
+                if name in ("split", "split-fit", "nosplit"):  # the timed launches computed the right thing too
+                    err = shape.error(fn(0))
+                    if not err <= shape.bound:
+                        raise AssertionError(f"after timing: error {err:.3g} > bound {shape.bound:.3g}")
+                row["providers"].setdefault(name, {}).update(m)
+            except Exception as e:  # noqa: BLE001 - one provider's failure is reported, not fatal
+                row["providers"][name] = dict(error=error_line(e))
+                self.meta["correctness_failures"].append(f"B={B} L={L} {name}: {error_line(e)}")
+                if not self.bench.alive():
+                    raise ContextLost(error_line(e)) from e
+        add_rates(row)
+        self.rows.append(row)
+        print(one_line(row), flush=True)
+        self.write()
+
+    def sweep_shape(self, shape, row) -> dict:
+        """--sweep at one shape: every tile with the auto split count, the best two and the default over explicit
+        split counts, and the auto count under other min-keys options. µs per candidate, or its error."""
+        res = dict(B=shape.B, L=shape.L, candidates=[])
+        est = ((row["providers"].get("split") or {}).get("graph") or {}).get("median", 50.0)
+        dec = self.decode
+
+        def run(tile, num_splits, min_keys=None) -> dict:
+            cand = dict(tile=str(tile), splits="auto" if num_splits is None else num_splits, min_keys=min_keys)
+            res["candidates"].append(cand)
+            if self.late():
+                cand["error"] = "skipped: deadline reached"
+                return cand
+
+            def fn(i):
+                return dec.decode_attention(shape.q, shape.k[i], shape.v[i], shape.lens, out=shape.out,
+                                            check_lens=False, num_splits=num_splits, tile=tile)
+            try:
+                with self.options.use(**({} if min_keys is None else dict(decode_min_keys_per_split=min_keys))):
+                    cand["max_err"] = shape.check(fn)
+                    m = self.measure(shape, fn, est_us=est)
+                cand["us"] = (m["graph"] or m["eager"])["median"]
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot run is recorded and skipped
+                cand["error"] = error_line(e)
+                if not self.bench.alive():
+                    raise ContextLost(cand["error"]) from e
+            return cand
+
+        tiles = [dec.DecodeTile(*t) for t in self.tiles if t[3] or shape.group == 1]
+        if self.default not in tiles:
+            tiles.insert(0, self.default)
+        stage1 = [run(t, None) for t in tiles]
+        fastest = [c["tile"] for c in sorted((c for c in stage1 if "us" in c), key=lambda c: c["us"])[:2]]
+        for t in dict.fromkeys([self.default, *(t for t in tiles if str(t) in fastest)]):
+            for s in candidate_splits(shape.L, t.block_n, self.splits_grid):
+                run(t, s)
+        for mk in self.min_keys_grid:
+            run(self.default, None, mk)
+        ok = [c for c in res["candidates"] if "us" in c]
+        base = next((c for c in stage1 if c["tile"] == str(self.default) and "us" in c), None)
+        if ok:
+            res["best"] = min(ok, key=lambda c: c["us"])
+            res["default_us"] = base["us"] if base else None
+            res["default_over_best"] = round(base["us"] / res["best"]["us"], 3) if base else None
+            b = res["best"]
+            print(f"  sweep B={shape.B} L={shape.L}: best {b['tile']} splits={b['splits']} {b['us']:.2f} µs; "
+                  f"default {res['default_us']} µs; {len(ok)} of {len(res['candidates'])} candidates ran", flush=True)
+        return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before kernels.decode is imported (Triton decorates then)
+    sys.path.insert(0, str(ROOT))
+    import torch
+    if not args.smoke and not torch.cuda.is_available():
+        print("error: the benchmark needs a CUDA GPU (use --smoke on CPU)", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
-
-    rows, failures = [], []
-    for B in batches:
-        for L in lens:
-            q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
-            k = torch.randn(B, H, capacity, D, device=device, dtype=dtype)
-            v = torch.randn(B, H, capacity, D, device=device, dtype=dtype)
-            k[:, :, L:], v[:, :, L:] = float("nan"), float("nan")  # garbage past the valid length
-            cache_lens = torch.full((B,), L, device=device, dtype=torch.int32)
-            out = torch.empty_like(q)
-            splits = auto_num_splits(B * H, capacity, device)
-            providers = {
-                "split": lambda: decode_attention(q, k, v, cache_lens, out=out, check_lens=False),
-                "nosplit": lambda: decode_attention(q, k, v, cache_lens, num_splits=1, out=out, check_lens=False),
-                "sdpa": lambda: F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L]),
-            }
-            # Correctness first: each provider vs float32 SDPA on the valid prefix.
-            ref = F.scaled_dot_product_attention(q.float(), k[:, :, :L].float(), v[:, :, :L].float())
-            errs = {name: (fn().float() - ref).abs().max().item() for name, fn in providers.items()}
-            bound = 2 * errs["sdpa"] + (4e-3 if dtype != torch.float32 else 1e-5)
-            for name in ("split", "nosplit"):
-                if not errs[name] <= bound:  # also catches NaN
-                    failures.append(f"B={B} L={L} {name}: error {errs[name]:.3g} > {bound:.3g}")
-            us = {name: time_us(fn) for name, fn in providers.items()}
-            nbytes = 2 * B * H * L * D * q.element_size()
-            row = dict(B=B, H=H, D=D, L=L, capacity=capacity, num_splits=splits,
-                       **{f"{n}_us": round(t, 2) for n, t in us.items()},
-                       **{f"{n}_GBps": round(nbytes / (t * 1e-6) / 1e9, 1) for n, t in us.items()},
-                       **{f"{n}_max_err": e for n, e in errs.items()},
-                       speedup_vs_nosplit=round(us["nosplit"] / us["split"], 2),
-                       speedup_vs_sdpa=round(us["sdpa"] / us["split"], 2))
-            rows.append(row)
-            print(f"B={B:3d} L={L:6d} splits={splits:3d}  split {us['split']:9.1f} µs  nosplit "
-                  f"{us['nosplit']:9.1f} µs  sdpa {us['sdpa']:9.1f} µs  ->  {row['speedup_vs_nosplit']:.2f}x "
-                  f"vs nosplit, {row['speedup_vs_sdpa']:.2f}x vs sdpa", flush=True)
-            del q, k, v, out
-
-    meta = dict(
-        command="python " + " ".join([f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-        date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=ARGS.smoke,
-        device=torch.cuda.get_device_name() if device.type == "cuda" else f"CPU interpreter ({platform.machine()})",
-        torch=torch.__version__, triton=triton.__version__, dtype=str(dtype).replace("torch.", ""), Nq=1,
-        timing="triton.testing.do_bench median" if device.type == "cuda" else "perf_counter median (smoke)",
-        note="decode calls use check_lens=False; GB/s = bytes of K and V read (2*B*H*L*D*bytes) / time",
-        correctness_failures=failures)
-    target = [dict(B=r["B"], speedup=r["speedup_vs_nosplit"], met=r["speedup_vs_nosplit"] >= TARGET_SPEEDUP)
-              for r in rows if r["L"] == TARGET_LEN]
-    meta["target"] = dict(rule=f"split >= {TARGET_SPEEDUP}x nosplit at L={TARGET_LEN}", results=target)
-    table = render_markdown(meta, rows)
-    print("\n" + table)
-
-    name = "decode_attention_smoke" if ARGS.smoke else "decode_attention"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    (out_dir / f"{name}.md").write_text(table)
-    print(f"wrote {out_dir / name}.json and .md")
+    run = Run(args, argv)
+    lost = None
+    try:
+        with torch.no_grad():
+            run.all_shapes()
+    except ContextLost as e:  # keep what was measured, then stop with one line
+        lost = str(e)
+        run.meta["skipped"].append(f"everything after a CUDA error that ends the context: {lost}")
+    run.meta["wall_s"] = round(time.time() - run.t_start, 1)
+    run.meta["target"] = targets(run.rows)
+    run.write()
+    print("\n" + render_markdown(run.meta, run.rows))
+    if args.sweep:
+        print(render_sweep(run.meta, run.sweep))
+    print(f"wrote {run.out_dir / run.stem}.json and .md" + (" (and _sweep.json/.md)" if args.sweep else ""))
+    if lost:
+        print(f"error: the CUDA context was lost ({lost}); the results stop there", file=sys.stderr)
+        return 1
+    failures = [f for f in run.meta["correctness_failures"] if "AssertionError" in f]
     if failures:
         print("CORRECTNESS FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     return 0
 
 
+def add_rates(row) -> None:
+    """GB/s per provider (graph and eager) and the ratios the report shows."""
+    for name, m in row["providers"].items():
+        for mode in ("graph", "eager"):
+            t = (m.get(mode) or {}).get("median")
+            if t:
+                moved = 2 * row["nbytes"] if name == "copy" else row["nbytes"]  # a copy reads and writes
+                m[f"{mode}_GBps"] = round(moved / (t * 1e-6) / 1e9, 1)
+    p = row["providers"]
+    for mode in ("graph", "eager"):
+        s, d, c = (p.get(n, {}).get(mode) or {} for n in ("split", "sdpa", "copy"))
+        row[f"{mode}_split_vs_sdpa"] = round(d["median"] / s["median"], 3) if s and d else None
+        cg, sg = p.get("copy", {}).get(f"{mode}_GBps"), p.get("split", {}).get(f"{mode}_GBps")
+        row[f"{mode}_split_of_copy"] = round(sg / cg, 3) if sg and cg else None
+
+
+def targets(rows) -> dict:
+    """The targets, per timing mode: split >= SDPA at every (B, L), and >= 75% of the copy's GB/s at 32k."""
+    out = {}
+    for mode in ("graph", "eager"):
+        vs = [(r["B"], r["L"], r.get(f"{mode}_split_vs_sdpa")) for r in rows]
+        cp = [(r["B"], r.get(f"{mode}_split_of_copy")) for r in rows if r["L"] == TARGET_LEN]
+        out[mode] = dict(
+            vs_sdpa=dict(rule=f"split >= {TARGET_VS_SDPA}x SDPA at every length",
+                         met=bool(vs) and all(x is not None and x >= TARGET_VS_SDPA for _, _, x in vs),
+                         misses=[f"B={b} L={L}: {x}" for b, L, x in vs if x is None or x < TARGET_VS_SDPA]),
+            copy=dict(rule=f"split >= {TARGET_COPY_FRACTION:.0%} of the copy's GB/s at L={TARGET_LEN}",
+                      results=[dict(B=b, fraction=x, met=x is not None and x >= TARGET_COPY_FRACTION)
+                               for b, x in cp]))
+    return out
+
+
+def _t(m, mode):
+    t = (m.get(mode) or {}).get("median") if m else None
+    return "—" if t is None else f"{t:.1f}"
+
+
+def one_line(row) -> str:
+    p = row["providers"]
+    cells = "  ".join(f"{n} {_t(p.get(n), 'graph')}/{_t(p.get(n), 'eager')}" for n in p)
+    return (f"B={row['B']:3d} L={row['L']:6d} splits grid {row['grid_splits']:3d} used {row['used_splits']:3d}  "
+            f"µs graph/eager: {cells}  split/sdpa graph {row['graph_split_vs_sdpa']} "
+            f"eager {row['eager_split_vs_sdpa']}"
+            f"  of copy {row['graph_split_of_copy']}")
+
+
 def render_markdown(meta, rows) -> str:
-    lines = [f"# Decode attention: split-KV vs non-split vs SDPA ({meta['dtype']}, Nq=1)", "",
+    names = ["split", "split-fit", "nosplit", "sdpa", "copy"]
+    lines = [f"# Decode attention: split-KV vs SDPA vs a copy ({meta['dtype']}, Nq=1, H={meta['H']}, "
+             f"Hkv={meta['Hkv']}, D={meta['D']}, cache capacity {meta['capacity']})", "",
              f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
-             f"{meta['date']}; {meta['timing']}; {meta['note']}.", "",
-             "| B | cache len | splits | split µs | nosplit µs | sdpa µs | split GB/s | nosplit GB/s | sdpa GB/s "
-             "| split vs nosplit | split vs sdpa |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{meta['date']}; {meta['timing']}. Default tile {meta['default_tile']}, min keys per split "
+             f"{meta['min_keys_per_split']}; GB/s = bytes of K and V read (the copy: read + written).", "",
+             "µs per call, graph (the GPU's time; eager in the second table):", "",
+             "| B | cache len | splits grid / used | " + " | ".join(names)
+             + " | split GB/s | sdpa GB/s | copy GB/s | split of copy | split vs sdpa |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- | --- | --- |"]
+
+    def gb(r, n, mode):
+        x = r["providers"].get(n, {}).get(f"{mode}_GBps")
+        return "—" if x is None else f"{x:.0f}"
+
+    def ratio(x, pct=False):
+        return "—" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}x")
     for r in rows:
-        lines.append(f"| {r['B']} | {r['L']} | {r['num_splits']} | {r['split_us']:.1f} | {r['nosplit_us']:.1f} "
-                     f"| {r['sdpa_us']:.1f} | {r['split_GBps']:.0f} | {r['nosplit_GBps']:.0f} | {r['sdpa_GBps']:.0f} "
-                     f"| {r['speedup_vs_nosplit']:.2f}x | {r['speedup_vs_sdpa']:.2f}x |")
+        lines.append(f"| {r['B']} | {r['L']} | {r['grid_splits']} / {r['used_splits']} | "
+                     + " | ".join(_t(r["providers"].get(n), "graph") for n in names)
+                     + f" | {gb(r, 'split', 'graph')} | {gb(r, 'sdpa', 'graph')} | {gb(r, 'copy', 'graph')} | "
+                     f"{ratio(r['graph_split_of_copy'], True)} | {ratio(r['graph_split_vs_sdpa'])} |")
+    lines += ["", "µs per call, eager (host launch time included where it exceeds do_bench's L2 flush):", "",
+              "| B | cache len | " + " | ".join(names) + " | split vs sdpa |",
+              "| --- | --- | " + " | ".join("---" for _ in names) + " | --- |"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['L']} | " + " | ".join(_t(r["providers"].get(n), "eager") for n in names)
+                     + f" | {ratio(r['eager_split_vs_sdpa'])} |")
     lines.append("")
-    t = meta["target"]
-    if t["results"]:
-        lines.append(f"Target ({t['rule']}): " + ", ".join(
-            f"B={x['B']}: {x['speedup']:.2f}x {'met' if x['met'] else 'NOT met'}" for x in t["results"]))
+    for mode, t in meta.get("target", {}).items():
+        v, c = t["vs_sdpa"], t["copy"]
+        lines.append(f"Targets ({mode}): {v['rule']}: {'met' if v['met'] else 'NOT met'}"
+                     + (f" (misses: {'; '.join(v['misses'])})" if v["misses"] else "") + f"; {c['rule']}: "
+                     + (", ".join(f"B={x['B']}: {ratio(x['fraction'], True)} {'met' if x['met'] else 'NOT met'}"
+                                  for x in c["results"]) or "not measured") + ".")
     if meta["correctness_failures"]:
-        lines.append("Correctness failures: " + "; ".join(meta["correctness_failures"]))
+        lines.append("Failures: " + "; ".join(meta["correctness_failures"]))
     else:
-        lines.append("Correctness: every provider within 2x SDPA's error (+ floor) of a float32 SDPA reference.")
+        lines.append("Correctness: every provider within 2x SDPA's error (+ floor) of a float32 SDPA reference, "
+                     "with the cache past the valid length full of NaN; the decode kernels again after timing.")
+    if meta["skipped"]:
+        lines.append("Not measured: " + "; ".join(meta["skipped"]))
+    return "\n".join(lines) + "\n"
+
+
+def render_sweep(meta, shapes) -> str:
+    lines = [f"# Decode attention sweep ({meta['dtype']}, H={meta['H']}, Hkv={meta['Hkv']}, D={meta['D']}, "
+             f"capacity {meta['capacity']})", "",
+             f"`{meta['command']}` — {meta['device']}, {meta['date']}. µs per call (graph timing); tiles are "
+             "`n<BLOCK_N> w<warps> s<stages> dot|vec`; splits `auto` = the automatic count (min keys per split "
+             f"{meta['min_keys_per_split']} unless noted). Default: {meta['default_tile']}, auto.", "",
+             "| B | cache len | best tile | best splits | best µs | default µs | default / best | candidates "
+             "(ok / failed) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in shapes:
+        ok = [c for c in s["candidates"] if "us" in c]
+        bad = [c for c in s["candidates"] if "error" in c]
+        b = s.get("best")
+        if b:
+            splits = f"{b['splits']}" + ("" if b.get("min_keys") is None else f" (min keys {b['min_keys']})")
+            default_us = "—" if s.get("default_us") is None else f"{s['default_us']:.2f}"
+            cells = f"{b['tile']} | {splits} | {b['us']:.2f} | {default_us} | {s.get('default_over_best') or '—'}"
+        else:
+            cells = "— | — | — | — | —"
+        lines.append(f"| {s['B']} | {s['L']} | {cells} | {len(ok)} / {len(bad)} |")
+    lines += ["", "Every candidate (µs; an error instead where it failed):", ""]
+    for s in shapes:
+        lines.append(f"- B={s['B']} L={s['L']}: " + ", ".join(
+            f"{c['tile']} {c['splits']}{'' if c.get('min_keys') is None else '/mk' + str(c['min_keys'])}: "
+            + (f"{c['us']:.2f}" if "us" in c else c.get("error", "?")) for c in s["candidates"]))
     return "\n".join(lines) + "\n"
 
 

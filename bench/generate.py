@@ -307,7 +307,7 @@ def weights_bytes(model) -> int:
 
 
 def kernel_sweep(out_dirs, smoke: bool) -> dict:
-    """bench/decode_attention.py, imported and run with its own arguments (it parses sys.argv at import)."""
+    """bench/decode_attention.py, imported and run with its own arguments (its main() reads sys.argv)."""
     argv = sys.argv
     sys.argv = ["bench/decode_attention.py", "--out", str(out_dirs[0])] + (["--smoke"] if smoke else [])
     try:

@@ -1,6 +1,7 @@
 """Split-KV decode attention (flash-decoding) in Triton: a few new query tokens against a static KV cache.
 
-    decode_attention(q, k_cache, v_cache, cache_lens, *, sm_scale=None, num_splits=None) -> (B, Hq, Nq, D)
+    decode_attention(q, k_cache, v_cache, cache_lens, *, sm_scale=None, num_splits=None, tile=None)
+        -> (B, Hq, Nq, D)
 
 Shapes:
     q        (B, Hq, Nq, D)        the Nq new tokens' queries (their keys/values are already in the cache)
@@ -18,24 +19,45 @@ Supported, and checked with a ValueError before any launch:
     heads       Hq a multiple of Hkv (MHA, GQA, MQA); one program handles all the query heads of a kv head
                 (up to 64 query rows = heads x tokens; more rows are split over several programs), so the
                 cache is read once per kv group
-    lengths     Nq <= cache_lens[b] <= max_len, may differ per sequence; any strides (views of a larger cache)
+    lengths     Nq <= cache_lens[b] <= max_len, may differ per sequence; any strides (views of a larger cache).
+                With check_lens=False nothing checks them; a length outside [0, max_len] is clamped into it on
+                the device, so the kernels never read outside the cache
     devices     CUDA; CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, for tests)
 Inference only: there is no backward, and inputs that require grad (with grad mode on) are refused.
 
-The scheme: the valid prefix of each sequence is cut into `num_splits` chunks (a multiple of BLOCK_N keys each)
-processed by separate programs, so that even batch 1 with a long cache fills the GPU. Each split writes its
-partial output O_s (normalised, fp32) and its log-sum-exp lse_s; a second kernel merges them:
+The scheme: the valid prefix of each sequence is cut into chunks (a multiple of BLOCK_N keys each) processed
+by separate programs, so that even batch 1 with a long cache fills the GPU. Each split writes its partial
+output O_s (normalised, fp32) and its log-sum-exp lse_s; a second kernel merges them:
     out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),   M = max_s lse_s
-A split that holds no visible key for a row (short sequence, or the causal edge) has lse_s = -inf, weight 0.
-`num_splits=None` picks a count from (B*Hkv, max_len, SM count, the decode_min_keys_per_split option);
-`num_splits=1` runs the plain non-split kernel, which writes the output directly (the benchmark's baseline).
+A row that sees no key of a split (the causal edge of Nq > 1 tokens) has lse_s = -inf there, weight 0.
+
+The grid holds `num_splits` split programs per (sequence, kv head, row block); the split count a sequence
+actually uses, and the chunk of each split, are computed ON THE DEVICE from its own cache_lens[b]
+(split_plan below, the same formula in both kernels), so a launch sized on the host for the longest possible
+cache stays right inside a CUDA graph whose lengths change at every replay:
+    num_splits=None  (auto) the grid from auto_num_splits(rows of work, length): `length` is the longest
+                     cache_lens when the host reads them (check_lens=True outside graph capture), else
+                     max_len. On the device a sequence uses min(grid, L // decode_min_keys_per_split) splits
+                     (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
+                     keys (chunks are rounded up to BLOCK_N; the last split holds the remainder).
+    num_splits=k     exactly k splits of ceil(L / k) keys each (rounded up to BLOCK_N; the last splits of a
+                     short sequence may then be empty)
+    num_splits=1     the plain non-split kernel, which writes the output directly (the benchmark's baseline)
+Splits a sequence does not use exit at once and write nothing; the merge reads only the used ones, and when
+a sequence uses one split, that split writes the output itself and the merge skips the row.
+
+Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile);
+dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of
+tensor-core dots, and applies only where one program holds one query row (group * Nq == 1).
 
 Checking cache_lens against [Nq, max_len] reads it back from the GPU (a sync); it is skipped while a CUDA graph
 is being captured, and `check_lens=False` skips it explicitly.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,21 +72,90 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
+PROGRAMS_PER_SM = 4   # the automatic split count aims at this many split programs per SM
+MERGE_TILE = 16       # splits the merge kernel reads per step
+
+
+# The host's integer helpers are plain Python: triton.cdiv and triton.next_power_of_2 cost microseconds per call,
+# and decode_attention runs once per layer and token.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """A launch config of the split kernel: keys per step, warps, software-pipeline stages, and whether the
+    two products run as tensor-core dots (dot=False: broadcast multiply + row sum, one query row only)."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dot: bool = True
+
+    def __post_init__(self):
+        ok = (self.block_n in (16, 32, 64, 128, 256) and self.num_warps in (1, 2, 4, 8, 16)
+              and 1 <= self.num_stages <= 8 and isinstance(self.dot, bool))
+        if not ok:
+            raise ValueError(f"bad decode tile {self}: block_n in 16..256 (a power of two), num_warps in "
+                             "1..16 (a power of two), 1 <= num_stages <= 8, dot a bool")
+
+    def __str__(self) -> str:
+        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} {'dot' if self.dot else 'vec'}"
+
+
+@functools.lru_cache(maxsize=None)
+def default_tile(block_d: int, elem_size: int, rows: int) -> DecodeTile:
+    """The split kernel's config for a padded head dim, an element size in bytes and the query rows per kv head.
+
+    64 keys per step (32 above a head dim of 128); three K/V tiles in flight, two when a tile row is wide
+    (fp32 or D > 128) to stay within shared memory.
+    """
+    del rows  # one table for every row count (dot products throughout)
+    return DecodeTile(block_n=64 if block_d <= 128 else 32, num_warps=4 if block_d <= 128 else 8,
+                      num_stages=3 if block_d * elem_size <= 256 else 2, dot=True)
+
+
+@triton.jit
+def split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N: tl.constexpr):
+    """(chunk, used) for a sequence of L valid keys: the keys per split (a multiple of BLOCK_N, at least one
+    block) and how many of the NUM_SPLITS splits hold any key (at least 1). Used splits: L <= UNSPLIT_MAX
+    gives one, otherwise min(NUM_SPLITS, L // MIN_CHUNK), at least one. The host's twin: plan_splits."""
+    n = tl.minimum(NUM_SPLITS, L // MIN_CHUNK)
+    n = tl.where(L <= UNSPLIT_MAX, 1, tl.maximum(n, 1))
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(L, n), BLOCK_N), 1) * BLOCK_N
+    used = tl.maximum(tl.cdiv(L, chunk), 1)
+    return chunk, used
+
+
+def plan_splits(L: int, num_splits: int, min_chunk: int, unsplit_max: int, block_n: int) -> tuple[int, int]:
+    """split_plan on the host (same integer arithmetic): (chunk, used) for L valid keys."""
+    n = 1 if L <= unsplit_max else max(min(num_splits, L // min_chunk), 1)
+    chunk = max(_cdiv(_cdiv(L, n), block_n), 1) * block_n
+    return chunk, max(_cdiv(L, chunk), 1)
 
 
 @triton.jit
 def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
-                  stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, PRECISION: tl.constexpr):
+                  stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N), of which those >= hi do not exist.
 
-    Scores are in log2 units (qk_scale includes log2(e)), so exp2 replaces exp.
+    K and V are loaded as (BLOCK_N, BLOCK_D) tiles, rows of D contiguous elements. Scores are in log2 units
+    (qk_scale includes log2(e)), so exp2 replaces exp. DOT=False: q holds one row (BLOCK_M == 1).
     """
     keys = start + offs_n                                                       # (BLOCK_N,)
     k_ok = keys < hi
-    kT = tl.load(K + keys[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                 mask=d_ok[:, None] & k_ok[None, :], other=0.0)                 # (BLOCK_D, BLOCK_N)
-    s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale                    # (BLOCK_M, BLOCK_N)
-    # causal, bottom-right; k_ok only matters for a split ending mid-block (the last: there keys >= L anyway)
+    kv_ok = k_ok[:, None] & d_ok[None, :]                                       # (BLOCK_N, BLOCK_D)
+    k = tl.load(K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    if DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                  # (BLOCK_M, BLOCK_N)
+    else:
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1)[None, :]            # (1, BLOCK_N)
+    s = s * qk_scale
+    # causal, bottom-right; k_ok only matters for a split ending mid-block
     visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))                                       # (BLOCK_M,)
@@ -72,31 +163,36 @@ def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok
     alpha = tl.exp2(m_i - m_ref)                                                # rescales the old l, acc
     p = tl.exp2(s - m_ref[:, None])                                             # (BLOCK_M, BLOCK_N)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=k_ok[:, None] & d_ok[None, :], other=0.0)                  # (BLOCK_N, BLOCK_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    v = tl.load(V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+    if DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)               # (BLOCK_M, BLOCK_D)
+    else:
+        pv = tl.sum(tl.sum(p, 0)[:, None] * v.to(tl.float32), 0)[None, :]      # (1, BLOCK_D)
+    acc = acc * alpha[:, None] + pv
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
 def _decode_split_kernel(
         Q, K, V, LENS, O_PART, LSE, OUT,
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_on, stride_od,
-        qk_scale, H_KV,
-        N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-        USE_GDC: tl.constexpr):
+        qk_scale, H_KV, MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
+        N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+        PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
 
     USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
     the previous one before reading anything (q, the cache and the lengths may all be its output).
 
     Row r of the GROUP * N_Q rows of a kv head is query head h_kv * GROUP + r // N_Q, new token r % N_Q.
-    NUM_SPLITS > 1: writes O_PART (B*Hq*N_Q, NUM_SPLITS, HEAD_DIM) fp32 and LSE (B*Hq*N_Q, NUM_SPLITS) fp32.
-    NUM_SPLITS == 1: writes the normalised result straight into OUT (B, Hq, N_Q, HEAD_DIM).
+    SPLIT: the split plan of each sequence comes from split_plan; a split beyond the used ones returns at once;
+    with one used split the output goes straight to OUT, otherwise O_PART (B*Hq*N_Q, NUM_SPLITS, HEAD_DIM)
+    fp32 and LSE (B*Hq*N_Q, NUM_SPLITS) fp32 receive the split's part. Not SPLIT: one program per row block
+    over the whole prefix, writing OUT (B, Hq, N_Q, HEAD_DIM).
     """
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -104,7 +200,13 @@ def _decode_split_kernel(
     split = tl.program_id(0)
     b = (tl.program_id(1) // H_KV).to(tl.int64)
     h_kv = (tl.program_id(1) % H_KV).to(tl.int64)
-    L = tl.load(LENS + b).to(tl.int32)                                          # valid cache length
+    L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)     # valid cache length
+    if SPLIT:
+        chunk, used = split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
+    else:
+        chunk, used = L, 1
+    if split >= used:
+        return  # nothing of this sequence falls in this split: the merge does not read it
 
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
     row_ok = rows < GROUP * N_Q
@@ -120,53 +222,68 @@ def _decode_split_kernel(
     K += b * stride_kb + h_kv * stride_kh
     V += b * stride_vb + h_kv * stride_vh
 
-    # This split's keys: [lo, hi), chunks a multiple of BLOCK_N; trailing splits of a short sequence are empty.
-    chunk = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, L)
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
     for start in range(lo, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
-                                      stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, PRECISION)
+                                      stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # rows with no key: 0
-    if NUM_SPLITS == 1:
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if used == 1:
         tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
-                 + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty), mask=out_mask)
     else:
         part = ((b * (H_KV * GROUP) + h_q) * N_Q + i_q) * NUM_SPLITS + split    # (BLOCK_M,) row of O_PART
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(LSE + part, lse, mask=row_ok)
-        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
 
 
-@triton.jit
-def _decode_merge_kernel(O_PART, LSE, OUT, H_Q, stride_ob, stride_oh, stride_on, stride_od,
-                         N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """grid = (B * Hq * N_Q,): merge one output row's NUM_SPLITS partials with their log-sum-exps."""
+@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
+def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stride_on, stride_od,
+                         MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
+                         N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                         TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
+    """grid = (B * Hq * N_Q,): merge one output row's used splits with their log-sum-exps.
+
+    The used count comes from the same split_plan as the split kernel's (BLOCK_N is the split kernel's); a
+    row whose sequence used one split was written by that split, and is left alone here.
+    """
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     b, h, i = row // (H_Q * N_Q), (row // N_Q) % H_Q, row % N_Q
+    L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)
+    chunk, used = split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
+    if used == 1:
+        return
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, TILE_S)
 
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(LSE + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))  # (BLOCK_S,)
-    m = tl.max(lse, 0)
+    m_t = tl.full([TILE_S], float("-inf"), tl.float32)                          # per-lane max of lse
+    for s0 in range(0, used, TILE_S):
+        lse_t = tl.load(LSE + row * NUM_SPLITS + s0 + offs_s, mask=s0 + offs_s < used, other=float("-inf"))
+        m_t = tl.maximum(m_t, lse_t)
+    m = tl.max(m_t, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m), 0)                                         # empty splits weigh 0
 
+    denom_t = tl.zeros([TILE_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, NUM_SPLITS, TILE_S):                                     # tiles keep registers bounded
-        offs_t = s0 + tl.arange(0, TILE_S)
-        lse_t = tl.load(LSE + row * NUM_SPLITS + offs_t, mask=offs_t < NUM_SPLITS, other=float("-inf"))
-        w = tl.exp2(lse_t - m)                                                  # (TILE_S,)
+    for s0 in range(0, used, TILE_S):
+        offs_t = s0 + offs_s
+        lse_t = tl.load(LSE + row * NUM_SPLITS + offs_t, mask=offs_t < used, other=float("-inf"))
+        w = tl.exp2(lse_t - m)                                                  # (TILE_S,) -inf: weight 0
         o = tl.load(O_PART + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=(lse_t > float("-inf"))[:, None] & d_ok[None, :], other=0.0)  # (TILE_S, BLOCK_D)
+        denom_t += w
         acc += tl.sum(w[:, None] * o, 0)
+    denom = tl.sum(denom_t, 0)
     out = acc / tl.where(denom == 0.0, 1.0, denom)
     tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_on + offs_d * stride_od,
              out.to(OUT.dtype.element_ty), mask=d_ok)
@@ -175,21 +292,23 @@ def _decode_merge_kernel(O_PART, LSE, OUT, H_Q, stride_ob, stride_oh, stride_on,
 _triton.check_decorated(_decode_split_kernel, _decode_merge_kernel)
 
 
-def auto_num_splits(n_programs: int, max_len: int, device: torch.device) -> int:
-    """Splits so that n_programs * splits ~ 4 programs per SM, never under the decode_min_keys_per_split option's
-    keys of max_len (kernels.options).
+def auto_num_splits(n_programs: int, length: int, device: torch.device) -> int:
+    """Grid splits for n_programs (sequence, kv head, row block) programs over caches of at most `length`
+    valid keys: enough to give each SM PROGRAMS_PER_SM split programs, never more than length //
+    decode_min_keys_per_split (kernels.options), one for length <= SINGLE_SPLIT_MAX_LEN.
 
-    Depends only on shapes and options (no GPU sync), so it is safe inside CUDA graphs.
+    Depends only on its arguments and the options (no GPU sync), so it is safe inside CUDA graphs.
     """
-    want = triton.cdiv(4 * _triton.sm_count(device), n_programs)
-    if max_len <= SINGLE_SPLIT_MAX_LEN:
+    if length <= SINGLE_SPLIT_MAX_LEN:
         return 1  # a short cache: the merge launch costs more than the split saves (bench/NOTES.md)
-    useful = triton.cdiv(max_len, _options.get().decode_min_keys_per_split)
+    want = _cdiv(PROGRAMS_PER_SM * _triton.sm_count(device), n_programs)
+    useful = length // _options.get().decode_min_keys_per_split
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens) -> None:
-    """Every ValueError the kernels could run into, raised before anything is launched."""
+def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -> int | None:
+    """Every ValueError the kernels could run into, raised before anything is launched. Returns the longest
+    cache length when it was read back (check_lens outside graph capture), else None."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_lens", cache_lens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -229,6 +348,9 @@ def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens) -> None
     if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    if tile is not None and (not isinstance(tile, DecodeTile) or (not tile.dot and (Hq // Hkv) * Nq != 1)):
+        raise ValueError(f"tile must be None or a DecodeTile, with dot=False only for one query row per kv head "
+                         f"(Hq/Hkv * Nq = {(Hq // Hkv) * Nq}), got {tile!r}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise ValueError("decode_attention is inference-only (no backward): call it under torch.no_grad()")
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -237,17 +359,55 @@ def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens) -> None
         if lo < Nq or hi > max_len:
             raise ValueError(f"cache_lens must lie in [Nq, max_len] = [{Nq}, {max_len}] (they include the new "
                              f"tokens), got values in [{lo}, {hi}]")
+        return hi
+    return None
+
+
+# Compiled split/merge kernels per launch signature, so that a repeated launch (every decode step of an eager
+# loop) calls Triton's launcher directly instead of JITFunction.run's per-call argument binding and cache-key
+# work. The key holds every runtime argument by value and each tensor's dtype and 16-byte alignment (what
+# Triton specialises on), so a hit always matches the variant compiled.
+_compiled: dict[tuple, object] = {}
+_COMPILED_MAX = 1024
+_direct_launch_ok = True  # switched off for the process if a direct launch ever raises
+
+
+def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, launch: dict) -> None:
+    """kernel[grid](*tensors, *scalars, **consts, **launch), through the compiled kernel's own launcher once
+    this signature has been launched before (CUDA, fast_launch option on)."""
+    global _direct_launch_ok
+    direct = (_direct_launch_ok and not _triton.INTERPRET and _options.get().fast_launch
+              and tensors[0].device.type == "cuda")
+    if not direct:
+        kernel[grid](*tensors, *scalars, **consts, **launch)
+        return
+    key = (id(kernel), tensors[0].device.index, *scalars,
+           *consts.values(), *launch.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+    compiled = _compiled.get(key)
+    if compiled is not None:
+        try:
+            compiled[grid](*tensors, *scalars, *consts.values())
+            return
+        except Exception:  # noqa: BLE001 - an unexpected launcher API: launch through Triton from now on
+            _direct_launch_ok = False
+    compiled = kernel[grid](*tensors, *scalars, **consts, **launch)
+    if _direct_launch_ok and hasattr(compiled, "run") and list(kernel.arg_names) == [
+            *kernel.arg_names[:len(tensors) + len(scalars)], *consts]:
+        if len(_compiled) >= _COMPILED_MAX:
+            _compiled.clear()
+        _compiled[key] = compiled
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                      *, sm_scale: float | None = None, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, check_lens: bool = True) -> torch.Tensor:
+                     out: torch.Tensor | None = None, check_lens: bool = True,
+                     tile: DecodeTile | None = None) -> torch.Tensor:
     """Causal attention of q's Nq new tokens to each sequence's valid cache prefix. Returns (B, Hq, Nq, D).
 
     See the module docstring for what is supported. `out` (optional) receives the result; `check_lens=False`
-    skips reading cache_lens back to validate it (a GPU sync).
+    skips reading cache_lens back to validate it (a GPU sync); `tile` overrides the split kernel's config.
     """
-    _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens)
+    longest = _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile)
     B, Hq, Nq, D = q.shape
     Hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -255,16 +415,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = _triton.empty(q.shape, q.dtype, q.device)  # contiguous
 
-    BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_M = min(max(16, triton.next_power_of_2(group * Nq)), MAX_ROWS)  # tl.dot needs >= 16 rows
-    BLOCK_N = 64 if BLOCK_D <= 128 else 32
-    row_blocks = triton.cdiv(group * Nq, BLOCK_M)
-    if num_splits is None:
-        num_splits = auto_num_splits(B * Hkv * row_blocks, max_len, q.device)
+    BLOCK_D = _next_pow2(D)
+    if tile is None:
+        tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
+    BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
+    row_blocks = _cdiv(group * Nq, BLOCK_M)
+    if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
+        num_splits = auto_num_splits(B * Hkv * row_blocks, max_len if longest is None else longest, q.device)
+        min_chunk, unsplit_max = _options.get().decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
+    else:  # exactly num_splits chunks per sequence
+        min_chunk, unsplit_max = 1, 0
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    # Three K/V tiles in flight, two when a tile row is wide (fp32 or D > 128) to stay within shared memory.
-    launch = dict(num_warps=4 if BLOCK_D <= 128 else 8, num_stages=3 if BLOCK_D * q.element_size() <= 256 else 2)
     pdl = pdl_enabled(q.device)
+    launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
 
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
@@ -272,19 +435,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = _triton.empty((B * Hq * Nq, num_splits, D), torch.float32, q.device)
         lse = _triton.empty((B * Hq * Nq, num_splits), torch.float32, q.device)
     with _triton.device_guard(q):
-        _decode_split_kernel[(num_splits, B * Hkv, row_blocks)](
-            q, k_cache, v_cache, cache_lens, o_part, lse, out,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-            scale * _triton.LOG2E, Hkv,
-            N_Q=Nq, GROUP=group, HEAD_DIM=D, NUM_SPLITS=num_splits,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision, USE_GDC=pdl,
-            **launch, **(dict(launch_pdl=True) if pdl else {}))
+        _launch(_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
+                (q, k_cache, v_cache, cache_lens, o_part, lse, out),
+                (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+                 scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
+                dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
+                     BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl), launch)
         if num_splits > 1:
-            _decode_merge_kernel[(B * Hq * Nq,)](
-                o_part, lse, out, Hq, *out.stride(),
-                N_Q=Nq, HEAD_DIM=D, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-                TILE_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_D=BLOCK_D, num_warps=4)
+            _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
+                    (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),
+                    dict(N_Q=Nq, HEAD_DIM=D, BLOCK_N=tile.block_n, TILE_S=MERGE_TILE, BLOCK_D=BLOCK_D, USE_GDC=pdl),
+                    dict(num_warps=4, **(dict(launch_pdl=True) if pdl else {})))
     return out
 
 
-__all__ = ["decode_attention", "auto_num_splits", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "auto_num_splits", "plan_splits", "DecodeTile", "default_tile", "MAX_NQ",
+           "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

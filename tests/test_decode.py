@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.decode is imported (triton decorates then)
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -193,8 +194,134 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
-    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--sweep", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "split" in r.stdout and (tmp_path / "decode_attention_smoke.json").exists()
     assert (tmp_path / "decode_attention_smoke.md").exists()
+    data = json.loads((tmp_path / "decode_attention_smoke.json").read_text())
+    assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
+    for row in data["rows"]:  # every provider checked and timed
+        assert set(row["providers"]) == {"split", "split-fit", "nosplit", "sdpa", "copy"}
+        assert all("eager" in m for m in row["providers"].values()), row
+    sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
+    assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
+    assert all("error" not in c for s in sweep for c in s["candidates"]), sweep
+
+
+# ------------------------------------------------------------------ the split plan each sequence makes on the device
+
+@pytest.fixture
+def workspaces(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN; yields the list of them, in allocation order."""
+    made = []
+
+    def poisoned_empty(shape, dtype, device):
+        t = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        made.append(t)
+        return t
+    monkeypatch.setattr(kt, "empty", poisoned_empty)
+    return made
+
+
+def used_splits(L, grid, min_keys, block_n):
+    from kernels.decode import SINGLE_SPLIT_MAX_LEN, plan_splits
+    return plan_splits(L, grid, min_keys, SINGLE_SPLIT_MAX_LEN, block_n)[1]
+
+
+# one split (<= 512 keys, length 1 included) and several, lengths not multiples of BLOCK_N (64); a grid of 16
+# splits sized for the capacity leaves most of them empty for every sequence
+LENS_PLAN = [1, 65, 513, 700, 1000, 1999]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_auto_plan_from_each_length_on_the_device(group, dtype, monkeypatch, workspaces):
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)  # a GPU's worth of SMs: the grid gets 16 splits
+    q, k, v, lens = make_case(len(LENS_PLAN), 2 * group, 2, 1, 32, LENS_PLAN, max_len=2048, dtype=dtype, seed=group)
+    with options.use(decode_min_keys_per_split=128):
+        check(q, k, v, lens, dtype, check_lens=False)  # the host does not know the lengths: grid from max_len
+    o_part, lse = workspaces[-2:]                       # the parts (run_decode passes its own out)
+    grid = lse.shape[1]
+    assert grid == 16 and o_part.shape[1] == grid
+    lse = lse.view(len(LENS_PLAN), 2 * group, grid)     # (B, Hq, splits)
+    for b, L in enumerate(LENS_PLAN):
+        used = used_splits(L, grid, 128, 64)
+        written = torch.isfinite(lse[b])                # a used split of a multi-split sequence: finite lse
+        if used == 1:                                   # written straight to the output, no parts at all
+            assert not written.any() and torch.isnan(lse[b]).all(), (L, lse[b])
+        else:
+            assert written[:, :used].all() and torch.isnan(lse[b, :, used:]).all(), (L, used, lse[b])
+
+
+def test_auto_plan_with_several_tokens_and_the_causal_edge(workspaces, monkeypatch):
+    # 4 new tokens x 3 heads per kv head: the last used split of a sequence may hold keys only the later tokens see
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)
+    lens = [4, 520, 777, 1030]
+    q, k, v, lens_t = make_case(len(lens), 6, 2, 4, 48, lens, max_len=1100, dtype=torch.float32, seed=11)
+    with options.use(decode_min_keys_per_split=64):
+        check(q, k, v, lens_t, torch.float32, check_lens=False)
+
+
+def test_check_lens_sizes_the_grid_for_the_longest_real_length(workspaces, monkeypatch):
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)
+    q, k, v, lens = make_case(1, 2, 2, 1, 32, [600], max_len=4096, dtype=torch.float32, seed=2)
+    check(q, k, v, lens, torch.float32)                 # check_lens=True reads 600 back: 600 // 256 = 2 splits
+    assert workspaces[-1].shape[1] == auto_num_splits(2, 600, DEVICE) == 2
+    check(q, k, v, lens, torch.float32, check_lens=False)  # max_len: 4096 // 256 = 16 in the grid, 2 used
+    assert workspaces[-1].shape[1] == auto_num_splits(2, 4096, DEVICE) == 16
+
+
+def test_lengths_outside_the_cache_are_clamped_without_a_check():
+    # check_lens=False reads nothing back: a length above max_len reads max_len keys, a negative one none
+    q, k, v, _ = make_case(2, 2, 2, 1, 32, [64, 64], max_len=64, dtype=torch.float32, seed=4)
+    out = run_decode(q, k, v, torch.tensor([500, -3], dtype=torch.int32, device=DEVICE), check_lens=False,
+                     num_splits=3)
+    ref = reference(q[:1], k[:1], v[:1], torch.tensor([64]))
+    torch.testing.assert_close(out[:1].double(), ref, atol=1e-5, rtol=1e-5)
+    assert (out[1] == 0).all()
+
+
+def test_plan_splits_covers_each_length_in_blocks():
+    from kernels.decode import plan_splits
+    for L in [0, 1, 2, 63, 64, 65, 511, 512, 513, 1000, 4095, 32768, 100_000]:
+        for grid, min_chunk, unsplit, bn in [(44, 256, 512, 64), (3, 256, 512, 32), (8, 1, 0, 64), (256, 1, 0, 16)]:
+            chunk, used = plan_splits(L, grid, min_chunk, unsplit, bn)
+            assert chunk % bn == 0 and chunk >= bn and 1 <= used <= grid
+            assert used * chunk >= L and (used - 1) * chunk < max(L, 1)  # every key once, no empty used split
+            if L <= unsplit:
+                assert used == 1
+            elif min_chunk > 1 and used > 1:
+                assert L // used >= min_chunk - bn  # never much finer than the option asks (rounding aside)
+
+
+@pytest.mark.parametrize("tile", [(16, 4, 1, True), (32, 2, 2, True), (128, 4, 2, True), (16, 4, 1, False),
+                                  (64, 2, 1, False), (128, 8, 1, False)], ids=str)
+@pytest.mark.parametrize("num_splits", [None, 1, 5], ids=["auto", "nosplit", "split5"])
+def test_tile_configs(tile, num_splits, workspaces, monkeypatch):
+    from kernels.decode import DecodeTile
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)
+    lens = [1, 100, 700]
+    q, k, v, lens_t = make_case(len(lens), 3, 3, 1, 48, lens, max_len=768, dtype=torch.float16, seed=tile[0])
+    with options.use(decode_min_keys_per_split=128):
+        check(q, k, v, lens_t, torch.float16, num_splits=num_splits, tile=DecodeTile(*tile), check_lens=False)
+
+
+def test_vector_tile_needs_one_row_per_kv_head():
+    from kernels.decode import DecodeTile
+    q, k, v, lens = make_case(1, 4, 2, 1, 32, [40], max_len=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dot=False only for one query row"):
+        decode_attention(q, k, v, lens, tile=DecodeTile(64, 4, 1, dot=False))
+    with pytest.raises(ValueError, match="bad decode tile"):
+        DecodeTile(48, 4, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches are the compiled kernels' (CUDA) path")
+def test_repeated_launch_goes_through_the_cached_launcher():
+    import kernels.decode as dec
+    dec._compiled.clear()
+    q, k, v, lens = make_case(2, 4, 2, 1, 64, [700, 3000], max_len=4096, dtype=torch.bfloat16, seed=8)
+    first = run_decode(q, k, v, lens, check_lens=False).clone()
+    assert len(dec._compiled) == 2 and dec._direct_launch_ok  # the split and the merge kernel
+    again = run_decode(q, k, v, lens, check_lens=False)
+    assert dec._direct_launch_ok and torch.equal(first, again)

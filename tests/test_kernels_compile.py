@@ -88,16 +88,20 @@ def _paired_split_k(dtype, pdl: bool) -> None:
 
 
 def _split_attention(dtype) -> None:
-    """decode_attention over 4 splits (and the merge): MHA with head dim 64, GQA with head dim 128."""
+    """decode_attention over 4 splits (and the merge): MHA with head dim 64, GQA with head dim 128; MHA with the
+    broadcast-and-sum tile (dot=False)."""
     import torch
 
     from kernels import options
-    from kernels.decode import decode_attention
+    from kernels.decode import DecodeTile, decode_attention
     for hq, hkv, d in ((8, 8, 64), (4, 2, 128)):
         q = torch.randn(1, hq, 1, d).to(dtype)                                  # (B, Hq, 1, D)
         cache = torch.randn(1, hkv, 1024, d).to(dtype)                          # (B, Hkv, max_len, D)
         with options.use(pdl=True):
             decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4)
+    q, cache = torch.randn(1, 8, 1, 64).to(dtype), torch.randn(1, 8, 1024, 64).to(dtype)  # MHA, one row per kv head
+    with options.use(pdl=True):                                                 # the broadcast-and-sum products
+        decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4, tile=DecodeTile(64, 4, 1, dot=False))
 
 
 def compile_decode_launches() -> list[dict]:
@@ -149,8 +153,8 @@ def _tags(rec: dict) -> set[str]:
     elif rec["kernel"] == "_embed_kernel":
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
     else:
-        tags.update({f"d{c['HEAD_DIM']}", "split" if c["NUM_SPLITS"] > 1 else "no_split",
-                     "gqa" if c.get("GROUP", 1) > 1 else "mha"})
+        tags.update({f"d{c['HEAD_DIM']}", "split" if c.get("SPLIT", True) else "no_split",
+                     "gqa" if c.get("GROUP", 1) > 1 else "mha", "dot" if c.get("DOT", True) else "vec"})
     return tags
 
 
@@ -177,7 +181,8 @@ OTHER_MODES = [
     # unsplit (the steps' short caches) with and without PDL; split and merged over 4 splits
     "_decode_split_kernel mha d64 no_split pdl", "_decode_split_kernel mha d64 no_split no_pdl",
     "_decode_split_kernel gqa d128 no_split pdl", "_decode_split_kernel gqa d128 no_split no_pdl",
-    "_decode_split_kernel mha d64 split pdl", "_decode_split_kernel gqa d128 split pdl",
+    "_decode_split_kernel mha d64 split pdl dot", "_decode_split_kernel gqa d128 split pdl dot",
+    "_decode_split_kernel mha d64 split pdl vec",
     "_decode_merge_kernel d64", "_decode_merge_kernel d128",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -217,9 +222,10 @@ def required_modes() -> list[set[str]]:
 
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """Each launch variant of the decode path (GPT-2 and Llama-family modes, split-K, PDL on and off, fp16 and
-    bf16, GQA, head dims 64 and 128, split and unsplit attention) compiles to PTX with its entry and to a cubin;
-    the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's shapes too, do not spill, but for
-    the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured faster there despite their spills)."""
+    bf16, GQA, head dims 64 and 128, split and unsplit attention, dot and broadcast-and-sum tiles) compiles to PTX
+    with its entry and to a cubin; the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
+    faster there despite their spills)."""
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path)

@@ -12,8 +12,10 @@ both ends (ms per step), then --profiled steps under torch.profiler. Every CUDA 
 summed by name and by kind (matmul, attention, Inductor's fused kernels, loss, optimizer, communication,
 copies, other ATen kernels); "GPU busy" is the union of the kernels' intervals, so the step time minus it is
 the time the GPU waited; the idle gaps between kernels are summed by size and by the kernel before and after
-each. With --cprofile N, N more steps run under cProfile: the Python functions the host's
-time goes to (where the GPU waits for the host). The cases run one after another, never side by side.
+each, and split by whose fault they are (launch_waits: the GPU waiting for the host to launch the next kernel,
+or idle with work already issued), with the CUDA API calls that held the host (syncs, pageable copies). With
+--cprofile N, N more steps run under cProfile: the Python functions the host's time goes to (where the GPU waits
+for the host). The cases run one after another, never side by side.
 
 Prints, and writes into --out (and $OUT when set): profile_step.md (kinds per case and their differences from
 the first case, then the kernels with the largest differences) and profile_step.json (every kernel).
@@ -96,6 +98,54 @@ def idle_gaps(kernels: list[tuple[float, float, str]], steps: int, top: int = 25
             "by_size": [{"ms": b[0] / 1e3 / steps, "gaps": b[1] / steps} for b in sizes]}
 
 
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of work on the GPU
+HOST_CATS = ("cuda_runtime", "cuda_driver")          # ... and of the host's CUDA API calls (launches, copies, syncs)
+BLOCKING_US = 20.0  # an API call longer than this held the host (a sync, a pageable copy, an allocation)
+
+
+def launch_waits(trace: list[dict], steps: int, top: int = 25) -> dict | None:
+    """Whose fault each idle gap is, from a chrome trace's events (µs): the GPU work (kernels, copies, memsets)
+    and the host's CUDA API calls that issued it (matched by their "correlation" id). A gap before a kernel
+    is the host's for the part of it before that kernel's launch call returned (the GPU had nothing queued),
+    the device's for the rest (launch latency, waits inside the GPU). Returns ms per step: both totals, the
+    host's share by the kernel it was waiting to launch, and the API calls that held the host longer than
+    BLOCKING_US by name (syncs, pageable copies, allocations), or None where the trace has no API calls."""
+    issued = {}
+    blocking: dict[str, list[float]] = {}
+    for e in trace:
+        if e.get("cat") in HOST_CATS and "dur" in e:
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                issued[corr] = e["ts"] + e["dur"]
+            if e["dur"] > BLOCKING_US:
+                entry = blocking.setdefault(e["name"], [0.0, 0])
+                entry[0] += e["dur"]
+                entry[1] += 1
+    if not issued:
+        return None
+    work = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], (e.get("args") or {}).get("correlation"))
+                  for e in trace if e.get("cat") in GPU_CATS)
+    host_us = device_us = 0.0
+    by_kernel: dict[str, list[float]] = {}
+    end = None
+    for s, e, name, corr in work:
+        if end is not None and s > end:
+            gap = s - end
+            ready = issued.get(corr)
+            host = min(gap, max(0.0, ready - end)) if ready is not None else 0.0
+            host_us += host
+            device_us += gap - host
+            if host > 0:
+                entry = by_kernel.setdefault(name, [0.0, 0])
+                entry[0] += host
+                entry[1] += 1
+        end = e if end is None else max(end, e)
+    rows = lambda t, key: sorted(({key: k, "ms": v[0] / 1e3 / steps, "per_step": v[1] / steps}  # noqa: E731
+                                  for k, v in t.items()), key=lambda r: -r["ms"])[:top]
+    return {"host_ms": host_us / 1e3 / steps, "device_ms": device_us / 1e3 / steps,
+            "host_by_kernel": rows(by_kernel, "kernel"), "blocking_calls": rows(blocking, "call")}
+
+
 def host_profile(steps, n: int, top: int = 25) -> dict:
     """n steps under cProfile: the host's time per step and the Python functions it goes to (ms per step,
     own time and with callees; a call that waits for the device counts its wait as its own time)."""
@@ -166,6 +216,12 @@ def profile_one(args, overrides: list[str]) -> dict:
                 entry[0] += end - start
                 entry[1] += 1
             n = args.profiled
+            waits = None
+            if cuda:
+                trace_path = os.path.join(work, "trace.json")
+                prof.export_chrome_trace(trace_path)
+                with open(trace_path) as f:
+                    waits = launch_waits(json.load(f).get("traceEvents", []), n, args.top)
             rows = sorted(({"name": k, "kind": kind_of(k), "ms": v[0] / 1e3 / n, "calls": v[1] / n}
                            for k, v in kernels.items()), key=lambda r: -r["ms"])
             kinds: dict[str, float] = {}
@@ -173,7 +229,7 @@ def profile_one(args, overrides: list[str]) -> dict:
                 kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["ms"]
             host = host_profile(steps, args.cprofile, args.top) if args.cprofile else None
             return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
-                    "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "gaps": idle_gaps(named, n, args.top),
+                    "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "gaps": idle_gaps(named, n, args.top), "waits": waits,
                     "kernel_ms": sum(r["ms"] for r in rows),
                     "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                     "tokens_per_step": trainer.tokens_per_step}
@@ -236,6 +292,28 @@ def report(cases: list[dict], command: str, commit: str, top: int) -> str:
             for a, b in zip(c["gaps"]["before"], c["gaps"]["after"]):
                 out.append(f"| `{a['kernel'][:70]}` | {a['ms']:.3f} | {a['gaps']:g} | | `{b['kernel'][:70]}` | "
                            f"{b['ms']:.3f} | {b['gaps']:g} |")
+    waited = [c for c in cases if c.get("waits")]
+    if waited:
+        out += ["", "Whose fault the idle gaps are (launch_waits: the host's part of a gap lasts until the launch "
+                "call of the work after it returned; the rest is the device's), ms per step:", "",
+                "| | " + " | ".join(f"`{c['name']}`" for c in waited) + " |", "| --- |" + " ---: |" * len(waited),
+                "| GPU waiting for a launch (host-bound) | "
+                + " | ".join(f"{c['waits']['host_ms']:.2f}" for c in waited) + " |",
+                "| GPU idle with work issued (device-side) | "
+                + " | ".join(f"{c['waits']['device_ms']:.2f}" for c in waited) + " |"]
+        for c in waited:
+            w = c["waits"]
+            out += ["", f"`{c['name']}`: host-bound idle by the work waited for, and the API calls that held the host "
+                    f"over {BLOCKING_US:g} µs (ms per step, times per step):", "",
+                    "| waiting to launch | ms | times | | API call | ms | times |",
+                    "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+            a_rows, b_rows = w["host_by_kernel"], w["blocking_calls"]
+            for i in range(max(len(a_rows), len(b_rows))):
+                a = (f"`{a_rows[i]['kernel'][:70]}` | {a_rows[i]['ms']:.3f} | {a_rows[i]['per_step']:g}"
+                     if i < len(a_rows) else " | | ")
+                b = (f"`{b_rows[i]['call'][:50]}` | {b_rows[i]['ms']:.3f} | {b_rows[i]['per_step']:g}"
+                     if i < len(b_rows) else " | | ")
+                out.append(f"| {a} | | {b} |")
     for c in cases:
         host = c.get("host")
         if not host:

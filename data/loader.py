@@ -21,10 +21,12 @@ class TokenData:
     process with world_size · grad_accum_steps micro-batches sees.
     """
 
-    def __init__(self, folder: str, block_size: int, *, seed: int = 0):
+    def __init__(self, folder: str, block_size: int, *, seed: int = 0, pin_memory: bool = False):
         """Open the token files; DataError if they are missing, of the wrong size or hold ids outside the
-        vocabulary (load_meta reads every token once for that check)."""
+        vocabulary (load_meta reads every token once for that check). pin_memory: return batches in pinned host
+        memory, so that copies to a GPU with non_blocking=True do not hold the host."""
         self.meta = load_meta(folder)
+        self.pin_memory = pin_memory
         self.block_size = block_size
         self.tokenizer = tokenizer_from_spec(self.meta["tokenizer"])
         self.eot_token = self.tokenizer.eot_token  # ends every document (data/prepare.py); None: no documents
@@ -46,7 +48,7 @@ class TokenData:
         data, T = self.splits[split], self.block_size
         x = torch.from_numpy(np.stack([data[s:s + T].astype(np.int64) for s in starts]))  # (B, T)
         y = torch.from_numpy(np.stack([data[s + 1:s + 1 + T].astype(np.int64) for s in starts]))  # (B, T)
-        return x, y
+        return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
 
     def train_batches(self, batch_size: int, accum: int, rank: int = 0, world_size: int = 1):
         """One optimizer step's micro-batches for this rank: a list of `accum` (x, y), each (B, T)."""

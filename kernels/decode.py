@@ -110,12 +110,16 @@ class DecodeTile:
 def default_tile(block_d: int, elem_size: int, rows: int) -> DecodeTile:
     """The split kernel's config for a padded head dim, an element size in bytes and the query rows per kv head.
 
-    64 keys per step (32 above a head dim of 128); three K/V tiles in flight, two when a tile row is wide
-    (fp32 or D > 128) to stay within shared memory.
+    128 keys per step where a tile row is at most 128 bytes (16-bit, D <= 64: the H200 sweep in
+    bench/results/decode_attention/ timed it faster than 64 keys at every batch and cache length), else 64
+    (32 above a head dim of 128); three K/V tiles in flight, two when a tile row is wide (fp32 or D > 128) to
+    stay within shared memory.
     """
     del rows  # one table for every row count (dot products throughout)
-    return DecodeTile(block_n=64 if block_d <= 128 else 32, num_warps=4 if block_d <= 128 else 8,
-                      num_stages=3 if block_d * elem_size <= 256 else 2, dot=True)
+    row_bytes = block_d * elem_size
+    block_n = 128 if row_bytes <= 128 else 64 if block_d <= 128 else 32
+    return DecodeTile(block_n=block_n, num_warps=4 if block_d <= 128 else 8,
+                      num_stages=3 if row_bytes <= 256 else 2, dot=True)
 
 
 @triton.jit

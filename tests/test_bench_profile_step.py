@@ -48,6 +48,33 @@ def test_idle_gaps_are_counted_against_the_kernels_around_them():
     assert len(ps.idle_gaps([(i * 10, i * 10 + 5, f"k{i}") for i in range(9)], 1, top=3)["before"]) == 3
 
 
+def _api(name, ts, dur, corr=None):
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def _gpu(name, ts, dur, corr, cat="kernel"):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_launch_waits_split_each_gap_between_host_and_device():
+    trace = [
+        _api("cudaLaunchKernel", 0, 5, 1), _gpu("a", 10, 20, 1),             # a runs 10..30
+        _api("cudaLaunchKernel", 40, 5, 2), _gpu("b", 50, 10, 2),            # b launched at 45: 15 of 20 host's
+        _api("cudaLaunchKernel", 46, 4, 3), _gpu("c", 70, 10, 3),            # c issued at 50: the 10 µs device's
+        _api("cudaMemcpyAsync", 50, 100, 4), _gpu("Memcpy HtoD", 150, 2, 4, "gpu_memcpy"),  # a blocking copy
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},         # neither: ignored
+    ]
+    w = ps.launch_waits(trace, steps=1)
+    # gaps: 30->50 (b issued at 45: host 15, device 5), 60->70 (c issued at 50: device 10), 80->150 (the copy
+    # returned at 150: host 70)
+    assert w["host_ms"] == pytest.approx((15 + 70) / 1e3) and w["device_ms"] == pytest.approx((5 + 10) / 1e3)
+    assert [(r["kernel"], r["per_step"]) for r in w["host_by_kernel"]] == [("Memcpy HtoD", 1), ("b", 1)]
+    assert w["blocking_calls"] == [{"call": "cudaMemcpyAsync", "ms": 0.1, "per_step": 1}]
+    assert ps.launch_waits([_gpu("a", 0, 5, 1)], 1) is None  # a trace without API calls says nothing
+    halved = ps.launch_waits(trace, steps=2)
+    assert halved["host_ms"] == pytest.approx(w["host_ms"] / 2)
+
+
 def _case(name, step, kinds, kernels):
     return {"name": name, "overrides": [f"--x={name}"], "step_ms": step, "profiled_step_ms": step + 1,
             "gpu_busy_ms": step - 2, "warmup_s": 30.0, "peak_gib": 10.0, "tokens_per_step": 131072,
@@ -61,6 +88,9 @@ def test_report_lists_differences_from_the_first_case():
     b = _case("fsdp", 250.5, {"matmul": 151.0, "communication": 3.0},
               [("nvjet_a", 151.0, 96), ("ncclDevKernel_AllGather", 3.0, 24)])
     b["gaps"] = ps.idle_gaps([(0, 10, "nvjet_a"), (70, 80, "ncclDevKernel_AllGather")], 1)
+    b["waits"] = ps.launch_waits([_api("cudaLaunchKernel", 0, 1, 1), _gpu("nvjet_a", 0, 10, 1),
+                                  _api("cudaStreamSynchronize", 1, 75, None),
+                                  _api("cudaLaunchKernel", 76, 1, 2), _gpu("ncclDevKernel_AllGather", 77, 3, 2)], 1)
     text = ps.report([a, b], "python bench/profile_step.py X", "abc1234", top=2)
     assert "| ≥ 50 µs | 0.06 (1) |" in text and "| all | 0.06 |" in text  # the one case with gaps
     assert "| `ncclDevKernel_AllGather` | 0.060 | 1 | | `nvjet_a` | 0.060 | 1 |" in text
@@ -68,6 +98,9 @@ def test_report_lists_differences_from_the_first_case():
     assert "| kernels: communication | 0.00 | 3.00 | +3.00 |" in text
     lines = [line for line in text.splitlines() if line.startswith("| `") and " | | " not in line]  # kernel rows
     assert lines[0].startswith("| `triton_poi_fused_1` | Inductor fused | 40.000 (8) | – |")  # largest spread first
+    assert "| GPU waiting for a launch (host-bound) | 0.07 |" in text  # 10 -> 77, the launch returned at 77
+    assert "| `ncclDevKernel_AllGather` | 0.067 | 1 | | `cudaStreamSynchronize` | 0.075 | 1 |" in text
+    lines = [line for line in text.splitlines() if line.startswith("| `") and " | | " not in line]  # kernel rows
     assert len(lines) == 2 and "Commit abc1234" in text
 
 

@@ -1,3 +1,4 @@
+import json
 import os
 
 import numpy as np
@@ -101,3 +102,31 @@ def test_hub_name_offline_fails_cleanly(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match="hub dataset"):
         prepare("hf:surely/not-a-dataset", "gpt2", cache_dir=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_train_data_is_pinned_for_a_gpu_and_copies_without_holding_the_host(tmp_path, sharded):
+    """open_train_data pins both loaders' batches for a CUDA device (and only there); the same windows either way."""
+    import torch
+
+    from data.batches import open_train_data, to_device
+    from data.shards import prepare_shards
+    if sharded:
+        source = tmp_path / "docs.jsonl"
+        source.write_text("".join(json.dumps({"text": f"document {i}: to be or not to be, " * 3}) + "\n"
+                                  for i in range(40)))
+        folder = prepare_shards(str(source), "char", out=str(tmp_path / "shards"), shard_tokens=500, val_docs=3,
+                                num_proc=1, verbose=False)
+    else:
+        folder = prepare(write_corpus(tmp_path), "char", val_fraction=0.1, num_proc=1, cache_dir=str(tmp_path / "c"),
+                         verbose=False)
+    cpu = open_train_data(folder, 16, sharded=sharded, seed=5, device="cpu")
+    (x, y), = cpu.train_batches(2, 1)
+    assert not x.is_pinned() and not y.is_pinned()
+    if not torch.cuda.is_available():
+        return
+    gpu = open_train_data(folder, 16, sharded=sharded, seed=5, device="cuda")
+    (xg, yg), = gpu.train_batches(2, 1)
+    assert xg.is_pinned() and yg.is_pinned()
+    xd, yd = to_device(xg, yg, "cuda")
+    assert torch.equal(xd.cpu(), x) and torch.equal(yd.cpu(), y)

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 import kernels._triton as kt  # noqa: E402
 from kernels import options  # noqa: E402
-from kernels.decode import MAX_SPLITS, auto_num_splits, decode_attention  # noqa: E402
+from kernels.decode import MAX_SPLITS, auto_num_splits, decode_attention, default_tile  # noqa: E402
 from kernels.naive import naive_attention  # noqa: E402
 from tests.util import pythonpath  # noqa: E402
 
@@ -245,8 +245,9 @@ def test_auto_plan_from_each_length_on_the_device(group, dtype, monkeypatch, wor
     grid = lse.shape[1]
     assert grid == 16 and o_part.shape[1] == grid
     lse = lse.view(len(LENS_PLAN), 2 * group, grid)     # (B, Hq, splits)
+    block_n = default_tile(32, torch.tensor([], dtype=dtype).element_size(), group).block_n
     for b, L in enumerate(LENS_PLAN):
-        used = used_splits(L, grid, 128, 64)
+        used = used_splits(L, grid, 128, block_n)
         written = torch.isfinite(lse[b])                # a used split of a multi-split sequence: finite lse
         if used == 1:                                   # written straight to the output, no parts at all
             assert not written.any() and torch.isnan(lse[b]).all(), (L, lse[b])

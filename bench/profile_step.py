@@ -14,7 +14,8 @@ copies, other ATen kernels); "GPU busy" is the union of the kernels' intervals, 
 the time the GPU waited; the idle gaps between kernels are summed by size and by the kernel before and after
 each, and split by whose fault they are (launch_waits: the GPU waiting for the host to launch the next kernel,
 or idle with work already issued), with the CUDA API calls that held the host (syncs, pageable copies). With
---cprofile N, N more steps run under cProfile: the Python functions the host's time goes to (where the GPU waits
+--host-ops the profiled steps record the host's operators too, listed by their host time per step and per call.
+With --cprofile N, N more steps run under cProfile: the Python functions the host's time goes to (where the GPU waits
 for the host). The cases run one after another, never side by side.
 
 Prints, and writes into --out (and $OUT when set): profile_step.md (kinds per case and their differences from
@@ -146,6 +147,21 @@ def launch_waits(trace: list[dict], steps: int, top: int = 25) -> dict | None:
             "host_by_kernel": rows(by_kernel, "kernel"), "blocking_calls": rows(blocking, "call")}
 
 
+def host_ops(trace: list[dict], steps: int, top: int = 25) -> list[dict]:
+    """The host's operators in a chrome trace profiled with CPU activity (cat "cpu_op": ATen ops, custom ops
+    such as flashgpt::..., the compiled graphs' calls): by name, their inclusive host time (an operator's time
+    includes the operators it calls) in ms per step, calls per step and µs per call, longest first."""
+    by_name: dict[str, list[float]] = {}
+    for e in trace:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            entry = by_name.setdefault(e["name"], [0.0, 0])
+            entry[0] += e["dur"]
+            entry[1] += 1
+    rows = [{"op": k, "ms": v[0] / 1e3 / steps, "calls": v[1] / steps, "us_per_call": v[0] / v[1]}
+            for k, v in by_name.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def host_profile(steps, n: int, top: int = 25) -> dict:
     """n steps under cProfile: the host's time per step and the Python functions it goes to (ms per step,
     own time and with callees; a call that waits for the device counts its wait as its own time)."""
@@ -200,7 +216,10 @@ def profile_one(args, overrides: list[str]) -> dict:
             step_ms = (time.perf_counter() - t0) * 1e3 / args.timed
             from torch.profiler import ProfilerActivity, profile
             # on a CPU (the tool's own test) the CPU ops are profiled but not counted: no kernels, times only
-            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+            if cuda and args.host_ops:
+                activities.append(ProfilerActivity.CPU)
+            with profile(activities=activities) as prof:
                 t0 = time.perf_counter()
                 steps(args.profiled)
                 profiled_ms = (time.perf_counter() - t0) * 1e3 / args.profiled
@@ -216,12 +235,14 @@ def profile_one(args, overrides: list[str]) -> dict:
                 entry[0] += end - start
                 entry[1] += 1
             n = args.profiled
-            waits = None
+            waits = ops = None
             if cuda:
                 trace_path = os.path.join(work, "trace.json")
                 prof.export_chrome_trace(trace_path)
                 with open(trace_path) as f:
-                    waits = launch_waits(json.load(f).get("traceEvents", []), n, args.top)
+                    trace = json.load(f).get("traceEvents", [])
+                waits = launch_waits(trace, n, args.top)
+                ops = host_ops(trace, n, args.top) if args.host_ops else None
             rows = sorted(({"name": k, "kind": kind_of(k), "ms": v[0] / 1e3 / n, "calls": v[1] / n}
                            for k, v in kernels.items()), key=lambda r: -r["ms"])
             kinds: dict[str, float] = {}
@@ -230,6 +251,7 @@ def profile_one(args, overrides: list[str]) -> dict:
             host = host_profile(steps, args.cprofile, args.top) if args.cprofile else None
             return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
                     "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "gaps": idle_gaps(named, n, args.top), "waits": waits,
+                    "host_ops": ops,
                     "kernel_ms": sum(r["ms"] for r in rows),
                     "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                     "tokens_per_step": trainer.tokens_per_step}
@@ -315,6 +337,14 @@ def report(cases: list[dict], command: str, commit: str, top: int) -> str:
                      if i < len(b_rows) else " | | ")
                 out.append(f"| {a} | | {b} |")
     for c in cases:
+        ops = c.get("host_ops")
+        if not ops:
+            continue
+        out += ["", f"`{c['name']}`: the host's operators in the profiled steps (CPU activity on: the profiler slows "
+                "the host), inclusive of the operators they call:", "",
+                "| operator | ms per step | calls per step | µs per call |", "| --- | ---: | ---: | ---: |"]
+        out += [f"| `{r['op'][:80]}` | {r['ms']:.2f} | {r['calls']:g} | {r['us_per_call']:.1f} |" for r in ops]
+    for c in cases:
         host = c.get("host")
         if not host:
             continue
@@ -331,6 +361,7 @@ def case_command(args, out_json: str, overrides: list[str]) -> list[str]:
     """The command line of one case's own process: this script with --one, every measuring option passed on."""
     return [sys.executable, __file__, args.config, f"--one={out_json}", f"--warmup={args.warmup}",
             f"--timed={args.timed}", f"--profiled={args.profiled}", f"--cprofile={args.cprofile}", f"--top={args.top}",
+            *(["--host-ops"] if args.host_ops else []),
             *overrides]
 
 
@@ -344,6 +375,9 @@ def main(argv=None) -> int:
     p.add_argument("--timed", type=int, default=4, help="steps timed")
     p.add_argument("--profiled", type=int, default=2, help="steps profiled")
     p.add_argument("--top", type=int, default=25, help="kernels listed, and host functions under --cprofile")
+    p.add_argument("--host-ops", action="store_true",
+                   help="profile the host's operators too (CPU activity): each operator's host time per step and "
+                        "per call, e.g. an attention op's (slows the host, so the idle split then overstates it)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="then N more steps under cProfile: where the host's time goes (default 0: none)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per case")

@@ -120,10 +120,29 @@ def test_case_process_runs_the_trainer_steps_on_a_cpu(tmp_path):
 
 
 def test_case_command_passes_every_measuring_option_on():
-    args = argparse.Namespace(config="configs/demo.toml", warmup=2, timed=3, profiled=1, cprofile=4, top=7)
+    args = argparse.Namespace(config="configs/demo.toml", warmup=2, timed=3, profiled=1, cprofile=4, top=7,
+                              host_ops=False)
     cmd = ps.case_command(args, "/tmp/x.json", ["--attention=sdpa"])
     assert cmd[2:] == ["configs/demo.toml", "--one=/tmp/x.json", "--warmup=2", "--timed=3", "--profiled=1",
                        "--cprofile=4", "--top=7", "--attention=sdpa"]
+    args.host_ops = True
+    assert ps.case_command(args, "/tmp/x.json", [])[-1] == "--host-ops"
+
+
+def test_host_ops_are_summed_by_name_per_step_and_call():
+    trace = [{"cat": "cpu_op", "name": "flashgpt::flash_attn_fwd", "ts": 0, "dur": 40},
+             {"cat": "cpu_op", "name": "aten::empty", "ts": 5, "dur": 3},       # inside the one above: counted too
+             {"cat": "cpu_op", "name": "flashgpt::flash_attn_fwd", "ts": 100, "dur": 60},
+             {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 5},  # not an operator
+             {"cat": "kernel", "name": "_attn_fwd", "ts": 20, "dur": 50}]
+    rows = ps.host_ops(trace, steps=2)
+    assert rows == [{"op": "flashgpt::flash_attn_fwd", "ms": 0.05, "calls": 1.0, "us_per_call": 50.0},
+                    {"op": "aten::empty", "ms": 0.0015, "calls": 0.5, "us_per_call": 3.0}]
+    assert len(ps.host_ops(trace, 1, top=1)) == 1 and ps.host_ops([], 1) == []
+    case = _case("flash", 100.0, {}, [])
+    case["host_ops"] = rows
+    text = ps.report([case], "python bench/profile_step.py X", "abc1234", top=2)
+    assert "| `flashgpt::flash_attn_fwd` | 0.05 | 1 | 50.0 |" in text
 
 
 def test_bad_arguments_are_one_line_errors():

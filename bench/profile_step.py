@@ -72,6 +72,30 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 GAP_SIZES_US = (5.0, 50.0)  # idle gaps shorter than 5 µs (back-to-back launches), up to 50 µs, and longer
 
 
+def _gaps(work):
+    """(gap µs, item, name before) for each idle stretch in `work`: (start, end, name, ...) tuples sorted by
+    start, a gap being the time between the union of the work so far and the next item's start."""
+    end, last = None, ""
+    for item in work:
+        s, e, name = item[:3]
+        if end is not None and s > end:
+            yield s - end, item, last
+        if end is None or e > end:
+            end, last = e, name
+
+
+def _per_step(table: dict, steps: int, top: int, key: str, count: str) -> list[dict]:
+    """Rows {key: name, "ms": per step, count: per step} of a {name: [µs, times]} table, largest first."""
+    return sorted(({key: k, "ms": v[0] / 1e3 / steps, count: v[1] / steps} for k, v in table.items()),
+                  key=lambda r: -r["ms"])[:top]
+
+
+def _add(table: dict, name: str, us: float) -> None:
+    entry = table.setdefault(name, [0.0, 0])
+    entry[0] += us
+    entry[1] += 1
+
+
 def idle_gaps(kernels: list[tuple[float, float, str]], steps: int, top: int = 25) -> dict:
     """Where the GPU idles between kernels: each gap between the union of the kernels so far and the next
     kernel's start (µs, from (start, end, name) triples) counted against the kernel after it and the kernel
@@ -80,22 +104,15 @@ def idle_gaps(kernels: list[tuple[float, float, str]], steps: int, top: int = 25
     before: dict[str, list[float]] = {}
     after: dict[str, list[float]] = {}
     sizes = [[0.0, 0] for _ in range(len(GAP_SIZES_US) + 1)]
-    end, last = None, ""
-    for s, e, name in sorted(kernels):
-        if end is not None and s > end:
-            gap = s - end
-            for table, key in ((before, name), (after, last)):
-                entry = table.setdefault(key, [0.0, 0])
-                entry[0] += gap
-                entry[1] += 1
-            bucket = sizes[sum(gap >= b for b in GAP_SIZES_US)]
-            bucket[0] += gap
-            bucket[1] += 1
-        if end is None or e > end:
-            end, last = e, name
-    rows = lambda t: sorted(({"kernel": k, "ms": v[0] / 1e3 / steps, "gaps": v[1] / steps}  # noqa: E731
-                             for k, v in t.items()), key=lambda r: -r["ms"])[:top]
-    return {"total_ms": sum(b[0] for b in sizes) / 1e3 / steps, "before": rows(before), "after": rows(after),
+    for gap, (_, _, name), last in _gaps(sorted(kernels)):
+        _add(before, name, gap)
+        _add(after, last, gap)
+        bucket = sizes[sum(gap >= b for b in GAP_SIZES_US)]
+        bucket[0] += gap
+        bucket[1] += 1
+    return {"total_ms": sum(b[0] for b in sizes) / 1e3 / steps,
+            "before": _per_step(before, steps, top, "kernel", "gaps"),
+            "after": _per_step(after, steps, top, "kernel", "gaps"),
             "by_size": [{"ms": b[0] / 1e3 / steps, "gaps": b[1] / steps} for b in sizes]}
 
 
@@ -119,32 +136,23 @@ def launch_waits(trace: list[dict], steps: int, top: int = 25) -> dict | None:
             if corr is not None:
                 issued[corr] = e["ts"] + e["dur"]
             if e["dur"] > BLOCKING_US:
-                entry = blocking.setdefault(e["name"], [0.0, 0])
-                entry[0] += e["dur"]
-                entry[1] += 1
+                _add(blocking, e["name"], e["dur"])
     if not issued:
         return None
     work = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], (e.get("args") or {}).get("correlation"))
                   for e in trace if e.get("cat") in GPU_CATS)
     host_us = device_us = 0.0
     by_kernel: dict[str, list[float]] = {}
-    end = None
-    for s, e, name, corr in work:
-        if end is not None and s > end:
-            gap = s - end
-            ready = issued.get(corr)
-            host = min(gap, max(0.0, ready - end)) if ready is not None else 0.0
-            host_us += host
-            device_us += gap - host
-            if host > 0:
-                entry = by_kernel.setdefault(name, [0.0, 0])
-                entry[0] += host
-                entry[1] += 1
-        end = e if end is None else max(end, e)
-    rows = lambda t, key: sorted(({key: k, "ms": v[0] / 1e3 / steps, "per_step": v[1] / steps}  # noqa: E731
-                                  for k, v in t.items()), key=lambda r: -r["ms"])[:top]
+    for gap, (s, _, name, corr), _ in _gaps(work):
+        ready = issued.get(corr)
+        host = min(gap, max(0.0, ready - (s - gap))) if ready is not None else 0.0
+        host_us += host
+        device_us += gap - host
+        if host > 0:
+            _add(by_kernel, name, host)
     return {"host_ms": host_us / 1e3 / steps, "device_ms": device_us / 1e3 / steps,
-            "host_by_kernel": rows(by_kernel, "kernel"), "blocking_calls": rows(blocking, "call")}
+            "host_by_kernel": _per_step(by_kernel, steps, top, "kernel", "per_step"),
+            "blocking_calls": _per_step(blocking, steps, top, "call", "per_step")}
 
 
 def host_ops(trace: list[dict], steps: int, top: int = 25) -> list[dict]:
@@ -154,12 +162,9 @@ def host_ops(trace: list[dict], steps: int, top: int = 25) -> list[dict]:
     by_name: dict[str, list[float]] = {}
     for e in trace:
         if e.get("cat") == "cpu_op" and "dur" in e:
-            entry = by_name.setdefault(e["name"], [0.0, 0])
-            entry[0] += e["dur"]
-            entry[1] += 1
-    rows = [{"op": k, "ms": v[0] / 1e3 / steps, "calls": v[1] / steps, "us_per_call": v[0] / v[1]}
-            for k, v in by_name.items()]
-    return sorted(rows, key=lambda r: -r["ms"])[:top]
+            _add(by_name, e["name"], e["dur"])
+    return [{**r, "us_per_call": by_name[r["op"]][0] / by_name[r["op"]][1]}
+            for r in _per_step(by_name, steps, top, "op", "calls")]
 
 
 def host_profile(steps, n: int, top: int = 25) -> dict:
@@ -224,16 +229,13 @@ def profile_one(args, overrides: list[str]) -> dict:
                 steps(args.profiled)
                 profiled_ms = (time.perf_counter() - t0) * 1e3 / args.profiled
             kernels: dict[str, list[float]] = {}
-            intervals, named = [], []
+            named = []  # (start, end, name) of every kernel
             for e in prof.events():
                 if e.device_type != torch.autograd.DeviceType.CUDA:
                     continue
                 start, end = e.time_range.start, e.time_range.end
-                intervals.append((start, end))
                 named.append((start, end, e.name))
-                entry = kernels.setdefault(e.name, [0.0, 0])
-                entry[0] += end - start
-                entry[1] += 1
+                _add(kernels, e.name, end - start)
             n = args.profiled
             waits = ops = None
             if cuda:
@@ -250,8 +252,8 @@ def profile_one(args, overrides: list[str]) -> dict:
                 kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["ms"]
             host = host_profile(steps, args.cprofile, args.top) if args.cprofile else None
             return {"host": host, "step_ms": step_ms, "profiled_step_ms": profiled_ms, "warmup_s": warmup_s,
-                    "gpu_busy_ms": busy_us(intervals) / 1e3 / n, "gaps": idle_gaps(named, n, args.top), "waits": waits,
-                    "host_ops": ops,
+                    "gpu_busy_ms": busy_us([k[:2] for k in named]) / 1e3 / n,
+                    "gaps": idle_gaps(named, n, args.top), "waits": waits, "host_ops": ops,
                     "kernel_ms": sum(r["ms"] for r in rows),
                     "kinds": kinds, "kernels": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                     "tokens_per_step": trainer.tokens_per_step}

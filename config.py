@@ -85,6 +85,9 @@ class TrainConfig:
                                     # (Hugging Face weights) | a run folder (its best.pt) or checkpoint: fine-tune
     export_hf: bool = False         # at the end, export best.pt as a Hugging Face model into <out_dir>/hf
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
+    cuda_graphs: bool = False       # with compile, on one CUDA GPU: replay each micro-batch's compiled forward
+                                    # and backward as CUDA graphs (torch.compile mode "reduce-overhead"), so
+                                    # the GPU never waits for the host to launch a kernel
     doc_mask: bool = False          # attention stays within each document of a packed row (documents end after
                                     # the end-of-text token) and positions restart at 0 for each document
     parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)
@@ -121,6 +124,15 @@ class TrainConfig:
             raise ConfigError(f"train.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"train.parallel={self.parallel!r}: must be 'ddp' or 'fsdp'")
+        if self.cuda_graphs:
+            if not self.compile:
+                raise ConfigError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")
+            if self.parallel == "fsdp":
+                raise ConfigError("train.cuda_graphs=true with train.parallel=fsdp: FSDP's collectives cannot be "
+                                  "captured in a CUDA graph; use train.parallel=ddp or train.cuda_graphs=false")
+            if self.doc_mask:
+                raise ConfigError("train.cuda_graphs=true with train.doc_mask=true: each batch's document "
+                                  "boundaries have their own shape, which a CUDA graph cannot replay; turn one off")
         if not self.init_from or self.init_from == "hf:":
             raise ConfigError(f"train.init_from={self.init_from!r}: must be 'scratch', 'resume', "
                               "'hf:<repo-or-dir>' or a run folder / checkpoint file")

@@ -250,6 +250,10 @@ class Trainer:
         self.device = pick_device(self.t.device, local_rank, what="train.device")
         self.dtype = pick_dtype(self.t.dtype, self.device, what="train.dtype")
         check_parallel(self.t, self.device, self.dtype)
+        if self.t.cuda_graphs and (self.device.type != "cuda" or world > 1):
+            where = f"on {self.device}" if self.device.type != "cuda" else f"with {world} processes"
+            raise ConfigError(f"train.cuda_graphs=true {where}: CUDA graphs run on one CUDA GPU in one process; "
+                              "set train.cuda_graphs=false")
         self.sharded = self.t.parallel == "fsdp"
         # FSDP2 needs a process group even for one process: without torchrun, this run starts its own
         self.solo_group = self.sharded and world == 1 and start_single_process_group(self.device)
@@ -446,7 +450,13 @@ class Trainer:
         self.raw_model = model
         if not self.sharded:
             if t.compile:
-                model = torch.compile(model)
+                model = torch.compile(model, mode="reduce-overhead" if t.cuda_graphs else "default")
+            if t.cuda_graphs and t.grad_accum_steps > 1:
+                # the backward graph's gradients live in the graphs' memory pool, which the next micro-batch's
+                # replay reuses: accumulate them into buffers of our own, zeroed (not freed) after each step
+                for p in model.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
             if self.world > 1:
                 from torch.nn.parallel import DistributedDataParallel as DDP
                 model = DDP(model, device_ids=[self.local_rank] if device.type == "cuda" else None)
@@ -550,6 +560,8 @@ class Trainer:
                 set_gradient_sync(model, sync)  # off from the first micro-batch, on for the last
             no_sync = (model.no_sync() if self.world > 1 and not sync and not self.sharded
                        else contextlib.nullcontext())
+            if t.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were read: reuse them
             with no_sync, self.autocast:
                 x, y = to_device(x, y, device)
                 _, loss = model(x, y, **document_kwargs(x, self.eot))
@@ -565,7 +577,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.raw_model, t.grad_clip if t.grad_clip > 0 else float("inf"))
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not (t.cuda_graphs and t.grad_accum_steps > 1))
         self.pending = (self.it, step_loss, grad_norm, stop_votes)
         self.it += 1
         self.bar.update(1)

@@ -22,7 +22,9 @@ process, the variant measured first was about 1.5% faster than the same variant 
 (bench/NOTES.md: flash/sdpa 1.015x in one order, 0.984x in the other), which is the whole margin between the
 two compiled variants. --in-process runs them all in this process instead. Results: train_step.json / .md.
 
-A variant is ATTENTION[+compile][/BWD]: BWD (flash only) = split or fused, the flash backward's structure
+A variant is ATTENTION[+compile|+graphs][/BWD]: +graphs is torch.compile's "reduce-overhead" mode (the compiled
+forward and backward replayed as CUDA graphs, as train.py's train.cuda_graphs runs them), each flash variant's
+ratio taken over the sdpa variant of the same mode; BWD (flash only) = split or fused, the flash backward's structure
 (the backward kernel option, kernels/options.py); without it, the option in force. --loss picks the loss
 kernel of every variant (kernels.cross_entropy: auto = the Triton kernel on CUDA; torch = F.cross_entropy on
 fp32 logits).
@@ -182,15 +184,23 @@ def model_config(attention: str, block: int, model_toml: str = "", llama_kernels
     return cfg if cfg.vocab_size else GPTConfig(**{**vars(cfg), "vocab_size": 50304})
 
 
-def make_train_step(attention: str, compiled: bool, batch: int, block: int, tokens: str | None = None,
+def compile_label(compiled) -> str:
+    """A variant's compile mode as the tables name it: False → "", True → " + compile", "graphs" → " + graphs"."""
+    return {False: "", True: " + compile", "graphs": " + graphs"}[compiled]
+
+
+def make_train_step(attention: str, compiled, batch: int, block: int, tokens: str | None = None,
                     model_toml: str = "", llama_kernels: str = "torch", data=None):
     """The benchmark's model and one optimizer step → (model, step); step() → loss. Each step takes the next batch
-    of the loader `data` (loader_batch), or without one the same fixed batch."""
+    of the loader `data` (loader_batch), or without one the same fixed batch. compiled: False (eager), True
+    (torch.compile) or "graphs" (torch.compile's "reduce-overhead" mode: forward and backward replayed as CUDA
+    graphs, as train.cuda_graphs runs them)."""
     torch.manual_seed(0)
     cfg = model_config(attention, block, model_toml, llama_kernels)
     model = GPT(cfg).cuda()
     opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
-    step_model = torch.compile(model) if compiled else model
+    graphs = compiled == "graphs"
+    step_model = (torch.compile(model, mode="reduce-overhead" if graphs else "default") if compiled else model)
     if data is None:
         fixed = fixed_batch(batch, block, tokens, vocab=cfg.vocab_size)  # (batch, block) each
         next_batch = lambda: fixed  # noqa: E731
@@ -199,13 +209,16 @@ def make_train_step(attention: str, compiled: bool, batch: int, block: int, toke
 
     def step():
         x, y = next_batch()  # (batch, block) each
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = step_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        # a graph's output is overwritten by its next replay: the loss outlives it (queued_steps reads it later)
+        return loss.detach().clone() if graphs else loss
 
     return model, step
 
@@ -295,7 +308,7 @@ def flash_tiles() -> dict:
     return {name: "x".join(map(str, used[name])) for name in KERNELS + ("dkdvq",) if name in used}
 
 
-def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: int, block: int,
+def run_variant(attention: str, compiled, steps: int, warmup: int, batch: int, block: int,
                 tiles: dict | None = None, tokens: str | None = None, model_toml: str = "",
                 llama_kernels: str = "torch", data: str = "random", data_folder: str = "") -> dict:
     """One variant measured in this process; data: "random" (the fixed batch), or "memory" / "shards", the
@@ -330,18 +343,21 @@ def run_variant(attention: str, compiled: bool, steps: int, warmup: int, batch: 
     return {**row, "tiles": row_tiles} if row_tiles else row
 
 
-def parse_variant(variant: str) -> tuple[str, bool, str | None]:
-    """'flash+compile/fused' -> ("flash", True, "fused"); the backward mode is None where not given."""
+def parse_variant(variant: str) -> tuple[str, bool | str, str | None]:
+    """'flash+compile/fused' -> ("flash", True, "fused"), 'sdpa+graphs' -> ("sdpa", "graphs", None): attention,
+    compile mode (False, True or "graphs") and the backward mode (None where not given)."""
     name, _, bwd = variant.partition("/")
-    attention, compiled = name.split("+")[0], name.endswith("+compile")
-    if attention not in kernels.BACKENDS or name not in (attention, attention + "+compile") or (
+    attention, *mode = name.split("+")
+    modes = {(): False, ("compile",): True, ("graphs",): "graphs"}
+    mode = tuple(mode)
+    if attention not in kernels.BACKENDS or mode not in modes or (
             bwd and (attention != "flash" or bwd not in ("split", "fused"))):
-        raise ValueError(f"bad variant {variant!r}: expected ATTENTION[+compile][/split|/fused] with ATTENTION one "
-                         "of flash, sdpa, naive (a backward mode only for flash)")
-    return attention, compiled, bwd or None
+        raise ValueError(f"bad variant {variant!r}: expected ATTENTION[+compile|+graphs][/split|/fused] with "
+                         "ATTENTION one of flash, sdpa, naive (a backward mode only for flash)")
+    return attention, modes[mode], bwd or None
 
 
-def use_variant(variant: str) -> tuple[str, bool]:
+def use_variant(variant: str) -> tuple[str, bool | str]:
     """Parse a variant and set its flash backward mode for this process → (attention, compiled)."""
     attention, compiled, bwd = parse_variant(variant)
     if bwd:
@@ -381,7 +397,7 @@ def run_in_process(variant: str, data: str, data_folder: str, args) -> dict:
 def combine(variant: str, runs: list, data: str = "random") -> dict:
     """One table row from a variant's runs on one --data kind: the median step over the runs that did not fail."""
     attention, compiled, bwd = parse_variant(variant)
-    name = f"{attention}{' + compile' if compiled else ''}{f', {bwd} bwd' if bwd else ''}"
+    name = f"{attention}{compile_label(compiled)}{f', {bwd} bwd' if bwd else ''}"
     row = {"variant": f"{name}, {DATA_KINDS[data]}" if DATA_KINDS[data] else name, "attention": attention,
            "compiled": compiled, "data": data, "base": name}
     ok = [r for r in runs if "error" not in r]
@@ -453,7 +469,8 @@ def write_results(rows: list, args, argv) -> str:
                          f"{r['peak_mem_gib']:.1f} | {energy} | {per_run} |")
     ok = [r for r in rows if "step_ms" in r]
     for flash in ok:
-        sdpa = next((r for r in ok if r["attention"] == "sdpa" and r["compiled"] and r["data"] == flash["data"]), None)
+        sdpa = next((r for r in ok if r["attention"] == "sdpa" and r["compiled"] == flash["compiled"]
+                     and r["data"] == flash["data"]), None)
         if not (sdpa and flash["attention"] == "flash" and flash["compiled"]):
             continue
         name, ratio = flash["variant"], flash["tokens_per_s"] / sdpa["tokens_per_s"]
@@ -508,7 +525,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--variants", default="flash,sdpa,flash+compile,sdpa+compile,naive,naive+compile",
-                   help="attention backends, '+compile' for torch.compile; the headline pair runs first")
+                   help="attention backends, '+compile' for torch.compile, '+graphs' for its CUDA-graph mode; "
+                        "the headline pair runs first")
     p.add_argument("--repeats", type=int, default=1, help="processes per variant (medians over them)")
     p.add_argument("--in-process", action="store_true", help="measure every variant in this process")
     p.add_argument("--tiles", default="", metavar="KERNEL=BMxBNxWxS,...",

@@ -116,6 +116,26 @@ def test_variants_with_a_backward_mode(tmp_path, monkeypatch):
     assert bt.main(["--variants", "flash+compile/atomic"]) == 2
 
 
+def test_graphs_variants_pair_with_sdpa_of_the_same_mode(tmp_path, monkeypatch):
+    bt = _bench_train()
+    assert bt.parse_variant("flash+graphs") == ("flash", "graphs", None)
+    assert bt.parse_variant("flash+graphs/fused") == ("flash", "graphs", "fused")
+    _assert_rejected(bt.parse_variant, ("flash+graphs+compile", "sdpa+graph", "flash+"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+    rows = [bt.combine("flash+graphs", [_run(32.0), _run(32.2)]),
+            bt.combine("sdpa+compile", [_run(33.5), _run(33.5)]),
+            bt.combine("sdpa+graphs", [_run(32.4), _run(32.4)]),
+            bt.combine("flash+compile", [_run(33.0), _run(33.0)])]
+    assert [r["variant"] for r in rows] == ["flash + graphs", "sdpa + compile", "sdpa + graphs", "flash + compile"]
+    args = types.SimpleNamespace(in_process=False, repeats=2, batch=16, block=1024, steps=20, out=str(tmp_path),
+                                 tokens="", loss="torch")
+    text = bt.write_results(rows, args, [])
+    # each flash row is compared with the sdpa row of its own compile mode, not the first compiled one
+    assert f"flash + graphs / sdpa + graphs = **{32.4 / 32.1:.3f}×**" in text
+    assert f"flash + compile / sdpa + compile = **{33.5 / 33.0:.3f}×**" in text
+    assert "flash + graphs / sdpa + compile" not in text
+
+
 def test_fixed_batch_random_or_windows_of_a_token_file(tmp_path):
     bt = _bench_train()
     x, y = bt.fixed_batch(3, 8, "", device="cpu")

@@ -119,6 +119,8 @@ finished() { [ "$2" -eq 0 ] || echo "exit $2"; }
     --temperature 0; } &
 PENDING+=(resume resume_finished_run gen_best_checkpoint)
 spawn compile_train trained "$PY" train.py $CFG --out_dir="$RUN/compiled" --max_iters=60 --eval_interval=30 --compile=true "${XARGS[@]}"
+spawn cuda_graphs_train trained "$PY" train.py $CFG --out_dir="$RUN/graphs" --max_iters=60 --eval_interval=30 --compile=true \
+  --cuda_graphs=true --grad_accum_steps=2 "${XARGS[@]}"
 
 # a signal during training: the run saves a checkpoint and says so; --resume continues from it
 interrupt_and_resume() {  # SIGNAL

@@ -6,8 +6,10 @@
 For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and backward TFLOP/s and peak memory
 (one forward + backward, above the inputs) of
 
-* flash       kernels/flash/ (autotuned on first use of each shape bucket),
-* flash-hopper the same with the hopper_forward option on: the Gluon forward of kernels/flash_hopper/ (sm_90,
+* flash       kernels.flash_attention as the model calls it: the forward the hopper_forward option's default
+              (auto) picks per shape and device, the tl backward (autotuned on first use of each shape bucket),
+* flash-tl    the same with hopper_forward off: the portable tl forward everywhere,
+* flash-hopper the same with hopper_forward on: the Gluon forward of kernels/flash_hopper/ (sm_90,
               bf16/fp16, head dims 64 and 128), the tl backward (skipped where the Gluon kernel cannot run),
 * sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
 * sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend (skipped where that backend does not take the
@@ -52,7 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = [(8, 12, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
-PROVIDERS = ["flash", "flash-hopper", "sdpa-flash", "sdpa-cudnn", "fa4", "flex", "naive"]
+PROVIDERS = ["flash", "flash-tl", "flash-hopper", "sdpa-flash", "sdpa-cudnn", "fa4", "flex", "naive"]
 VARLEN_PROVIDERS = ["flex", "flash"]  # flex first: its result is the reference of the "diff" column
 NAIVE_MAX_N = 8192
 FA4_MODULE = "flash_attn.cute"   # flash-attn-4's CuTe-DSL interface (../shared/tools/fa4-wheels.sh installs it)
@@ -121,14 +123,15 @@ def make_provider(name, N, causal, q=None):
     if name == "flash":
         from kernels.flash import flash_attention
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-    if name == "flash-hopper":
+    if name in ("flash-tl", "flash-hopper"):
         from kernels import options
         from kernels.flash import flash_attention
+        mode = "on" if name == "flash-hopper" else "off"
 
-        def flash_hopper(q, k, v):
-            with options.use(hopper_forward=True):
+        def pinned(q, k, v):
+            with options.use(hopper_forward=mode):
                 return flash_attention(q, k, v, causal=causal)
-        return flash_hopper
+        return pinned
     if name in ("sdpa-flash", "sdpa-cudnn"):
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
 

@@ -37,10 +37,14 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         SwiGLU and RoPE run for "auto"
                                                                         (model.llama_kernels): auto = Triton on
                                                                         CUDA, PyTorch elsewhere
-    hopper_forward             FLASHGPT_HOPPER_FWD=0|1           False  the flash forward runs the Gluon kernel
-                                                                        (kernels/flash_hopper) on sm_90 for the
-                                                                        inputs it takes; off, or other inputs:
-                                                                        the tl kernel (the backward is always tl)
+    hopper_forward             FLASHGPT_HOPPER_FWD=auto|on|off   auto   where the flash forward runs the Gluon
+                                                                        kernel (kernels/flash_hopper) on sm_90:
+                                                                        auto = for the inputs it takes where it was
+                                                                        measured faster than the tl kernel (head
+                                                                        dim 128, >= 4096 queries and keys;
+                                                                        kernels/flash/launch.py: HOPPER_AUTO_*),
+                                                                        on = for every input it takes, off = never
+                                                                        (the backward is always tl)
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 BACKWARDS = ("split", "fused")
 LOSS_KERNELS = ("auto", "triton", "torch")
 LLAMA_KERNELS = ("auto", "triton", "torch")
+HOPPER_FORWARDS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class KernelOptions:
     loss_kernel: str = "auto"
     decode_min_keys_per_split: int = 256
     llama_kernels: str = "torch"
-    hopper_forward: bool = False
+    hopper_forward: str = "auto"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -100,7 +105,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "loss_kernel": (lambda v: v in LOSS_KERNELS, f"expected one of {', '.join(LOSS_KERNELS)}"),
     "decode_min_keys_per_split": (lambda v: _is_int(v) and v >= 1, "expected an int >= 1"),
     "llama_kernels": (lambda v: v in LLAMA_KERNELS, f"expected one of {', '.join(LLAMA_KERNELS)}"),
-    "hopper_forward": (lambda v: isinstance(v, bool), "expected True or False"),
+    "hopper_forward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
 }
 
 

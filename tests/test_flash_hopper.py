@@ -156,17 +156,38 @@ def test_switch_on_and_off_give_the_same_gradients(case, D, dtype, request, monk
     real_into, real_launch = hopper_launch.forward_into, launch._launch
     monkeypatch.setattr(hopper_launch, "forward_into", lambda *a: gluon.append(1) or real_into(*a))
     monkeypatch.setattr(launch, "_launch", lambda name, *a: tl.append(name) or real_launch(name, *a))
-    with options.use(hopper_forward=True):
+    with options.use(hopper_forward="on"):
         on = _fwd_bwd(flash_attention, q, k, v, do, causal)
     assert gluon == [1] and "fwd" not in tl
     tl.clear()
-    off = _fwd_bwd(flash_attention, q, k, v, do, causal)
+    with options.use(hopper_forward="off"):
+        off = _fwd_bwd(flash_attention, q, k, v, do, causal)
     assert gluon == [1] and "fwd" in tl
     ref = _fwd_bwd(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
     low = _fwd_bwd(naive_attention, q, k, v, do, causal)
     for name, a, b, r, n in zip(("out", "dq", "dk", "dv"), on, off, ref, low):
         assert_within_budget(f"{name} (switch on)", a, r, n)
         assert_within_budget(f"{name} (switch off)", b, r, n)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
+    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon forward and head dim 64 the tl
+    forward; both within the budget of naive attention against the float64 reference, with GQA."""
+    assert options.get().hopper_forward == "auto"
+    for D, want_gluon in ((128, True), (64, False)):
+        case = (1, 4, 2, 4096, 4096, causal)
+        q, k, v = _inputs(case, D, torch.bfloat16, _gen(request))
+        gluon, tl = [], []
+        real_into, real_launch = hopper_launch.forward_into, launch._launch
+        monkeypatch.setattr(hopper_launch, "forward_into", lambda *a: gluon.append(1) or real_into(*a))
+        monkeypatch.setattr(launch, "_launch", lambda name, *a: tl.append(name) or real_launch(name, *a))
+        monkeypatch.setattr(launch, "_plan_key", lambda *args: None)  # every tl launch goes through _launch
+        out = flash_attention(q, k, v, causal=causal)
+        monkeypatch.undo()
+        assert (gluon == [1]) is want_gluon and ("fwd" in tl) is not want_gluon, (D, gluon, tl)
+        ref = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert_within_budget(f"out d{D}", out, ref, naive_attention(q, k, v, causal=causal))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -176,7 +197,7 @@ def test_packed_projection_layout(D, request):
     B, N, Hq, Hkv = 2, 333, 4, 2
     qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=_gen(request)).to("cuda", torch.bfloat16)
     qkv.requires_grad_()
-    with options.use(hopper_forward=True):
+    with options.use(hopper_forward="on"):
         o = flash_attention_qkvpacked(qkv, Hq, Hkv)
     q, k, v = (t.detach() for t in split_qkv(qkv, Hq, Hkv))  # (B, H, N, D) views
     assert hopper_launch.unsupported(q, k, v) is None  # the Gluon kernel took these strides

@@ -55,7 +55,7 @@ def compile_hopper_launches() -> list[dict]:
     kt.sm_count = lambda device: H200_SMS
     hopper_launch._is_sm90 = lambda device: True
     with compiling_instead_of_launching(forward._attn_fwd_hopper) as compiled, torch.no_grad(), \
-            options.use(hopper_forward=True):
+            options.use(hopper_forward="on"):
         for dtype in (torch.bfloat16, torch.float16):
             for D in (64, 128):
                 for causal in (True, False):
@@ -147,7 +147,7 @@ def test_the_switch_falls_back_to_the_tl_kernel_where_the_gluon_kernel_cannot_ru
     monkeypatch.setattr(launch, "_plan_key", lambda *args: None)  # no replays: every launch goes through _launch
     q, k, v = (torch.randn(1, 2, 9, 16, device="cuda" if torch.cuda.is_available() else "cpu") for _ in range(3))
     assert hopper_launch.unsupported(q, k, v) is not None  # head dim 16 (and, on a CPU, the device)
-    with options.use(hopper_forward=True):
+    with options.use(hopper_forward="on"):
         on = kernels.flash_attention(q, k, v)
     off = kernels.flash_attention(q, k, v)
     assert launched == ["fwd", "fwd"]
@@ -156,3 +156,35 @@ def test_the_switch_falls_back_to_the_tl_kernel_where_the_gluon_kernel_cannot_ru
 
 if __name__ == "__main__":
     json.dump(compile_hopper_launches(), sys.stdout)
+
+
+@pytest.mark.parametrize("mode, D, Nq, Nk, takes", [
+    ("auto", 128, 4096, 4096, True),
+    ("auto", 128, 16384, 16384, True),
+    ("auto", 128, 4095, 4096, False),   # fewer queries than the measured lengths
+    ("auto", 128, 4096, 1023, False),   # fewer keys
+    ("auto", 64, 4096, 4096, False),    # head dim 64: the tl forward was as fast
+    ("on", 64, 113, 113, True),
+    ("off", 128, 4096, 4096, False),
+])
+def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk, takes, monkeypatch):
+    """The dispatch rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128 with
+    at least 4096 queries and keys, on takes whatever the kernel takes, off nothing; and whatever the mode, an
+    input the kernel refuses stays with the tl kernel."""
+    from kernels.flash import launch
+    q = torch.empty(1, 1, Nq, D)
+    k = v = torch.empty(1, 1, Nk, D)
+    asked = []
+    monkeypatch.setattr(launch._hopper, "unsupported", lambda *a: asked.append(1) and None)
+    assert launch._hopper_takes(mode, q, k, v, 0, None) is takes
+    if mode == "auto" and not takes:
+        assert asked == []  # the shape test answers first: no per-call cost for the shapes auto leaves alone
+    monkeypatch.setattr(launch._hopper, "unsupported", lambda *a: "refused")
+    assert launch._hopper_takes(mode, q, k, v, 0, None) is False
+
+
+def test_hopper_forward_option_values():
+    assert options.KernelOptions().hopper_forward == "auto"
+    assert options.from_env({"FLASHGPT_HOPPER_FWD": "off"}).hopper_forward == "off"
+    with pytest.raises(ValueError, match="FLASHGPT_HOPPER_FWD='1': expected one of auto, on, off"):
+        options.from_env({"FLASHGPT_HOPPER_FWD": "1"})

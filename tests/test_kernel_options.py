@@ -24,11 +24,11 @@ def test_environment_overrides_parse_into_typed_options():
     env = {"FLASHGPT_AUTOTUNE": "0", "FLASHGPT_TMA": "off", "FLASHGPT_TMA_MIN_D": "16", "FLASHGPT_LPT": "false",
            "FLASHGPT_FAST_LAUNCH": "no", "FLASHGPT_BWD": "fused", "FLASHGPT_FUSED_DQ": "1", "FLASHGPT_PDL": "0",
            "FLASHGPT_CE": "torch", "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT": "64", "FLASHGPT_LLAMA_KERNELS": "triton",
-           "FLASHGPT_HOPPER_FWD": "1", "UNRELATED": "x"}
+           "FLASHGPT_HOPPER_FWD": "on", "UNRELATED": "x"}
     assert options.from_env(env) == KernelOptions(autotune=False, tma=False, tma_min_block_d=16, lpt=False,
                                                   fast_launch=False, backward="fused", fused_dq=1, pdl=False,
                                                   loss_kernel="torch", decode_min_keys_per_split=64,
-                                                  llama_kernels="triton", hopper_forward=True)
+                                                  llama_kernels="triton", hopper_forward="on")
     assert set(options.ENV) == {f.name for f in dataclasses.fields(KernelOptions)}  # every option has one
     assert options.from_env({"FLASHGPT_TMA": "1", "FLASHGPT_LPT": "yes"}, tma=False, lpt=False).tma is True
     assert options.from_env({}, autotune=False).autotune is False  # a program's default, no override

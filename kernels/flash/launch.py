@@ -343,12 +343,28 @@ def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return o, lse
 
 
+# hopper_forward = "auto" sends the forward to the Gluon kernel only where the H200 timed it faster than the tl
+# forward (bench/results/flash_hopper/: 1.06-1.24x at head dim 128 with 4096 and 16384 tokens, causal or not);
+# at head dim 64 it was 0.96-1.02x and at 1024 tokens 0.26-0.46x, so those stay with the tl kernel.
+HOPPER_AUTO_HEAD_DIM = 128
+HOPPER_AUTO_MIN_LEN = 4096
+
+
+def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, docs) -> bool:
+    """Whether the forward goes to the Gluon kernel under hopper_forward = mode ("auto" | "on" | "off"). The
+    shape test comes first: the other inputs of "auto" cost no more host time than "off"."""
+    if mode == "off" or (mode == "auto" and not (q.shape[-1] == HOPPER_AUTO_HEAD_DIM
+                                                 and min(q.shape[-2], k.shape[-2]) >= HOPPER_AUTO_MIN_LEN)):
+        return False
+    return _hopper.unsupported(q, k, v, window, docs) is None
+
+
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float, window: int = 0,
          docs: torch.Tensor | None = None):
     """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled).
-    With the hopper_forward option on, inputs that the Gluon kernel takes go to it instead of the tl kernel."""
+    Inputs that the hopper_forward option gives to the Gluon kernel go to it instead of the tl kernel."""
     opts = _options.get()
-    if opts.hopper_forward and _hopper.unsupported(q, k, v, window, docs) is None:
+    if _hopper_takes(opts.hopper_forward, q, k, v, window, docs):
         return _hopper_fwd(q, k, v, causal, sm_scale)
     key = _plan_key(_masked("fwd", window, docs), opts, _with_docs((q, k, v), docs), causal, sm_scale)
     plan = _plans.get(key)

@@ -1,13 +1,14 @@
-"""The attention forward for Hopper GPUs (sm_90) in Gluon, FlashAttention-3's structure; an opt-in alternative
-to the tl forward of kernels/flash that the same backward consumes.
+"""The attention forward for Hopper GPUs (sm_90) in Gluon, FlashAttention-3's structure; an alternative to the tl
+forward of kernels/flash that the same backward consumes, used where it was measured faster.
 
     flash_hopper_forward(q, k, v, causal=True, sm_scale=None) -> (o, lse)
     unsupported(q, k, v, window=0, docs=None) -> str | None      None when the Gluon kernel takes these inputs
     AVAILABLE, UNAVAILABLE_REASON                                 this Triton has the Gluon API it uses
 
-kernels.flash_attention (and the packed and compiled forms) launches it instead of the tl forward when the
-hopper_forward option is on (kernels/options.py, FLASHGPT_HOPPER_FWD=1) and unsupported() says None; the
-backward is always the tl one, reading this kernel's O and log-sum-exp.
+kernels.flash_attention (and the packed and compiled forms) launches it instead of the tl forward where
+unsupported() says None and the hopper_forward option (kernels/options.py, FLASHGPT_HOPPER_FWD) gives it the
+inputs: "auto" (the default) at head dim 128 with at least 4096 queries and keys, "on" always, "off" never.
+The backward is always the tl one, reading this kernel's O and log-sum-exp.
 
 Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;
 GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multiples and unit stride along the

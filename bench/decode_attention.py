@@ -1,4 +1,5 @@
-"""Decode-attention benchmark: the split-KV kernel against SDPA and a copy of the same bytes, GPT-2-like shape.
+"""Decode-attention benchmark: the split-KV kernel (its merge launched, or done inside the split kernel) against
+SDPA and a copy of the same bytes, GPT-2-like shape.
 
     python bench/decode_attention.py                 # GPU: B in (1, 16), H=12, D=64, bf16, Nq=1, 1k..32k cache
     python bench/decode_attention.py --sweep         # GPU: also time tile configs and split counts per shape
@@ -6,12 +7,14 @@
 
 Every (batch, length) reads a static cache of capacity --capacity (default the longest length) whose first L
 positions are valid, as a decode step inside a CUDA graph does. Providers:
-    split      decode_attention(..., num_splits=None): the grid sized for the capacity (what a graph holds),
-               each sequence's split plan from its length on the device
-    split-fit  the same over a cache view of exactly L positions (the grid sized for L)
-    nosplit    decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
-    sdpa       F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
-    copy       a device-to-device copy of the same bytes as K and V's valid prefixes: the bandwidth limit
+    split          decode_attention(..., num_splits=None): the grid sized for the capacity (what a graph
+                   holds), each sequence's split plan from its length on the device
+    split-merged   the same under the kernel option decode_merge_in_split (PROVIDER_OPTIONS): the last split
+                   program of each (sequence, kv head, row block) merges the parts, no merge launch
+    split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
+    nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
+    sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
+    copy           a device-to-device copy of the same bytes as K and V's valid prefixes: the bandwidth limit
 Each is first checked against a float32 SDPA reference (error <= 2x bf16 SDPA's + 4e-3; the cache past L
 holds NaN for this check), then timed two ways, each the median of repeated measurements after warm-up calls:
     graph   per-call µs of a CUDA graph of back-to-back calls (the GPU's time, as in the model's decode step);
@@ -59,6 +62,8 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 44, 64, 96, 128)
 SWEEP_MIN_KEYS = (64, 128, 512, 1024)  # decode_min_keys_per_split values tried with the automatic split count
 SMOKE_TILES = [(16, 4, 1, True), (32, 2, 1, False)]
 SMOKE_SPLITS = (1, 3)
+PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True)}  # kernel options a provider runs under
+DECODE_PROVIDERS = ("split", "split-merged", "split-fit", "nosplit")  # checked again after timing
 TARGET_LEN, TARGET_COPY_FRACTION, TARGET_VS_SDPA = 32768, 0.75, 1.0
 L2_FACTOR = 3  # bytes read between two visits of one cache copy, in L2 sizes
 
@@ -347,6 +352,8 @@ class Run:
         q, lens, out = shape.q, shape.lens, shape.out
         providers = {
             "split": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out, check_lens=False),
+            "split-merged": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out,
+                                                           check_lens=False),  # under PROVIDER_OPTIONS
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,
@@ -359,13 +366,14 @@ class Run:
                    nbytes=shape.nbytes, sdpa_err=shape.sdpa_err, providers={})
         for name, fn in providers.items():
             try:
-                if name != "copy":
-                    row["providers"][name] = dict(max_err=shape.check(fn))
-                m = self.measure(shape, fn)
-                if name in ("split", "split-fit", "nosplit"):  # the timed launches computed the right thing too
-                    err = shape.error(fn(0))
-                    if not err <= shape.bound:
-                        raise AssertionError(f"after timing: error {err:.3g} > bound {shape.bound:.3g}")
+                with self.options.use(**PROVIDER_OPTIONS.get(name, {})):
+                    if name != "copy":
+                        row["providers"][name] = dict(max_err=shape.check(fn))
+                    m = self.measure(shape, fn)
+                    if name in DECODE_PROVIDERS:  # the timed launches computed the right thing too
+                        err = shape.error(fn(0))
+                        if not err <= shape.bound:
+                            raise AssertionError(f"after timing: error {err:.3g} > bound {shape.bound:.3g}")
                 row["providers"].setdefault(name, {}).update(m)
             except Exception as e:  # noqa: BLE001 - one provider's failure is reported, not fatal
                 row["providers"][name] = dict(error=error_line(e))
@@ -509,7 +517,7 @@ def one_line(row) -> str:
 
 
 def render_markdown(meta, rows) -> str:
-    names = ["split", "split-fit", "nosplit", "sdpa", "copy"]
+    names = ["split", "split-merged", "split-fit", "nosplit", "sdpa", "copy"]
     lines = [f"# Decode attention: split-KV vs SDPA vs a copy ({meta['dtype']}, Nq=1, H={meta['H']}, "
              f"Hkv={meta['Hkv']}, D={meta['D']}, cache capacity {meta['capacity']})", "",
              f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "

@@ -27,7 +27,8 @@ Inference only: there is no backward, and inputs that require grad (with grad mo
 
 The scheme: the valid prefix of each sequence is cut into chunks (a multiple of BLOCK_N keys each) processed
 by separate programs, so that even batch 1 with a long cache fills the GPU. Each split writes its partial
-output O_s (normalised, fp32) and its log-sum-exp lse_s; a second kernel merges them:
+output O_s (normalised, fp32) and its log-sum-exp lse_s; a second kernel merges them (or, as an option, the
+last split program to finish; see below):
     out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),   M = max_s lse_s
 A row that sees no key of a split (the causal edge of Nq > 1 tokens) has lse_s = -inf there, weight 0.
 
@@ -45,6 +46,14 @@ cache stays right inside a CUDA graph whose lengths change at every replay:
     num_splits=1     the plain non-split kernel, which writes the output directly (the benchmark's baseline)
 Splits a sequence does not use exit at once and write nothing; the merge reads only the used ones, and when
 a sequence uses one split, that split writes the output itself and the merge skips the row.
+
+Merging inside the split kernel (kernels.options decode_merge_in_split, FLASHGPT_DECODE_MERGE_IN_SPLIT=1; off
+by default): no merge launch. Each split program of a multi-split sequence stores its
+part, then adds 1 to an int32 counter of its (sequence, kv head, row block) with an acq_rel atomic; the
+program that finds used - 1 there merges the used parts with the same code as the merge kernel (reading them
+past L1) and sets the counter back to 0. The counters are one zeroed buffer per device (merge_counters),
+shared by every call: calls must follow each other in one stream order (as eager calls, a CUDA graph's layers
+and its replays do), and the first call needing a larger buffer must come before CUDA graph capture.
 
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile);
 dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of
@@ -74,6 +83,7 @@ MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
 PROGRAMS_PER_SM = 4   # the automatic split count aims at this many split programs per SM
 MERGE_TILE = 16       # splits the merge kernel reads per step
+MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
 
 
 # The host's integer helpers are plain Python: triton.cdiv and triton.next_power_of_2 cost microseconds per call,
@@ -176,9 +186,48 @@ def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok
     return acc, l_i, m_new
 
 
+@triton.jit
+def _merge_splits(O_PART, LSE, rows, row_ok, used, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                  TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+    """The merged outputs (BLOCK_R, BLOCK_D) fp32 of output rows `rows` (BLOCK_R,) from their first `used` parts
+    in O_PART (rows, NUM_SPLITS, HEAD_DIM) and LSE (rows, NUM_SPLITS):
+        out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),   M = max_s lse_s
+    reading TILE_S splits of every row per step. A part with lse = -inf (no key seen) weighs 0; a row with none
+    (or not row_ok) merges to 0. The merge kernel's code (one row) and the split kernel's with MERGE (a row
+    block); CACHE is the loads' cache modifier (".cg" there: parts other programs have just written)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, TILE_S)
+    base = rows * NUM_SPLITS                                                    # (BLOCK_R,) first part of a row
+
+    m_t = tl.full([BLOCK_R, TILE_S], float("-inf"), tl.float32)                 # per-lane max of lse
+    for s0 in range(0, used, TILE_S):
+        ok = row_ok[:, None] & (s0 + offs_s < used)[None, :]                    # (BLOCK_R, TILE_S)
+        lse_t = tl.load(LSE + base[:, None] + s0 + offs_s[None, :], mask=ok, other=float("-inf"),
+                        cache_modifier=CACHE)
+        m_t = tl.maximum(m_t, lse_t)
+    m = tl.max(m_t, 1)                                                          # (BLOCK_R,)
+    m = tl.where(m == float("-inf"), 0.0, m)
+
+    denom_t = tl.zeros([BLOCK_R, TILE_S], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s0 in range(0, used, TILE_S):
+        parts = base[:, None] + s0 + offs_s[None, :]                            # (BLOCK_R, TILE_S)
+        ok = row_ok[:, None] & (s0 + offs_s < used)[None, :]
+        lse_t = tl.load(LSE + parts, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+        w = tl.exp2(lse_t - m[:, None])                                         # (BLOCK_R, TILE_S) -inf: weight 0
+        o = tl.load(O_PART + parts[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=(lse_t > float("-inf"))[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=CACHE)                                       # (BLOCK_R, TILE_S, BLOCK_D)
+        denom_t += w
+        acc += tl.sum(w[:, :, None] * o, 1)
+    denom = tl.sum(denom_t, 1)                                                  # (BLOCK_R,)
+    return acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+
+
 @triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
 def _decode_split_kernel(
-        Q, K, V, LENS, O_PART, LSE, OUT,
+        Q, K, V, LENS, O_PART, LSE, OUT, COUNTERS,
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -186,7 +235,7 @@ def _decode_split_kernel(
         qk_scale, H_KV, MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
-        PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
+        PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
 
     USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
@@ -197,6 +246,11 @@ def _decode_split_kernel(
     with one used split the output goes straight to OUT, otherwise O_PART (B*Hq*N_Q, NUM_SPLITS, HEAD_DIM)
     fp32 and LSE (B*Hq*N_Q, NUM_SPLITS) fp32 receive the split's part. Not SPLIT: one program per row block
     over the whole prefix, writing OUT (B, Hq, N_Q, HEAD_DIM).
+
+    MERGE (with SPLIT): after storing its part, a split program counts itself in COUNTERS (B * H_KV * row
+    blocks,) int32, one zero per (sequence, kv head, row block), with an acq_rel atomic; the program that
+    counts last (used - 1 before it) resets the counter to 0 and merges the used parts into OUT
+    (_merge_splits, the loads bypassing L1), so no merge launch follows.
     """
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -241,10 +295,21 @@ def _decode_split_kernel(
         tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
                  + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty), mask=out_mask)
     else:
-        part = ((b * (H_KV * GROUP) + h_q) * N_Q + i_q) * NUM_SPLITS + split    # (BLOCK_M,) row of O_PART
+        out_row = (b * (H_KV * GROUP) + h_q) * N_Q + i_q                        # (BLOCK_M,) output row
+        part = out_row * NUM_SPLITS + split                                     # (BLOCK_M,) row of O_PART
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(LSE + part, lse, mask=row_ok)
         tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+        if MERGE:  # the last of the used splits to arrive merges them all
+            tl.debug_barrier()  # every thread's part is stored before the release below
+            counter = COUNTERS + tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed")  # zero for the next launch (kernel end orders it)
+                tl.debug_barrier()  # the acquire above comes before any thread's loads of the other parts
+                merged = _merge_splits(O_PART, LSE, out_row, row_ok, used, NUM_SPLITS, HEAD_DIM, BLOCK_M,
+                                       MERGE_TILE_S, BLOCK_D, ".cg")           # (BLOCK_M, BLOCK_D)
+                tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
+                         + offs_d[None, :] * stride_od, merged.to(OUT.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
@@ -252,7 +317,7 @@ def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stri
                          MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
                          N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                          TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
-    """grid = (B * Hq * N_Q,): merge one output row's used splits with their log-sum-exps.
+    """grid = (B * Hq * N_Q,): merge one output row's used splits with their log-sum-exps (_merge_splits).
 
     The used count comes from the same split_plan as the split kernel's (BLOCK_N is the split kernel's); a
     row whose sequence used one split was written by that split, and is left alone here.
@@ -266,31 +331,12 @@ def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stri
     chunk, used = split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
     if used == 1:
         return
+    rows = row + tl.arange(0, 1)                                                # (1,)
+    out = _merge_splits(O_PART, LSE, rows, tl.full([1], True, tl.int1), used, NUM_SPLITS, HEAD_DIM, 1, TILE_S,
+                        BLOCK_D, "")                                            # (1, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_s = tl.arange(0, TILE_S)
-
-    m_t = tl.full([TILE_S], float("-inf"), tl.float32)                          # per-lane max of lse
-    for s0 in range(0, used, TILE_S):
-        lse_t = tl.load(LSE + row * NUM_SPLITS + s0 + offs_s, mask=s0 + offs_s < used, other=float("-inf"))
-        m_t = tl.maximum(m_t, lse_t)
-    m = tl.max(m_t, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-
-    denom_t = tl.zeros([TILE_S], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, used, TILE_S):
-        offs_t = s0 + offs_s
-        lse_t = tl.load(LSE + row * NUM_SPLITS + offs_t, mask=offs_t < used, other=float("-inf"))
-        w = tl.exp2(lse_t - m)                                                  # (TILE_S,) -inf: weight 0
-        o = tl.load(O_PART + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=(lse_t > float("-inf"))[:, None] & d_ok[None, :], other=0.0)  # (TILE_S, BLOCK_D)
-        denom_t += w
-        acc += tl.sum(w[:, None] * o, 0)
-    denom = tl.sum(denom_t, 0)
-    out = acc / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_on + offs_d * stride_od,
-             out.to(OUT.dtype.element_ty), mask=d_ok)
+    tl.store(OUT + b * stride_ob + h * stride_oh + i * stride_on + offs_d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=(offs_d < HEAD_DIM)[None, :])  # (1, BLOCK_D)
 
 
 _triton.check_decorated(_decode_split_kernel, _decode_merge_kernel)
@@ -367,6 +413,35 @@ def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -
     return None
 
 
+# The merge-in-split counters, one int32 buffer per device, shared by every launch on it (see merge_counters).
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 zeros on `device`: the split kernel's merge counters (option decode_merge_in_split).
+
+    Every launch leaves its counters at zero again, so launches in one stream order (eager calls, the layers of
+    a CUDA graph, graph replays) share one buffer; launches that may run at the same time on other streams must
+    not use the option. The buffer is allocated on first use and grown (doubled) when a launch needs more; a
+    buffer outgrown is kept alive, since a CUDA graph captured with it keeps using it. Allocating is refused
+    during CUDA graph capture (a zero fill captured there would not have run yet): make one call of each shape
+    before capturing, as the warm-up before a capture does.
+    """
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"decode_merge_in_split needs {n} merge counters on {device}, allocated before CUDA "
+                           "graph capture: call decode_attention once with these shapes before capturing")
+    if buf is not None:
+        _retired_counters.append(buf)
+    size = max(n, 2 * (0 if buf is None else buf.numel()))
+    buf = torch.zeros(size, dtype=torch.int32, device=device)                  # (size,)
+    _counters[device] = buf
+    return buf
+
+
 # Compiled split/merge kernels per launch signature, so that a repeated launch (every decode step of an eager
 # loop) calls Triton's launcher directly instead of JITFunction.run's per-call argument binding and cache-key
 # work. The key holds every runtime argument by value and each tensor's dtype and 16-byte alignment (what
@@ -433,19 +508,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl = pdl_enabled(q.device)
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
 
+    merge_in_split = num_splits > 1 and _options.get().decode_merge_in_split
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
     else:
         o_part = _triton.empty((B * Hq * Nq, num_splits, D), torch.float32, q.device)
         lse = _triton.empty((B * Hq * Nq, num_splits), torch.float32, q.device)
+    counters = merge_counters(q.device, B * Hkv * row_blocks) if merge_in_split else out  # else unused
+    merge_tile_s = min(MERGE_TILE, max(1, MERGE_STEP // (BLOCK_M * BLOCK_D)))  # splits per in-split merge step
     with _triton.device_guard(q):
         _launch(_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
-                (q, k_cache, v_cache, cache_lens, o_part, lse, out),
+                (q, k_cache, v_cache, cache_lens, o_part, lse, out, counters),
                 (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
-                     BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl), launch)
-        if num_splits > 1:
+                     BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
+                     MERGE_TILE_S=merge_tile_s), launch)
+        if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),
                     dict(N_Q=Nq, HEAD_DIM=D, BLOCK_N=tile.block_n, TILE_S=MERGE_TILE, BLOCK_D=BLOCK_D, USE_GDC=pdl),

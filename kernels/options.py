@@ -45,6 +45,9 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         kernels/flash/launch.py: HOPPER_AUTO_*),
                                                                         on = for every input it takes, off = never
                                                                         (the backward is always tl)
+    decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
+                                                                        program of each row block merges the
+                                                                        parts (one launch); off: a merge launch
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -76,6 +79,7 @@ class KernelOptions:
     decode_min_keys_per_split: int = 256
     llama_kernels: str = "torch"
     hopper_forward: str = "auto"
+    decode_merge_in_split: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -106,6 +110,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_min_keys_per_split": (lambda v: _is_int(v) and v >= 1, "expected an int >= 1"),
     "llama_kernels": (lambda v: v in LLAMA_KERNELS, f"expected one of {', '.join(LLAMA_KERNELS)}"),
     "hopper_forward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
+    "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -118,7 +123,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
-       "hopper_forward": "FLASHGPT_HOPPER_FWD"}
+       "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

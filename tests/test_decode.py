@@ -202,7 +202,7 @@ def test_bench_smoke(tmp_path):
     data = json.loads((tmp_path / "decode_attention_smoke.json").read_text())
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
-        assert set(row["providers"]) == {"split", "split-fit", "nosplit", "sdpa", "copy"}
+        assert set(row["providers"]) == {"split", "split-merged", "split-fit", "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -326,3 +326,87 @@ def test_repeated_launch_goes_through_the_cached_launcher():
     assert len(dec._compiled) == 2 and dec._direct_launch_ok  # the split and the merge kernel
     again = run_decode(q, k, v, lens, check_lens=False)
     assert dec._direct_launch_ok and torch.equal(first, again)
+
+
+# ------------------------------------------------------------------ the merge inside the split kernel (an option)
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernels decode_attention launches, in order (they still run)."""
+    import kernels.decode as dec
+    made = []
+    real = dec._launch
+
+    def recording(kernel, *args):
+        made.append(kernel)
+        return real(kernel, *args)
+    monkeypatch.setattr(dec, "_launch", recording)
+    return made
+
+
+def merged_in_split(q, k, v, lens, dtype, **kw):
+    """check() with decode_merge_in_split on, twice in a row on the same counters: the counters back at zero
+    after each call, the same output both times."""
+    import kernels.decode as dec
+    outs = []
+    with options.use(decode_merge_in_split=True):
+        for _ in range(2):
+            outs.append(check(q, k, v, lens, dtype, **kw))
+            assert (dec._counters[q.device] == 0).all(), dec._counters[q.device]
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    return outs[0]
+
+
+# one split (<= 512 keys) and several in one batch, lengths not multiples of BLOCK_N or of the chunk
+LENS_MERGE = [4, 65, 513, 777, 1999]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Nq", [1, 4], ids=["nq1", "nq4"])
+@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_merge_in_split_matches_the_reference_and_the_merge_launch(dtype, Nq, Hq, Hkv, monkeypatch, launches):
+    import kernels.decode as dec
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)  # a GPU's worth of SMs: several splits in the grid
+    q, k, v, lens = make_case(len(LENS_MERGE), Hq, Hkv, Nq, 48, LENS_MERGE, max_len=2048, dtype=dtype,
+                              seed=Hq + Nq)
+    with options.use(decode_min_keys_per_split=128):
+        merged = merged_in_split(q, k, v, lens, dtype, check_lens=False)  # grid from max_len, plans per length
+        assert launches == [dec._decode_split_kernel] * 2                   # no merge launch
+        separate = check(q, k, v, lens, dtype, check_lens=False)
+        assert launches[2:] == [dec._decode_split_kernel, dec._decode_merge_kernel]
+    torch.testing.assert_close(merged, separate, atol=FLOOR[dtype], rtol=FLOOR[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [2, 7, 64])
+def test_merge_in_split_with_explicit_split_counts(num_splits):
+    # 64 splits of lens 65 and 300 leave most splits empty (lse = -inf, or not used at all)
+    q, k, v, lens = make_case(3, 4, 2, 3, 80, [300, 65, 3], max_len=320, dtype=torch.float32, seed=num_splits)
+    merged = merged_in_split(q, k, v, lens, torch.float32, num_splits=num_splits)
+    torch.testing.assert_close(merged, check(q, k, v, lens, torch.float32, num_splits=num_splits),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_merge_in_split_over_several_row_blocks_and_the_vector_tile():
+    from kernels.decode import DecodeTile
+    # MQA with 24 query heads x 4 new tokens = 96 rows of one kv head: two row blocks, a counter each
+    q, k, v, lens = make_case(2, 24, 1, 4, 32, [77, 200], max_len=256, dtype=torch.float32, seed=5)
+    merged_in_split(q, k, v, lens, torch.float32, num_splits=3)
+    # one query row per program (dot=False): 16 splits per merge step, 24 used by the first sequence
+    q, k, v, lens = make_case(2, 3, 3, 1, 64, [1500, 40], max_len=1536, dtype=torch.float16, seed=6)
+    merged_in_split(q, k, v, lens, torch.float16, num_splits=40, tile=DecodeTile(32, 4, 1, dot=False))
+
+
+def test_merge_counters_grow_and_are_not_allocated_during_capture(monkeypatch):
+    import kernels.decode as dec
+    monkeypatch.setattr(dec, "_counters", {})
+    monkeypatch.setattr(dec, "_retired_counters", [])
+    cpu = torch.device("cpu")
+    small = dec.merge_counters(cpu, 6)
+    assert small.dtype == torch.int32 and small.shape == (6,) and (small == 0).all()
+    assert dec.merge_counters(cpu, 4) is small                      # big enough: the same buffer
+    big = dec.merge_counters(cpu, 7)
+    assert big.shape == (12,) and (big == 0).all()
+    assert len(dec._retired_counters) == 1 and dec._retired_counters[0] is small  # kept alive for CUDA graphs
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before CUDA graph capture"):
+        dec.merge_counters(torch.device("cuda", 0), 8)

@@ -88,20 +88,22 @@ def _paired_split_k(dtype, pdl: bool) -> None:
 
 
 def _split_attention(dtype) -> None:
-    """decode_attention over 4 splits (and the merge): MHA with head dim 64, GQA with head dim 128; MHA with the
-    broadcast-and-sum tile (dot=False)."""
+    """decode_attention over 4 splits, with the merge launch and merged inside the split kernel: MHA with head
+    dim 64, GQA with head dim 128; MHA with the broadcast-and-sum tile (dot=False)."""
     import torch
 
     from kernels import options
     from kernels.decode import DecodeTile, decode_attention
-    for hq, hkv, d in ((8, 8, 64), (4, 2, 128)):
-        q = torch.randn(1, hq, 1, d).to(dtype)                                  # (B, Hq, 1, D)
-        cache = torch.randn(1, hkv, 1024, d).to(dtype)                          # (B, Hkv, max_len, D)
-        with options.use(pdl=True):
-            decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4)
-    q, cache = torch.randn(1, 8, 1, 64).to(dtype), torch.randn(1, 8, 1024, 64).to(dtype)  # MHA, one row per kv head
-    with options.use(pdl=True):                                                 # the broadcast-and-sum products
-        decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4, tile=DecodeTile(64, 4, 1, dot=False))
+    for merge in (False, True):
+        for hq, hkv, d in ((8, 8, 64), (4, 2, 128)):
+            q = torch.randn(1, hq, 1, d).to(dtype)                              # (B, Hq, 1, D)
+            cache = torch.randn(1, hkv, 1024, d).to(dtype)                      # (B, Hkv, max_len, D)
+            with options.use(pdl=True, decode_merge_in_split=merge):
+                decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4)
+        q, cache = torch.randn(1, 8, 1, 64).to(dtype), torch.randn(1, 8, 1024, 64).to(dtype)  # one row per kv head
+        with options.use(pdl=True, decode_merge_in_split=merge):               # the broadcast-and-sum products
+            decode_attention(q, cache, cache, torch.tensor([600]), num_splits=4,
+                             tile=DecodeTile(64, 4, 1, dot=False))
 
 
 def compile_decode_launches() -> list[dict]:
@@ -132,6 +134,9 @@ def compile_decode_launches() -> list[dict]:
     for c, rec in zip(compiled, records):
         if rec["kernel"] == "_ln_linear_kernel" and (rec["consts"]["SWIGLU"] or rec["consts"]["ROPE"]):
             rec["ptxas"] = ptxas_usage(c)
+        if rec["consts"].get("MERGE"):  # the counter's release/acquire and the loads of other programs' parts
+            ptx = c.asm["ptx"]
+            rec["merge_ptx"] = dict(acq_rel_add="atom.global.gpu.acq_rel.add" in ptx, cg_loads="ld.global.cg" in ptx)
     return records
 
 
@@ -154,7 +159,8 @@ def _tags(rec: dict) -> set[str]:
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
     else:
         tags.update({f"d{c['HEAD_DIM']}", "split" if c.get("SPLIT", True) else "no_split",
-                     "gqa" if c.get("GROUP", 1) > 1 else "mha", "dot" if c.get("DOT", True) else "vec"})
+                     "gqa" if c.get("GROUP", 1) > 1 else "mha", "dot" if c.get("DOT", True) else "vec",
+                     "merge" if c.get("MERGE") else "no_merge"})
     return tags
 
 
@@ -178,12 +184,15 @@ LN_LINEAR_MODES = [  # each launched with and without PDL, in each dtype
 ]
 OTHER_MODES = [
     "_embed_kernel wpe", "_embed_kernel no_wpe",
-    # unsplit (the steps' short caches) with and without PDL; split and merged over 4 splits
+    # unsplit (the steps' short caches) with and without PDL; split and merged over 4 splits, by the merge
+    # kernel or inside the split kernel (decode_merge_in_split)
     "_decode_split_kernel mha d64 no_split pdl", "_decode_split_kernel mha d64 no_split no_pdl",
     "_decode_split_kernel gqa d128 no_split pdl", "_decode_split_kernel gqa d128 no_split no_pdl",
-    "_decode_split_kernel mha d64 split pdl dot", "_decode_split_kernel gqa d128 split pdl dot",
-    "_decode_split_kernel mha d64 split pdl vec",
+    "_decode_split_kernel mha d64 split pdl dot no_merge", "_decode_split_kernel gqa d128 split pdl dot no_merge",
+    "_decode_split_kernel mha d64 split pdl vec no_merge",
     "_decode_merge_kernel d64", "_decode_merge_kernel d128",
+    "_decode_split_kernel mha d64 split pdl dot merge", "_decode_split_kernel gqa d128 split pdl dot merge",
+    "_decode_split_kernel mha d64 split pdl vec merge",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -222,8 +231,9 @@ def required_modes() -> list[set[str]]:
 
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """Each launch variant of the decode path (GPT-2 and Llama-family modes, split-K, PDL on and off, fp16 and
-    bf16, GQA, head dims 64 and 128, split and unsplit attention, dot and broadcast-and-sum tiles) compiles to PTX
-    with its entry and to a cubin; the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    bf16, GQA, head dims 64 and 128, split and unsplit attention, merged by the merge kernel or inside the split
+    kernel (with its acq_rel counter and L1-bypassing loads in the PTX), dot and broadcast-and-sum tiles) compiles
+    to PTX with its entry and to a cubin; the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills)."""
     from tests.util import compiled_records
@@ -232,6 +242,8 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     tagged = [_tags(rec) for rec in records]
     missing = [" ".join(sorted(m)) for m in required_modes() if not any(m <= t for t in tagged)]
     assert not missing, f"no compiled variant for: {missing}"
+    merged = [rec for rec in records if "merge_ptx" in rec]
+    assert merged and all(all(rec["merge_ptx"].values()) for rec in merged), [r["merge_ptx"] for r in merged]
     paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if "ptxas" in rec]
     assert len(paired) >= len(LLAMA_MODEL_MODES)
     spills = [(tags, usage) for tags, usage in paired if usage["spill_stores"] or usage["spill_loads"]]

@@ -122,7 +122,8 @@ def test_graphs_variants_pair_with_sdpa_of_the_same_mode(tmp_path, monkeypatch):
     assert bt.parse_variant("flash+graphs/fused") == ("flash", "graphs", "fused")
     _assert_rejected(bt.parse_variant, ("flash+graphs+compile", "sdpa+graph", "flash+"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
-    rows = [bt.combine("flash+graphs", [_run(32.0), _run(32.2)]),
+    graphs_runs = [{**_run(32.0), "reserved_gib": 9.5}, {**_run(32.2), "reserved_gib": 9.7}]
+    rows = [bt.combine("flash+graphs", graphs_runs),
             bt.combine("sdpa+compile", [_run(33.5), _run(33.5)]),
             bt.combine("sdpa+graphs", [_run(32.4), _run(32.4)]),
             bt.combine("flash+compile", [_run(33.0), _run(33.0)])]
@@ -134,6 +135,10 @@ def test_graphs_variants_pair_with_sdpa_of_the_same_mode(tmp_path, monkeypatch):
     assert f"flash + graphs / sdpa + graphs = **{32.4 / 32.1:.3f}×**" in text
     assert f"flash + compile / sdpa + compile = **{33.5 / 33.0:.3f}×**" in text
     assert "flash + graphs / sdpa + compile" not in text
+    # the graphs' pool is reserved before the timed steps: their rows show it beside the peak
+    assert "| flash + graphs | 32.10 | " in text and " | 11.5 (9.7 reserved) | " in text
+    assert "| sdpa + graphs | 32.40 | " in text and "| flash + compile | 33.00 | " in text
+    assert text.count("reserved)") == 1  # only rows whose runs recorded it, only for graphs
 
 
 def test_fixed_batch_random_or_windows_of_a_token_file(tmp_path):

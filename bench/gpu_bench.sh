@@ -21,12 +21,12 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/.cache/triton}
 
 declare -A ARGS=(
   [attention]="${ATTENTION_ARGS:---deadline-s 180}"
-  [train]="${TRAIN_ARGS:---steps 20 --repeats 3 --variants flash+compile,sdpa+compile}"
+  [train]="${TRAIN_ARGS:---steps 20 --repeats 3 --variants flash+compile,sdpa+compile,flash+graphs,sdpa+graphs}"
   [generate]="${GENERATE_ARGS:---no-kernel-sweep}"
   [decode]="${DECODE_ARGS:-}"
   [loss]="${LOSS_ARGS:-}"
   [llama]="${LLAMA_ARGS:---sweep}"
-  [train_smollm2]="${TRAIN_SMOLLM2_ARGS:---model configs/smollm2_135m.toml --block 2048 --steps 20 --repeats 3 --variants flash+compile,sdpa+compile}"
+  [train_smollm2]="${TRAIN_SMOLLM2_ARGS:---model configs/smollm2_135m.toml --block 2048 --steps 20 --repeats 3 --variants flash+compile,sdpa+compile,flash+graphs,sdpa+graphs}"
   [generate_smollm2]="${GENERATE_SMOLLM2_ARGS:---model smollm2 --no-kernel-sweep}"
   [varlen]="${VARLEN_ARGS:---varlen}"
 )

@@ -87,7 +87,7 @@ class TrainConfig:
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
     cuda_graphs: bool = False       # with compile, on one CUDA GPU: replay each micro-batch's compiled forward
                                     # and backward as CUDA graphs (torch.compile mode "reduce-overhead"), so
-                                    # the GPU never waits for the host to launch a kernel
+                                    # the GPU does not wait for the host between their kernels
     doc_mask: bool = False          # attention stays within each document of a packed row (documents end after
                                     # the end-of-text token) and positions restart at 0 for each document
     parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)

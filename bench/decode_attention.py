@@ -350,10 +350,10 @@ class Run:
         copy_src = torch.empty(n_views * n_el, device=self.device, dtype=self.dtype)  # (views * n_el,)
         copy_dst = torch.empty(n_el, device=self.device, dtype=self.dtype)
         q, lens, out = shape.q, shape.lens, shape.out
+        split = lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out, check_lens=False)  # noqa: E731
         providers = {
-            "split": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out, check_lens=False),
-            "split-merged": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out,
-                                                           check_lens=False),  # under PROVIDER_OPTIONS
+            "split": split,
+            "split-merged": split,  # the same call, under PROVIDER_OPTIONS
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,

@@ -22,10 +22,12 @@ process, the variant measured first was about 1.5% faster than the same variant 
 (bench/NOTES.md: flash/sdpa 1.015x in one order, 0.984x in the other), which is the whole margin between the
 two compiled variants. --in-process runs them all in this process instead. Results: train_step.json / .md.
 
-A variant is ATTENTION[+compile|+graphs][/BWD]: +graphs is torch.compile's "reduce-overhead" mode (the compiled
+A variant is ATTENTION[+compile|+graphs][/SUFFIX]: +graphs is torch.compile's "reduce-overhead" mode (the compiled
 forward and backward replayed as CUDA graphs, as train.py's train.cuda_graphs runs them), each flash variant's
-ratio taken over the sdpa variant of the same mode; BWD (flash only) = split or fused, the flash backward's structure
-(the backward kernel option, kernels/options.py); without it, the option in force. --loss picks the loss
+ratio taken over the sdpa variant of the same mode; SUFFIX (flash only) = split or fused, the flash backward's
+structure (the backward kernel option, kernels/options.py), or rope-pass: a RoPE model rotates q and k in its own
+pass before the flash call (the rope_in_flash option off; by default the flash call takes the RoPE tables and its
+backward kernels store dQ and dK rotated back); without it, the options in force. --loss picks the loss
 kernel of every variant (kernels.cross_entropy: auto = the Triton kernel on CUDA; torch = F.cross_entropy on
 fp32 logits).
 
@@ -346,25 +348,32 @@ def run_variant(attention: str, compiled, steps: int, warmup: int, batch: int, b
     return {**row, "tiles": row_tiles} if row_tiles else row
 
 
+# A flash variant's suffix: the backward's structure, or "rope-pass" (a RoPE model rotates q and k in a pass
+# of its own before the flash call instead of handing the tables to it: kernels option rope_in_flash off)
+FLASH_SUFFIXES = {"split": ", split bwd", "fused": ", fused bwd", "rope-pass": ", RoPE pass"}
+
+
 def parse_variant(variant: str) -> tuple[str, bool | str, str | None]:
     """'flash+compile/fused' -> ("flash", True, "fused"), 'sdpa+graphs' -> ("sdpa", "graphs", None): attention,
-    compile mode (False, True or "graphs") and the backward mode (None where not given)."""
-    name, _, bwd = variant.partition("/")
+    compile mode (False, True or "graphs") and the flash suffix (FLASH_SUFFIXES; None where not given)."""
+    name, _, suffix = variant.partition("/")
     attention, *mode = name.split("+")
     modes = {(): False, ("compile",): True, ("graphs",): "graphs"}
     mode = tuple(mode)
     if attention not in kernels.BACKENDS or mode not in modes or (
-            bwd and (attention != "flash" or bwd not in ("split", "fused"))):
-        raise ValueError(f"bad variant {variant!r}: expected ATTENTION[+compile|+graphs][/split|/fused] with "
-                         "ATTENTION one of flash, sdpa, naive (a backward mode only for flash)")
-    return attention, modes[mode], bwd or None
+            suffix and (attention != "flash" or suffix not in FLASH_SUFFIXES)):
+        raise ValueError(f"bad variant {variant!r}: expected ATTENTION[+compile|+graphs][/split|/fused|/rope-pass] "
+                         "with ATTENTION one of flash, sdpa, naive (a suffix only for flash)")
+    return attention, modes[mode], suffix or None
 
 
 def use_variant(variant: str) -> tuple[str, bool | str]:
-    """Parse a variant and set its flash backward mode for this process → (attention, compiled)."""
-    attention, compiled, bwd = parse_variant(variant)
-    if bwd:
-        kernels.options.update(backward=bwd)
+    """Parse a variant and set its flash options for this process → (attention, compiled)."""
+    attention, compiled, suffix = parse_variant(variant)
+    if suffix == "rope-pass":
+        kernels.options.update(rope_in_flash=False)
+    elif suffix:
+        kernels.options.update(backward=suffix)
     return attention, compiled
 
 
@@ -399,8 +408,8 @@ def run_in_process(variant: str, data: str, data_folder: str, args) -> dict:
 
 def combine(variant: str, runs: list, data: str = "random") -> dict:
     """One table row from a variant's runs on one --data kind: the median step over the runs that did not fail."""
-    attention, compiled, bwd = parse_variant(variant)
-    name = f"{attention}{compile_label(compiled)}{f', {bwd} bwd' if bwd else ''}"
+    attention, compiled, suffix = parse_variant(variant)
+    name = f"{attention}{compile_label(compiled)}{FLASH_SUFFIXES[suffix] if suffix else ''}"
     row = {"variant": f"{name}, {DATA_KINDS[data]}" if DATA_KINDS[data] else name, "attention": attention,
            "compiled": compiled, "data": data, "base": name}
     ok = [r for r in runs if "error" not in r]

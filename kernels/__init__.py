@@ -1,7 +1,8 @@
 """Attention implementations and the one dispatch point the model calls (and the loss's).
 
     attention(q, k, v, backend="flash" | "sdpa" | "naive", causal=True, sm_scale=None, window=0, docs=None)
-    attention_qkvpacked(qkv, n_head, n_kv_head, backend=..., causal=True, sm_scale=None, window=0, docs=None)
+    attention_qkvpacked(qkv, n_head, n_kv_head, backend=..., causal=True, sm_scale=None, window=0, docs=None,
+                        rope=None)
     resolve_backend("auto" | backend, device) -> backend          BACKENDS, BACKEND_CHOICES (with "auto")
     cross_entropy(logits, targets, ignore_index=-1, kernel="auto" | "triton" | "torch")
     resolve_loss_kernel(kernel, device) -> "triton" | "torch"     LOSS_KERNELS
@@ -9,7 +10,8 @@
         and RoPE run; the Triton forms are triton_rms_norm, triton_swiglu, triton_rope_qkv
 
 q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D), Hq a multiple of Hkv; causal masks are bottom-right aligned.
-qkv: one packed projection (B, N, (Hq + 2·Hkv)·D), the model's training/prefill path without a KV cache.
+qkv: one packed projection (B, N, (Hq + 2·Hkv)·D), the model's training/prefill path without a KV cache;
+rope = (cos, sin): q and k of qkv are rotated by RoPE first (flash: in its packed call, backward included).
 window > 0 (causal only): query i sees only the last `window` keys up to its diagonal. docs: documents packed in
 each row, as (B, 2, N) int32 bounds (kernels/documents.py: document_bounds): query i sees its own document's
 keys only. Every backend supports both: flash in its kernels, naive and sdpa through explicit masks (O(N²)).
@@ -27,7 +29,8 @@ from ._triton import SUPPORTED_DTYPES, interpreting
 from .ce_loss import cross_entropy as triton_cross_entropy
 from .documents import bounds_from_cu_seqlens, document_bounds, document_mask, document_positions
 from .flash import flash_attention, flash_attention_qkvpacked, flash_attention_varlen
-from .naive import causal_mask, check_qkv, check_window, naive_attention, split_qkv, window_mask
+from .naive import (apply_rope, causal_mask, check_qkv, check_window, naive_attention, rope_reference, split_qkv,
+                    window_mask)
 from .options import LLAMA_KERNELS, LOSS_KERNELS
 from .rmsnorm import rms_norm as triton_rms_norm
 from .rope import rope_qkv as triton_rope_qkv
@@ -87,16 +90,21 @@ def attention(q, k, v, *, backend: str = "naive", causal: bool = True, sm_scale:
 
 
 def attention_qkvpacked(qkv, n_head: int, n_kv_head: int, *, backend: str = "naive", causal: bool = True,
-                        sm_scale: float | None = None, window: int = 0,
-                        docs: torch.Tensor | None = None) -> torch.Tensor:
+                        sm_scale: float | None = None, window: int = 0, docs: torch.Tensor | None = None,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """attention() over the views q, k, v = split_qkv(qkv, n_head, n_kv_head). Returns (B, Hq, N, D).
 
     "flash" runs its packed form, whose backward writes d(qkv) in one buffer (no concatenation of dq, dk,
-    dv); the other backends attend over the views exactly as attention() does.
+    dv); the other backends attend over the views exactly as attention() does. rope = (cos, sin), each (N, D)
+    or (B, N, D): q and k are rotated by RoPE (rotate-half layout) before attending, and the gradient is
+    w.r.t. qkv before the rotation; flash rotates in its own call (flash_attention_qkvpacked), the others with
+    rope_reference.
     """
     if backend == "flash":
         return flash_attention_qkvpacked(qkv, n_head, n_kv_head, causal=causal, sm_scale=sm_scale, window=window,
-                                         docs=docs)
+                                         docs=docs, rope=rope)
+    if rope is not None:
+        qkv = rope_reference(qkv, *rope, n_head, n_kv_head)
     return attention(*split_qkv(qkv, n_head, n_kv_head), backend=backend, causal=causal, sm_scale=sm_scale,
                      window=window, docs=docs)
 
@@ -152,7 +160,7 @@ def resolve_llama_kernels(kernel: str | None, device) -> str:
 __all__ = ["attention", "attention_qkvpacked", "resolve_backend", "naive_attention", "sdpa_attention",
            "flash_attention", "flash_attention_qkvpacked", "flash_attention_varlen", "document_bounds",
            "bounds_from_cu_seqlens", "document_positions", "document_mask", "window_mask", "split_qkv", "BACKENDS",
-           "BACKEND_CHOICES", "check_qkv", "check_window",
+           "BACKEND_CHOICES", "check_qkv", "check_window", "apply_rope", "rope_reference",
            "cross_entropy", "triton_cross_entropy", "resolve_loss_kernel", "LOSS_KERNELS", "options",
            "interpreting", "SUPPORTED_DTYPES", "resolve_llama_kernels", "LLAMA_KERNELS", "triton_rms_norm",
            "triton_swiglu", "triton_rope_qkv"]

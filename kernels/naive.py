@@ -52,6 +52,27 @@ def split_qkv(qkv: torch.Tensor, n_head: int, n_kv_head: int):
     return heads.split_with_sizes([n_head, n_kv_head, n_kv_head], 1)  # q (B, Hq, N, D), k and v (B, Hkv, N, D)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos, sin: (T, D) or (B, T, D) → x rotated by RoPE, (B, T, H, D) in x's dtype.
+
+    rotate-half (Hugging Face's layout): (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) for the halves
+    x1 = x[..., :D/2] and x2 = x[..., D/2:]; cos and sin are rounded to x's dtype first.
+    """
+    cos, sin = cos.to(x.dtype).unsqueeze(-2), sin.to(x.dtype).unsqueeze(-2)  # (T | B T, 1, D): one angle, all heads
+    x1, x2 = x.chunk(2, dim=-1)                      # (B, T, H, D/2) each
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
+                   n_kv_head: int) -> torch.Tensor:
+    """The packed projection qkv (B, N, (Hq + 2·Hkv)·D) with its q and k heads rotated by apply_rope, v heads
+    as they were: a new (B, N, (Hq + 2·Hkv)·D) tensor (what kernels.rope_qkv computes in one launch)."""
+    B, N, W = qkv.shape
+    heads = qkv.reshape(B, N, n_head + 2 * n_kv_head, W // (n_head + 2 * n_kv_head))  # (B, N, Hq + 2·Hkv, D)
+    qk = apply_rope(heads[:, :, :n_head + n_kv_head], cos, sin)  # (B, N, Hq + Hkv, D)
+    return torch.cat((qk, heads[:, :, n_head + n_kv_head:]), dim=2).reshape(B, N, W)
+
+
 def causal_mask(Nq: int, Nk: int, device=None) -> torch.Tensor:
     """(Nq, Nk) bool, True where query i may see key j: j <= i + (Nk - Nq) (bottom-right aligned)."""
     i = torch.arange(Nq, device=device)[:, None]

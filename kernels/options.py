@@ -48,6 +48,14 @@ first get() of the process (a bad value is a ValueError naming the variable):
     decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch
+    rope_in_flash              FLASHGPT_ROPE_IN_FLASH=0|1        True   a RoPE model's training/prefill call without
+                                                                        a KV cache hands its RoPE tables to the
+                                                                        packed flash call, whose backward kernels
+                                                                        store dQ and dK rotated back (no RoPE
+                                                                        backward pass); off: the model rotates q
+                                                                        and k itself before the call (its
+                                                                        llama_kernels choice). Models with qk_norm
+                                                                        always rotate themselves
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -80,6 +88,7 @@ class KernelOptions:
     llama_kernels: str = "torch"
     hopper_forward: str = "auto"
     decode_merge_in_split: bool = False
+    rope_in_flash: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -111,6 +120,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "llama_kernels": (lambda v: v in LLAMA_KERNELS, f"expected one of {', '.join(LLAMA_KERNELS)}"),
     "hopper_forward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
+    "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -123,7 +133,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
-       "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT"}
+       "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
+       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

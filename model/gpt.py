@@ -14,7 +14,9 @@ Parameter names follow GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...)
 
 Attention goes through `kernels.attention_qkvpacked(qkv, ...)` (training, no cache) or the KV cache's
 `attend` (prefill and decode): "flash" (Triton), "sdpa" (PyTorch) or "naive" (the reference). RoPE models
-rotate q and k inside the packed projection before that call (model/rope.py).
+rotate q and k inside the packed projection before that call (model/rope.py), except on the flash backend
+without a cache (and without qk_norm), which takes the RoPE tables into its packed call (kernels option
+rope_in_flash): its backward kernels then store the gradients of q and k rotated back.
 
 Documents packed into a row (forward(..., docs=...), kernels/documents.py) attend within their own document
 only, and their positions (learned or RoPE) start at 0 at every document start. config.attention_window limits
@@ -59,13 +61,17 @@ class CausalSelfAttention(nn.Module):
         int32 bounds of the documents packed in each row (no KV cache): attention stays within each."""
         B, T, C = x.shape
         qkv = self.c_attn(x)  # (B, T, (nh + 2·nkv)·hd)
-        if rope is not None or self.qk_norm:
-            qkv = self.rotate_qk(qkv, rope)
         backend = kernels.resolve_backend(self.backend, x.device)
+        # flash rotates q and k in its own packed call, its backward kernels storing d(q), d(k) rotated back
+        rope_in_flash = (rope is not None and backend == "flash" and self.kv_cache is None and not self.qk_norm
+                         and kernels.options.get().rope_in_flash)
+        if (rope is not None or self.qk_norm) and not rope_in_flash:
+            qkv = self.rotate_qk(qkv, rope)
         if self.kv_cache is None:
             # packed: flash's backward then writes d(qkv) in one buffer, no concatenation of dq, dk, dv
             y = kernels.attention_qkvpacked(qkv, self.n_head, self.n_kv_head, backend=backend, causal=True,
-                                           window=self.window, docs=docs)  # (B, nh, T, hd)
+                                           window=self.window, docs=docs,
+                                           rope=rope if rope_in_flash else None)  # (B, nh, T, hd)
         else:
             q, k, v = kernels.split_qkv(qkv, self.n_head, self.n_kv_head)  # (B, nh | nkv, T, hd) views
             y = self.kv_cache.attend(q, k, v, input_pos, backend=backend)  # (B, nh, T, hd)

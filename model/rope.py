@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn as nn
 
+from kernels.naive import apply_rope  # noqa: F401  (the rotation itself: model code and tests import it here)
+
 
 def rope_inv_freq(cfg, device=None) -> torch.Tensor:
     """(head_dim/2,) float32 angular frequencies (radians per token) of the config's RoPE."""
@@ -86,14 +88,3 @@ class RotaryEmbedding(nn.Module):
             return self.cos_table[pos].to(dtype), self.sin_table[pos].to(dtype)
         cos, sin = self._cos_sin(pos)
         return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); cos, sin: (T, D) or (B, T, D) → x rotated, (B, T, H, D) in x's dtype.
-
-    rotate-half: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) for the halves x1 = x[..., :D/2] and
-    x2 = x[..., D/2:].
-    """
-    cos, sin = cos.to(x.dtype).unsqueeze(-2), sin.to(x.dtype).unsqueeze(-2)  # (T | B T, 1, D): one angle, all heads
-    x1, x2 = x.chunk(2, dim=-1)                      # (B, T, H, D/2) each
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernels
 from tests.util import ROOT
 
 
@@ -114,6 +115,26 @@ def test_variants_with_a_backward_mode(tmp_path, monkeypatch):
     assert f"flash + compile, split bwd / sdpa + compile = **{33.5 / 33.5:.3f}×** (target ≥ 1.0×: met)" in text
     assert f"flash + compile, fused bwd / sdpa + compile = **{33.5 / 33.1:.3f}×**" in text
     assert bt.main(["--variants", "flash+compile/atomic"]) == 2
+
+
+def test_rope_pass_variant(tmp_path, monkeypatch):
+    """flash/rope-pass: the model rotates q and k itself (rope_in_flash off in that process); its row is named
+    and paired with the sdpa row of the same mode like any flash row."""
+    bt = _bench_train()
+    assert bt.parse_variant("flash+graphs/rope-pass") == ("flash", "graphs", "rope-pass")
+    _assert_rejected(bt.parse_variant, ("sdpa+graphs/rope-pass", "flash/rope"))
+    with kernels.options.use():
+        assert bt.use_variant("flash+compile/rope-pass") == ("flash", True)
+        assert kernels.options.get().rope_in_flash is False
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "TEST GPU")
+    rows = [bt.combine("flash+compile", [_run(33.0)]), bt.combine("flash+compile/rope-pass", [_run(33.6)]),
+            bt.combine("sdpa+compile", [_run(33.5)])]
+    args = types.SimpleNamespace(in_process=False, repeats=1, batch=16, block=1024, steps=20, out=str(tmp_path),
+                                 tokens=None, loss="auto")
+    text = bt.write_results(rows, args, [])
+    assert "| flash + compile, RoPE pass | 33.60 |" in text
+    assert f"flash + compile, RoPE pass / sdpa + compile = **{33.5 / 33.6:.3f}×** (target ≥ 1.0×: NOT met)" in text
+    assert f"flash + compile / sdpa + compile = **{33.5 / 33.0:.3f}×** (target ≥ 1.0×: met)" in text
 
 
 def test_graphs_variants_pair_with_sdpa_of_the_same_mode(tmp_path, monkeypatch):

@@ -18,6 +18,24 @@ from .blocks import _key_blocks, _key_range, _kv_descriptors, _lpt_tile, _query_
 
 
 @triton.jit
+def _rotate_back(x, cos_base, sin_base, rows, row_ok, stride_cn, offs_d, DT: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """RoPE's transposed rotation of a gradient tile (ROPE): x (BLOCK_R, BLOCK_D) fp32, the gradient w.r.t.
+    rows of rotated q or k (head dim exactly BLOCK_D, in the rotate-half layout) → the gradient w.r.t. the
+    rows before the rotation, fp32. cos_base, sin_base: the tables' rows of this batch row ((N, BLOCK_D),
+    row stride stride_cn, unit stride along the head dim), read at the tile's positions `rows`, rounded to DT
+    (the inputs' dtype, as the forward's rotation rounds them). The forward turns halves (x1, x2) into
+    (x1·c1 − x2·s1, x2·c2 + x1·s2), so with z = x·sin the way back is x·cos + (z2, −z1)."""
+    tab = rows[:, None].to(tl.int64) * stride_cn + offs_d[None, :]  # (BLOCK_R, BLOCK_D)
+    c = tl.load(cos_base + tab, mask=row_ok[:, None], other=0.0).to(DT).to(tl.float32)
+    s = tl.load(sin_base + tab, mask=row_ok[:, None], other=0.0).to(DT).to(tl.float32)
+    z = tl.permute(tl.reshape(x * s, (BLOCK_R, 2, BLOCK_D // 2)), (0, 2, 1))  # (BLOCK_R, BLOCK_D/2, 2)
+    z1, z2 = tl.split(z)  # (BLOCK_R, BLOCK_D/2) each: lanes i and i + D/2
+    z = tl.reshape(tl.permute(tl.join(z2, -z1), (0, 2, 1)), (BLOCK_R, BLOCK_D))  # (z2, −z1) along the head dim
+    return x * c + z
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
                 stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                 lo, hi, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
@@ -118,17 +136,17 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, DOCS,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, DOCS, COS, SIN,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_dom, stride_dod,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   stride_dvb, stride_dvh, stride_dvn, stride_dvd, stride_cb, stride_cn,
                    Hq, Hkv, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr, GQA: tl.constexpr,
-                   FUSED_DQ: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                   FUSED_DQ: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, ROPE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV of BLOCK_N key rows of one (batch, kv head), summed over the GROUP query heads that read them.
 
@@ -137,7 +155,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, DOCS,
     (FUSED_DQ) from _attn_bwd_prep. FUSED_DQ (1: element atomics, 2: TMA reduce-add per tile, Hopper+): dQ
     too, accumulated unscaled in DQACC ((B, Hq, Nq, BLOCK_D) fp32, zeroed by _attn_bwd_prep) with atomic adds —
     5 matmuls per tile instead of the two kernels' 7, but the summation order, and so the last bits of dQ, vary
-    from run to run; _attn_bwd_dq_out writes dQ from it.
+    from run to run; _attn_bwd_dq_out writes dQ from it. ROPE (HEAD_DIM == BLOCK_D, Nq == Nk): Q and K were
+    rotated by RoPE before the forward; dK is stored rotated back (_rotate_back with COS, SIN: (B | 1, Nk,
+    HEAD_DIM) tables, batch stride stride_cb, 0 for tables shared by the batch), the gradient w.r.t. the keys
+    before the rotation.
     """
     # grid: (cdiv(Nk, BLOCK_N), Hkv, B). Under a causal mask the first key blocks are seen by the most
     # queries, so within a head the natural order starts with the heaviest programs; LPT (causal): a 1-D grid
@@ -234,6 +255,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, DOCS,
                              full_lo, m_full, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
                              0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
     dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
+    if ROPE:
+        cos_base = COS + b.to(tl.int64) * stride_cb
+        sin_base = SIN + b.to(tl.int64) * stride_cb
+        dk = _rotate_back(dk, cos_base, sin_base, offs_n, n_ok, stride_cn, offs_d, Q.dtype.element_ty, BLOCK_N,
+                          BLOCK_D)
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
              mask=kv_mask)
@@ -291,23 +317,24 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
 
 
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "lpt_group", "q_bucket", "k_bucket"])
-def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DOCS,
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DOCS, COS, SIN,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_ob, stride_oh, stride_om, stride_od,
                  stride_dob, stride_doh, stride_dom, stride_dod,
-                 stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                 stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_cb, stride_cn,
                  Hq, GROUP, Nq, Nk, offset, qk_scale, sm_scale, lpt_group, q_bucket, k_bucket,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LPT: tl.constexpr,
-                 WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 WINDOW: tl.constexpr, VARLEN: tl.constexpr, ROPE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of BLOCK_M query rows, and the rows' delta = rowsum(O * dO) in fp32 (the softmax backward's row term),
     computed here from the tiles this program loads anyway and stored to DELTA for the dK/dV kernel, which
     runs after this one (no separate delta pass over O and dO).
 
     Same support as _attn_fwd (dtypes, HEAD_DIM, any Nq/Nk, both masks, WINDOW, VARLEN with DOCS, GQA, strides).
-    grid: as the forward's (_query_tile)."""
+    ROPE: dQ stored rotated back, as dK in _attn_bwd_dkdv. grid: as the forward's (_query_tile)."""
     pid_m, h, b = _query_tile(Nq, Hq, lpt_group, CAUSAL, LPT, BLOCK_M)
     bh = b * Hq + h
     hk = h // GROUP
@@ -360,6 +387,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DOCS,
                        full_hi, hi, Nk, offset, qk_scale, offs_m, offs_n, offs_d, offs_m, offs_m,
                        True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, WINDOW, VARLEN)
     dq = dq * sm_scale
+    if ROPE:
+        dq = _rotate_back(dq, COS + b.to(tl.int64) * stride_cb, SIN + b.to(tl.int64) * stride_cb, offs_m, row_ok,
+                          stride_cn, offs_d, Q.dtype.element_ty, BLOCK_M, BLOCK_D)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
@@ -391,18 +421,24 @@ def _attn_bwd_prep(O, DO, DELTA, DQACC,
 
 
 @triton.jit(do_not_specialize=["Hq", "Nq"])
-def _attn_bwd_dq_out(DQACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, Hq, Nq, sm_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_bwd_dq_out(DQACC, DQ, COS, SIN, stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_cb, stride_cn,
+                     Hq, Nq, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The fused backward's last pass: dQ = sm_scale * DQACC (fp32, (B, Hq, Nq, BLOCK_D), contiguous) in DQ's
-    dtype and strides, for BLOCK_M rows of one (batch, head). BLOCK_N is unused. grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
+    dtype and strides, for BLOCK_M rows of one (batch, head); ROPE: rotated back as in _attn_bwd_dq. BLOCK_N is
+    unused. grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
     pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Nq
     acc = tl.load(DQACC + ((b * Hq + h).to(tl.int64) * Nq + offs_m[:, None]) * BLOCK_D + offs_d[None, :],
                   mask=row_ok[:, None], other=0.0)  # (BLOCK_M, BLOCK_D)
+    acc = acc * sm_scale
+    if ROPE:
+        acc = _rotate_back(acc, COS + b.to(tl.int64) * stride_cb, SIN + b.to(tl.int64) * stride_cb, offs_m, row_ok,
+                           stride_cn, offs_d, DQ.dtype.element_ty, BLOCK_M, BLOCK_D)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, (acc * sm_scale).to(DQ.dtype.element_ty),
+             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, acc.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 

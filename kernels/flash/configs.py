@@ -95,7 +95,7 @@ def _tuners(kernels: dict) -> dict:
             continue
         key = ["HEAD_DIM", "CAUSAL", "TMA", "LPT", "q_bucket", "k_bucket"]  # + the tensor dtypes (triton)
         # dK/dV only, and the masking kernels only (newer Triton rejects key names that are not arguments)
-        key += [arg for arg in ("GQA", "WINDOW", "VARLEN") if arg in kernels[name].arg_names]
+        key += [arg for arg in ("GQA", "WINDOW", "VARLEN", "ROPE") if arg in kernels[name].arg_names]
         zero = ["DQACC"] if name == "dkdvq" else None  # each trial adds into it: start every one from zeros
         out[(name, dcls, bd)] = triton.autotune(configs=[_as_config(c) for c in cfgs], key=key,
                                                 reset_to_zero=zero)(kernels[name])

@@ -1,14 +1,19 @@
 """Host side of the flash kernels: from validated tensors to launches.
 
     _fwd(q, k, v, causal, sm_scale, window=0, docs=None) -> (o, lse)
-    _bwd(do, q, k, v, o, lse, causal, sm_scale, window=0, docs=None, out=None) -> (dq, dk, dv)
+    _bwd(do, q, k, v, o, lse, causal, sm_scale, window=0, docs=None, out=None, rope=None) -> (dq, dk, dv)
     _packed_fwd(qkv, n_head, n_kv_head, causal, sm_scale, window=0, docs=None) -> (o, lse)
-    _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window=0, docs=None) -> d(qkv)
+    _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window=0, docs=None, rope=None) -> d(qkv)
+    _packed_rope_fwd(qkv, cos, sin, n_head, n_kv_head, causal, sm_scale, window=0, docs=None)
+        -> (o, lse, rotated qkv)
 
 window > 0: the sliding window (WINDOW, a constexpr: one compiled kernel per window size); docs: the (B, 2, N)
 int32 document bounds (VARLEN), the kernels' DOCS argument. Without documents DOCS is None, which Triton compiles
 as a constant: the kernels without a window or documents have exactly the signature and code they have without
-these options.
+these options. rope = (cos, sin): q and k were rotated by RoPE before the forward (_packed_rope_fwd: one pass of
+kernels/rope.py), and the backward returns the gradient w.r.t. the projection before the rotation: the dQ and
+dK kernels store their tiles rotated back (ROPE) where the head dim is a power of two >= 16, otherwise one
+rotation pass over d(qkv) follows them.
 
 What it decides per call: the outputs' memory layout (that of the inputs), the load path (TMA descriptors or
 pointers), the grid order (per head, or longest-first), the backward's structure, the tile config (forced,
@@ -29,6 +34,7 @@ import triton.language as tl
 from .. import _triton
 from .. import flash_hopper as _hopper
 from .. import options as _options
+from .. import rope as _rope
 from ..naive import split_qkv
 from .configs import (GPU_CONFIGS, INTERPRET_CONFIG, KERNELS, MAX_HEAD_DIM, TUNERS, block_d, config_key, forced,
                       next_pow2)
@@ -173,7 +179,7 @@ def _grid(name: str, length: int, heads: int, batch: int, lpt: bool, block_m: in
 _compiled: dict[tuple, object] = {}
 _COMPILED_MAX = 4096  # signatures kept (one per distinct shape/stride set); the cache starts over beyond it
 # Tensors lead the arguments (DOCS, the last of them in fwd, dq and dk/dv, may be None).
-_N_TENSOR_ARGS = {"fwd": 6, "dq": 9, "dkdv": 10, "dkdvq": 10, "prep": 4, "dqout": 2}
+_N_TENSOR_ARGS = {"fwd": 6, "dq": 11, "dkdv": 12, "dkdvq": 12, "prep": 4, "dqout": 4}
 
 
 def _tensor_sig(t):
@@ -252,8 +258,8 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
         # after the autotuner has picked a config for this key, launch the plain kernel with it directly
         # (skips the autotuner's per-call bookkeeping: ~tens of microseconds of CPU per launch)
         tkey = (name, dtype, kwargs["HEAD_DIM"], kwargs["CAUSAL"], kwargs["TMA"], kwargs["LPT"], kwargs.get("GQA"),
-                kwargs.get("FUSED_DQ"), kwargs.get("WINDOW"), kwargs.get("VARLEN"), args[-2], args[-1],
-                args[0].device.index)  # the buckets are the last two args
+                kwargs.get("FUSED_DQ"), kwargs.get("WINDOW"), kwargs.get("VARLEN"), kwargs.get("ROPE"), args[-2],
+                args[-1], args[0].device.index)  # the buckets are the last two args
         cfg = _picked.get(tkey)
         if cfg is None:
             grid = lambda meta: _grid(name, grid_axis0_len, heads, batch, kwargs["LPT"],  # noqa: E731
@@ -288,10 +294,11 @@ def _plan_key(kind: str, opts: _options.KernelOptions, tensors, *scalars) -> tup
             *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors])
 
 
-def _masked(kind: str, window: int, docs) -> str:
-    """The plan kind of a call with a window or documents ("fwd" → "fwd/window=8/docs"); plain calls keep
-    theirs. (The documents' tensor also ends the key's tensors.)"""
-    return kind + (f"/window={window}" if window else "") + ("/docs" if docs is not None else "")
+def _masked(kind: str, window: int, docs, rope=None) -> str:
+    """The plan kind of a call with a window, documents or RoPE tables ("bwd" → "bwd/window=8/docs/rope");
+    plain calls keep theirs. (The documents' and the tables' tensors also end the key's tensors.)"""
+    return (kind + (f"/window={window}" if window else "") + ("/docs" if docs is not None else "")
+            + ("/rope" if rope is not None else ""))
 
 
 def _planned(name: str, launched, idx: tuple, tail: tuple, kwargs: dict):
@@ -329,8 +336,8 @@ def _replay(launches, pool, like: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _with_docs(tensors: tuple, docs) -> tuple:
-    return tensors if docs is None else (*tensors, docs)
+def _with_docs(tensors: tuple, docs, rope=None) -> tuple:
+    return (*tensors, *(() if docs is None else (docs,)), *(rope or ()))
 
 
 def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
@@ -392,20 +399,23 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
 
 
 def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, docs: torch.Tensor | None = None,
-         out=None):
+         out=None, rope=None):
     """Launch the backward (the backward option: "split": dQ, which also stores delta, then dK/dV; "fused":
     delta pass, dK/dV adding dQ, dQ pass). Returns dq, dk, dv shaped like q, k, v, written into `out` =
-    (dq, dk, dv) when given (views of one packed gradient), else new buffers."""
+    (dq, dk, dv) when given (views of one packed gradient), else new buffers. rope = (cos, sin) (contiguous
+    (N, D) or (B, N, D) tables; Nq = Nk = N, D a power of two >= 16): q and k are RoPE-rotated, and dq, dk
+    come back rotated back (the ROPE kernels)."""
     opts = _options.get()
-    key = _plan_key(_masked("bwd", window, docs), opts, _with_docs((do, q, k, v, o, lse, *(out or ())), docs),
-                    causal, sm_scale)
+    key = _plan_key(_masked("bwd", window, docs, rope), opts,
+                    _with_docs((do, q, k, v, o, lse, *(out or ())), docs, rope), causal, sm_scale)
+    cos, sin = rope or (None, None)
     plan = _plans.get(key)
     if plan is not None:
         delta_shape, layouts, acc_shape, launches = plan
         delta = _triton.empty(delta_shape, torch.float32, q.device)
         acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, q.device)
         dq, dk, dv = out or [_empty_like_layout(lay, q.dtype, q.device) for lay in layouts]
-        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv, acc, docs), q)
+        _replay(launches, (q, k, v, o, do, lse, delta, dq, dk, dv, acc, docs, cos, sin), q)
         return dq, dk, dv
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -421,37 +431,39 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
     else:
         dq, dk, dv = out
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
-    masks = dict(WINDOW=int(window), VARLEN=docs is not None)  # the last constexprs before the tile sizes
+    masks = dict(WINDOW=int(window), VARLEN=docs is not None, ROPE=rope is not None)  # the last constexprs
+    tables = (0, 0) if cos is None else (cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2))  # batch, row
     dq_group, dkdv_group = _lpt_group(k, Nk, B * Hq), _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
     qk_scale = sm_scale * _triton.LOG2E
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, docs, *q.stride(), *k.stride(), *v.stride(),
-                 *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale,
-                 dkdv_group, _bucket(Nq), _bucket(Nk))
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, docs, cos, sin, *q.stride(), *k.stride(), *v.stride(),
+                 *do.stride(), *dk.stride(), *dv.stride(), *tables, Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale,
+                 sm_scale, dkdv_group, _bucket(Nq), _bucket(Nk))
     dkdv_kwargs = dict(kwargs, TMA=_tma_ok("dkdv", opts, q, do), LPT=_lpt(causal, dkdv_group, opts), GQA=Hq > Hkv,
                        FUSED_DQ=_fused_dq_mode(q.device, opts) if fused else 0, **masks)
-    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused), docs
-    dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10, 11)
+    # pool order of a replay: q, k, v, o, do, lse, delta, dq, dk, dv, acc (= delta when not fused), docs, cos, sin
+    dkdv_idx = (0, 1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13)
     if fused:
         rows = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D)
         prep_args = (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq)
-        out_args = (acc, dq, *dq.stride(), Hq, Nq, sm_scale)
+        out_args = (acc, dq, cos, sin, *dq.stride(), *tables, Hq, Nq, sm_scale)
+        out_kwargs = dict(rows, ROPE=rope is not None)
         with _triton.device_guard(q):
             launched = [_launch("prep", Nq, Hq, B, q.dtype, prep_args, rows),
                         _launch("dkdvq", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs),
-                        _launch("dqout", Nq, Hq, B, q.dtype, out_args, rows)]
+                        _launch("dqout", Nq, Hq, B, q.dtype, out_args, out_kwargs)]
         launches = [_planned("prep", launched[0], (3, 4, 6, 10), prep_args[4:], rows),
-                    _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[10:], dkdv_kwargs),
-                    _planned("dqout", launched[2], (10, 7), out_args[2:], rows)]
+                    _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[12:], dkdv_kwargs),
+                    _planned("dqout", launched[2], (10, 7, 12, 13), out_args[4:], out_kwargs)]
     else:
-        dq_args = (q, k, v, o, do, lse, delta, dq, docs, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                   *do.stride(), *dq.stride(), Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale, sm_scale, dq_group,
-                   _bucket(Nq), _bucket(Nk))
+        dq_args = (q, k, v, o, do, lse, delta, dq, docs, cos, sin, *q.stride(), *k.stride(), *v.stride(),
+                   *o.stride(), *do.stride(), *dq.stride(), *tables, Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale,
+                   sm_scale, dq_group, _bucket(Nq), _bucket(Nk))
         dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, dq_group, opts), **masks)
         with _triton.device_guard(q):
             dq_launch = _launch("dq", Nq, Hq, B, q.dtype, dq_args, dq_kwargs)
             dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
-        launches = [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7, 11), dq_args[9:], dq_kwargs),
-                    _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[10:], dkdv_kwargs)]
+        launches = [_planned("dq", dq_launch, (0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 13), dq_args[11:], dq_kwargs),
+                    _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[12:], dkdv_kwargs)]
     _record(key, ((B, Hq, Nq), layouts, acc_shape, launches))
     return dq, dk, dv
 
@@ -506,12 +518,25 @@ def _packed_fwd(qkv, n_head: int, n_kv_head: int, causal: bool, sm_scale: float,
     return o, lse
 
 
+def _rope_in_kernels(qkv: torch.Tensor, n_head: int, n_kv_head: int) -> bool:
+    """Whether the backward kernels rotate dQ and dK back themselves (ROPE): head dims that are the kernels'
+    BLOCK_D (powers of two >= 16), whose two halves are the two halves of a tile."""
+    D = qkv.shape[-1] // (n_head + 2 * n_kv_head)
+    return block_d(D) == D
+
+
 def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_scale: float, window: int = 0,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
+                docs: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+    """d(qkv) in one new buffer. rope = (cos, sin): qkv is the RoPE-rotated projection (_packed_rope_fwd), and
+    the result is the gradient w.r.t. the projection before the rotation."""
+    if rope is not None and not _rope_in_kernels(qkv, n_head, n_kv_head):
+        d_rotated = _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window, docs)
+        return _rope._bwd(d_rotated, *rope, n_head, n_kv_head)  # one pass: the transposed rotation
     opts = _options.get()
     dqkv = _triton.empty(tuple(qkv.shape), qkv.dtype, qkv.device)  # (B, N, (Hq + 2·Hkv)·D), contiguous
-    key = _plan_key(_masked("packed_bwd", window, docs), opts, _with_docs((do, qkv, o, lse, dqkv), docs), n_head,
-                    n_kv_head, causal, sm_scale)
+    key = _plan_key(_masked("packed_bwd", window, docs, rope), opts, _with_docs((do, qkv, o, lse, dqkv), docs, rope),
+                    n_head, n_kv_head, causal, sm_scale)
+    cos, sin = rope or (None, None)
     plan = _plans.get(key)
     if plan is not None and plan is not _UNPACKABLE:
         offsets, delta_shape, _, acc_shape, launches = plan
@@ -519,13 +544,22 @@ def _packed_bwd(do, qkv, o, lse, n_head: int, n_kv_head: int, causal: bool, sm_s
         acc = delta if acc_shape is None else _triton.empty(acc_shape, torch.float32, qkv.device)
         at, grad_at = qkv.data_ptr(), dqkv.data_ptr()
         _replay(launches, (*[at + off for off in offsets[:3]], o, do, lse, delta,
-                           *[grad_at + off for off in offsets[3:]], acc, docs), qkv)
+                           *[grad_at + off for off in offsets[3:]], acc, docs, cos, sin), qkv)
         return dqkv
     q, k, v = split_qkv(qkv, n_head, n_kv_head)
     out = split_qkv(dqkv, n_head, n_kv_head)
-    _bwd(do, q, k, v, o, lse, causal, sm_scale, window, docs, out=out)
+    _bwd(do, q, k, v, o, lse, causal, sm_scale, window, docs, out=out, rope=rope)
     if plan is None:
-        _record_packed(key, _plan_key(_masked("bwd", window, docs), opts, _with_docs((do, q, k, v, o, lse, *out), docs),
-                                      causal, sm_scale),
+        _record_packed(key, _plan_key(_masked("bwd", window, docs, rope), opts,
+                                      _with_docs((do, q, k, v, o, lse, *out), docs, rope), causal, sm_scale),
                        _offsets(qkv, (q, k, v)) + _offsets(dqkv, out))
     return dqkv
+
+
+def _packed_rope_fwd(qkv, cos, sin, n_head: int, n_kv_head: int, causal: bool, sm_scale: float, window: int = 0,
+                     docs: torch.Tensor | None = None):
+    """RoPE on q and k of qkv (one pass of kernels/rope.py into a new packed tensor, v copied), then the packed
+    forward on it. Returns (o, lse, the rotated qkv), the last for the backward (_packed_bwd with rope)."""
+    rotated = _rope._fwd(qkv, cos, sin, n_head, n_kv_head)  # (B, N, (Hq + 2·Hkv)·D), contiguous
+    o, lse = _packed_fwd(rotated, n_head, n_kv_head, causal, sm_scale, window, docs)
+    return o, lse, rotated

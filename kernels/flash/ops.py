@@ -1,8 +1,8 @@
 """The front door of the flash kernels: input checks, autograd, and the custom ops torch.compile traces.
 
     flash_attention(q, k, v, *, causal=True, sm_scale=None, window=0, docs=None) -> (B, Hq, Nq, D)
-    flash_attention_qkvpacked(qkv, n_head, n_kv_head=None, *, causal=True, sm_scale=None, window=0, docs=None)
-        -> (B, Hq, N, D)
+    flash_attention_qkvpacked(qkv, n_head, n_kv_head=None, *, causal=True, sm_scale=None, window=0, docs=None,
+                              rope=None) -> (B, Hq, N, D)
     flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, window=0, sm_scale=None)
         -> (total, Hq, D)
 
@@ -10,7 +10,8 @@ Every form checks its inputs here (every ValueError before any launch), then tak
 same launches (kernels/flash/launch.py): eager calls go through one torch.autograd.Function (_FlashAttention,
 shared by the forms: its dispatch costs less per call than a custom op's); under torch.compile the forms are
 the custom ops flashgpt::flash_attn_fwd / flash_attn_bwd and flashgpt::flash_attn_qkvpacked_fwd /
-flash_attn_qkvpacked_bwd (the window and the document bounds are arguments of the same ops), with fake (meta)
+flash_attn_qkvpacked_bwd, and flashgpt::flash_attn_qkvpacked_rope_fwd / _bwd for the packed form with RoPE (the
+window and the document bounds are arguments of the same ops), with fake (meta)
 implementations and their autograd formula (register_autograd), so torch.compile(fullgraph=True) traces
 through them without a graph break. Both paths save the same tensors and compute the same gradients (_save,
 _grads). Double backward is not supported: it raises a RuntimeError. The varlen form is flash_attention on a
@@ -26,7 +27,8 @@ from .. import _triton
 from ..documents import bounds_from_cu_seqlens, check_cu_seqlens, check_docs
 from ..naive import check_qkv, check_window, split_qkv
 from .configs import MAX_HEAD_DIM
-from .launch import _bwd, _fwd, _layout, _packed_bwd, _packed_fwd
+from .. import rope as _rope
+from .launch import _bwd, _fwd, _layout, _packed_bwd, _packed_fwd, _packed_rope_fwd
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, causal: bool = True, window: int = 0,
@@ -67,46 +69,60 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, causa
 
 # ----------------------------------------------------------------------------------------------------------
 # What a backward needs, and the gradients, for both forms. inputs: (q, k, v) with heads None (the plain form),
-# or (qkv,) with heads = (n_head, n_kv_head) (the packed form). Beyond the inputs only O and the log-sum-exp
-# are saved (and the document bounds, when given).
+# or (qkv,) with heads = (n_head, n_kv_head) (the packed form; with RoPE, the rotated qkv). Beyond the inputs
+# only O and the log-sum-exp are saved (and the document bounds and the RoPE tables, when given).
 # ----------------------------------------------------------------------------------------------------------
 
 def _save(ctx, inputs: tuple, o: torch.Tensor, lse: torch.Tensor, causal: bool, sm_scale: float, heads,
-          window: int, docs: torch.Tensor | None) -> None:
-    ctx.save_for_backward(*inputs, o, lse, docs)
+          window: int, docs: torch.Tensor | None, rope=None) -> None:
+    ctx.save_for_backward(*inputs, o, lse, docs, *(rope or (None, None)))
     ctx.causal = causal
     ctx.sm_scale = sm_scale
     ctx.heads = heads
     ctx.window = window
+    ctx.rope = rope is not None
 
 
-def _grads(ctx, do: torch.Tensor, bwd, packed_bwd) -> tuple:
-    """The gradients of the saved inputs: (dq, dk, dv), or (d(qkv),) in one buffer. bwd, packed_bwd: the
-    launches themselves (eager) or the backward custom ops (under torch.compile)."""
-    *inputs, o, lse, docs = ctx.saved_tensors
+def _grads(ctx, do: torch.Tensor, bwd, packed_bwd, rope_bwd) -> tuple:
+    """The gradients of the saved inputs: (dq, dk, dv), or (d(qkv),) in one buffer (with RoPE: w.r.t. qkv
+    before the rotation). bwd, packed_bwd, rope_bwd: the launches themselves (eager) or the backward custom ops
+    (under torch.compile)."""
+    *inputs, o, lse, docs, cos, sin = ctx.saved_tensors
     if ctx.heads is None:
         return tuple(bwd(do, *inputs, o, lse, ctx.causal, ctx.sm_scale, ctx.window, docs))
+    if ctx.rope:
+        return (rope_bwd(do, inputs[0], o, lse, cos, sin, *ctx.heads, ctx.causal, ctx.sm_scale, ctx.window, docs),)
     return (packed_bwd(do, inputs[0], o, lse, *ctx.heads, ctx.causal, ctx.sm_scale, ctx.window, docs),)
+
+
+def _packed_rope_bwd(do, qkv, o, lse, cos, sin, n_head: int, n_kv_head: int, causal: bool, sm_scale: float,
+                     window: int = 0, docs=None) -> torch.Tensor:
+    """d(qkv before the rotation) from the rotated qkv the forward saved: launch.py's _packed_bwd with rope."""
+    return _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window, docs, rope=(cos, sin))
 
 
 class _FlashAttention(torch.autograd.Function):
     """The eager path of both forms: a thin autograd.Function over the launches (less dispatch overhead per
     call than the custom ops, which matters for short sequences where the kernels take tens of microseconds).
-    apply(heads, causal, sm_scale, window, docs, *inputs), inputs and heads as for _save."""
+    apply(heads, causal, sm_scale, window, docs, rope, *inputs), inputs and heads as for _save; rope = (cos, sin)
+    or None (with RoPE the saved input is the rotated qkv)."""
 
     @staticmethod
-    def forward(ctx, heads, causal, sm_scale, window, docs, *inputs):
+    def forward(ctx, heads, causal, sm_scale, window, docs, rope, *inputs):
         if heads is None:
             o, lse = _fwd(*inputs, causal, sm_scale, window, docs)
+        elif rope is not None:
+            o, lse, rotated = _packed_rope_fwd(*inputs, *rope, *heads, causal, sm_scale, window, docs)
+            inputs = (rotated,)
         else:
             o, lse = _packed_fwd(*inputs, *heads, causal, sm_scale, window, docs)
-        _save(ctx, inputs, o, lse, causal, sm_scale, heads, window, docs)
+        _save(ctx, inputs, o, lse, causal, sm_scale, heads, window, docs, rope)
         return o
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        return (None, None, None, None, None, *_grads(ctx, do, _bwd, _packed_bwd))
+        return (None, None, None, None, None, None, *_grads(ctx, do, _bwd, _packed_bwd, _packed_rope_bwd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -158,6 +174,17 @@ _packed_bwd_op = _define(
                                 f"bool causal, float sm_scale, {_MASKS}) -> Tensor",
     _packed_bwd, lambda do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window=0, docs=None:
     qkv.new_empty(qkv.shape))
+_packed_rope_fwd_op = _define(
+    "flash_attn_qkvpacked_rope_fwd", "(Tensor qkv, Tensor cos, Tensor sin, int n_head, int n_kv_head, bool causal, "
+                                     f"float sm_scale, {_MASKS}) -> (Tensor, Tensor, Tensor)",
+    _packed_rope_fwd, lambda qkv, cos, sin, n_head, n_kv_head, causal, sm_scale, window=0, docs=None: (
+        *_fwd_fake(split_qkv(qkv.new_empty(qkv.shape), n_head, n_kv_head)[0], None, None, causal, sm_scale),
+        qkv.new_empty(qkv.shape)))  # (the forward attends over its rotated copy of qkv, which is contiguous)
+_packed_rope_bwd_op = _define(
+    "flash_attn_qkvpacked_rope_bwd", "(Tensor do, Tensor qkv, Tensor o, Tensor lse, Tensor cos, Tensor sin, "
+                                     f"int n_head, int n_kv_head, bool causal, float sm_scale, {_MASKS}) -> Tensor",
+    _packed_rope_bwd, lambda do, qkv, o, lse, cos, sin, n_head, n_kv_head, causal, sm_scale, window=0, docs=None:
+    qkv.new_empty(qkv.shape))
 
 
 def _register_autograd(op_name: str, n_tensors: int) -> None:
@@ -170,7 +197,7 @@ def _register_autograd(op_name: str, n_tensors: int) -> None:
         _save(ctx, inputs[:n_tensors], o, lse, causal, sm_scale, tuple(heads) or None, window, docs)
 
     def backward(ctx, do, dlse):
-        grads = _grads(ctx, do, _flash_attn_bwd_op, _packed_bwd_op)
+        grads = _grads(ctx, do, _flash_attn_bwd_op, _packed_bwd_op, _packed_rope_bwd_op)
         return (*grads, *[None] * (7 - n_tensors))  # both forward ops take 7 inputs
 
     torch.library.register_autograd("flashgpt::" + op_name, backward, setup_context=setup_context, lib=_LIB)
@@ -180,18 +207,37 @@ _register_autograd("flash_attn_fwd", 3)
 _register_autograd("flash_attn_qkvpacked_fwd", 1)
 
 
+def _rope_setup_context(ctx, inputs, output):
+    """The RoPE form's autograd: differentiable in qkv only; the rotated qkv (its third output) is what the
+    backward reads."""
+    o, lse, rotated = output
+    ctx.mark_non_differentiable(lse, rotated)
+    _, cos, sin, n_head, n_kv_head, causal, sm_scale, window, docs = inputs
+    _save(ctx, (rotated,), o, lse, causal, sm_scale, (n_head, n_kv_head), window, docs, (cos, sin))
+
+
+def _rope_backward(ctx, do, dlse, drotated):
+    return (*_grads(ctx, do, _flash_attn_bwd_op, _packed_bwd_op, _packed_rope_bwd_op), *[None] * 8)
+
+
+torch.library.register_autograd("flashgpt::flash_attn_qkvpacked_rope_fwd", _rope_backward,
+                                setup_context=_rope_setup_context, lib=_LIB)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The public functions
 # ----------------------------------------------------------------------------------------------------------
 
-def _attend(inputs: tuple, heads, causal: bool, scale: float, window: int, docs) -> torch.Tensor:
+def _attend(inputs: tuple, heads, causal: bool, scale: float, window: int, docs, rope=None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         if heads is None:
             o, _ = _flash_attn_fwd_op(*inputs, causal, scale, window, docs)
+        elif rope is not None:
+            o, _, _ = _packed_rope_fwd_op(*inputs, *rope, *heads, causal, scale, window, docs)
         else:
             o, _ = _packed_fwd_op(*inputs, *heads, causal, scale, window, docs)
         return o
-    return _FlashAttention.apply(heads, causal, scale, window, docs, *inputs)
+    return _FlashAttention.apply(heads, causal, scale, window, docs, rope, *inputs)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -210,19 +256,31 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 def flash_attention_qkvpacked(qkv: torch.Tensor, n_head: int, n_kv_head: int | None = None, *,
                               causal: bool = True, sm_scale: float | None = None, window: int = 0,
-                              docs: torch.Tensor | None = None) -> torch.Tensor:
+                              docs: torch.Tensor | None = None,
+                              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """flash_attention over the views q, k, v = split_qkv(qkv, n_head, n_kv_head) of one packed projection.
 
     qkv: (B, N, (Hq + 2·Hkv)·D) (per token: all query heads, then the key heads, then the value heads);
     n_kv_head defaults to n_head. Returns (B, Hq, N, D) in qkv's dtype, exactly flash_attention's result
     (window and docs as there); its gradient w.r.t. qkv is written by the backward kernels into one
     (B, N, (Hq + 2·Hkv)·D) buffer.
+
+    rope = (cos, sin), each (N, D) or (B, N, D) (model/rope.py's tables of the tokens' positions): q and k are
+    first rotated by RoPE (rotate-half layout, kernels.rope_qkv's rotation: one pass writing the rotated
+    projection, which the backward keeps), and the gradient is w.r.t. qkv before the rotation. For head dims
+    that are powers of two >= 16 the dQ and dK kernels store their tiles rotated back, so the rotation's
+    backward costs no pass of its own; other head dims take one pass of kernels.rope_qkv's backward.
     """
     n_kv_head = n_head if n_kv_head is None else n_kv_head
     q, k, v = split_qkv(qkv, n_head, n_kv_head)
     scale = _validate(q, k, v, sm_scale, causal, window, docs)
+    if rope is not None:
+        if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+            raise ValueError("flash_attention_qkvpacked: rope must be a pair (cos, sin) of tensors")
+        _rope._check(qkv, *rope, n_head, n_kv_head)
+        rope = (rope[0].contiguous(), rope[1].contiguous())
     return _attend((qkv,), (n_head, n_kv_head), bool(causal), scale, window,
-                   None if docs is None else docs.contiguous())
+                   None if docs is None else docs.contiguous(), rope)
 
 
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

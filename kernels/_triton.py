@@ -6,6 +6,7 @@
     device_guard(t)                 launch on t's GPU (a no-op when it is the current device, or on the CPU)
     sm_count(device)                streaming multiprocessors of a GPU (4 in the interpreter)
     empty(shape, dtype, device)     the kernels' output buffers (tests replace it to poison outputs with NaN)
+    launch_compiled(kernel, grid, vals)   call a compiled kernel's launcher directly (no JITFunction.run)
     LOG2E, SUPPORTED_DTYPES
 
 Triton decides between its compiler and its interpreter when it decorates a kernel, i.e. when a kernel module
@@ -82,3 +83,17 @@ def empty(shape, dtype, device) -> torch.Tensor:
     """Every buffer a kernel writes its outputs into comes from here (tests replace it to poison outputs with
     NaN; modules call it as _triton.empty so that the replacement reaches them)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
+    """Call a compiled kernel (what a launch `kernel[grid](...)` returned) through its launcher on the current
+    device and stream, skipping JITFunction.run's per-call binding and specialisation (microseconds of host
+    time per launch). vals: every kernel parameter in order, constexprs included (pointer parameters may be
+    tensors or plain integer addresses); the caller keys its cache of compiled kernels so that vals always have
+    the signature the kernel was compiled for."""
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    hooks = triton.knobs.runtime
+    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, kernel.launch_metadata(grid, stream, *vals), hooks.launch_enter_hook,
+               hooks.launch_exit_hook, *vals)

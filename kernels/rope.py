@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import _triton
+from . import options as _options
 
 MAX_HEAD_DIM = 1024
 TILE = 2048  # elements of the (BLOCK_R, BLOCK_HALF) half-head tile a program holds per tensor
@@ -110,6 +111,29 @@ def _check(qkv, cos, sin, n_head, n_kv_head) -> None:
     _triton.check_device(qkv.device, "rope_qkv's Triton kernel")
 
 
+# The compiled kernel per launch signature (tensor dtypes and 16-byte alignment, every other argument by value),
+# called through its launcher on later launches (the fast_launch option; kernels/flash/launch.py does the same).
+_compiled: dict[tuple, object] = {}
+_COMPILED_MAX = 1024
+
+
+def _run(grid: tuple, args: tuple, consts: dict) -> None:
+    if _triton.INTERPRET or not _options.get().fast_launch:
+        _rope_qkv[grid](*args, **consts, num_warps=4)
+        return
+    key = (args[0].device.index, *[(t.dtype, t.data_ptr() % 16 == 0) for t in args[:4]], *args[4:],
+           *consts.values())
+    kernel = _compiled.get(key)
+    if kernel is not None:
+        _triton.launch_compiled(kernel, grid, (*args, *consts.values()))
+        return
+    kernel = _rope_qkv[grid](*args, **consts, num_warps=4)
+    if hasattr(kernel, "run") and list(_rope_qkv.arg_names[len(args):]) == list(consts):
+        if len(_compiled) >= _COMPILED_MAX:
+            _compiled.clear()
+        _compiled[key] = kernel
+
+
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int, heads: int,
             backward: bool) -> torch.Tensor:
     """y (B, T, W) contiguous, in x's dtype: heads < n_rot of x (B, T, W) rotated (or, backward, rotated back)."""
@@ -125,11 +149,11 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int, h
     block_half = triton.next_power_of_2(half)
     block_r = max(1, TILE // block_half)
     stride_cb = cos.stride(0) if cos.dim() == 3 else 0
+    args = (x, cos, sin, y, R, T, heads, n_rot, x.stride(0), x.stride(1), y.stride(0), y.stride(1), stride_cb,
+            cos.stride(-2))
     with _triton.device_guard(x):
-        _rope_qkv[(triton.cdiv(R, block_r),)](x, cos, sin, y, R, T, heads, n_rot, x.stride(0), x.stride(1),
-                                              y.stride(0), y.stride(1), stride_cb, cos.stride(-2), HALF=half,
-                                              BLOCK_R=block_r, BLOCK_HALF=block_half, BACKWARD=backward,
-                                              num_warps=4)
+        _run((triton.cdiv(R, block_r),), args, dict(HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
+                                                     BACKWARD=backward))
     return y
 
 

@@ -544,7 +544,7 @@ from triton.compiler import ASTSource
 from kernels.flash import configs
 from kernels.flash.launch import TMA_MIN_BLOCK_D
 
-PTRS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA", "DQACC")
+PTRS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA", "DQACC", "COS", "SIN")
 FP32 = ("LSE", "DELTA", "DQACC")
 def compile_one(name, head_dim, **flags):
     fn = configs.KERNELS[name]
@@ -556,9 +556,13 @@ def compile_one(name, head_dim, **flags):
                       TMA=bd >= TMA_MIN_BLOCK_D["dkdv" if name == "dkdvq" else name], WINDOW=0, VARLEN=False)
     if name in ("dkdv", "dkdvq"):
         consts.update(GQA=False, FUSED_DQ=0)
+    if "ROPE" in fn.arg_names:
+        consts.update(ROPE=False)
     consts.update(flags)
     if "DOCS" in fn.arg_names and not consts["VARLEN"]:
         consts["DOCS"] = None  # what the host passes without documents: a constant, not a parameter
+    if "COS" in fn.arg_names and not consts["ROPE"]:
+        consts.update(COS=None, SIN=None)  # likewise without RoPE tables
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in consts:
@@ -590,6 +594,12 @@ compile_one("dq", 64, VARLEN=True, CAUSAL=False)
 compile_one("dkdv", 64, GQA=True, VARLEN=True)
 compile_one("dkdv", 128, WINDOW=256, CAUSAL=True)
 compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2, VARLEN=True, CAUSAL=False)
+compile_one("dq", 64, ROPE=True)
+compile_one("dq", 128, TMA=True, ROPE=True, VARLEN=True)
+compile_one("dkdv", 64, GQA=True, ROPE=True)
+compile_one("dkdv", 128, TMA=True, ROPE=True)
+compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2, ROPE=True)
+compile_one("dqout", 64, ROPE=True)
 """
 
 
@@ -597,7 +607,8 @@ compile_one("dkdvq", 64, TMA=True, FUSED_DQ=2, VARLEN=True, CAUSAL=False)
 def test_kernels_compile_for_hopper():
     """Triton's GPU compiler is stricter than its interpreter: compile every flash kernel for sm_90 ahead of time
     (PTX and ptxas, no GPU needed) with the load paths, grids and GQA / fused-dQ variants a GPU launches, and
-    the window and document (VARLEN) variants, in its own process (the tests run the interpreter)."""
+    the window and document (VARLEN) variants and the RoPE (ROPE) ones, in its own process (the tests run the
+    interpreter)."""
     import pathlib
     import subprocess
     import sys
@@ -610,7 +621,9 @@ def test_kernels_compile_for_hopper():
                                 "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True", "prep", "64",
                                 "True", "dqout", "64", "True",
                                 "fwd", "64", "True", "fwd", "128", "True", "dq", "128", "True", "dq", "64", "True",
-                                "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True"]
+                                "dkdv", "64", "True", "dkdv", "128", "True", "dkdvq", "64", "True",
+                                "dq", "64", "True", "dq", "128", "True", "dkdv", "64", "True", "dkdv", "128", "True",
+                                "dkdvq", "64", "True", "dqout", "64", "True"]
 
 
 @pytest.mark.parametrize("entry", ["function", "dispatch", "packed"])

@@ -165,6 +165,8 @@ def test_rope_plans_replay_exactly(request):
                     else:
                         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-2)
     assert any("/rope" in key[0] for key in launch._plans)
+    if not kt.INTERPRET and options.get().fast_launch:  # the RoPE forward's repeats went through its launcher
+        assert kernels.rope._compiled
 
 
 def test_rope_dispatch_custom_ops_and_compile(request):

@@ -192,7 +192,7 @@ def _fast_launch() -> bool:
 
 def _run(name: str, grid: tuple, cfg, args, kwargs):
     """Launch the plain kernel `name` with tile config cfg (the cached compiled kernel when there is one).
-    Returns the compiled kernel that later launches of this signature can call directly (_launch_compiled),
+    Returns the compiled kernel that later launches of this signature can call directly (_triton.launch_compiled),
     or None (direct launches off, or not cacheable).
 
     The cache key is stricter than Triton's specialisation: the tensors' dtypes and 16-byte alignment (what
@@ -216,19 +216,8 @@ def _run(name: str, grid: tuple, cfg, args, kwargs):
             _compiled[key] = kernel
             return kernel
         return None
-    _launch_compiled(kernel, grid, (*args, *kwargs.values(), bm, bn))
+    _triton.launch_compiled(kernel, grid, (*args, *kwargs.values(), bm, bn))
     return kernel
-
-
-def _launch_compiled(kernel, grid: tuple, vals: tuple) -> None:
-    """Call a compiled kernel's launcher on the current device and stream. vals: every kernel parameter in
-    order (pointer parameters may be tensors or plain integer addresses)."""
-    device = triton.runtime.driver.active.get_current_device()
-    stream = triton.runtime.driver.active.get_current_stream(device)
-    hooks = triton.knobs.runtime
-    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
-               kernel.packed_metadata, kernel.launch_metadata(grid, stream, *vals), hooks.launch_enter_hook,
-               hooks.launch_exit_hook, *vals)
 
 
 def _uses_descriptors(kwargs: dict) -> bool:
@@ -328,7 +317,7 @@ def _replay(launches, pool, like: torch.Tensor) -> None:
                 continue
             if _uses_descriptors(kwargs):
                 triton.set_allocator(_tma_scratch)
-            _launch_compiled(kernel, grid, (*[pool[i] for i in idx], *after))
+            _triton.launch_compiled(kernel, grid, (*[pool[i] for i in idx], *after))
 
 
 # ----------------------------------------------------------------------------------------------------------

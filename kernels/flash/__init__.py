@@ -1,8 +1,8 @@
 """FlashAttention (the FA2 algorithm) in Triton: forward and backward.
 
     flash_attention(q, k, v, *, causal=True, sm_scale=None, window=0, docs=None) -> (B, Hq, Nq, D)
-    flash_attention_qkvpacked(qkv, n_head, n_kv_head, *, causal=True, sm_scale=None, window=0, docs=None)
-        -> (B, Hq, N, D)
+    flash_attention_qkvpacked(qkv, n_head, n_kv_head, *, causal=True, sm_scale=None, window=0, docs=None,
+                              rope=None) -> (B, Hq, N, D)
     flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, window=0, sm_scale=None)
         -> (total, Hq, D)
 
@@ -19,6 +19,10 @@ Same semantics as ``kernels.naive.naive_attention`` (the reference and test orac
 * The packed form takes one projection qkv (B, N, (Hq + 2·Hkv)·D) — what a fused QKV matmul gives — and runs
   the same kernels on its views (``kernels.naive.split_qkv``); its backward writes dQ, dK, dV straight into
   one d(qkv) buffer, so a model's gradient needs no concatenation copy.
+  With ``rope=(cos, sin)`` ((N, D) or (B, N, D) tables, rotate-half layout) it rotates q and k first (one
+  pass of kernels/rope.py) and returns the gradient w.r.t. the projection before the rotation: for head dims
+  that are powers of two >= 16 the dQ and dK/dV kernels store their tiles rotated back (ROPE), other head
+  dims take one rotation pass after them.
 * ``window`` > 0 (a sliding window; needs ``causal=True``): query i sees keys j with
   i + (Nk - Nq) - window < j <= i + (Nk - Nq), i.e. itself and the window - 1 keys before it, bottom-right
   aligned like the causal mask (rows that see no key: zero, as above). Any window >= 1, any Nq, Nk.

@@ -52,7 +52,8 @@ def _tables(shape, D, g, dtype):
     return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
 
 
-def _attend(fn, qkv, rope, nh, nkv, do, **mask):
+def _attend(fn, qkv, rope, do):
+    """fn(qkv, rope) and its gradient w.r.t. qkv for the output gradient do."""
     o = fn(qkv, rope)
     (d,) = torch.autograd.grad(o, qkv, do)
     return o.detach(), d
@@ -73,9 +74,9 @@ def _check(B, N, nh, nkv, D, dtype, g, per_seq=False, causal=True, window=0, doc
                                docs=docs)
 
     x64 = qkv.detach().double().requires_grad_()
-    ref = _attend(naive, x64, (cos.double(), sin.double()), nh, nkv, do.double())
-    low = _attend(naive, qkv, (cos, sin), nh, nkv, do)
-    out = _attend(flash, qkv, (cos, sin), nh, nkv, do)
+    ref = _attend(naive, x64, (cos.double(), sin.double()), do.double())
+    low = _attend(naive, qkv, (cos, sin), do)
+    out = _attend(flash, qkv, (cos, sin), do)
     for name, o, r, n in zip(("out", "dqkv"), out, ref, low):
         assert o.dtype == dtype and o.shape == r.shape, name
         assert not torch.isnan(o).any(), f"{name}: NaN (an element was never written)"
@@ -155,7 +156,7 @@ def test_rope_plans_replay_exactly(request):
             cos, sin = _tables((41,), D, g, torch.float16)
             do = torch.randn(2, 2, 41, D, generator=g).to(DEVICE, torch.float16)
             with options.use(backward=mode):
-                runs = [_attend(lambda x, r: flash_attention_qkvpacked(x, 2, 1, rope=r), qkv, (cos, sin), 2, 1, do)
+                runs = [_attend(lambda x, r: flash_attention_qkvpacked(x, 2, 1, rope=r), qkv, (cos, sin), do)
                         for _ in range(3)]
             exact = mode == "split" or kt.INTERPRET  # the fused dQ sums with atomics in a varying order on a GPU
             for run in runs[1:]:

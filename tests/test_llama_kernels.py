@@ -23,11 +23,11 @@ import torch.nn.functional as F
 import kernels
 import kernels._triton as kt
 import kernels.rmsnorm as rms
-from kernels import options
+from kernels import options, rope_reference
 from model import GPT, GPTConfig
 from model.config import ConfigError
 from model.norms import RMSNorm
-from model.rope import RotaryEmbedding, apply_rope
+from model.rope import RotaryEmbedding
 from tests.error_budget import assert_within_budget
 from tests.util import ROOT, pythonpath
 
@@ -206,13 +206,9 @@ def _rope_cfg(nh, nkv, D, **kw) -> GPTConfig:
 
 
 def _torch_rope(nh, nkv):
-    """model/gpt.py's rotate_qk without qk_norm: apply_rope on the q and k heads of the packed projection."""
-    def fn(qkv, cos, sin):
-        B, T, W = qkv.shape
-        heads = qkv.view(B, T, nh + 2 * nkv, -1)
-        qk = apply_rope(heads[:, :, :nh + nkv], cos, sin)
-        return torch.cat((qk.to(qkv.dtype), heads[:, :, nh + nkv:]), dim=2).view(B, T, -1)
-    return fn
+    """model/gpt.py's rotate_qk without qk_norm: apply_rope on the q and k heads of the packed projection
+    (kernels.rope_reference)."""
+    return lambda qkv, cos, sin: rope_reference(qkv, cos, sin, nh, nkv)
 
 
 ROPE_CASES = [  # B, T, n_head, n_kv_head, D, positions per sequence, GPTConfig fields

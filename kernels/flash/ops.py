@@ -24,10 +24,10 @@ import math
 import torch
 
 from .. import _triton
+from .. import rope as _rope
 from ..documents import bounds_from_cu_seqlens, check_cu_seqlens, check_docs
 from ..naive import check_qkv, check_window, split_qkv
 from .configs import MAX_HEAD_DIM
-from .. import rope as _rope
 from .launch import _bwd, _fwd, _layout, _packed_bwd, _packed_fwd, _packed_rope_fwd
 
 

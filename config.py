@@ -92,8 +92,9 @@ class TrainConfig:
                                     # the end-of-text token) and positions restart at 0 for each document
     parallel: str = "ddp"           # "ddp" (each rank holds the whole model) | "fsdp" (FSDP2: sharded over ranks)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
-    fsdp_blocks_per_unit: int = 1   # parallel=fsdp: consecutive blocks gathered and resharded together; larger
-                                    # units cost more memory while gathered and less host time per step
+    fsdp_blocks_per_unit: int = 0   # parallel=fsdp: consecutive blocks gathered, resharded and compiled together;
+                                    # larger units cost more memory while gathered and less host time per step;
+                                    # 0 = all blocks in one unit on one rank, one block per unit on several
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
     wandb_project: str = "flashgpt"
     wandb_run_name: str = ""
@@ -101,10 +102,13 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         positive = ("batch_size", "grad_accum_steps", "max_iters", "eval_interval", "eval_iters",
-                    "log_interval", "keep_last", "fsdp_blocks_per_unit")
+                    "log_interval", "keep_last")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r}: must be positive")
+        if self.fsdp_blocks_per_unit < 0:
+            raise ConfigError(f"train.fsdp_blocks_per_unit={self.fsdp_blocks_per_unit!r}: must be a number of "
+                              "blocks, or 0 (automatic)")
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate={self.learning_rate!r}: must be positive")
         if not 0 <= self.min_lr <= self.learning_rate:

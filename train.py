@@ -424,9 +424,11 @@ class Trainer:
         if self.sharded:
             if ckpt is None and self.world > 1:
                 broadcast_parameters(model)  # every rank starts from rank 0's weights, as under DDP
+            # one rank has no gathers to overlap with compute: one unit of every block costs the host least
+            unit = t.fsdp_blocks_per_unit or (self.cfg.model.n_layer if self.world == 1 else 1)
             if t.compile:
-                compile_blocks(model)
-            shard_model(model, device, self.dtype if device.type == "cuda" else None, t.fsdp_blocks_per_unit)
+                compile_blocks(model, unit)
+            shard_model(model, device, self.dtype if device.type == "cuda" else None, unit)
         self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
                                                    device.type)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)

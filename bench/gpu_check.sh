@@ -161,8 +161,9 @@ spawn gen_sdpa sampled "${GEN[@]}" --prompt "ROMEO:" --attention sdpa
 spawn gen_char_model sampled "$PY" generate.py --ckpt "$RUN/demo" --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
 spawn gen_offline_hub_weights expect_fail "$PY" generate.py --init-from gpt2 --prompt "Hello"
 
-# train then generate: FSDP2 on one GPU (sharded checkpoint read back by generate.py), and a Llama-family model
-# (RoPE, RMSNorm, SwiGLU, GQA) trained with the Triton kernels of those pieces and decoded on the fused path
+# train then generate: FSDP2 on one GPU, compiled (its blocks as one unit; the sharded checkpoint read back by
+# generate.py), and a Llama-family model (RoPE, RMSNorm, SwiGLU, GQA) trained with the Triton kernels of those
+# pieces and decoded on the fused path
 train_then_generate() {  # RUN_DIR TRAIN_COMMAND...
   local dir=$1; shift
   "$@" || return 1
@@ -170,7 +171,7 @@ train_then_generate() {  # RUN_DIR TRAIN_COMMAND...
 }
 spawn fsdp_one_gpu_and_generate sampled train_then_generate "$RUN/fsdp" "${TORCHRUN[@]}" --standalone \
   --nproc_per_node=1 train.py $CFG --out_dir="$RUN/fsdp" --parallel=fsdp --activation_checkpointing=true \
-  --max_iters=60 --eval_interval=30 "${XARGS[@]}"
+  --compile=true --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 spawn doc_mask_window_train trained "$PY" train.py $CFG --out_dir="$RUN/docmask" --doc_mask=true \
   --attention_window=96 --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \

@@ -99,9 +99,11 @@ class _BlockForward:
 
 def _block_forward(block: nn.Module) -> _BlockForward:
     forward = block.__dict__.get("forward")
-    if not isinstance(forward, _BlockForward):
-        forward = _BlockForward(block, _plain_call)
-        block.forward = forward
+    if forward is None:
+        forward = block.forward = _BlockForward(block, _plain_call)
+    elif not isinstance(forward, _BlockForward):
+        raise RuntimeError("the blocks already run as compiled units (compile_blocks): enable activation "
+                           "checkpointing before compiling")
     return forward
 
 
@@ -115,18 +117,65 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         forward.fn = _checkpointed_call
 
 
-_compiled: dict = {}  # the plain or checkpointed call → its torch.compile'd version, shared by every model
+_compiled: dict = {}  # (the plain or checkpointed call, unit or block) → its torch.compile'd version, shared
 
 
-def compile_blocks(model: nn.Module, **compile_kwargs) -> None:
-    """torch.compile each transformer block's forward (FSDP2's hooks stay outside, in eager): one compiled
-    function for all blocks, traced once and reused. Embeddings, final norm, head and loss stay eager."""
-    for block in _blocks(model):
-        forward = _block_forward(block)
-        key = (forward.fn, tuple(sorted(compile_kwargs.items())))
-        if key not in _compiled:
-            _compiled[key] = torch.compile(forward.fn, **compile_kwargs)
-        forward.fn = _compiled[key]
+def _run_unit(call, blocks: tuple, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Every block of a unit in turn, each through `call` (the plain or checkpointed call): x (B, T, C) → (B, T, C)."""
+    for block in blocks:
+        x = call(block, x, *args, **kwargs)
+    return x
+
+
+class _UnitForward:
+    """The forward of a unit's first block: the whole unit (_run_unit, maybe compiled). Its other blocks pass
+    their input through (_pass_through), so the model's loop over blocks is unchanged and every block's module
+    hooks (FSDP2's gather before the unit, reshard and backward hooks after it) still run in order."""
+
+    def __init__(self, blocks: tuple, call, fn):
+        self.blocks, self.call, self.fn = blocks, call, fn
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.fn(self.call, self.blocks, x, *args, **kwargs)
+
+
+def _pass_through(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return x
+
+
+def compile_blocks(model: nn.Module, blocks_per_unit: int = 1, **compile_kwargs) -> None:
+    """torch.compile the transformer blocks' forward (FSDP2's hooks stay outside, in eager). blocks_per_unit=1:
+    each block's forward, one compiled function for all blocks (traced once and reused). k > 1: each unit of k
+    consecutive blocks (shard_model's units) runs as one compiled call from its first block, its other blocks
+    passing the result through: one compiled forward and backward per unit instead of per block, so a
+    micro-batch costs the host a handful of compiled calls instead of one per block (and Inductor fuses across
+    the blocks' boundaries). Embeddings, final norm, head and loss stay eager."""
+    if blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit={blocks_per_unit}: must be at least 1")
+    blocks = _blocks(model)
+    if blocks_per_unit == 1:
+        for block in blocks:
+            forward = _block_forward(block)
+            key = (forward.fn, tuple(sorted(compile_kwargs.items())))
+            if key not in _compiled:
+                _compiled[key] = torch.compile(forward.fn, **compile_kwargs)
+            forward.fn = _compiled[key]
+        return
+    calls = set()
+    for block in blocks:
+        forward = block.__dict__.get("forward")
+        calls.add(_plain_call if forward is None else getattr(forward, "fn", None))
+    if len(calls) != 1 or not calls <= {_plain_call, _checkpointed_call}:
+        raise RuntimeError("compile_blocks: call it once, after enable_activation_checkpointing (if at all)")
+    call = calls.pop()
+    key = (_run_unit, tuple(sorted(compile_kwargs.items())))
+    if key not in _compiled:
+        _compiled[key] = torch.compile(_run_unit, **compile_kwargs)
+    for i in range(0, len(blocks), blocks_per_unit):
+        unit = tuple(blocks[i:i + blocks_per_unit])
+        unit[0].forward = _UnitForward(unit, call, _compiled[key])
+        for block in unit[1:]:
+            block.forward = _pass_through
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2

@@ -44,7 +44,7 @@ def test_round_trip_through_dict():
     ("", ["--nlayer=3"], "nlayer"),                                    # unknown override
     ("", ["n_layer=3"], "--key=value"),                                # malformed override
     ("", ["--learning_rate=0"], "train.learning_rate"),                # non-positive lr
-    ("", ["--fsdp_blocks_per_unit=0"], "train.fsdp_blocks_per_unit"),  # an FSDP unit holds one block or more
+    ("", ["--fsdp_blocks_per_unit=-1"], "train.fsdp_blocks_per_unit"), # a number of blocks, or 0 (automatic)
     ("", ["--learning_rate=-1e-3"], "train.learning_rate"),
     ("", ["--batch_size=0"], "train.batch_size"),                      # non-positive batch
     ("", ["--n_embd=100", "--n_head=6"], "model.n_embd"),              # not divisible

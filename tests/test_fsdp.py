@@ -329,6 +329,70 @@ def test_compiled_blocks_trace_once_and_match_eager():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_compiled_units_run_as_one_call_each_and_match_eager_blocks(checkpointed):
+    """compile_blocks with units under FSDP2 (one process): units [0, 1] and [2] of 3 blocks each run as one
+    compiled call from their first block (the second block passes its input through), two micro-batches with
+    gradient sync off then on; losses and gradients equal eager FSDP2 with units of one block, and the module
+    hooks still gather and reduce where they should (a reduce before the unit's backward would lose its
+    gradients)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from model.parallel import (_UnitForward, compile_blocks, enable_activation_checkpointing,
+                                end_single_process_group, set_gradient_sync, shard_model, start_single_process_group)
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=40, attention="naive")
+    torch.manual_seed(0)
+    weights = GPT(cfg).state_dict()
+    batches = [torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    calls = {"n": 0}
+    real_call = _UnitForward.__call__
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return real_call(self, *args, **kwargs)
+
+    assert start_single_process_group(torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        results = []
+        for unit in (1, 2):
+            model = GPT(cfg)
+            model.load_state_dict(weights)
+            if checkpointed:
+                enable_activation_checkpointing(model)
+            if unit > 1:
+                compile_blocks(model, unit, backend="aot_eager")
+            shard_model(model, torch.device("cpu"), None, unit)
+            losses = []
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_UnitForward, "__call__", counted)
+                for i, x in enumerate(batches):
+                    set_gradient_sync(model, i == len(batches) - 1)
+                    _, loss = model(x, x)
+                    (loss / len(batches)).backward()
+                    losses.append(loss.item())
+            grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+            results.append((losses, grads))
+        assert calls["n"] == 2 * len(batches)  # two units per forward, under units only
+        assert counters["stats"]["unique_graphs"] == 2  # one graph per unit length (2 and 1), traced once each
+        (eager_losses, eager_grads), (unit_losses, unit_grads) = results
+        assert unit_losses == pytest.approx(eager_losses, rel=1e-6)
+        assert eager_grads.keys() == unit_grads.keys()
+        for name, g in eager_grads.items():
+            assert g.abs().sum() > 0, name
+            torch.testing.assert_close(unit_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        end_single_process_group()
+        torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="activation checkpointing before"):
+        compiled = GPT(cfg)
+        compile_blocks(compiled, 2, backend="aot_eager")
+        enable_activation_checkpointing(compiled)
+    with pytest.raises(ValueError, match="blocks_per_unit=0"):
+        compile_blocks(GPT(cfg), 0)
+
+
 def test_bf16_policy_gathers_blocks_in_bf16_and_keeps_the_root_fp32():
     """The mixed-precision policy a CUDA run gets (train.py passes bf16 there): blocks are stored as fp32 shards
     and gathered in bf16; the root (embeddings, tied head, final norm) is gathered in fp32."""

@@ -345,15 +345,33 @@ _triton.check_decorated(_decode_split_kernel, _decode_merge_kernel)
 def auto_num_splits(n_programs: int, length: int, device: torch.device) -> int:
     """Grid splits for n_programs (sequence, kv head, row block) programs over caches of at most `length`
     valid keys: enough to give each SM PROGRAMS_PER_SM split programs, never more than length //
-    decode_min_keys_per_split (kernels.options), one for length <= SINGLE_SPLIT_MAX_LEN.
+    decode_min_keys_per_split (kernels.options), one for length <= SINGLE_SPLIT_MAX_LEN; and where that count
+    spills into another round of PROGRAMS_PER_SM programs per SM, the largest count that stays within the
+    rounds before, if it leaves a smaller share of their slots empty.
 
     Depends only on its arguments and the options (no GPU sync), so it is safe inside CUDA graphs.
     """
     if length <= SINGLE_SPLIT_MAX_LEN:
         return 1  # a short cache: the merge launch costs more than the split saves (bench/NOTES.md)
-    want = _cdiv(PROGRAMS_PER_SM * _triton.sm_count(device), n_programs)
+    slots = PROGRAMS_PER_SM * _triton.sm_count(device)
+    want = _cdiv(slots, n_programs)
     useful = length // _options.get().decode_min_keys_per_split
-    return max(1, min(want, useful, MAX_SPLITS))
+    splits = max(1, min(want, useful, MAX_SPLITS))
+    # Rounded up, the count may spill a few programs into another round of slots (192 programs x 3 splits over
+    # 132 SMs x 4: 576 programs, 48 of them in a second round); the count that fills whole rounds with less left
+    # empty is then the better one (2 splits there: bench/results/decode_attention/, sweep at batch 16)
+    rounds = _cdiv(n_programs * splits, slots)
+    fewer = (rounds - 1) * slots // n_programs
+    if rounds > 1 and fewer >= 1 and _empty_share(n_programs * fewer, slots) < _empty_share(n_programs * splits,
+                                                                                               slots):
+        return fewer
+    return splits
+
+
+def _empty_share(programs: int, slots: int) -> float:
+    """The share of slots left empty when `programs` programs fill rounds of `slots`."""
+    rounds = _cdiv(programs, slots)
+    return (rounds * slots - programs) / (rounds * slots)
 
 
 def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -> int | None:

@@ -3,7 +3,7 @@
     check_parallel(t, device, dtype)              # ConfigError, one line, for a combination that cannot run
     start_single_process_group(device)            # FSDP2 on one process without torchrun
     enable_activation_checkpointing(model)        # each block recomputes its activations in backward
-    compile_blocks(model)                         # one compiled block forward, shared by every block
+    compile_blocks(model, k)                      # compiled blocks: one call per unit of k (one function for all)
     broadcast_parameters(model)                   # rank 0's initial weights on every rank
     shard_model(model, device, compute_dtype, k)  # FSDP2, in place: fully_shard each unit of k blocks, then the root
     set_gradient_sync(model, sync)                # FSDP2 gradient accumulation without communication
@@ -14,18 +14,20 @@
 has more than one rank; one process is plain single-process training).
 
 `parallel = "fsdp"`: `torch.distributed.fsdp.fully_shard` (FSDP2) on each unit of `train.fsdp_blocks_per_unit`
-consecutive transformer blocks (default 1) and on the root, so a rank keeps 1/world of every parameter, gradient
+consecutive transformer blocks and on the root, so a rank keeps 1/world of every parameter, gradient
 and AdamW moment, and gathers a unit's parameters only while its blocks run. Larger units gather more at once
-(more memory) and cost the host less per step: FSDP2's hooks run once per unit and micro-batch. The modules keep their class names and parameter names (checkpoints use the same keys as unsharded
-ones); parameters become DTensors. With a compute dtype (bf16 on CUDA), each block's parameters are gathered and
-used in that dtype and its gradients reduced in fp32 (a MixedPrecisionPolicy); the root (embeddings, final norm,
-tied head) keeps fp32 parameters, so the residual stream stays fp32 as under plain autocast, which still picks
-each op's dtype. On the CPU nothing is cast (fp32).
+(more memory) and cost the host less per step: FSDP2's hooks run once per unit and micro-batch (train.py's
+default: one unit of every block on one rank, one block per unit on several). The modules keep their class
+names and parameter names (checkpoints use the same keys as unsharded ones); parameters become DTensors. With
+a compute dtype (bf16 on CUDA), each block's parameters are gathered and used in that dtype and its gradients
+reduced in fp32 (a MixedPrecisionPolicy); the root (embeddings, final norm, tied head) keeps fp32 parameters, so
+the residual stream stays fp32 as under plain autocast, which still picks each op's dtype. On the CPU nothing is cast (fp32).
 
 Activation checkpointing and compile change a block's `forward` only (an instance attribute), never the module
 tree: both work under either mode. Compile follows torchtitan's order, activation checkpointing, then torch.compile
 per transformer block, then fully_shard; here the compiled function is one for all blocks (a block is an
-argument, so it is traced once and reused). Under DDP train.py compiles the whole model instead.
+argument, so it is traced once and reused), or, with units of several blocks, one call per unit that runs all
+of its blocks (traced once per unit length). Under DDP train.py compiles the whole model instead.
 """
 from __future__ import annotations
 
@@ -121,7 +123,8 @@ _compiled: dict = {}  # (the plain or checkpointed call, unit or block) → its 
 
 
 def _run_unit(call, blocks: tuple, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Every block of a unit in turn, each through `call` (the plain or checkpointed call): x (B, T, C) → (B, T, C)."""
+    """Every block of a unit in turn, each through `call` (the plain or checkpointed call).
+    x: (B, T, C) → (B, T, C)."""
     for block in blocks:
         x = call(block, x, *args, **kwargs)
     return x

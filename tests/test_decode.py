@@ -148,6 +148,20 @@ def test_auto_num_splits_heuristic():
     assert auto_num_splits(1, 512, cpu) == 1               # a short cache runs unsplit (no merge launch)
     with options.use(decode_min_keys_per_split=512):       # the option (FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT)
         assert auto_num_splits(1, 1024, cpu) == 2
+
+
+def test_auto_num_splits_fills_whole_rounds_of_programs(monkeypatch):
+    """On an H200's 132 SMs (4 split programs each: rounds of 528): a count that spills a few programs into
+    another round gives way to the largest count within the rounds before, when that leaves less empty."""
+    monkeypatch.setattr(kt, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert auto_num_splits(12, 32768, cpu) == 44   # GPT-2's 12 heads at batch 1: 528 programs, one whole round
+    assert auto_num_splits(48, 32768, cpu) == 11   # 528 again
+    assert auto_num_splits(192, 32768, cpu) == 2   # batch 16: 3 would be 576 (48 in a second round), 2 is 384
+    assert auto_num_splits(96, 32768, cpu) == 5    # batch 8: 6 would be 576, 5 is 480
+    assert auto_num_splits(288, 32768, cpu) == 2   # 2 rounds of 576 leave as much empty as one of 288: keep 2
+    assert auto_num_splits(192, 1024, cpu) == 2    # the length's own cap (4 of 256 keys) still applies first
+    assert auto_num_splits(600, 32768, cpu) == 1
     assert auto_num_splits(1, 1024, cpu) == 4
 
 

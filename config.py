@@ -94,7 +94,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     fsdp_blocks_per_unit: int = 0   # parallel=fsdp: consecutive blocks gathered, resharded and compiled together;
                                     # larger units cost more memory while gathered and less host time per step;
-                                    # 0 = all blocks in one unit on one rank, one block per unit on several
+                                    # 0 = automatic: on one rank units of up to 12 blocks, on several one block
     wandb: bool = False             # log to Weights & Biases (offline when there is no key or network)
     wandb_project: str = "flashgpt"
     wandb_run_name: str = ""

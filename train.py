@@ -46,10 +46,10 @@ from model import GPT  # noqa: E402
 from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint, load_checkpoint,  # noqa: E402
                               remove_stale_temp_dirs, save_run_checkpoint)
 from model.device import pick_device, pick_dtype  # noqa: E402
-from model.parallel import (broadcast_parameters, check_parallel, clip_grad_norm, compile_blocks,  # noqa: E402
-                            enable_activation_checkpointing, end_single_process_group, load_full_optimizer_state,
-                            load_sharded_state, optimizer_groups, set_gradient_sync, shard_model, sharded_state,
-                            start_single_process_group)
+from model.parallel import (auto_blocks_per_unit, broadcast_parameters, check_parallel, clip_grad_norm,  # noqa: E402
+                            compile_blocks, enable_activation_checkpointing, end_single_process_group,
+                            load_full_optimizer_state, load_sharded_state, optimizer_groups, set_gradient_sync,
+                            shard_model, sharded_state, start_single_process_group)
 from model.sharded_checkpoint import (load_rank_state, open_sharded_checkpoint, read_sharded_tensors,  # noqa: E402
                                       save_sharded_checkpoint)
 from training.pretrained import load_pretrained, settle_run_config  # noqa: E402
@@ -424,11 +424,10 @@ class Trainer:
         if self.sharded:
             if ckpt is None and self.world > 1:
                 broadcast_parameters(model)  # every rank starts from rank 0's weights, as under DDP
-            # one rank has no gathers to overlap with compute: one unit of every block costs the host least
-            unit = t.fsdp_blocks_per_unit or (self.cfg.model.n_layer if self.world == 1 else 1)
+            self.fsdp_unit = t.fsdp_blocks_per_unit or auto_blocks_per_unit(self.cfg.model.n_layer, self.world)
             if t.compile:
-                compile_blocks(model, unit)
-            shard_model(model, device, self.dtype if device.type == "cuda" else None, unit)
+                compile_blocks(model, self.fsdp_unit)
+            shard_model(model, device, self.dtype if device.type == "cuda" else None, self.fsdp_unit)
         self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
                                                    device.type)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
@@ -483,9 +482,11 @@ class Trainer:
         self.peak = peak_flops(t.peak_tflops, self.device)
         if self.master:
             print(format_config(cfg))
+            loss_kernel = kernels.resolve_loss_kernel(cfg.model.loss_kernel, self.device)
             print(f"device {self.device} ({self.dtype}), attention backend: {cfg.model.attention}, "
-                  f"loss kernel: {kernels.resolve_loss_kernel(cfg.model.loss_kernel, self.device)}, world size {self.world}, "
-                  f"{self.raw_model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step:,} tokens/step"
+                  f"loss kernel: {loss_kernel}, world size {self.world}, "
+                  + (f"FSDP2 units of {self.fsdp_unit} blocks, " if self.sharded else "")
+                  + f"{self.raw_model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step:,} tokens/step"
                   + (f", resuming at step {self.start_iter}" if self.resume else ""))
             print(f"unigram baseline val loss: {self.baseline:.4f} (uniform: {math.log(self.tok_vocab):.4f})")
             path = os.path.join(t.out_dir, "config.toml")

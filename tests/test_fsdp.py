@@ -329,6 +329,18 @@ def test_compiled_blocks_trace_once_and_match_eager():
     torch._dynamo.reset()
 
 
+def test_automatic_units():
+    """fsdp_blocks_per_unit = 0: one block per unit on several ranks; on one, as few units of at most
+    AUTO_UNIT_MAX blocks as there can be, evened out (at most two unit lengths, so at most two compiled graphs)."""
+    from model.parallel import AUTO_UNIT_MAX, auto_blocks_per_unit
+    assert auto_blocks_per_unit(12, world=2) == auto_blocks_per_unit(48, world=8) == 1
+    assert [auto_blocks_per_unit(n, world=1) for n in (1, 2, 12, 13, 30, 48)] == [1, 2, 12, 7, 10, 12]
+    for n in range(1, 100):
+        k = auto_blocks_per_unit(n, world=1)
+        units = [min(k, n - i) for i in range(0, n, k)]
+        assert max(units) <= AUTO_UNIT_MAX and len(units) == -(-n // AUTO_UNIT_MAX) and len(set(units)) <= 2, n
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_compiled_units_run_as_one_call_each_and_match_eager_blocks(checkpointed):
     """compile_blocks with units under FSDP2 (one process): units [0, 1] and [2] of 3 blocks each run as one

@@ -141,6 +141,10 @@ class GPT(nn.Module):
         cfg.validate()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (train.py fills it in from the tokenizer)")
+        # the forward reads the kernel options; read them here (and the environment's overrides with them the
+        # first time), so that torch.compile tracing a forward finds them set instead of reading os.environ
+        # inside the graph, which breaks it in the loop over blocks and sends the whole forward to eager
+        kernels.options.get()
         self.config = cfg
         layers = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
         if cfg.pos_emb == "learned":

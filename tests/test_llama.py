@@ -275,6 +275,21 @@ def test_compiled_rope_model_has_no_graph_break():
     torch.testing.assert_close(loss, eager_loss)
 
 
+def test_compile_before_the_kernel_options_were_read_has_no_graph_break(monkeypatch):
+    """A process whose first use of the kernel options is a compiled forward (a script that builds a model and
+    compiles it): building the model reads them, so tracing never reads the environment, which would break
+    the graph inside the loop over blocks and send the whole forward to eager."""
+    import kernels.options
+    monkeypatch.setattr(kernels.options, "_current", None)  # as in a fresh process
+    model = GPT(tiny(attention="sdpa"))
+    assert kernels.options._current is not None
+    idx = torch.randint(0, VOCAB, (2, 17))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, idx)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+
+
 def test_autocast_keeps_the_packed_projection_in_its_dtype():
     """Under bf16 autocast, q and k come out of RoPE and qk_norm in bf16 (no silent float32 attention)."""
     model = GPT(tiny(attention="sdpa", qk_norm=True))

@@ -274,11 +274,41 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over all parameters (DTensor-aware: a sharded model's norm covers every rank's shard);
-    returns the total norm before clipping as a plain 0-d tensor, not yet read back."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    full = getattr(norm, "full_tensor", None)  # a DTensor (replicated) under FSDP2
-    return full() if full is not None else norm
+    """clip_grad_norm_ over all parameters (a sharded model's norm covers every rank's shard); returns the total
+    norm before clipping as a plain 0-d tensor, not yet read back. Under FSDP2 it works on each rank's local
+    shards: their squared norms summed over the ranks in one all-reduce (each element lives on one rank), then
+    one scale of the local shards; DTensor's dispatch would take host time for every gradient."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    shards = _local_shards(grads)
+    if shards is None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        full = getattr(norm, "full_tensor", None)  # a DTensor (replicated): gradients sharded some other way
+        return full() if full is not None else norm
+    import torch.distributed as dist
+    local, group = shards
+    with torch.no_grad():
+        squares = torch.stack(torch._foreach_norm(local)).float().square().sum()  # this rank's share
+        dist.all_reduce(squares, group=group)
+        total = squares.sqrt()
+        torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as clip_grad_norm_ does
+    return total
+
+
+def _local_shards(grads: list) -> tuple[list[torch.Tensor], object] | None:
+    """(each gradient's local shard, the process group) when every gradient is a DTensor sharded on dim 0 over
+    one 1-D mesh (FSDP2's layout: each element on exactly one rank); otherwise None."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:
+        return None
+    if not grads or not all(isinstance(g, DTensor) for g in grads):
+        return None
+    mesh, sharded = grads[0].device_mesh, (Shard(0),)
+    if mesh.ndim != 1 or any((g.device_mesh is not mesh and g.device_mesh != mesh) or g.placements != sharded
+                             for g in grads):
+        return None
+    with torch.no_grad():  # to_local without an autograd node: the shard itself
+        return [g.to_local() for g in grads], mesh.get_group()
 
 
 # ---------------------------------------------------------------------------------------- sharded state

@@ -61,3 +61,21 @@ def test_scaling_rejects_bad_cases_and_needs_gpus_without_smoke():
         r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "scaling.py"), "--gpus=1"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "needs CUDA GPUs (use --smoke on CPU)" in r.stderr
+
+
+def test_fsdp_host_times_both_models_and_refuses_bad_sizes(tmp_path, capsys):
+    """bench/fsdp_host.py: clipping, the optimizer step and zero_grad timed for plain and FSDP2 parameters (the
+    CPU here; the same code times a GPU's host), one row each; a bad size is one line and exit 2."""
+    from bench import fsdp_host
+    assert fsdp_host.main(["--layers", "2", "--repeat", "2", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "fsdp_host.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith(("| plain |", "| FSDP2 |"))]
+    assert len(rows) == 2
+    for row in rows:
+        values = [float(v) for v in row.strip("|").split("|")[1:]]
+        assert len(values) == 4 and all(v > 0 for v in values)
+    import torch.distributed as dist
+    assert not dist.is_initialized()  # the one-rank group ended with the run
+    capsys.readouterr()
+    assert fsdp_host.main(["--width", "3", "--out", str(tmp_path)]) == 2
+    assert "--width" in capsys.readouterr().err

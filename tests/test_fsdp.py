@@ -405,6 +405,39 @@ def test_compiled_units_run_as_one_call_each_and_match_eager_blocks(checkpointed
         compile_blocks(GPT(cfg), 0)
 
 
+@pytest.mark.parametrize("max_norm", [0.5, float("inf")])
+def test_clipping_on_local_shards_matches_clip_grad_norm(max_norm):
+    """Under FSDP2 clip_grad_norm works on each rank's local shards (one all-reduce of their squared norms):
+    the same total norm and clipped gradients as torch's clip_grad_norm_ on the same gradients unsharded."""
+    from model.parallel import _local_shards, clip_grad_norm, shard_model, start_single_process_group
+    import torch.distributed as dist
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40, attention="naive")
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    grads = {name: torch.randn_like(p) for name, p in plain.named_parameters()}
+    assert start_single_process_group(torch.device("cpu"))
+    try:
+        sharded = GPT(cfg)
+        sharded.load_state_dict(plain.state_dict())
+        shard_model(sharded, torch.device("cpu"), None, 1)
+        for model in (plain, sharded):
+            for name, p in model.named_parameters():
+                g = grads[name]
+                p.grad = g.clone() if model is plain else dist.tensor.distribute_tensor(g, p.device_mesh,
+                                                                                        p.placements)
+        assert _local_shards([p.grad for p in sharded.parameters()]) is not None  # the local path is taken
+        assert _local_shards([p.grad for p in plain.parameters()]) is None
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
+        total = clip_grad_norm(sharded, max_norm)
+        assert type(total) is torch.Tensor and total.dim() == 0
+        torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+        assert expected > 1.0  # the 0.5 case does clip
+        for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-6, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_bf16_policy_gathers_blocks_in_bf16_and_keeps_the_root_fp32():
     """The mixed-precision policy a CUDA run gets (train.py passes bf16 there): blocks are stored as fp32 shards
     and gathered in bf16; the root (embeddings, tied head, final norm) is gathered in fp32."""

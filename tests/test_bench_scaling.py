@@ -73,7 +73,7 @@ def test_fsdp_host_times_both_models_and_refuses_bad_sizes(tmp_path, capsys):
     assert len(rows) == 2
     for row in rows:
         values = [float(v) for v in row.strip("|").split("|")[1:]]
-        assert len(values) == 4 and all(v > 0 for v in values)
+        assert len(values) == 5 and all(v > 0 for v in values)
     import torch.distributed as dist
     assert not dist.is_initialized()  # the one-rank group ended with the run
     capsys.readouterr()

@@ -149,3 +149,33 @@ def test_compiled_backward_has_no_gradient_input_for_the_logits():
     _, loss = torch.compile(model, backend=backend)(idx, idx)
     loss.backward()
     assert len(tangents) == 1, tangents
+
+
+def test_cpu_optimizer_is_multi_tensor_and_updates_as_one_tensor_at_a_time():
+    """configure_optimizer on the CPU: AdamW's foreach path (fused on CUDA), whose updates equal the
+    one-tensor-at-a-time path's bit for bit over several steps, decay on matrices only."""
+    import copy
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=48, attention="naive")
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    other = copy.deepcopy(model)
+    initial = copy.deepcopy(model.state_dict())
+    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert all(p.dim() >= 2 for p in optimizer.param_groups[0]["params"])
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    others = list(other.parameters())
+    single = torch.optim.AdamW([{"params": [others[index[id(p)]] for p in g["params"]],
+                                 "weight_decay": g["weight_decay"]} for g in optimizer.param_groups],
+                               lr=1e-3, betas=(0.9, 0.95), foreach=False)
+    for step in range(4):
+        x = torch.randint(0, 48, (2, 16), generator=torch.Generator().manual_seed(step))
+        for m, opt in ((model, optimizer), (other, single)):
+            _, loss = m(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), name
+    assert all(not torch.equal(p, initial[name]) for name, p in model.named_parameters())  # all were updated

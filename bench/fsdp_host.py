@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but no CUDA GPU is available", file=sys.stderr)
         return 2
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_head=2, n_embd=args.width, block_size=32, vocab_size=64,
                     attention="naive")

@@ -191,7 +191,7 @@ def start_single_process_group(device: torch.device) -> bool:
         return False
     backend = "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())  # "cuda" alone
         backend = "nccl"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True

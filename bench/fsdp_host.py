@@ -4,8 +4,8 @@
 
 The model is GPT-2-deep (its 148 parameter tensors at 12 layers) and narrow, so the arithmetic costs next to
 nothing and what is timed is the host's work per call: train.py's clip_grad_norm (model/parallel.py), the
-optimizer's step (AdamW as GPT.configure_optimizer builds it: fused on CUDA, foreach on the CPU; and the same
-groups one tensor at a time) and zero_grad, each the median of --repeat calls, synchronised on CUDA. FSDP2 runs
+optimizer's step (AdamW as GPT.configure_optimizer builds it: fused on CUDA, foreach on the CPU, on the local
+shards under FSDP2; torch's AdamW with the same groups and settings; the same groups one tensor at a time) and zero_grad, each the median of --repeat calls, synchronised on CUDA. FSDP2 runs
 on one process (a one-rank group), one unit of every block, so the same parameters are DTensors there and plain
 tensors in the other model; `torch clip` is torch.nn.utils.clip_grad_norm_ on the same parameters, what
 clip_grad_norm did under FSDP2 before it worked on local shards.
@@ -55,8 +55,11 @@ def measure(model: GPT, device: torch.device, repeat: int) -> dict:
     row = {"clip": _median_ms(lambda: clip_grad_norm(model, 1.0), repeat, cuda),
            "torch clip": _median_ms(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), repeat, cuda),
            "optimizer step": _median_ms(optimizer.step, repeat, cuda)}
-    single = torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("foreach", "fused")}
-                                for g in optimizer.param_groups], foreach=False, fused=False)
+    groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in optimizer.param_groups]
+    dispatched = torch.optim.AdamW(groups, foreach=optimizer.defaults["foreach"], fused=optimizer.defaults["fused"])
+    dispatched.step()
+    row["torch AdamW"] = _median_ms(dispatched.step, repeat, cuda)
+    single = torch.optim.AdamW(groups, foreach=False, fused=False)
     single.step()
     row["AdamW one tensor at a time"] = _median_ms(single.step, repeat, cuda)
     grads = [p.grad for p in model.parameters()]
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
         rows["FSDP2"] = measure(sharded, device, args.repeat)
     finally:
         end_single_process_group()
-    pieces = ["clip", "torch clip", "optimizer step", "AdamW one tensor at a time", "zero_grad + restore"]
+    pieces = ["clip", "torch clip", "optimizer step", "torch AdamW", "AdamW one tensor at a time", "zero_grad + restore"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = ["# Host time of a step's end: FSDP2 (one rank) against plain training", "",
              f"`python bench/fsdp_host.py --layers {args.layers} --width {args.width} --repeat {args.repeat} "
@@ -116,8 +119,10 @@ def main(argv=None) -> int:
         lines.append(f"| {label} | " + " | ".join(f"{row[k]:.2f}" for k in pieces) + " |")
     lines += ["", "`clip` is train.py's clip_grad_norm (on local shards under FSDP2); `torch clip` is "
               "torch.nn.utils.clip_grad_norm_ on the same parameters; `optimizer step` is the AdamW that "
-              "GPT.configure_optimizer builds (fused on CUDA, foreach on the CPU), `AdamW one tensor at a time` "
-              "the same groups with foreach and fused off."]
+              "GPT.configure_optimizer builds (model/shard_adamw.py: on local shards under FSDP2; fused on CUDA, "
+              "foreach on the CPU), `torch AdamW` torch.optim.AdamW with the same groups and settings (under "
+              "FSDP2 its step goes through DTensor dispatch), `AdamW one tensor at a time` the same groups with "
+              "foreach and fused off."]
     write_report(args.out, "fsdp_host.md", lines)
     return 0
 

@@ -34,6 +34,7 @@ import kernels
 from .config import GPTConfig
 from .norms import RMSNorm, make_norm
 from .rope import RotaryEmbedding, apply_rope
+from .shard_adamw import ShardLocalAdamW
 
 
 class CausalSelfAttention(nn.Module):
@@ -265,13 +266,14 @@ class GPT(nn.Module):
     def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
         """AdamW with decay on matrices only (not biases or norm weights); fused on CUDA, multi-tensor (foreach)
         on the CPU, where torch would otherwise update one tensor at a time: the same numbers, bit for bit, in a
-        half to a fifth of the host time (a fifth for FSDP2's DTensor parameters: bench/fsdp_host.py)."""
+        half to a fifth of the host time (bench/fsdp_host.py). Under FSDP2 the step updates the local shards of the
+        DTensor parameters (model/shard_adamw.py), with torch's AdamW state and updates."""
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda",
-                                 foreach=True if device_type == "cpu" else None)
+        return ShardLocalAdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda",
+                               foreach=True if device_type == "cpu" else None)
 
     def flops_per_token(self) -> float:
         """nanoGPT's count: 6·params + 12·layers·heads·head_dim·T (forward + backward)."""

@@ -254,18 +254,23 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, DOCS, COS, SIN,
                              stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod,
                              full_lo, m_full, GROUP, Nq, offset, qk_scale, offs_n, offs_d, key_lo, key_hi,
                              0, GQA, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, TMA, FUSED_DQ, CAUSAL, WINDOW, VARLEN)
+    # The stores' mask (kv_mask's values) computed anew after the loops: reusing kv_mask, the K/V loads', kept its
+    # per-row predicates live through the loops, and ptxas (sm_90) spilled in the main loop for them.
+    out_ok = tl.arange(0, BLOCK_N) < Nk - start_n  # (BLOCK_N,) == n_ok
+    out_mask = out_ok[:, None] & d_ok[None, :]
+    # dV first: its accumulator is dead while dK is rotated back (ROPE), whose tables take registers too
+    tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+             + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=out_mask)
     dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
     if ROPE:
         cos_base = COS + b.to(tl.int64) * stride_cb
         sin_base = SIN + b.to(tl.int64) * stride_cb
-        dk = _rotate_back(dk, cos_base, sin_base, offs_n, n_ok, stride_cn, offs_d, Q.dtype.element_ty, BLOCK_N,
+        dk = _rotate_back(dk, cos_base, sin_base, offs_n, out_ok, stride_cn, offs_d, Q.dtype.element_ty, BLOCK_N,
                           BLOCK_D)
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-             + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=kv_mask)
+             mask=out_mask)
 
 
 @triton.jit

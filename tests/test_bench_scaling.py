@@ -64,16 +64,20 @@ def test_scaling_rejects_bad_cases_and_needs_gpus_without_smoke():
 
 
 def test_fsdp_host_times_both_models_and_refuses_bad_sizes(tmp_path, capsys):
-    """bench/fsdp_host.py: clipping, the optimizer step and zero_grad timed for plain and FSDP2 parameters (the
-    CPU here; the same code times a GPU's host), one row each; a bad size is one line and exit 2."""
+    """bench/fsdp_host.py: clipping, the optimizer step (ours and torch's AdamW) and zero_grad timed for plain
+    and FSDP2 parameters (the CPU here; the same code times a GPU's host), one row each; a bad size is one line
+    and exit 2."""
     from bench import fsdp_host
     assert fsdp_host.main(["--layers", "2", "--repeat", "2", "--device", "cpu", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "fsdp_host.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| | clip"))
+    assert [c.strip() for c in header.strip("|").split("|")[1:]] == [
+        "clip", "torch clip", "optimizer step", "torch AdamW", "AdamW one tensor at a time", "zero_grad + restore"]
     rows = [line for line in text.splitlines() if line.startswith(("| plain |", "| FSDP2 |"))]
     assert len(rows) == 2
     for row in rows:
         values = [float(v) for v in row.strip("|").split("|")[1:]]
-        assert len(values) == 5 and all(v > 0 for v in values)
+        assert len(values) == 6 and all(v > 0 for v in values)
     import torch.distributed as dist
     assert not dist.is_initialized()  # the one-rank group ended with the run
     capsys.readouterr()

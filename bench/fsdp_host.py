@@ -5,7 +5,8 @@
 The model is GPT-2-deep (its 148 parameter tensors at 12 layers) and narrow, so the arithmetic costs next to
 nothing and what is timed is the host's work per call: train.py's clip_grad_norm (model/parallel.py), the
 optimizer's step (AdamW as GPT.configure_optimizer builds it: fused on CUDA, foreach on the CPU, on the local
-shards under FSDP2; torch's AdamW with the same groups and settings; the same groups one tensor at a time) and zero_grad, each the median of --repeat calls, synchronised on CUDA. FSDP2 runs
+shards under FSDP2; torch's AdamW with the same groups and settings; the same groups one tensor at a time) and
+zero_grad, each the median of --repeat calls, synchronised on CUDA. FSDP2 runs
 on one process (a one-rank group), one unit of every block, so the same parameters are DTensors there and plain
 tensors in the other model; `torch clip` is torch.nn.utils.clip_grad_norm_ on the same parameters, what
 clip_grad_norm did under FSDP2 before it worked on local shards.
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
         rows["FSDP2"] = measure(sharded, device, args.repeat)
     finally:
         end_single_process_group()
-    pieces = ["clip", "torch clip", "optimizer step", "torch AdamW", "AdamW one tensor at a time", "zero_grad + restore"]
+    pieces = ["clip", "torch clip", "optimizer step", "torch AdamW", "AdamW one tensor at a time",
+              "zero_grad + restore"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = ["# Host time of a step's end: FSDP2 (one rank) against plain training", "",
              f"`python bench/fsdp_host.py --layers {args.layers} --width {args.width} --repeat {args.repeat} "

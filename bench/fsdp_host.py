@@ -6,10 +6,9 @@ The model is GPT-2-deep (its 148 parameter tensors at 12 layers) and narrow, so 
 nothing and what is timed is the host's work per call: train.py's clip_grad_norm (model/parallel.py), the
 optimizer's step (AdamW as GPT.configure_optimizer builds it: fused on CUDA, foreach on the CPU, on the local
 shards under FSDP2; torch's AdamW with the same groups and settings; the same groups one tensor at a time) and
-zero_grad, each the median of --repeat calls, synchronised on CUDA. FSDP2 runs
-on one process (a one-rank group), one unit of every block, so the same parameters are DTensors there and plain
-tensors in the other model; `torch clip` is torch.nn.utils.clip_grad_norm_ on the same parameters, what
-clip_grad_norm did under FSDP2 before it worked on local shards.
+zero_grad, each the median of --repeat calls, synchronised on CUDA. FSDP2 runs on one process (a one-rank
+group), one unit of every block, so the same parameters are DTensors there and plain tensors in the other model;
+`torch clip` is torch.nn.utils.clip_grad_norm_ on the same parameters (DTensor dispatch for every gradient).
 Writes fsdp_host.md into --out (default bench/results/scaling/fsdp_host).
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
         # lists, then passes them to its functional adam; swapping their items for local shards here keeps the
         # rest of torch's step as it is.
         out = super()._init_group(group, *lists)
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = [x for x in lists if isinstance(x, list)]
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, _ = [x for x in lists if isinstance(x, list)]
         others = [grads, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if max_exp_avg_sqs else [])
         if params and _same_local_layout(params, others):
             for items in [params] + others:

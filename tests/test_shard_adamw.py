@@ -20,8 +20,7 @@ def _fsdp():
 
 
 def _sharded_pair(device):
-    """Two FSDP2 models of the same weights on a one-rank group, each with one fresh gradient per parameter."""
-    import torch.distributed as dist
+    """Two FSDP2 models of the same weights, one block per unit, on the one-rank group already started."""
     from model.parallel import shard_model
     torch.manual_seed(0)
     base = GPT(CFG)
@@ -32,7 +31,7 @@ def _sharded_pair(device):
         m.to(device)
         shard_model(m, device, None, 1)
         models.append(m)
-    return models, dist
+    return models
 
 
 def _step(models, optimizers, steps, seed):
@@ -54,14 +53,15 @@ def test_local_shard_steps_equal_torch_adamw_on_dtensors(device, monkeypatch):
     and settings on the same DTensor parameters: bit for bit the same parameters and moments; the functional
     adam it calls sees plain tensors only, and the state it keeps is DTensors (what sharded checkpoints save)."""
     _fsdp()
-    from torch.distributed.tensor import DTensor
+    import torch.distributed as dist
     import torch.optim.adam as adam_module
+    from torch.distributed.tensor import DTensor
     from model.parallel import start_single_process_group
     from model.shard_adamw import ShardLocalAdamW
     device = torch.device(device)
     assert start_single_process_group(device)
     try:
-        (ours_model, torch_model), dist = _sharded_pair(device)
+        ours_model, torch_model = _sharded_pair(device)
         ours = ours_model.configure_optimizer(0.1, 3e-3, (0.9, 0.95), device.type)
         assert type(ours) is ShardLocalAdamW
         plist = list(torch_model.parameters())

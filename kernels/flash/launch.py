@@ -2,6 +2,8 @@
 
     _fwd(q, k, v, causal, sm_scale, window=0, docs=None) -> (o, lse)
     _bwd(do, q, k, v, o, lse, causal, sm_scale, window=0, docs=None, out=None, rope=None) -> (dq, dk, dv)
+    _dq_into(do, q, k, v, o, lse, dq, delta, causal, sm_scale) -> None   the dQ kernel alone (and delta), for
+                                                                        the Gluon dK/dV backward
     _packed_fwd(qkv, n_head, n_kv_head, causal, sm_scale, window=0, docs=None) -> (o, lse)
     _packed_bwd(do, qkv, o, lse, n_head, n_kv_head, causal, sm_scale, window=0, docs=None, rope=None) -> d(qkv)
     _packed_rope_fwd(qkv, cos, sin, n_head, n_kv_head, causal, sm_scale, window=0, docs=None)
@@ -455,6 +457,25 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
                     _planned("dkdv", dkdv_launch, dkdv_idx, dkdv_args[12:], dkdv_kwargs)]
     _record(key, ((B, Hq, Nq), layouts, acc_shape, launches))
     return dq, dk, dv
+
+
+def _dq_into(do, q, k, v, o, lse, dq, delta, causal: bool, sm_scale: float) -> None:
+    """The split backward's dQ kernel alone, without a window, documents or RoPE tables: dQ into dq and
+    delta = rowsum(dO * O) into delta ((B, Hq, Nq) float32, contiguous). The Gluon dK/dV kernel
+    (kernels/flash_hopper/backward_launch.py) runs after it and reads delta. The arguments are _bwd's for the
+    same launch; no launch plan is recorded."""
+    opts = _options.get()
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = _lpt_group(k, Nk, B * Hq)
+    args = (q, k, v, o, do, lse, delta, dq, None, None, None, *q.stride(), *k.stride(), *v.stride(),
+            *o.stride(), *do.stride(), *dq.stride(), 0, 0, Hq, Hq // Hkv, Nq, Nk, Nk - Nq,
+            sm_scale * _triton.LOG2E, sm_scale, group, _bucket(Nq), _bucket(Nk))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+                  TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, group, opts), WINDOW=0, VARLEN=False,
+                  ROPE=False)
+    with _triton.device_guard(q):
+        _launch("dq", Nq, Hq, B, q.dtype, args, kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------

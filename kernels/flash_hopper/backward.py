@@ -1,0 +1,301 @@
+"""The Hopper dK/dV backward kernel in Gluon: dK and dV of softmax(Q Kᵀ · scale + mask) V from the forward's
+log-sum-exp and the rows' delta = rowsum(dO * O).
+
+FlashAttention-3's backward structure on sm_90 for the key side, written with Gluon's explicit primitives:
+
+* one program per tile of 2·BLOCK_N keys of one (kv head, batch); grid (cdiv(Nk, 2·BLOCK_N), Hkv, B). Its K and
+  V stay in shared memory for the whole program; it loops over the query blocks that see the tile, for each of
+  the GROUP query heads that read the kv head (GQA: the group's sum, no atomics).
+* warp specialization (gl.warp_specialize): a producer warp that only issues TMA copies (K and V once, then Q
+  and dO blocks through a STAGES-deep shared-memory ring, one mbarrier pair (ready, empty) per stage), and two
+  consumer warpgroups (the default partition and a 4-warp worker) that only compute. Consumer warpgroup w owns
+  keys [w·BLOCK_N, (w + 1)·BLOCK_N) of the tile and its dK, dV accumulators; both read every Q/dO stage, which
+  is refilled once both released it (empty barriers count two arrivals). setmaxnreg moves registers from the
+  producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS), as in the forward.
+* per query block, transposed (keys along rows, as kernels/flash/backward.py's _dkdv_inner), all wgmma:
+      sT  = K Qᵀ                 (BLOCK_N, BLOCK_M)   K and Q in shared memory
+      dPᵀ = V dOᵀ                (BLOCK_N, BLOCK_M)   issued with sT, runs while Pᵀ is computed
+      Pᵀ  = exp2(sT · qk_scale - lse)                 (causal: 0 above the diagonal)
+      dV += Pᵀ dO                (BLOCK_N, HEAD_D)    Pᵀ in registers (the A operand), dO in shared memory
+      dSᵀ = Pᵀ (dPᵀ - delta)
+      dK += dSᵀ Q                (BLOCK_N, HEAD_D)    dSᵀ in registers
+  The lse and delta of the block's rows are plain global loads issued while the matmuls run. Every block is
+  masked (the causal mask elementwise, rows past Nq through lse = +inf) in one loop without a branch: loops
+  or branches per kind of block spilled at d128.
+* the epilogue writes dV and sm_scale · dK through the program's own K and V buffers (no longer read) and TMA
+  stores; rows past Nk are clipped by the descriptors' bounds.
+
+dQ is not computed here: the launcher (kernels/flash_hopper/backward_launch.py) runs the tl dQ kernel
+(kernels/flash/backward.py: _attn_bwd_dq) first, which also stores delta.
+
+Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
+Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
+nothing) or not; GQA and MQA; compute capability 9.0 only. Numerics as the tl kernel: fp32 scores, Pᵀ and dSᵀ
+rounded to the input dtype before their matmuls, dK scaled by sm_scale at the end.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .forward import _tma_load, _tma_store
+
+# Partitions and register budgets as the forward's (kernels/flash_hopper/forward.py): 24 + 240 + 240 = 3 x 168.
+PRODUCER_WARPS = gl.constexpr(1)
+PRODUCER_REGS = gl.constexpr(24)  # the producer holds only scalars (tile coordinates, ring counters)
+CONSUMER_REGS = gl.constexpr(240)  # each consumer: dK, dV, sT/Pᵀ, dPᵀ/dSᵀ and their 16-bit operands
+MAX_REGS = 168  # the kernel's register cap at entry (a launch option)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What every partition computes the same way: the program's tile and its query blocks
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _query_blocks(start_n, Nq, offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, TILE_N: gl.constexpr):
+    """Query blocks of the key tile [start_n, start_n + TILE_N): (lo, n_blocks), the tile reads n_blocks blocks
+    from row lo up to the last (partial or not) block of Nq. Causal (bottom-right aligned: query i sees key j
+    <= i + offset): the blocks before lo see no key of the tile and are skipped. Not causal: lo = 0."""
+    m_end = gl.cdiv(Nq, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = gl.minimum((gl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, m_end)  # the first row's block
+    else:
+        lo = 0
+    return lo, (m_end - lo) // BLOCK_M
+
+
+@gluon.jit
+def _step_coords(i, first, n_blocks, GQA: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(query head within the group, first query row) of step i of a flat loop over the group's heads and the
+    n_blocks query blocks from row `first` (head-major: each head's blocks in order)."""
+    if GQA:
+        per_head = gl.maximum(n_blocks, 1)  # (>= 1 only to keep the division defined without steps)
+        g = i // per_head
+        start_m = first + (i - g * per_head) * BLOCK_M
+    else:
+        g = 0
+        start_m = first + i * BLOCK_M
+    return g, start_m
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The producer: one warp issuing TMA copies
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _load_steps(q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk, GROUP, first, n_blocks,
+                BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr):
+    """Q and dO of the n_blocks query blocks from row `first` of each of the group's heads into the ring (step
+    i: stage i % STAGES), each stage once both consumers released it."""
+    q_bytes: gl.constexpr = BLOCK_M * HEAD_D * q_desc.dtype.primitive_bitwidth // 8
+    for i in range(n_blocks * GROUP):
+        g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(s), 2 * q_bytes)
+        _tma_load(q_desc, [b, hk * GROUP + g, start_m, 0], ready.index(s), q_smem.index(s))
+        _tma_load(do_desc, [b, hk * GROUP + g, start_m, 0], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty, GROUP,
+              Nq, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """K and V of each consumer's keys (once), then Q and dO of every step into the ring. Out-of-range rows
+    (past Nq or Nk: the 4-d descriptors' bounds) arrive as zeros."""
+    pid_n = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    start_n = pid_n * (2 * BLOCK_N)
+    kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * k_desc.dtype.primitive_bitwidth // 8
+    for w in gl.static_range(2):
+        mbarrier.expect(kv_ready.index(w), 2 * kv_bytes)
+        _tma_load(k_desc, [b, hk, start_n + w * BLOCK_N, 0], kv_ready.index(w), k_smem.index(w))
+        _tma_load(v_desc, [b, hk, start_n + w * BLOCK_N, 0], kv_ready.index(w), v_smem.index(w))
+    lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    _load_steps(q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk, GROUP, lo, n_blocks, BLOCK_M, HEAD_D,
+                STAGES, GQA)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The consumers: two warpgroups, BLOCK_N keys each
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
+                qk_scale, GROUP, first, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
+    tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
+    order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
+
+    Every block is masked the same way, without a branch: rows past Nq get lse = +inf (Pᵀ = 0) and delta = 0,
+    and CAUSAL hides key j from query i unless j <= i + offset. (Separate loops for the diagonal, the Nq tail
+    and the unmasked blocks spilled more at d128 (sm_90, both Triton versions), and so did one loop with a
+    runtime branch on the mask under Triton 3.6.)
+
+    Per step: wait for the stage; issue sT = K Qᵀ and dPᵀ = V dOᵀ and load the rows' lse; wait for sT only and
+    compute Pᵀ while dPᵀ runs; issue dV += Pᵀ dO and load delta; wait for dPᵀ and compute dSᵀ while dV's
+    matmul runs; issue dK += dSᵀ Q; wait for both, release the stage."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    for i in range(n_blocks * GROUP):
+        g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])  # (BLOCK_M, HEAD_D)
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
+        # the rows' lse and delta load while the matmuls run (loaded before the wait, they held registers
+        # across it and ptxas spilled in the loop)
+        cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)  # (BLOCK_M,) query rows of this step
+        col_ok = cols < Nq
+        row_ptr = rows0 + g * Nq + cols  # (BLOCK_M,) their lse and delta
+        lse = gl.load(lse_ptr + row_ptr, mask=col_ok, other=float("inf"))  # (BLOCK_M,) +inf: Pᵀ = 0
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))  # sT done, dPᵀ may still run
+        if CAUSAL:
+            # key j <= query i + offset, as (i - start_m) >= j - offset - start_m: a per-row bound against the
+            # columns' fixed offsets within the block (fewer live registers than comparing against cols)
+            first_row = gl.expand_dims(keys - offset - start_m, 1)  # (BLOCK_N, 1)
+            visible = gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_s), 0) >= first_row  # (BLOCK_N, BLOCK_M)
+            pT = gl.exp2(gl.where(visible, sT * qk_scale, float("-inf")) - gl.expand_dims(lse, 0))
+        else:
+            pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))  # (BLOCK_N, BLOCK_M) fp32
+        pT_op = gl.convert_layout(pT.to(dtype), op_layout)  # (BLOCK_N, BLOCK_M) the A operand of dV's matmul
+        dv = warpgroup_mma(pT_op, do, dv, is_async=True)  # (BLOCK_N, HEAD_D)
+        delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
+        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
+        # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A operands
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
+        mbarrier.arrive(empty.index(s), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
+              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
+    the query blocks of every head of the group that see the tile; then the epilogue."""
+    dtype: gl.constexpr = dk_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    pid_n = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    start_n = pid_n * (2 * BLOCK_N)
+    row0 = start_n + WG * BLOCK_N  # this warpgroup's first key
+    lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    keys = row0 + gl.arange(0, BLOCK_N, layout=row_s)  # (BLOCK_N,) this warpgroup's keys
+    rows0 = (b * Hq + hk * GROUP).to(gl.int64) * Nq  # the group's first head in lse and delta (B, Hq, Nq)
+    k = k_smem.index(WG).reshape([BLOCK_N, HEAD_D])  # (BLOCK_N, HEAD_D)
+    v = v_smem.index(WG).reshape([BLOCK_N, HEAD_D])
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_ready.index(WG), 0)
+    dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq,
+                         offset, qk_scale, GROUP, lo, n_blocks, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)
+
+    # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
+    # through them
+    v_out = v_smem.index(WG)  # (1, 1, BLOCK_N, HEAD_D)
+    k_out = k_smem.index(WG)
+    v_out.reshape([BLOCK_N, HEAD_D]).store(dv.to(dtype))
+    k_out.reshape([BLOCK_N, HEAD_D]).store((dk * sm_scale).to(dtype))  # dS was taken w.r.t. the scaled scores
+    fence_async_shared()
+    _tma_store(dv_desc, [b, hk, row0, 0], v_out)  # rows past Nk are clipped by the descriptor's bounds
+    _tma_store(dk_desc, [b, hk, row0, 0], k_out)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
+                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
+    _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)
+
+
+@gluon.jit
+def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
+                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """Consumer 1, in a 4-warp worker partition."""
+    _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset"])
+def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, Hq, GROUP, Nq,
+                          offset, qk_scale, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
+    that read them.
+
+    Supports: float16 and bfloat16 (every tensor one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly: no
+    padding lanes); any Nq, Nk >= 1 (tails: the descriptors' bounds, lse = +inf past Nq); causal (bottom-right
+    aligned, offset = Nk - Nq) or not; GQA and MQA (GQA: GROUP > 1 query heads per kv head, h = hk·GROUP + g).
+    No sliding window, no documents, no RoPE tables, no dropout, no fp32, no fp8.
+
+    q_desc, do_desc: 4-d TMA descriptors over (B, Hq, Nq, HEAD_D), blocks (1, 1, BLOCK_M, HEAD_D); k_desc,
+    v_desc, dk_desc, dv_desc: over (B, Hkv, Nk, HEAD_D), blocks (1, 1, BLOCK_N, HEAD_D), dk_desc's and dv_desc's
+    shared layouts those of k_desc and v_desc (any strides that are 16-byte multiples, unit stride along the
+    head dim). lse_ptr, delta_ptr: (B, Hq, Nq) fp32, contiguous: the forward's log-sum-exp (base 2, scaled:
+    qk_scale = sm_scale · log2 e; +inf for rows that see no key) and rowsum(dO * O). grid: (cdiv(Nk, 2·BLOCK_N),
+    Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
+    partition, maxnreg=MAX_REGS.
+    """
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)  # the dO ring
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)  # one per consumer
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(kv_ready.index(w), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release each stage
+
+    # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D,
+                             STAGES, CAUSAL, GQA)),
+        (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D,
+                            STAGES, CAUSAL, GQA)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+                     GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

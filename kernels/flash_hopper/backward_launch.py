@@ -1,0 +1,100 @@
+"""Host side of the Hopper backward: the tl dQ kernel, then the Gluon dK/dV kernel.
+
+    hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None) -> (dq, dk, dv)   allocate and launch
+    dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, sm_scale) -> None              the Gluon kernel alone
+    unsupported_backward(do, q, k, v, o) -> str | None                                None when it takes these
+
+Inputs and outputs as kernels/flash/launch.py's _bwd (the tl backward's entry point, the reference): q
+(B, Hq, Nq, D), k, v (B, Hkv, Nk, D), o and do like q, lse (B, Hq, Nq) float32, contiguous, base 2 and scaled
+(qk_scale = sm_scale · log2 e), +inf for rows that see no key — what either forward stores. dq, dk, dv come back
+laid out in the memory order of q, k, v, in their dtype.
+
+Two launches: the tl dQ kernel (kernels/flash/backward.py: _attn_bwd_dq, autotuned as in the split backward)
+computes dQ and stores delta = rowsum(dO * O); the Gluon kernel (kernels/flash_hopper/backward.py) then
+computes dK and dV from Q, K, V, dO, lse and delta. Taken: what the Gluon forward takes (float16/bfloat16, head
+dims 64 and 128, any lengths, causal or not, GQA, TMA-aligned strides, compute capability 9.0), with do and o
+TMA-aligned as well. Not wired into kernels.flash_attention's dispatch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _triton
+from .launch import AVAILABLE, _desc, _tma_ok, unsupported
+
+if AVAILABLE:
+    from . import backward as _backward
+
+BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
+BLOCK_N = 64  # keys per consumer warpgroup (a program holds 2 x BLOCK_N keys)
+STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 stages of Q, dO 64 KB)
+NUM_WARPS = 4  # the default partition: consumer 0
+
+
+def unsupported_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         o: torch.Tensor) -> str | None:
+    """Why the Hopper backward does not take these inputs, or None when it does."""
+    reason = unsupported(q, k, v)
+    if reason is not None:
+        return reason
+    for name, t in (("do", do), ("o", o)):
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            return f"{name} {tuple(t.shape)} {t.dtype} is not shaped like q {tuple(q.shape)} {q.dtype}"
+        if not _tma_ok(t):
+            return f"a stride or start of {name} is not 16-byte aligned (TMA)"
+    return None
+
+
+def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+              delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, sm_scale: float) -> None:
+    """Launch the Gluon dK/dV kernel on inputs that unsupported_backward() accepted: dK into dk, dV into dv
+    (like k, v: (B, Hkv, Nk, D), TMA-aligned). lse and delta: (B, Hq, Nq) float32, contiguous. On q's device."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    for name, t, like in (("dk", dk, k), ("dv", dv, v)):
+        if not _tma_ok(t) or t.shape != like.shape or t.dtype != like.dtype:
+            raise ValueError(f"flash_hopper: the {name} buffer {tuple(t.shape)} {t.dtype} (strides {t.stride()}) "
+                             "does not match k or is not TMA-aligned")
+    for name, t in (("lse", lse), ("delta", delta)):
+        if t.shape != (B, Hq, Nq) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
+    _backward._attn_bwd_dkdv_hopper[grid](
+        _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
+        _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), GQA=Hq > Hkv,
+        num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+
+
+def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, causal: bool = True,
+                    sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of inputs the kernels take (a ValueError naming the reason otherwise), laid out like q, k, v.
+    No autograd: a test and benchmark entry point, called as kernels/flash/launch.py's _bwd."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] \
+            or k.shape[1] < 1 or q.shape[1] % k.shape[1] or q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"flash_hopper: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
+                         "(B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D) with Nq, Nk >= 1, Hq a multiple of Hkv")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise ValueError(f"flash_hopper: q, k, v of one dtype and device, got {q.dtype}, {k.dtype}, {v.dtype}")
+    reason = unsupported_backward(do, q, k, v, o)
+    if reason is not None:
+        raise ValueError(f"flash_hopper: {reason}")
+    B, Hq, Nq, D = q.shape
+    if lse.shape != (B, Hq, Nq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"flash_hopper: lse must be a contiguous (B, Hq, Nq) float32 tensor, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"flash_hopper: sm_scale must be a finite number > 0, got {sm_scale}")
+    from ..flash import launch as _tl  # (kernels.flash imports this package: not at module level)
+
+    dq, dk, dv = (_tl._empty_like_layout(_tl._layout(t), q.dtype, q.device) for t in (q, k, v))
+    delta = _triton.empty((B, Hq, Nq), torch.float32, q.device)
+    with _triton.device_guard(q):
+        _tl._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale)  # dQ, and delta for the dK/dV kernel
+        dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale)
+    return dq, dk, dv

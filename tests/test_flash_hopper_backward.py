@@ -1,0 +1,249 @@
+"""The Hopper backward (kernels/flash_hopper/backward_launch.py: the tl dQ kernel, then the Gluon dK/dV kernel).
+
+On an sm_90 GPU: dq, dk, dv of fresh random inputs against a float64 reference (autograd through naive
+attention), within the suite's error budget (tests/error_budget.py) of naive attention's gradients computed in
+the same dtype; O and lse from the tl forward, as kernels.flash_attention's backward reads them. Odd lengths,
+Nq != Nk both ways (bottom-right causal; Nq > Nk leaves rows that see no key), GQA and MQA, bf16 and fp16, head
+dims 64 and 128, causal or not. Every buffer the launcher allocates (dq, dk, dv, delta) starts as NaN, so an
+element never written fails the test. Skipped without a CUDA device of compute capability 9.0 or a Triton
+lacking Gluon.
+
+On any machine: the launcher compiled for sm_90 with the Triton installed (tests/gpu_compile.py, in a child
+process with TRITON_INTERPRET=0 standing in for an H200; nothing is launched), each variant of the Gluon kernel
+checked for wgmma, TMA, mbarriers, setmaxnreg, 12 warps and its shared memory; `ptxas -v` registers and spill
+bytes per variant are printed (pytest -s) and bounded. And which inputs the launcher refuses, with the reason.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import zlib
+
+import pytest
+import torch
+
+import kernels._triton as kt
+from kernels import flash_hopper, naive_attention, split_qkv
+from kernels.flash import launch
+from kernels.flash_hopper import backward_launch
+from kernels.flash_hopper import launch as hopper_launch
+from tests.error_budget import assert_within_budget
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+on_sm90 = pytest.mark.skipif(
+    not (SM90 and flash_hopper.AVAILABLE),
+    reason="needs a CUDA device of compute capability 9.0" if not SM90 else flash_hopper.UNAVAILABLE_REASON or "")
+needs_gluon = pytest.mark.skipif(not flash_hopper.AVAILABLE, reason=f"{flash_hopper.UNAVAILABLE_REASON}")
+
+DTYPES = [torch.bfloat16, torch.float16]
+# (B, Hq, Hkv, Nq, Nk, causal): single rows, odd lengths past one key tile (128) and one query block (64), Nq
+# != Nk both ways, rows that see no key (causal, Nq > Nk), GQA and MQA, several kv heads with a group each
+CASES = [
+    (1, 2, 2, 1, 1, True),
+    (1, 2, 2, 1, 1, False),
+    (2, 2, 2, 113, 113, True),
+    (1, 2, 2, 113, 113, False),
+    (1, 2, 2, 1023, 1023, True),
+    (1, 2, 2, 1023, 1023, False),
+    (1, 2, 2, 113, 1023, True),
+    (1, 2, 2, 113, 1023, False),
+    (1, 2, 2, 1023, 113, True),
+    (1, 2, 2, 1023, 113, False),
+    (1, 2, 2, 1, 2049, True),
+    (1, 2, 2, 300, 1, True),
+    (1, 2, 2, 2049, 2049, True),
+    (2, 4, 2, 1023, 1023, True),
+    (1, 6, 2, 777, 333, True),
+    (1, 8, 1, 257, 257, False),
+]
+
+
+def _id(case, D, dtype):
+    B, Hq, Hkv, Nq, Nk, causal = case
+    return f"B{B}-H{Hq}/{Hkv}-{Nq}x{Nk}-d{D}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
+
+
+MATRIX = [pytest.param(case, D, dtype, id=_id(case, D, dtype)) for case in CASES for D in (64, 128)
+          for dtype in DTYPES]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN; no launch plan recorded by another test is replayed."""
+    monkeypatch.setattr(kt, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                            device=device))
+    monkeypatch.setattr(launch, "_plans", {})
+
+
+def _gen(request) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return g
+
+
+def _inputs(case, D, dtype, g):
+    """q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), do like q, on the GPU."""
+    B, Hq, Hkv, Nq, Nk, _ = case
+    shapes = ((B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D), (B, Hq, Nq, D))
+    return [torch.randn(s, generator=g).to("cuda", dtype) for s in shapes]
+
+
+def _naive_grads(q, k, v, do, causal):
+    """dq, dk, dv of naive attention in the inputs' dtype (float64 inputs: the reference)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive_attention(q, k, v, causal=causal).backward(do)
+    return q.grad, k.grad, v.grad
+
+
+@on_sm90
+@pytest.mark.parametrize("case,D,dtype", MATRIX)
+def test_backward_matches_reference(case, D, dtype, request, poisoned):
+    causal = case[-1]
+    q, k, v, do = _inputs(case, D, dtype, _gen(request))
+    scale = 1.0 / math.sqrt(D)
+    o, lse = launch._fwd(q, k, v, causal, scale)  # (B, Hq, Nq, D), (B, Hq, Nq): what the backward reads
+    dq, dk, dv = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale)
+    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    low = _naive_grads(q, k, v, do, causal)
+    for name, got, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, low):
+        assert_within_budget(name, got, r, n)
+
+
+@on_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_packed_projection_layout(D, request, poisoned):
+    """q, k, v as (B, N, H, D) views of one projection (the model's layout, no copy): the kernels read those
+    strides, and dq, dk, dv come back laid out like q, k, v, as the tl backward lays them out."""
+    B, N, Hq, Hkv = 2, 333, 4, 2
+    g = _gen(request)
+    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=g).to("cuda", torch.bfloat16)
+    q, k, v = split_qkv(qkv, Hq, Hkv)  # (B, H, N, D) views
+    do = torch.randn(B, N, Hq, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)  # like o
+    assert backward_launch.unsupported_backward(do, q, k, v, do) is None
+    o, lse = launch._fwd(q, k, v, True, D ** -0.5)
+    dq, dk, dv = backward_launch.hopper_backward(do, q, k, v, o, lse, True, D ** -0.5)
+    for got, like in ((dq, q), (dk, k), (dv, v)):
+        assert got.stride() == launch._empty_like_layout(launch._layout(like), like.dtype, like.device).stride()
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), True)
+    low = _naive_grads(q, k, v, do, True)
+    for name, got, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, low):
+        assert_within_budget(name, got, r, n)
+
+
+# --------------------------------------------------------------------- which inputs it takes (any machine)
+
+def _cpu_inputs(D=64, dtype=torch.bfloat16, Hq=4, Hkv=2):
+    q = torch.randn(2, Hq, 17, D).to(dtype)
+    kv = torch.randn(2, Hkv, 33, D).to(dtype)
+    return torch.randn_like(q), q, kv, kv, torch.randn_like(q)
+
+
+def test_unsupported_inputs_name_the_reason(monkeypatch):
+    """On an sm_90 device (stood in for): what the Gluon forward takes, with do and o shaped like q and
+    TMA-aligned; anything else is refused with the reason (hopper_backward raises it)."""
+    monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    if not flash_hopper.AVAILABLE:
+        assert backward_launch.unsupported_backward(*_cpu_inputs()) == flash_hopper.UNAVAILABLE_REASON
+        return
+    do, q, k, v, o = _cpu_inputs()
+    assert backward_launch.unsupported_backward(do, q, k, v, o) is None
+    assert "head dim 96" in backward_launch.unsupported_backward(*_cpu_inputs(D=96))
+    assert "dtype torch.float32" in backward_launch.unsupported_backward(*_cpu_inputs(dtype=torch.float32))
+    assert "do (2, 4, 16, 64)" in backward_launch.unsupported_backward(do[:, :, :16], q, k, v, o)
+    misaligned = torch.randn(2, 4, 17, 64 + 4).bfloat16()[..., :64]  # a row stride of 136 bytes
+    assert "16-byte" in backward_launch.unsupported_backward(do, q, k, v, misaligned)
+    with pytest.raises(ValueError, match="16-byte"):
+        backward_launch.hopper_backward(misaligned, q, k, v, o, torch.zeros(2, 4, 17))
+    monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: False)
+    assert "compute capability 9.0" in backward_launch.unsupported_backward(do, q, k, v, o)
+
+
+# --------------------------------------------------------------------- compiled for sm_90 (any machine)
+
+H200_SMS = 132
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+# ptxas spill bytes (stores and loads, per thread) each variant of the Gluon kernel may have: none at d64; at
+# d128 the consumers sit at their 240 registers. Measured when this was written (stores / loads, GQA):
+# Triton 3.9 causal 76 / 100, not causal 0 / 0; Triton 3.6 causal 8 / 8, not causal 12 / 12 (without GQA:
+# 40 / 64 and 24 / 24).
+MAX_SPILL = {64: 0, 128: 128}
+
+
+def _record(c) -> dict:
+    from tests.gpu_compile import ptxas_usage
+    names = c.src.fn.arg_names
+    consts = {names[path[0]]: v for path, v in c.src.constants.items() if isinstance(v, (bool, int, str))}
+    ptx = c.asm["ptx"]
+    rec = dict(kernel=c.name, consts=consts, shared=c.metadata.shared, num_warps=c.metadata.num_warps,
+               ptx_entry=f".entry {c.name}(" in ptx, cubin_bytes=len(c.asm.get("cubin") or b""), **ptxas_usage(c))
+    if c.name == "_attn_bwd_dkdv_hopper":
+        desc = str(c.src.signature["q_desc"])  # e.g. "tensordesc<bf16[1, 1, 64, 64],...>"
+        rec.update(dtype=desc[desc.index("<") + 1:desc.index("[")], wgmma="wgmma.mma_async" in ptx,
+                   tma_load="cp.async.bulk.tensor.4d.shared" in ptx,
+                   tma_store="cp.async.bulk.tensor.4d.global.shared" in ptx, mbarrier="mbarrier.try_wait" in ptx,
+                   setmaxnreg=re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx) is not None
+                   and re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx) is not None)
+    return rec
+
+
+def compile_hopper_backward() -> list[dict]:
+    """Run in a process started with TRITON_INTERPRET=0: every variant hopper_backward launches (the tl dQ kernel
+    in its default config, the Gluon dK/dV kernel), compiled for sm_90."""
+    from kernels import options
+    from kernels.flash.backward import _attn_bwd_dq
+    from kernels.flash_hopper import backward
+    from tests.gpu_compile import compiling_instead_of_launching
+
+    kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
+    kt.sm_count = lambda device: H200_SMS
+    hopper_launch._is_sm90 = lambda device: True
+    launch._hopper_or_newer = lambda index: True
+    with compiling_instead_of_launching(backward._attn_bwd_dkdv_hopper, _attn_bwd_dq) as compiled, \
+            options.use(autotune=False, fast_launch=False):
+        for dtype in DTYPES:
+            for D in (64, 128):
+                for causal in (True, False):
+                    for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
+                        q = torch.randn(2, 4, 113, D).to(dtype)  # (B, Hq, Nq, D)
+                        kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
+                        backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                                        torch.zeros(2, 4, 113), causal)
+    return [_record(c) for c in compiled]
+
+
+@needs_gluon
+def test_hopper_backward_compiles_for_sm90(tmp_path):
+    """Each variant of the Gluon kernel (bf16 and fp16, head dims 64 and 128, causal or not, GQA or not)
+    compiles to a cubin with wgmma, 4-d TMA loads and stores, mbarrier waits and the producer-to-consumer
+    register reallocation; 12 warps; shared memory within sm_90's limit; spills within MAX_SPILL. The tl dQ
+    kernel it launches first compiles too. Registers and spills are printed."""
+    import triton
+
+    from tests.util import compiled_records
+
+    records = compiled_records("tests.test_flash_hopper_backward", tmp_path)
+    gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
+    for rec in records:
+        c = rec["consts"]
+        print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
+              f"d{c.get('HEAD_D', c.get('HEAD_DIM'))} causal={c['CAUSAL']} gqa={c.get('GQA', '-')}: "
+              f"{rec['registers']} registers, spill stores {rec['spill_stores']} B, loads {rec['spill_loads']} B, "
+              f"shared {rec['shared']} B")
+    for rec in gluon:
+        assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
+        assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec
+        limit = MAX_SPILL[rec["consts"]["HEAD_D"]]
+        assert rec["spill_stores"] <= limit and rec["spill_loads"] <= limit, rec
+    got = {(r["dtype"], r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["GQA"]) for r in gluon}
+    want = {(dt, D, causal, True) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)}
+    assert got == want | {("bf16", 128, causal, False) for causal in (True, False)}
+    assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
+
+
+if __name__ == "__main__":
+    json.dump(compile_hopper_backward(), sys.stdout)

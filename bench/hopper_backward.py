@@ -1,0 +1,128 @@
+"""The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
+
+    python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--rep 100] [--out DIR]
+
+For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
+log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
+medians (it flushes L2 between runs):
+
+* hopper  kernels.flash_hopper.hopper_backward: the tl dQ kernel, then the Gluon dK/dV kernel;
+* tl      kernels/flash/launch.py: _bwd, the split backward the model's flash call runs now;
+* cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
+
+Before timing, hopper's dQ, dK, dV are compared with tl's (largest relative L2 difference, column "diff"); a
+shape where it exceeds 1e-2 is reported as wrong and its time is left out. TFLOP/s count 2.5x the forward's
+4·B·H·N²·D (halved when causal). Writes hopper_backward.md into --out (default bench/results/flash_hopper).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.report import git_commit, write_report  # noqa: E402
+
+DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
+WRONG = 1e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        B, H, N, D = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,D (four integers)") from None
+    if min(B, H, N, D) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: every size must be at least 1")
+    return B, H, N, D
+
+
+def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int) -> dict:
+    """ms per backward of each provider at one shape, and hopper's difference from tl's gradients."""
+    import triton.testing
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.flash import launch
+    from kernels.flash_hopper.backward_launch import hopper_backward, unsupported_backward
+    scale = D ** -0.5
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    o, lse = launch._fwd(q, k, v, causal, scale)  # (B, H, N, D), (B, H, N)
+    row = {"shape": f"{B},{H},{N},{D}", "causal": causal}
+    tl_grads = launch._bwd(do, q, k, v, o, lse, causal, scale)
+    row["tl"] = triton.testing.do_bench(lambda: launch._bwd(do, q, k, v, o, lse, causal, scale), rep=rep)
+    reason = unsupported_backward(do, q, k, v, o)
+    if reason is None:
+        grads = hopper_backward(do, q, k, v, o, lse, causal, scale)
+        row["diff"] = max(_rel(a, b) for a, b in zip(grads, tl_grads))
+        if row["diff"] <= WRONG:
+            row["hopper"] = triton.testing.do_bench(lambda: hopper_backward(do, q, k, v, o, lse, causal, scale),
+                                                    rep=rep)
+    else:
+        row["skipped"] = reason
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
+        row["cudnn"] = triton.testing.do_bench(lambda: out.backward(do, retain_graph=True), rep=rep,
+                                               grad_to_none=[qg, kg, vg])
+    except RuntimeError as e:  # the backend does not take the shape here
+        row["cudnn_skipped"] = str(e).splitlines()[0][:100]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
+                   help="B,H,N,D ... (bf16)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
+    args = p.parse_args(argv)
+    if args.rep < 1:
+        print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("error: the Hopper backward needs an sm_90 GPU (none here)", file=sys.stderr)
+        return 2
+    causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
+    lines = ["# The attention backward alone: Gluon dK/dV (hopper) against tl and cuDNN", "",
+             f"`python bench/hopper_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}` at commit "
+             f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
+             "TFLOP/s of one backward (ms in brackets); diff: hopper's largest relative L2 difference from tl's "
+             "dQ, dK, dV.", "",
+             "| B,H,N,D | causal | hopper | tl | cudnn | hopper / tl | hopper / cudnn | diff |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for B, H, N, D in args.shapes:
+        for causal in causals:
+            row = measure(B, H, N, D, causal, args.rep)
+            work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+
+            def cell(name):
+                ms = row.get(name)
+                return f"{work / ms / 1e9:.0f} ({ms:.3f})" if ms else "—"
+
+            def ratio(a, b):
+                return f"{row[b] / row[a]:.2f}" if row.get(a) and row.get(b) else "—"
+            diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
+                row.get("skipped", "—")
+            lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {cell('tl')} | "
+                         f"{cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | {diff} |")
+            print(lines[-1], flush=True)
+    write_report(args.out, "hopper_backward.md", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

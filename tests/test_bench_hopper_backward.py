@@ -1,0 +1,36 @@
+"""bench/hopper_backward.py on a machine without an sm_90 GPU: --help, and bad input or no GPU as one line with
+exit 2 (the timing itself runs on the H200)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.util import ROOT
+
+SCRIPT = f"{ROOT}/bench/hopper_backward.py"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_and_bad_shapes():
+    r = run("--help")
+    assert r.returncode == 0 and "Gluon dK/dV" in r.stdout
+    r = run("--shapes", "1,2,3")
+    assert r.returncode == 2 and "expected B,H,N,D" in r.stderr
+    r = run("--shapes", "1,2,0,64")
+    assert r.returncode == 2 and "at least 1" in r.stderr
+    r = run("--rep", "0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --rep 0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
+                    reason="an sm_90 GPU is here: the benchmark would run")
+def test_without_an_sm90_gpu_one_line():
+    r = run("--shapes", "1,2,128,64")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: the Hopper backward needs an sm_90 GPU (none here)"

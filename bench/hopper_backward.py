@@ -1,6 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
-    python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--rep 100] [--out DIR]
+    python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N] [--rep 100]
+                                    [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -11,8 +12,9 @@ medians (it flushes L2 between runs):
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 
 Before timing, hopper's dQ, dK, dV are compared with tl's (largest relative L2 difference, column "diff"); a
-shape where it exceeds 1e-2 is reported as wrong and its time is left out. TFLOP/s count 2.5x the forward's
-4·B·H·N²·D (halved when causal). Writes hopper_backward.md into --out (default bench/results/flash_hopper).
+shape where it exceeds 1e-2 is reported as wrong and its time is left out. Then each kernel alone: the tl dQ
+kernel (both backwards launch it first) and the Gluon dK/dV kernel; tl's dK/dV kernel is tl's time less dQ's.
+TFLOP/s count 2.5x the forward's 4·B·H·N²·D (halved when causal). Writes hopper_backward.md into --out (default bench/results/flash_hopper).
 """
 from __future__ import annotations
 
@@ -46,14 +48,14 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return B, H, N, D
 
 
-def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int) -> dict:
+def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int | None = None) -> dict:
     """ms per backward of each provider at one shape, and hopper's difference from tl's gradients."""
     import triton.testing
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels.flash import launch
-    from kernels.flash_hopper.backward_launch import hopper_backward, unsupported_backward
+    from kernels.flash_hopper.backward_launch import dkdv_into, hopper_backward, unsupported_backward
     scale = D ** -0.5
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -63,11 +65,18 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int) -> dict:
     row["tl"] = triton.testing.do_bench(lambda: launch._bwd(do, q, k, v, o, lse, causal, scale), rep=rep)
     reason = unsupported_backward(do, q, k, v, o)
     if reason is None:
-        grads = hopper_backward(do, q, k, v, o, lse, causal, scale)
+        grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages)
         row["diff"] = max(_rel(a, b) for a, b in zip(grads, tl_grads))
         if row["diff"] <= WRONG:
-            row["hopper"] = triton.testing.do_bench(lambda: hopper_backward(do, q, k, v, o, lse, causal, scale),
-                                                    rep=rep)
+            row["hopper"] = triton.testing.do_bench(
+                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages), rep=rep)
+            # each kernel alone: the dQ kernel (shared by both), the Gluon dK/dV kernel after it
+            dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+            delta = torch.empty_like(lse)
+            row["dq"] = triton.testing.do_bench(
+                lambda: launch._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale), rep=rep)
+            row["dkdv"] = triton.testing.do_bench(
+                lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages), rep=rep)
     else:
         row["skipped"] = reason
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -86,12 +95,20 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
                    help="B,H,N,D ... (bf16)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--stages", type=int, default=None,
+                   help="the Gluon kernel's Q/dO ring depth (default: its own per head dim)")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     if args.rep < 1:
         print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
         return 2
+    from kernels.flash_hopper.backward_launch import MAX_STAGES
+    for _, _, _, D in args.shapes:
+        if args.stages is not None and not 2 <= args.stages <= MAX_STAGES.get(D, 2):
+            print(f"error: --stages {args.stages}: the ring holds 2 to {MAX_STAGES.get(D, 2)} stages at head dim {D}",
+                  file=sys.stderr)
+            return 2
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("error: the Hopper backward needs an sm_90 GPU (none here)", file=sys.stderr)
         return 2
@@ -102,23 +119,32 @@ def main(argv=None) -> int:
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
              "TFLOP/s of one backward (ms in brackets); diff: hopper's largest relative L2 difference from tl's "
              "dQ, dK, dV.", "",
-             "| B,H,N,D | causal | hopper | tl | cudnn | hopper / tl | hopper / cudnn | diff |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "Each kernel alone (ms): dQ, the tl dQ kernel both backwards launch first; Gluon dK/dV, the hopper "
+             "backward's second kernel; tl dK/dV, tl's time less the dQ kernel's.", "",
+             "| B,H,N,D | causal | hopper | tl | cudnn | hopper / tl | hopper / cudnn | dQ ms | Gluon dK/dV ms | "
+             "tl dK/dV ms | diff |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for B, H, N, D in args.shapes:
         for causal in causals:
-            row = measure(B, H, N, D, causal, args.rep)
+            row = measure(B, H, N, D, causal, args.rep, args.stages)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 
             def cell(name):
                 ms = row.get(name)
                 return f"{work / ms / 1e9:.0f} ({ms:.3f})" if ms else "—"
 
+            def ms(name, less=None):
+                if not row.get(name) or (less and not row.get(less)):
+                    return "—"
+                return f"{row[name] - (row[less] if less else 0.0):.3f}"
+
             def ratio(a, b):
                 return f"{row[b] / row[a]:.2f}" if row.get(a) and row.get(b) else "—"
             diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
                 row.get("skipped", "—")
             lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {cell('tl')} | "
-                         f"{cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | {diff} |")
+                         f"{cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | {ms('dq')} | {ms('dkdv')} | "
+                         f"{ms('tl', 'dq')} | {diff} |")
             print(lines[-1], flush=True)
     write_report(args.out, "hopper_backward.md", lines)
     return 0

@@ -24,6 +24,8 @@ def test_help_and_bad_shapes():
     assert r.returncode == 2 and "expected B,H,N,D" in r.stderr
     r = run("--shapes", "1,2,0,64")
     assert r.returncode == 2 and "at least 1" in r.stderr
+    r = run("--shapes", "1,2,128,128", "--stages", "5")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --stages 5: the ring holds 2 to 4 stages at head dim 128"
     r = run("--rep", "0")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --rep 0")
 

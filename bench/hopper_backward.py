@@ -1,7 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
-    python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N] [--rep 100]
-                                    [--out DIR]
+    python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
+                                    [--ahead auto|on|off] [--rep 100] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -14,7 +14,8 @@ medians (it flushes L2 between runs):
 Before timing, hopper's dQ, dK, dV are compared with tl's (largest relative L2 difference, column "diff"); a
 shape where it exceeds 1e-2 is reported as wrong and its time is left out. Then each kernel alone: the tl dQ
 kernel (both backwards launch it first) and the Gluon dK/dV kernel; tl's dK/dV kernel is tl's time less dQ's.
-TFLOP/s count 2.5x the forward's 4·B·H·N²·D (halved when causal). Writes hopper_backward.md into --out (default bench/results/flash_hopper).
+TFLOP/s count 2.5x the forward's 4·B·H·N²·D (halved when causal). Writes hopper_backward.md into --out
+(default bench/results/flash_hopper).
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return B, H, N, D
 
 
-def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int | None = None) -> dict:
+def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int | None = None,
+            ahead: bool | None = None) -> dict:
     """ms per backward of each provider at one shape, and hopper's difference from tl's gradients."""
     import triton.testing
     import torch.nn.functional as F
@@ -65,18 +67,18 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
     row["tl"] = triton.testing.do_bench(lambda: launch._bwd(do, q, k, v, o, lse, causal, scale), rep=rep)
     reason = unsupported_backward(do, q, k, v, o)
     if reason is None:
-        grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages)
+        grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead)
         row["diff"] = max(_rel(a, b) for a, b in zip(grads, tl_grads))
         if row["diff"] <= WRONG:
             row["hopper"] = triton.testing.do_bench(
-                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages), rep=rep)
+                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead), rep=rep)
             # each kernel alone: the dQ kernel (shared by both), the Gluon dK/dV kernel after it
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
             delta = torch.empty_like(lse)
             row["dq"] = triton.testing.do_bench(
                 lambda: launch._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale), rep=rep)
             row["dkdv"] = triton.testing.do_bench(
-                lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages), rep=rep)
+                lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead), rep=rep)
     else:
         row["skipped"] = reason
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -97,6 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--stages", type=int, default=None,
                    help="the Gluon kernel's Q/dO ring depth (default: its own per head dim)")
+    p.add_argument("--ahead", choices=["auto", "on", "off"], default="auto",
+                   help="issue the next query block's score matmuls before this block's elementwise work "
+                        "(auto: the kernel's default per head dim)")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
@@ -126,7 +131,8 @@ def main(argv=None) -> int:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for B, H, N, D in args.shapes:
         for causal in causals:
-            row = measure(B, H, N, D, causal, args.rep, args.stages)
+            ahead = {"auto": None, "on": True, "off": False}[args.ahead]
+            row = measure(B, H, N, D, causal, args.rep, args.stages, ahead)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 
             def cell(name):
@@ -143,7 +149,8 @@ def main(argv=None) -> int:
             diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
                 row.get("skipped", "—")
             lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {cell('tl')} | "
-                         f"{cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | {ms('dq')} | {ms('dkdv')} | "
+                         f"{cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | {ms('dq')} | "
+                         f"{ms('dkdv')} | "
                          f"{ms('tl', 'dq')} | {diff} |")
             print(lines[-1], flush=True)
     write_report(args.out, "hopper_backward.md", lines)

@@ -19,9 +19,10 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
       dV += Pᵀ dO                (BLOCK_N, HEAD_D)    Pᵀ in registers (the A operand), dO in shared memory
       dSᵀ = Pᵀ (dPᵀ - delta)
       dK += dSᵀ Q                (BLOCK_N, HEAD_D)    dSᵀ in registers
-  The lse and delta of the block's rows are plain global loads issued while the matmuls run. Every block is
-  masked (the causal mask elementwise, rows past Nq through lse = +inf) in one loop without a branch: loops
-  or branches per kind of block spilled at d128.
+  The lse and delta of the block's rows are plain global loads issued while the matmuls run. With AHEAD (FA3's
+  intra-warpgroup overlap) the next block's sT and dPᵀ are issued before this block's Pᵀ and dSᵀ are
+  computed. Every block is masked (the causal mask elementwise, rows past Nq through lse = +inf) in one loop
+  without a branch: loops or branches per kind of block spilled at d128.
 * the epilogue writes dV and sm_scale · dK through the program's own K and V buffers (no longer read) and TMA
   stores; rows past Nk are clipped by the descriptors' bounds.
 
@@ -127,21 +128,32 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
-                qk_scale, GROUP, first, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
-    """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
-    tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
-    order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
+def _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HEAD_D: gl.constexpr, s_zero):
+    """Wait for ring step i's Q and dO, then issue its two score matmuls without waiting for them:
+    sT = K Qᵀ and dPᵀ = V dOᵀ, each (BLOCK_N, BLOCK_M) fp32 (in flight: pass them through warpgroup_mma_wait)."""
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])  # (BLOCK_M, HEAD_D)
+    do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+    sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
+    dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
+    return sT, dpT
+
+
+@gluon.jit
+def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq, offset, qk_scale, i,
+               first, n_blocks, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+    """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
+    dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
+    releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
+    matmuls already run, else 0); the waits leave those in flight.
 
     Every block is masked the same way, without a branch: rows past Nq get lse = +inf (Pᵀ = 0) and delta = 0,
     and CAUSAL hides key j from query i unless j <= i + offset. (Separate loops for the diagonal, the Nq tail
     and the unmasked blocks spilled more at d128 (sm_90, both Triton versions), and so did one loop with a
-    runtime branch on the mask under Triton 3.6.)
-
-    Per step: wait for the stage; issue sT = K Qᵀ and dPᵀ = V dOᵀ and load the rows' lse; wait for sT only and
-    compute Pᵀ while dPᵀ runs; issue dV += Pᵀ dO and load delta; wait for dPᵀ and compute dSᵀ while dV's
-    matmul runs; issue dK += dSᵀ Q; wait for both, release the stage."""
+    runtime branch on the mask under Triton 3.6.)"""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -149,40 +161,85 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                                          instr_shape=[16, HEAD_D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
+    s = i % STAGES
+    q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])  # (BLOCK_M, HEAD_D)
+    do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+    # the rows' lse and delta load while the matmuls run (loaded before the wait, they held registers across
+    # it and ptxas spilled in the loop)
+    cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)  # (BLOCK_M,) query rows of this step
+    col_ok = cols < Nq
+    row_ptr = rows0 + g * Nq + cols  # (BLOCK_M,) their lse and delta
+    lse = gl.load(lse_ptr + row_ptr, mask=col_ok, other=float("inf"))  # (BLOCK_M,) +inf: Pᵀ = 0
+    sT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(sT, ))  # sT done, dPᵀ (and later ones) may run
+    if CAUSAL:
+        # key j <= query i + offset, as (i - start_m) >= j - offset - start_m: a per-row bound against the
+        # columns' fixed offsets within the block (fewer live registers than comparing against cols)
+        first_row = gl.expand_dims(keys - offset - start_m, 1)  # (BLOCK_N, 1)
+        visible = gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_s), 0) >= first_row  # (BLOCK_N, BLOCK_M)
+        pT = gl.exp2(gl.where(visible, sT * qk_scale, float("-inf")) - gl.expand_dims(lse, 0))
+    else:
+        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))  # (BLOCK_N, BLOCK_M) fp32
+    pT_op = gl.convert_layout(pT.to(dtype), op_layout)  # (BLOCK_N, BLOCK_M) the A operand of dV's matmul
+    dv = warpgroup_mma(pT_op, do, dv, is_async=True)  # (BLOCK_N, HEAD_D)
+    delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
+    dpT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
+    dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
+    dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+    dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
+    return dk, dv, pT_op, dsT_op
+
+
+@gluon.jit
+def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
+                qk_scale, GROUP, first, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
+                AHEAD: gl.constexpr):
+    """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
+    tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
+    order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
+
+    AHEAD False, per step: wait for the stage; issue sT = K Qᵀ and dPᵀ = V dOᵀ and load the rows' lse; wait
+    for sT only and compute Pᵀ while dPᵀ runs; issue dV += Pᵀ dO and load delta; wait for dPᵀ and compute dSᵀ
+    while dV's matmul runs; issue dK += dSᵀ Q; wait for both, release the stage.
+
+    AHEAD True (FA3's intra-warpgroup overlap): step i + 1's score matmuls are issued before step i's
+    elementwise work, so Pᵀ and dSᵀ of one step are computed while the next step's sT and dPᵀ run; their
+    results wait one step in registers (2 · BLOCK_N · BLOCK_M fp32 more per warpgroup: taken at d64). Needs
+    n_blocks · GROUP >= 1, which every tile has (its keys are < Nk, and the last query row sees every key)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    for i in range(n_blocks * GROUP):
-        g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])  # (BLOCK_M, HEAD_D)
-        do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
-        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
-        # the rows' lse and delta load while the matmuls run (loaded before the wait, they held registers
-        # across it and ptxas spilled in the loop)
-        cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)  # (BLOCK_M,) query rows of this step
-        col_ok = cols < Nq
-        row_ptr = rows0 + g * Nq + cols  # (BLOCK_M,) their lse and delta
-        lse = gl.load(lse_ptr + row_ptr, mask=col_ok, other=float("inf"))  # (BLOCK_M,) +inf: Pᵀ = 0
-        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT, ))  # sT done, dPᵀ may still run
-        if CAUSAL:
-            # key j <= query i + offset, as (i - start_m) >= j - offset - start_m: a per-row bound against the
-            # columns' fixed offsets within the block (fewer live registers than comparing against cols)
-            first_row = gl.expand_dims(keys - offset - start_m, 1)  # (BLOCK_N, 1)
-            visible = gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_s), 0) >= first_row  # (BLOCK_N, BLOCK_M)
-            pT = gl.exp2(gl.where(visible, sT * qk_scale, float("-inf")) - gl.expand_dims(lse, 0))
-        else:
-            pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))  # (BLOCK_N, BLOCK_M) fp32
-        pT_op = gl.convert_layout(pT.to(dtype), op_layout)  # (BLOCK_N, BLOCK_M) the A operand of dV's matmul
-        dv = warpgroup_mma(pT_op, do, dv, is_async=True)  # (BLOCK_N, HEAD_D)
-        delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
-        dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
-        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
-        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
-        # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A operands
+    n = n_blocks * GROUP
+    if AHEAD:
+        sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
+        for i in range(n - 1):
+            sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, i + 1, STAGES, BLOCK_M, HEAD_D,
+                                              s_zero)
+            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
+                                               Nq, offset, qk_scale, i, first, n_blocks, 2, BLOCK_M, BLOCK_N,
+                                               HEAD_D, STAGES, CAUSAL, GQA)
+            # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
+            # values are taken by the next step's waits)
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
+            sT = sT_next
+            dpT = dpT_next
+        dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
+                                           offset, qk_scale, n - 1, first, n_blocks, 0, BLOCK_M, BLOCK_N, HEAD_D,
+                                           STAGES, CAUSAL, GQA)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
-        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
+    else:
+        for i in range(n):
+            sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
+            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
+                                               Nq, offset, qk_scale, i, first, n_blocks, 0, BLOCK_M, BLOCK_N,
+                                               HEAD_D, STAGES, CAUSAL, GQA)
+            # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
+            # operands
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
     return dk, dv
 
 
@@ -190,7 +247,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
               ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, GQA: gl.constexpr):
+              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
     the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -214,7 +271,8 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_ready.index(WG), 0)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq,
-                         offset, qk_scale, GROUP, lo, n_blocks, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)
+                         offset, qk_scale, GROUP, lo, n_blocks, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA,
+                         AHEAD)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
     # through them
@@ -232,20 +290,20 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                       empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, GQA: gl.constexpr):
+                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, GQA: gl.constexpr):
+                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,7 +314,8 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_sm
 @gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset"])
 def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, Hq, GROUP, Nq,
                           offset, qk_scale, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
+                          AHEAD: gl.constexpr):
     """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
     that read them.
 
@@ -271,7 +330,8 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     head dim). lse_ptr, delta_ptr: (B, Hq, Nq) fp32, contiguous: the forward's log-sum-exp (base 2, scaled:
     qk_scale = sm_scale · log2 e; +inf for rows that see no key) and rowsum(dO * O). grid: (cdiv(Nk, 2·BLOCK_N),
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
-    partition, maxnreg=MAX_REGS.
+    partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
+    block's elementwise work (_dkdv_steps; its registers fit at HEAD_D 64).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
@@ -292,10 +352,10 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     gl.warp_specialize([
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
                              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D,
-                             STAGES, CAUSAL, GQA)),
+                             STAGES, CAUSAL, GQA, AHEAD)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D,
-                            STAGES, CAUSAL, GQA)),
+                            STAGES, CAUSAL, GQA, AHEAD)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
                      GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

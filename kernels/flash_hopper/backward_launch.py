@@ -1,7 +1,7 @@
 """Host side of the Hopper backward: the tl dQ kernel, then the Gluon dK/dV kernel.
 
-    hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None, stages=None) -> (dq, dk, dv)   allocate, launch
-    dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, sm_scale, stages=None) -> None     the Gluon kernel alone
+    hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None, stages=None, ahead=None) -> (dq, dk, dv)
+    dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, sm_scale, stages=None, ahead=None) -> None   Gluon alone
     unsupported_backward(do, q, k, v, o) -> str | None                                None when it takes these
 
 Inputs and outputs as kernels/flash/launch.py's _bwd (the tl backward's entry point, the reference): q
@@ -30,6 +30,7 @@ if AVAILABLE:
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
 BLOCK_N = 64  # keys per consumer warpgroup (a program holds 2 x BLOCK_N keys)
 STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 stages of Q, dO 64 KB)
+AHEAD = {64: True, 128: False}  # next block's score matmuls issued before this one's elementwise work
 MAX_STAGES = {64: 6, 128: 4}  # what fits in 227 KB of shared memory (a stage: Q and dO, 16 KB at d64, 32 at d128)
 NUM_WARPS = 4  # the default partition: consumer 0
 
@@ -50,10 +51,11 @@ def unsupported_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
               delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, sm_scale: float,
-              stages: int | None = None) -> None:
+              stages: int | None = None, ahead: bool | None = None) -> None:
     """Launch the Gluon dK/dV kernel on inputs that unsupported_backward() accepted: dK into dk, dV into dv
     (like k, v: (B, Hkv, Nk, D), TMA-aligned). lse and delta: (B, Hq, Nq) float32, contiguous. On q's device.
-    stages: the Q/dO ring's depth, 2 to MAX_STAGES[D] (None: STAGES[D])."""
+    stages: the Q/dO ring's depth, 2 to MAX_STAGES[D] (None: STAGES[D]). ahead: whether each consumer issues
+    the next query block's score matmuls before this block's elementwise work (None: AHEAD[D])."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     stages = STAGES[D] if stages is None else stages
@@ -72,12 +74,14 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
+        AHEAD=AHEAD[D] if ahead is None else bool(ahead),
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, causal: bool = True, sm_scale: float | None = None,
-                    stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    stages: int | None = None,
+                    ahead: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of inputs the kernels take (a ValueError naming the reason otherwise), laid out like q, k, v.
     No autograd: a test and benchmark entry point, called as kernels/flash/launch.py's _bwd."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] \
@@ -102,5 +106,5 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     delta = _triton.empty((B, Hq, Nq), torch.float32, q.device)
     with _triton.device_guard(q):
         _tl._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale)  # dQ, and delta for the dK/dV kernel
-        dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages)
+        dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead)
     return dq, dk, dv

@@ -205,7 +205,9 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 
     AHEAD True (FA3's intra-warpgroup overlap): step i + 1's score matmuls are issued before step i's
     elementwise work, so Pᵀ and dSᵀ of one step are computed while the next step's sT and dPᵀ run; their
-    results wait one step in registers (2 · BLOCK_N · BLOCK_M fp32 more per warpgroup: taken at d64). Needs
+    results wait one step in registers (2 · BLOCK_N · BLOCK_M fp32 more per warpgroup). Measured slower on an
+    H200 (the dK/dV kernel 1.28× the time at d64, 1.78× at d128, causal; bench/results/flash_hopper/backward/).
+    Needs
     n_blocks · GROUP >= 1, which every tile has (its keys are < Nk, and the last query row sees every key)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -331,7 +333,8 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     qk_scale = sm_scale · log2 e; +inf for rows that see no key) and rowsum(dO * O). grid: (cdiv(Nk, 2·BLOCK_N),
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
-    block's elementwise work (_dkdv_steps; its registers fit at HEAD_D 64).
+    block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
+    off).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring

@@ -30,7 +30,9 @@ if AVAILABLE:
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
 BLOCK_N = 64  # keys per consumer warpgroup (a program holds 2 x BLOCK_N keys)
 STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 stages of Q, dO 64 KB)
-AHEAD = {64: True, 128: False}  # next block's score matmuls issued before this one's elementwise work
+# the next block's score matmuls issued before this one's elementwise work: off, measured slower at both head
+# dims (bench/results/flash_hopper/backward/)
+AHEAD = {64: False, 128: False}
 MAX_STAGES = {64: 6, 128: 4}  # what fits in 227 KB of shared memory (a stage: Q and dO, 16 KB at d64, 32 at d128)
 NUM_WARPS = 4  # the default partition: consumer 0
 

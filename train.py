@@ -47,9 +47,10 @@ from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint
                               remove_stale_temp_dirs, save_run_checkpoint)
 from model.device import pick_device, pick_dtype  # noqa: E402
 from model.parallel import (auto_blocks_per_unit, broadcast_parameters, check_parallel, clip_grad_norm,  # noqa: E402
-                            compile_blocks, enable_activation_checkpointing, end_single_process_group,
-                            load_full_optimizer_state, load_sharded_state, optimizer_groups, set_gradient_sync,
-                            shard_model, sharded_state, start_single_process_group)
+                            compile_blocks, compile_root, enable_activation_checkpointing,
+                            end_single_process_group, load_full_optimizer_state, load_sharded_state,
+                            optimizer_groups, set_gradient_sync, shard_model, sharded_state,
+                            start_single_process_group)
 from model.sharded_checkpoint import (load_rank_state, open_sharded_checkpoint, read_sharded_tensors,  # noqa: E402
                                       save_sharded_checkpoint)
 from training.pretrained import load_pretrained, settle_run_config  # noqa: E402
@@ -425,8 +426,9 @@ class Trainer:
             if ckpt is None and self.world > 1:
                 broadcast_parameters(model)  # every rank starts from rank 0's weights, as under DDP
             self.fsdp_unit = t.fsdp_blocks_per_unit or auto_blocks_per_unit(self.cfg.model.n_layer, self.world)
-            if t.compile:
+            if t.compile:  # blocks and the root's own work, FSDP2's hooks left outside (the whole model under DDP)
                 compile_blocks(model, self.fsdp_unit)
+                compile_root(model)
             shard_model(model, device, self.dtype if device.type == "cuda" else None, self.fsdp_unit)
         self.optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2),
                                                    device.type)

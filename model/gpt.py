@@ -233,17 +233,32 @@ class GPT(nn.Module):
         config.loss_kernel names (kernels.cross_entropy).
         """
         B, T = idx.shape
-        if input_pos is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
+        if input_pos is None and T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
+        if docs is not None and (input_pos is not None or tuple(docs.shape) != (B, 2, T)):
+            raise ValueError(f"docs must be ({B}, 2, {T}) document bounds of idx, without input_pos (a KV cache)"
+                             f"; got {tuple(docs.shape)}")
+        x, rope = self.embed(idx, input_pos, docs)  # (B, T, C); RoPE's cos, sin or None
+        for block in self.transformer.h:
+            x = block(x, input_pos, rope, docs)
+        return self.head(x, targets)
+
+    # embed and head are the root's own work around the blocks. The model calls them as attributes, so that
+    # model/parallel.py's compile_root can put compiled versions on an instance (under FSDP2, whose hooks must
+    # stay outside compiled code) without changing the module tree or the parameter names.
+
+    def embed(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
+              docs: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The residual stream's start: idx (B, T) token ids → x (B, T, C) (token embeddings, plus learned
+        positions, then dropout), and RoPE's (cos, sin) of the tokens' positions ((T | B T, hd) each) for RoPE
+        models, else None. Positions: 0..T-1, input_pos (a KV cache), or restarting at each document (docs)."""
+        T = idx.size(1)
+        if docs is not None:
+            pos = kernels.document_positions(docs)  # (B, T)
+        elif input_pos is None:
             pos = torch.arange(T, device=idx.device)  # (T,)
         else:
-            pos = input_pos
-        if docs is not None:
-            if input_pos is not None or tuple(docs.shape) != (B, 2, T):
-                raise ValueError(f"docs must be ({B}, 2, {T}) document bounds of idx, without input_pos (a KV cache)"
-                                 f"; got {tuple(docs.shape)}")
-            pos = kernels.document_positions(docs)  # (B, T)
+            pos = input_pos  # (T,) or (B, T)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.rotary is not None:
@@ -251,15 +266,17 @@ class GPT(nn.Module):
                                else torch.get_autocast_dtype(x.device.type),
                                bound=T if input_pos is None else None)  # cos, sin: (T | B T, hd)
         else:
-            x = x + self.transformer.wpe(pos)
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
-            x = block(x, input_pos, rope, docs)
+            x = x + self.transformer.wpe(pos)  # (B, T, C)
+        return self.transformer.drop(x), rope
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """The residual stream's end: x (B, T, C) → (logits (B, T, vocab), loss or None): final norm, LM head,
+        and with targets (B, T) the mean cross-entropy (config.loss_kernel), the logits then detached."""
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = kernels.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                                         kernel=self.config.loss_kernel)
+                                         kernel=self.config.loss_kernel)  # ()
             logits = logits.detach()
         return logits, loss
 

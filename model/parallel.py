@@ -4,6 +4,7 @@
     start_single_process_group(device)            # FSDP2 on one process without torchrun
     enable_activation_checkpointing(model)        # each block recomputes its activations in backward
     compile_blocks(model, k)                      # compiled blocks: one call per unit of k (one function for all)
+    compile_root(model)                           # compiled embeddings, and final norm, head and loss
     broadcast_parameters(model)                   # rank 0's initial weights on every rank
     shard_model(model, device, compute_dtype, k)  # FSDP2, in place: fully_shard each unit of k blocks, then the root
     set_gradient_sync(model, sync)                # FSDP2 gradient accumulation without communication
@@ -27,7 +28,9 @@ Activation checkpointing and compile change a block's `forward` only (an instanc
 tree: both work under either mode. Compile follows torchtitan's order, activation checkpointing, then torch.compile
 per transformer block, then fully_shard; here the compiled function is one for all blocks (a block is an
 argument, so it is traced once and reused), or, with units of several blocks, one call per unit that runs all
-of its blocks (traced once per unit length). Under DDP train.py compiles the whole model instead.
+of its blocks (traced once per unit length). compile_root does the same for the root's own work around the
+blocks (GPT.embed and GPT.head: instance attributes too), so under FSDP2 nothing but the module hooks runs eager.
+Under DDP train.py compiles the whole model instead.
 """
 from __future__ import annotations
 
@@ -41,10 +44,9 @@ from .config import ConfigError
 MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"  # sharded state keys: model/<name>, optim/<name>/<state>
 
 __all__ = ["auto_blocks_per_unit", "broadcast_parameters", "check_parallel", "clip_grad_norm", "compile_blocks",
-           "enable_activation_checkpointing", "end_single_process_group", "fsdp_available",
+           "compile_root", "enable_activation_checkpointing", "end_single_process_group", "fsdp_available",
            "load_full_optimizer_state", "load_sharded_state", "optimizer_groups", "optimizer_param_names",
-           "optimizer_state_dict", "set_gradient_sync", "shard_model", "sharded_state",
-           "start_single_process_group"]
+           "optimizer_state_dict", "set_gradient_sync", "shard_model", "sharded_state", "start_single_process_group"]
 
 
 def fsdp_available() -> bool:
@@ -152,7 +154,7 @@ def compile_blocks(model: nn.Module, blocks_per_unit: int = 1, **compile_kwargs)
     consecutive blocks (shard_model's units) runs as one compiled call from its first block, its other blocks
     passing the result through: one compiled forward and backward per unit instead of per block, so a
     micro-batch costs the host a handful of compiled calls instead of one per block (and Inductor fuses across
-    the blocks' boundaries). Embeddings, final norm, head and loss stay eager."""
+    the blocks' boundaries). Embeddings, final norm, head and loss: compile_root."""
     if blocks_per_unit < 1:
         raise ValueError(f"blocks_per_unit={blocks_per_unit}: must be at least 1")
     blocks = _blocks(model)
@@ -179,6 +181,42 @@ def compile_blocks(model: nn.Module, blocks_per_unit: int = 1, **compile_kwargs)
         unit[0].forward = _UnitForward(unit, call, _compiled[key])
         for block in unit[1:]:
             block.forward = _pass_through
+
+
+def _embed_call(model: nn.Module, *args, **kwargs):
+    """The model's own embed (GPT.embed), whatever its instance attribute."""
+    return type(model).embed(model, *args, **kwargs)
+
+
+def _head_call(model: nn.Module, *args, **kwargs):
+    """The model's own head (GPT.head), whatever its instance attribute."""
+    return type(model).head(model, *args, **kwargs)
+
+
+class _RootPart:
+    """A model's `embed` or `head`: `fn(model, *args)`, fn the compiled _embed_call or _head_call (one for all
+    models: the model is an argument)."""
+
+    def __init__(self, model: nn.Module, fn):
+        self.model, self.fn = model, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
+
+
+def compile_root(model: nn.Module, **compile_kwargs) -> None:
+    """torch.compile the root's own work around the blocks: GPT.embed (token and position embeddings, dropout,
+    RoPE's cos and sin) and GPT.head (final norm, LM head, loss), each one compiled call per forward. The
+    module hooks (FSDP2's gather of the root's parameters before forward, its reduction after backward) run
+    around the model's forward, outside both; the module tree and parameter names do not change. With
+    compile_blocks, a sharded model's forward runs nothing eager but those hooks and the loop over blocks."""
+    for name, call in (("embed", _embed_call), ("head", _head_call)):
+        if name in model.__dict__:
+            raise RuntimeError(f"compile_root: the model's {name} is compiled already; call it once")
+        key = (call, tuple(sorted(compile_kwargs.items())))
+        if key not in _compiled:
+            _compiled[key] = torch.compile(call, **compile_kwargs)
+        setattr(model, name, _RootPart(model, _compiled[key]))
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2

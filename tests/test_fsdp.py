@@ -405,6 +405,73 @@ def test_compiled_units_run_as_one_call_each_and_match_eager_blocks(checkpointed
         compile_blocks(GPT(cfg), 0)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_compiled_root_under_fsdp_matches_eager_and_plain(family):
+    """compile_root under FSDP2 (one process, with compile_blocks on one unit of both blocks): the embeddings
+    and the final norm, head and loss run as compiled graphs of their own (the module hooks outside), one call
+    each per forward; two steps of two micro-batches with dropout give the losses and gradients of eager FSDP2
+    and of the plain model, the parameter names stay, and a second compile_root is refused. gpt2: learned
+    positions and the tied head; llama: RoPE, RMSNorm, SwiGLU and an untied head."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from model.parallel import (_RootPart, compile_blocks, compile_root, end_single_process_group,
+                                set_gradient_sync, shard_model, start_single_process_group)
+    shape = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", tie_embeddings=False) if family == "llama" else {}
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40, attention="naive", dropout=0.1,
+                    **shape)
+    torch.manual_seed(0)
+    weights = GPT(cfg).state_dict()
+    batches = [torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    counter = CompileCounterWithBackend("aot_eager")  # the graphs it compiles, kept
+    assert start_single_process_group(torch.device("cpu"))
+    torch._dynamo.reset()
+    try:
+        results = {}
+        for mode in ("plain", "fsdp", "fsdp-compiled"):
+            model = GPT(cfg)
+            model.load_state_dict(weights)
+            if mode == "fsdp-compiled":
+                compile_blocks(model, 2, backend=counter)
+                compile_root(model, backend=counter)
+                assert isinstance(model.embed, _RootPart) and isinstance(model.head, _RootPart)
+                with pytest.raises(RuntimeError, match="call it once"):
+                    compile_root(model, backend=counter)
+            if mode != "plain":
+                shard_model(model, torch.device("cpu"), None, 2)
+            optimizer = model.configure_optimizer(0.1, 1e-2, (0.9, 0.95), "cpu")
+            losses = []
+            torch.manual_seed(5)  # the same dropout masks in every mode
+            for step in range(2):
+                for i, x in enumerate(batches[2 * step:2 * step + 2]):
+                    if mode != "plain":
+                        set_gradient_sync(model, i == 1)
+                    _, loss = model(x, x)
+                    (loss / 2).backward()
+                    losses.append(loss.item())
+                grads = {name: p.grad.full_tensor() if mode != "plain" else p.grad.clone()
+                         for name, p in model.named_parameters()}
+                optimizer.step()
+                optimizer.zero_grad()
+            results[mode] = (losses, grads, list(model.state_dict()))
+        # three graphs, each traced once: the unit of blocks, embed, head (nothing left to recompile)
+        assert counter.frame_count == 3
+        ops = [{str(n.target) for n in g.graph.nodes if n.op == "call_function"} for g in counter.graphs]
+        embeds = [graph for graph in ops if any("embedding" in op for op in graph)]
+        heads = [graph for graph in ops if any("cross_entropy" in op for op in graph)]
+        assert len(embeds) == len(heads) == 1 and embeds != heads
+        plain_losses, plain_grads, names = results["plain"]
+        for mode in ("fsdp", "fsdp-compiled"):
+            losses, grads, mode_names = results[mode]
+            assert mode_names == names  # the checkpoint keys
+            assert losses == pytest.approx(plain_losses, rel=1e-6, abs=0), mode
+            for name, g in plain_grads.items():
+                assert g.abs().sum() > 0, name
+                torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{mode}: {name}")
+    finally:
+        end_single_process_group()
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("max_norm", [0.5, float("inf")])
 def test_clipping_on_local_shards_matches_clip_grad_norm(max_norm):
     """Under FSDP2 clip_grad_norm works on each rank's local shards (one all-reduce of their squared norms):

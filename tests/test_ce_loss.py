@@ -9,7 +9,6 @@ torch.compile.
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import kernels
 import kernels._triton as kt
 import kernels.ce_loss as ce
 from kernels import options
+from tests.util import seeded_generator
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -29,12 +29,6 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def _poison(monkeypatch):
     monkeypatch.setattr(kt, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                              device=device))
-
-
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
 
 
 def _inputs(N, V, dtype, g, scale=3.0, ignore_every=0, row_pad=0):
@@ -84,7 +78,7 @@ def _check(logits, targets, dloss=1.0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("N,V", [(1, 1), (3, 7), (5, 256), (9, 257), (4, 1000)])
 def test_matches_float64(request, dtype, N, V):
-    logits, targets = _inputs(N, V, dtype, _gen(request))
+    logits, targets = _inputs(N, V, dtype, seeded_generator(request))
     _check(logits, targets)
 
 
@@ -92,7 +86,7 @@ def test_matches_float64(request, dtype, N, V):
 def test_ignored_rows_strided_logits_and_a_scaled_gradient(request, dtype):
     """Rows with target -1 add nothing (their gradient is exactly 0); the logits may be a column slice of a
     wider buffer; the incoming gradient (here 0.25, as with gradient accumulation) scales d(logits)."""
-    logits, targets = _inputs(11, 300, dtype, _gen(request), ignore_every=3, row_pad=5)
+    logits, targets = _inputs(11, 300, dtype, seeded_generator(request), ignore_every=3, row_pad=5)
     assert logits.stride(0) == 305
     _check(logits, targets, dloss=0.25)
     x = logits.detach().requires_grad_()
@@ -102,12 +96,12 @@ def test_ignored_rows_strided_logits_and_a_scaled_gradient(request, dtype):
 
 def test_large_logits_stay_finite(request):
     """The online log-sum-exp rescales: logits of +-1e4 (exp overflows fp32) give the reference's loss."""
-    logits, targets = _inputs(4, 600, torch.float32, _gen(request), scale=1e4)
+    logits, targets = _inputs(4, 600, torch.float32, seeded_generator(request), scale=1e4)
     _check(logits, targets)
 
 
 def test_per_row_losses_and_edge_targets(request):
-    logits, targets = _inputs(6, 50, torch.float32, _gen(request))
+    logits, targets = _inputs(6, 50, torch.float32, seeded_generator(request))
     targets[1] = -1
     targets[2] = 49  # the last column
     targets[3] = 0
@@ -118,14 +112,14 @@ def test_per_row_losses_and_edge_targets(request):
 
 
 def test_all_rows_ignored_is_nan_like_torch(request):
-    logits, targets = _inputs(3, 20, torch.float32, _gen(request))
+    logits, targets = _inputs(3, 20, torch.float32, seeded_generator(request))
     targets[:] = -1
     assert torch.isnan(kernels.cross_entropy(logits, targets, kernel="triton"))
     assert torch.isnan(F.cross_entropy(logits, targets, ignore_index=-1))
 
 
 def test_out_of_range_target_gives_nan_not_a_crash(request):
-    logits, targets = _inputs(4, 20, torch.float32, _gen(request))
+    logits, targets = _inputs(4, 20, torch.float32, seeded_generator(request))
     targets[2] = 20
     rows = ce.cross_entropy_rows(logits, targets)
     assert torch.isnan(rows[2]) and torch.isfinite(rows[[0, 1, 3]]).all()
@@ -154,7 +148,7 @@ def test_unsupported_device_is_one_clear_error(monkeypatch):
 
 def test_dispatch(request, monkeypatch):
     """auto: the Triton kernel on CUDA, F.cross_entropy elsewhere; an unknown name is an error."""
-    logits, targets = _inputs(4, 30, torch.float32, _gen(request))
+    logits, targets = _inputs(4, 30, torch.float32, seeded_generator(request))
     calls = []
     real = kernels.triton_cross_entropy
     monkeypatch.setattr(kernels, "triton_cross_entropy", lambda *a: calls.append(1) or real(*a))
@@ -206,7 +200,7 @@ def test_model_loss_is_the_same_with_either_kernel(monkeypatch):
 @cuda_only
 def test_gpt2_size_bf16(request):
     """The training shape (16 x 1024 rows of GPT-2's padded vocabulary), bf16."""
-    logits, targets = _inputs(16 * 1024, 50304, torch.bfloat16, _gen(request), scale=2.0)
+    logits, targets = _inputs(16 * 1024, 50304, torch.bfloat16, seeded_generator(request), scale=2.0)
     _check(logits, targets)
 
 
@@ -216,7 +210,7 @@ def test_compiles_without_graph_break(request, dtype):
     the interpreter has no inductor codegen), and the compiled loss and d(logits) have the eager kernel's values:
     equal to the eager call's up to rounding, and within the float64 criterion of _check."""
     torch._dynamo.reset()
-    logits, targets = _inputs(64, 1000, dtype, _gen(request), ignore_every=7)
+    logits, targets = _inputs(64, 1000, dtype, seeded_generator(request), ignore_every=7)
     fn = torch.compile(lambda a, t: kernels.cross_entropy(a, t, kernel="triton"), fullgraph=True,
                        backend="inductor" if CUDA else "aot_eager")
     loss, grad = _loss_and_grad(fn, logits, targets, dloss=0.5)
@@ -239,7 +233,6 @@ def test_compiles_without_graph_break(request, dtype):
     err = (grad.double() - ref_grad).abs().max().item()
     budget = 2 * (old_grad.double() - ref_grad).abs().max().item() + 1e-6 * ref_grad.abs().max().item()
     assert err <= budget, f"compiled d(logits) error {err:.3g} > {budget:.3g}"
-
 
 
 _COMPILE_FOR_HOPPER = """

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ import kernels.flash as fa
 from kernels import flash_attention, naive_attention, options
 from kernels.flash import configs, launch, ops
 from kernels.naive import causal_mask
+from tests.util import seeded_generator
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -45,12 +45,6 @@ def _poison_and_fix_config(monkeypatch, request):
     monkeypatch.setattr(launch, "_plans", {})  # launch plans recorded by this test only
     with options.use(autotune="autotune" in request.keywords):
         yield allocs
-
-
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
 
 
 def _make(shape, dtype, g, amp=1.0):
@@ -169,7 +163,7 @@ def test_matches_reference(case, dtype, path, request, monkeypatch):
     dim, whatever the default policy; these inputs are aligned) and masked pointer loads."""
     seen = _spy_tma(monkeypatch)
     with options.use(tma=path == "tma", tma_min_block_d=16) as opts:
-        _check(*case, dtype, _gen(request))
+        _check(*case, dtype, seeded_generator(request))
         want = path == "tma" and launch._tma_available(torch.device(DEVICE), opts)
     assert [name for name, _ in seen] == ["fwd", "dq", "dkdv"] and all(t == want for _, t in seen)
 
@@ -202,14 +196,14 @@ def test_fused_backward_matches_reference(case, dtype, request, monkeypatch):
             reduce_mode = 2 if (CUDA and launch._TRITON_HAS_DESC_REDUCE
                                 and launch._tma_available(torch.device(DEVICE), opts)) else 1
             seen.clear()
-            _check(*case, dtype, _gen(request))
+            _check(*case, dtype, seeded_generator(request))
         assert seen == [("fwd", None), ("prep", None), ("dkdvq", reduce_mode), ("dqout", None)]
 
 
 def test_fused_backward_other_tiles_and_bad_mode(request, monkeypatch):
     """Fused dK/dV with BLOCK_M != BLOCK_N both ways, the LPT order, and replayed plans; an unknown backward or
     fused_dq option (or its environment override) is a clear error."""
-    g = _gen(request)
+    g = seeded_generator(request)
     with options.use(backward="fused"):
         for cfg in [(32, 64, 4, 1), (64, 16, 4, 1)]:
             with fa.forced_configs(dkdvq=cfg):
@@ -237,8 +231,8 @@ def test_causal_longest_first_order(heads_per_group, monkeypatch, request):
         monkeypatch.setattr(launch, "_lpt_group", lambda t, rows, heads: heads_per_group)
         monkeypatch.setattr(launch, "LPT_MIN_GROUP", 1)
     with options.use(lpt=heads_per_group is not None):
-        _check(2, 3, 3, 150, 203, 32, True, torch.float16, _gen(request))
-        _check(2, 6, 3, 203, 150, 64, True, torch.float32, _gen(request))  # GQA, Nq > Nk
+        _check(2, 3, 3, 150, 203, 32, True, torch.float16, seeded_generator(request))
+        _check(2, 6, 3, 203, 150, 64, True, torch.float32, seeded_generator(request))  # GQA, Nq > Nk
     assert len(seen) == 6 and all(lpt == (heads_per_group is not None) for lpt in seen)
 
 
@@ -246,7 +240,7 @@ def test_unaligned_rows_use_pointer_loads(monkeypatch, request):
     """Rows whose stride is not a multiple of 16 bytes (or a unit head dim) cannot be TMA-loaded: the kernels
     fall back to pointer loads for those tensors (per kernel), with the same results."""
     seen = _spy_tma(monkeypatch)
-    g = _gen(request)
+    g = seeded_generator(request)
     q = _make((1, 2, 113, 65), torch.float16, g)[..., :64].detach().requires_grad_()  # rows 130 bytes apart
     k, v = _make((1, 2, 203, 64), torch.float16, g), _make((1, 2, 203, 64), torch.float16, g)
     do = torch.randn(1, 2, 113, 64, generator=g).to(DEVICE, torch.float16)
@@ -265,7 +259,7 @@ def test_repeated_launches_reuse_plans_and_compiled_kernels(monkeypatch, request
     second call with the same signature and across signatures that differ in dtype, head dim, GQA, strides (a
     transposed layout) and 16-byte alignment (an offset view). The interpreter runs the plans but never the
     direct launchers; on a GPU both."""
-    g = _gen(request)
+    g = seeded_generator(request)
     cases = []
     for dtype, (B, Hq, Hkv, N, D) in [(torch.float16, (1, 2, 2, 113, 64)), (torch.float32, (1, 4, 2, 17, 48))]:
         q, k, v = (_make((B, h, N, D), dtype, g) for h in (Hq, Hkv, Hkv))
@@ -296,7 +290,7 @@ def test_repeated_launches_reuse_plans_and_compiled_kernels(monkeypatch, request
 @pytest.mark.parametrize("causal", [True, False])
 def test_peaky_softmax_and_custom_scale(causal, dtype, request):
     """Large scores (amp 3, scale 0.3): the running max moves a lot, the rescaling must be right."""
-    _check(1, 2, 1, 203, 331, 64, causal, dtype, _gen(request), amp=3.0, sm_scale=0.3)
+    _check(1, 2, 1, 203, 331, 64, causal, dtype, seeded_generator(request), amp=3.0, sm_scale=0.3)
 
 
 # On a GPU the default run takes the two most lopsided tiles, causal (each forced tile compiles every kernel
@@ -311,14 +305,14 @@ _GPU_SLOW = [pytest.mark.slow] if CUDA else []
 def test_other_tile_shapes(cfg, causal, request):
     """BLOCK_M != BLOCK_N in every kernel: the causal block ranges and tails must not assume square tiles."""
     with fa.forced_configs(fwd=cfg, dkdv=cfg, dq=cfg):
-        g = _gen(request)
+        g = seeded_generator(request)
         _check(1, 2, 1, 203, 150, 64, causal, torch.float16, g)
         _check(1, 2, 1, 150, 203, 48, causal, torch.float32, g)
 
 
 def test_any_strides(request):
     """Transposed views (B, N, H, D) -> (B, H, N, D), an expanded kv head and a non-contiguous dO."""
-    g = _gen(request)
+    g = seeded_generator(request)
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 113, 203, 64
     dtype = torch.float16
     q = torch.randn(B, Nq, Hq, D, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
@@ -347,7 +341,7 @@ def test_any_strides(request):
 def test_deterministic_and_linear_memory(_poison_and_fix_config, request):
     """Two runs agree bit for bit (no atomics); every buffer the kernels allocate is O(N), never Nq x Nk."""
     allocs = _poison_and_fix_config
-    g = _gen(request)
+    g = seeded_generator(request)
     B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 203, 1023, 32
     q, k, v = _make((B, Hq, Nq, D), torch.float16, g), _make((B, Hkv, Nk, D), torch.float16, g), \
         _make((B, Hkv, Nk, D), torch.float16, g)
@@ -403,7 +397,7 @@ def test_unsupported_raises_value_error(bad, monkeypatch):
 def test_dispatch_and_custom_op(request):
     """kernels.attention(backend="flash") reaches this kernel; the custom op passes torch.library.opcheck."""
     from kernels import attention
-    g = _gen(request)
+    g = seeded_generator(request)
     q, k, v = (_make((1, 2, 17, 32), torch.float32, g) for _ in range(3))
     torch.testing.assert_close(attention(q, k, v, backend="flash"), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
     torch.library.opcheck(ops._flash_attn_fwd_op, (q, k, v, True, 0.17))
@@ -419,7 +413,7 @@ def test_qkvpacked_matches_split(heads, N, D, causal, dtype, request):
     """The packed form gives exactly flash_attention's output and gradients on the views (the same kernels),
     its d(qkv) is one buffer holding dq | dk | dv per token, and it is within the error budget of float64."""
     Hq, Hkv = heads
-    g = _gen(request)
+    g = seeded_generator(request)
     qkv = _make((2, N, (Hq + 2 * Hkv) * D), dtype, g)
     do = torch.randn((2, Hq, N, D), generator=g).to(DEVICE, dtype)
 
@@ -452,7 +446,7 @@ def test_qkvpacked_plans_replay_exactly(mode, monkeypatch, request):
     interpreter the packed signatures are marked unpackable and replay through the per-view plans. The fused
     backward's dQ sums with atomics in a varying order on a GPU: there its gradient is compared to a tolerance."""
     exact = mode == "split" or kt.INTERPRET
-    g = _gen(request)
+    g = seeded_generator(request)
     cases = []
     for dtype, (B, Hq, Hkv, N, D) in [(torch.float16, (2, 4, 4, 113, 64)), (torch.float32, (1, 6, 2, 17, 48))]:
         cases.append((_make((B, N, (Hq + 2 * Hkv) * D), dtype, g), Hq, Hkv))
@@ -491,7 +485,7 @@ def test_qkvpacked_plans_replay_exactly(mode, monkeypatch, request):
 def test_qkvpacked_dispatch_and_custom_ops(request):
     """attention_qkvpacked: flash reaches the packed kernel, the other backends the views; both custom ops
     pass opcheck; a width that does not split is a ValueError."""
-    g = _gen(request)
+    g = seeded_generator(request)
     qkv = _make((1, 17, 6 * 32), torch.float32, g)  # 4 query heads, 1 kv head, D = 32
     want = naive_attention(*kernels.split_qkv(qkv, 4, 1))
     for backend in kernels.BACKENDS:
@@ -635,7 +629,7 @@ def test_torch_compile_fullgraph(entry, request):
     the model's training path.
     """
     torch._dynamo.reset()
-    g = _gen(request)
+    g = seeded_generator(request)
     q, k, v = (_make((1, 4, 65, 64), torch.float16, g) for _ in range(3))
     if entry == "packed":  # the model's path: one projection in, d(qkv) out of the backward op
         qkv = _make((1, 65, 3 * 4 * 64), torch.float16, g)
@@ -674,7 +668,7 @@ BIG = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", BIG, ids=_id)
 def test_large_shapes(case, dtype, request):
-    _check(*case, dtype, _gen(request))
+    _check(*case, dtype, seeded_generator(request))
 
 
 def _config_params():
@@ -702,10 +696,10 @@ def test_every_autotune_config(dtype, D, i, causal, request):
     forced = {kn: c[i % len(c)] for kn, c in cfgs.items()}
     try:
         with fa.forced_configs(**forced):
-            _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
-            _check(1, 2, 2, 517, 331, D, causal, dtype, _gen(request))
+            _check(1, 4, 2, 331, 517, D, causal, dtype, seeded_generator(request))
+            _check(1, 2, 2, 517, 331, D, causal, dtype, seeded_generator(request))
             with options.use(backward="fused"):  # the fused backward's dK/dV kernel at the same index
-                _check(1, 4, 2, 331, 517, D, causal, dtype, _gen(request))
+                _check(1, 4, 2, 331, 517, D, causal, dtype, seeded_generator(request))
     except OutOfResources as e:
         pytest.skip(f"config {forced} does not fit this GPU: {e}")
 
@@ -714,7 +708,7 @@ def test_every_autotune_config(dtype, D, i, causal, request):
 @pytest.mark.autotune
 def test_autotuned_path(request):
     """The autotuner's first call (benchmarks every config) and the later calls (reuse its pick directly)."""
-    g = _gen(request)
+    g = seeded_generator(request)
     _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, g)
     _check(2, 4, 2, 1000, 1000, 64, True, torch.bfloat16, g)
     assert launch._picked, "the autotuner's choice was not recorded"
@@ -723,7 +717,7 @@ def test_autotuned_path(request):
 @cuda_only
 def test_peak_memory_is_linear(request):
     """N = 16384: an N x N fp32 score matrix per head would be 1 GiB; fwd+bwd stays near the inputs' size."""
-    g = _gen(request)
+    g = seeded_generator(request)
     B, H, N, D = 1, 4, 16384, 64
     q, k, v = (_make((B, H, N, D), torch.bfloat16, g) for _ in range(3))
     do = torch.randn(B, H, N, D, generator=g).to(DEVICE, torch.bfloat16)

@@ -26,7 +26,6 @@ deliberate off-by-one changes of the kernels' causal bounds.
 from __future__ import annotations
 
 import sys
-import zlib
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ import kernels.flash as fa
 from kernels import flash_attention, naive_attention
 from kernels.naive import causal_mask
 from tests.error_budget import assert_within_budget
+from tests.util import seeded_generator
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -73,12 +73,6 @@ def _poison(monkeypatch):
     monkeypatch.setattr(kernels._triton, "empty", poisoned_empty)
 
 
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
-
-
 def _grads(fn, q, k, v, do):
     """[O, dQ, dK, dV] of fn(q, k, v, causal=True) on leaf copies of q, k, v."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -113,7 +107,7 @@ def _check(Nq: int, Nk: int, heads: tuple[int, int], dtype, tiles, g: torch.Gene
 @pytest.mark.parametrize("tiles", list(TILES.values()), ids=list(TILES))
 def test_causal_offset_sweep(tiles, offset, dtype, request):
     Nq, Nk = _shape(offset)
-    _check(Nq, Nk, _heads(offset), dtype, tiles, _gen(request))
+    _check(Nq, Nk, _heads(offset), dtype, tiles, seeded_generator(request))
 
 
 def test_sweep_covers_every_tile_edge():
@@ -140,7 +134,7 @@ def test_sweep_covers_every_tile_edge():
 def test_causal_length_pairs_exhaustive(tiles, Nq, dtype, bwd, request):
     """Every (Nq, Nk) pair of LENGTHS with Nq != Nk, MHA and GQA alternately; `fused`: the fused backward
     (options backward="fused", whose dK/dV kernel is configured as "dkdvq") with the same causal bounds."""
-    g = _gen(request)
+    g = seeded_generator(request)
     with kernels.options.use(backward=bwd):
         for i, Nk in enumerate(n for n in LENGTHS if n != Nq):
             _check(Nq, Nk, (1, 1) if i % 2 else (2, 1), dtype, tiles, g, "dkdvq" if bwd == "fused" else "dkdv")

@@ -14,7 +14,6 @@ compile check for any machine is tests/test_flash_hopper_compile.py.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from kernels.flash import launch
 from kernels.flash_hopper import launch as hopper_launch
 from kernels.naive import causal_mask
 from tests.error_budget import assert_within_budget
+from tests.util import seeded_generator
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(
@@ -71,12 +71,6 @@ def _poisoned(monkeypatch):
     monkeypatch.setattr(launch, "_plans", {})
 
 
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
-
-
 def _inputs(case, D, dtype, g):
     B, Hq, Hkv, Nq, Nk, causal = case
     q = torch.randn(B, Hq, Nq, D, generator=g).to("cuda", dtype)  # (B, Hq, Nq, D)
@@ -98,7 +92,7 @@ def _reference_lse(q, k, causal: bool, sm_scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_forward_matches_reference(case, D, dtype, request):
     causal = case[-1]
-    q, k, v = _inputs(case, D, dtype, _gen(request))
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)
     o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
     assert o.dtype == dtype and lse.dtype == torch.float32
@@ -127,7 +121,7 @@ def test_persistent_grid_gives_the_same_result_with_any_program_count(case, D, d
     """A program works through tiles program_id, program_id + grid, ...; the result of a tile must not depend
     on which program takes it or what it did before (ring and barrier phases carried across tiles, tiles with
     no key block, the O store of the previous tile)."""
-    q, k, v = _inputs(case, D, dtype, _gen(request))
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
     full = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
     monkeypatch.setattr(kt, "sm_count", lambda device: programs)
     few = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
@@ -150,8 +144,8 @@ def test_switch_on_and_off_give_the_same_gradients(case, D, dtype, request, monk
     """kernels.flash_attention with hopper_forward on runs the Gluon forward (and no tl forward), and the tl
     backward reads its O and lse: output and dq, dk, dv within the budget of naive attention, as with it off."""
     causal = case[-1]
-    q, k, v = _inputs(case, D, dtype, _gen(request))
-    do = torch.randn(q.shape, generator=_gen(request)).to("cuda", dtype)
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
+    do = torch.randn(q.shape, generator=seeded_generator(request)).to("cuda", dtype)
     gluon, tl = [], []
     real_into, real_launch = hopper_launch.forward_into, launch._launch
     monkeypatch.setattr(hopper_launch, "forward_into", lambda *a: gluon.append(1) or real_into(*a))
@@ -177,7 +171,7 @@ def test_default_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
     assert options.get().hopper_forward == "auto"
     for D, want_gluon in ((128, True), (64, False)):
         case = (1, 4, 2, 4096, 4096, causal)
-        q, k, v = _inputs(case, D, torch.bfloat16, _gen(request))
+        q, k, v = _inputs(case, D, torch.bfloat16, seeded_generator(request))
         gluon, tl = [], []
         real_into, real_launch = hopper_launch.forward_into, launch._launch
         monkeypatch.setattr(hopper_launch, "forward_into", lambda *a: gluon.append(1) or real_into(*a))
@@ -195,7 +189,7 @@ def test_packed_projection_layout(D, request):
     """The model's path: q, k, v as (B, N, H, D) views of one projection (no copy), through the packed form with
     the switch on; O laid out like q, as the tl forward lays it out."""
     B, N, Hq, Hkv = 2, 333, 4, 2
-    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=_gen(request)).to("cuda", torch.bfloat16)
+    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=seeded_generator(request)).to("cuda", torch.bfloat16)
     qkv.requires_grad_()
     with options.use(hopper_forward="on"):
         o = flash_attention_qkvpacked(qkv, Hq, Hkv)

@@ -19,7 +19,6 @@ import json
 import math
 import re
 import sys
-import zlib
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from kernels.flash import launch
 from kernels.flash_hopper import backward_launch
 from kernels.flash_hopper import launch as hopper_launch
 from tests.error_budget import assert_within_budget
+from tests.util import seeded_generator
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 on_sm90 = pytest.mark.skipif(
@@ -77,12 +77,6 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(launch, "_plans", {})
 
 
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
-
-
 def _inputs(case, D, dtype, g):
     """q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D), do like q, on the GPU."""
     B, Hq, Hkv, Nq, Nk, _ = case
@@ -101,7 +95,7 @@ def _naive_grads(q, k, v, do, causal):
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_backward_matches_reference(case, D, dtype, request, poisoned):
     causal = case[-1]
-    q, k, v, do = _inputs(case, D, dtype, _gen(request))
+    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)
     o, lse = launch._fwd(q, k, v, causal, scale)  # (B, Hq, Nq, D), (B, Hq, Nq): what the backward reads
     dq, dk, dv = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale)
@@ -120,7 +114,7 @@ def test_other_schedule_matches_reference(case, D, request, poisoned):
     """The schedule the launcher does not take by default (the next block's score matmuls issued ahead) is
     right too: a launch option, for the benchmark's comparison."""
     causal = case[-1]
-    q, k, v, do = _inputs(case, D, torch.bfloat16, _gen(request))
+    q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
     o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
     grads = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, D ** -0.5,
                                             ahead=not backward_launch.AHEAD[D])
@@ -136,7 +130,7 @@ def test_packed_projection_layout(D, request, poisoned):
     """q, k, v as (B, N, H, D) views of one projection (the model's layout, no copy): the kernels read those
     strides, and dq, dk, dv come back laid out like q, k, v, as the tl backward lays them out."""
     B, N, Hq, Hkv = 2, 333, 4, 2
-    g = _gen(request)
+    g = seeded_generator(request)
     qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=g).to("cuda", torch.bfloat16)
     q, k, v = split_qkv(qkv, Hq, Hkv)  # (B, H, N, D) views
     do = torch.randn(B, N, Hq, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)  # like o

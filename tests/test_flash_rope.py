@@ -22,6 +22,7 @@ import kernels
 import kernels._triton as kt
 from kernels import naive_attention, options, rope_reference, split_qkv
 from kernels.flash import configs, flash_attention_qkvpacked, launch, ops
+from tests.util import seeded_generator
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -37,12 +38,6 @@ def _poison(monkeypatch, request):
     monkeypatch.setattr(launch, "_plans", {})
     with options.use(autotune="autotune" in request.keywords):
         yield
-
-
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
 
 
 def _tables(shape, D, g, dtype):
@@ -113,14 +108,14 @@ def _id(c):
 def test_rope_matches_float64(case, dtype, mode, request):
     B, N, nh, nkv, D, per_seq = case
     with options.use(backward=mode):
-        _check(B, N, nh, nkv, D, dtype, _gen(request), per_seq=per_seq)
+        _check(B, N, nh, nkv, D, dtype, seeded_generator(request), per_seq=per_seq)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_rope_non_causal_window_and_documents(dtype, request):
     """The masks of the packed call keep working with the tables: non-causal, a sliding window, documents
     (positions restarting per document, as the trainer's doc_mask gives them: tables per sequence)."""
-    g = _gen(request)
+    g = seeded_generator(request)
     _check(1, 61, 2, 2, 32, dtype, g, causal=False)
     _check(2, 45, 4, 2, 32, dtype, g, window=7)
     tokens = torch.randint(0, 5, (2, 77), generator=g)  # token 0 ends a document
@@ -133,7 +128,7 @@ def test_rope_non_causal_window_and_documents(dtype, request):
 @pytest.mark.parametrize("D", [64, 128])
 def test_rope_every_tile_config(kernel, D, request):
     """Each tile config of the autotune lists rotates back correctly (bf16, GQA, an odd length)."""
-    g = _gen(request)
+    g = seeded_generator(request)
     for cfg in configs.gpu_configs(kernel, torch.bfloat16, D):
         with configs.forced_configs(**{kernel: cfg}):
             launch._plans.clear()
@@ -143,13 +138,13 @@ def test_rope_every_tile_config(kernel, D, request):
 @pytest.mark.skipif(not CUDA, reason="the autotuner runs on a GPU only")
 @pytest.mark.autotune
 def test_rope_autotuned(request):
-    _check(2, 1000, 9, 3, 64, torch.bfloat16, _gen(request))
+    _check(2, 1000, 9, 3, 64, torch.bfloat16, seeded_generator(request))
 
 
 def test_rope_plans_replay_exactly(request):
     """Calls replayed from their launch plans give bit for bit the first call's output and gradient (split and
     fused, head dims rotated back in the kernels and after them)."""
-    g = _gen(request)
+    g = seeded_generator(request)
     for mode in ("split", "fused"):
         for D in (32, 48):
             qkv = torch.randn(2, 41, 4 * D, generator=g).to(DEVICE, torch.float16).requires_grad_()
@@ -173,7 +168,7 @@ def test_rope_plans_replay_exactly(request):
 def test_rope_dispatch_custom_ops_and_compile(request):
     """attention_qkvpacked(rope=...) gives the same result on every backend; the RoPE custom ops pass opcheck;
     torch.compile(fullgraph=True) traces the call and gives the eager gradient."""
-    g = _gen(request)
+    g = seeded_generator(request)
     nh, nkv, D, N = 4, 2, 32, 17
     qkv = torch.randn(2, N, (nh + 2 * nkv) * D, generator=g).to(DEVICE).requires_grad_()
     cos, sin = _tables((N,), D, g, torch.float32)

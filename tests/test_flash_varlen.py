@@ -17,7 +17,6 @@ matters). `-m slow` adds an exhaustive sweep (float32 on the CPU, bfloat16 on a 
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ import kernels.flash as fa
 from kernels import flash_attention, flash_attention_varlen, naive_attention, options
 from kernels.flash import launch, ops
 from tests.error_budget import assert_within_budget
+from tests.util import seeded_generator
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -48,12 +48,6 @@ def _poison(monkeypatch):
 
     monkeypatch.setattr(kernels._triton, "empty", poisoned_empty)
     monkeypatch.setattr(launch, "_plans", {})
-
-
-def _gen(request) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    return g
 
 
 def _rand(shape, dtype, g) -> torch.Tensor:
@@ -157,7 +151,7 @@ DOC_ROWS = {
 def test_documents_causal(name, tiles, request):
     """Block-diagonal causal attention: MHA in float32, GQA (two query heads per kv head) in float16 (both in
     bfloat16 on a GPU)."""
-    g = _gen(request)
+    g = seeded_generator(request)
     rows = DOC_ROWS[name]
     _check(rows, (1, 1), torch.float32, tiles, g)
     _check(rows, (2, 1), torch.float16, tiles, g)
@@ -167,7 +161,7 @@ def test_documents_causal(name, tiles, request):
 def test_documents_with_window(window, request):
     """Documents and a window together: the window (1 = each token alone, up to longer than a tile) cuts inside
     documents, the document start cuts inside the window."""
-    g = _gen(request)
+    g = seeded_generator(request)
     tiles = list(TILES.values())[window % 2]
     _check(DOC_ROWS["1-2-31-32-33"] + [[20, 79]], (2, 1), torch.float32, tiles, g, window=window)
 
@@ -175,7 +169,7 @@ def test_documents_with_window(window, request):
 @pytest.mark.parametrize("tiles", list(TILES.values()), ids=list(TILES))
 def test_documents_without_causal_mask(tiles, request):
     """causal=False: every query sees its whole document, later tokens included."""
-    g = _gen(request)
+    g = seeded_generator(request)
     _check(DOC_ROWS["spans-edge"], (2, 1), torch.float32, tiles, g, causal=False)
     _check(DOC_ROWS["1-2-31-32-33"], (1, 1), torch.float16, tiles, g, causal=False)
 
@@ -184,7 +178,7 @@ def test_documents_without_causal_mask(tiles, request):
 def test_documents_fused_backward_and_load_paths(causal, request, monkeypatch):
     """The fused backward (dK/dV adding dQ) with documents, both load paths (TMA descriptors and pointers), and
     the causal longest-first grid."""
-    g = _gen(request)
+    g = seeded_generator(request)
     for tma in (True, False):
         with options.use(tma=tma):
             _check(DOC_ROWS["spans-edge"], (2, 1), torch.float32, TILES["m16n32"], g, causal=causal, fused=True)
@@ -201,7 +195,7 @@ def test_blocks_outside_a_document_or_window_are_never_read(request):
     NaN: the middle one's outputs and gradients stay finite and right, with the causal mask and without. A
     window of half a tile, the first tile NaN: so do the rows and keys two tiles on, whose tiles the window
     keeps away from the first one."""
-    g = _gen(request)
+    g = seeded_generator(request)
     rows = [[TILE, TILE, TILE]]
     N = 3 * TILE
     for tiles in TILES.values():
@@ -237,14 +231,14 @@ WINDOW_CASES = [(70, 70, 1), (70, 70, 16), (70, 70, 33), (45, 90, 31), (90, 45, 
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"Nq{c[0]}-Nk{c[1]}-w{c[2]}")
 def test_sliding_window(case, request):
     Nq, Nk, window = case
-    g = _gen(request)
+    g = seeded_generator(request)
     for i, (name, tiles) in enumerate(TILES.items()):
         dtype = (torch.float32, torch.float16)[(i + window) % 2]
         _check(None, (2, 1), dtype, tiles, g, Nq=Nq, Nk=Nk, window=window)
 
 
 def test_sliding_window_fused_backward(request):
-    g = _gen(request)
+    g = seeded_generator(request)
     _check(None, (2, 1), torch.float32, TILES["m32n16"], g, Nq=64, Nk=97, window=33, fused=True)
 
 
@@ -254,7 +248,7 @@ def test_sliding_window_fused_backward(request):
 def test_varlen_cu_seqlens(dtype, request):
     """flash_attention_varlen: (total, H, D) tokens of sequences packed one after another (empty sequences
     included), against the reference on the same tokens as one row of documents; with a window too."""
-    g = _gen(request)
+    g = seeded_generator(request)
     lengths = [1, 2, 0, TILE - 1, TILE, TILE + 1, 0, 16, 5]
     total = sum(lengths)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
@@ -294,7 +288,7 @@ def test_document_bounds_from_tokens_and_offsets():
 def test_plans_keep_masks_apart(request, monkeypatch):
     """The same q, k, v with no mask, a window, documents and both, twice each: the second round replays the
     plans the first recorded, bit for bit, and no call replays another mask's plan."""
-    g = _gen(request)
+    g = seeded_generator(request)
     q, k, v, do = (_rand((2, 2, 70, HEAD_DIM), torch.float32, g) for _ in range(4))
     docs = _bounds([[30, 40], [1, 69]])
     variants = [dict(), dict(window=9), dict(docs=docs), dict(window=9, docs=docs)]
@@ -317,7 +311,7 @@ def test_plans_keep_masks_apart(request, monkeypatch):
 def test_custom_ops_and_torch_compile(request):
     """The forward and backward custom ops pass opcheck with a window and documents, and a function calling the
     packed form with documents compiles with fullgraph=True (aot_eager on the CPU, inductor on a GPU)."""
-    g = _gen(request)
+    g = seeded_generator(request)
     q, k, v = (_rand((2, 2, 17, HEAD_DIM), torch.float32, g) for _ in range(3))
     docs = _bounds([[5, 12], [17]])
     torch.library.opcheck(ops._flash_attn_fwd_op, (q, k, v, True, 0.3, 4, docs))
@@ -347,7 +341,7 @@ def test_custom_ops_and_torch_compile(request):
 def test_other_backends_take_the_same_masks(backend, request):
     """kernels.attention with a window and documents: naive and sdpa (explicit masks) agree with flash, and
     refuse the windows flash refuses."""
-    g = _gen(request)
+    g = seeded_generator(request)
     q, k, v = (_rand((2, 2, 40, HEAD_DIM), torch.float32, g) for _ in range(3))
     docs = _bounds([[7, 33], [40]])
     for kw in (dict(window=6), dict(docs=docs), dict(window=6, docs=docs), dict(docs=docs, causal=False)):
@@ -466,7 +460,7 @@ def _partitions(n_docs: int, seed: int) -> list[list[int]]:
 def test_documents_exhaustive(tiles, n_docs, dtype, fused, request):
     """Rows cut into documents at every kind of place near a tile edge, causal and not, with and without a window
     (within 1 of a tile), MHA and GQA, both backward structures."""
-    g = _gen(request)
+    g = seeded_generator(request)
     for seed in range(4):
         rows = _partitions(n_docs, seed)
         for causal, window in ((True, 0), (False, 0), (True, 15), (True, 33)):
@@ -478,7 +472,7 @@ def test_documents_exhaustive(tiles, n_docs, dtype, fused, request):
 @pytest.mark.parametrize("tiles", list(TILES.values()), ids=list(TILES))
 def test_sliding_window_exhaustive(tiles, dtype, request):
     """Windows within 2 of every tile multiple up to 66, and lengths Nq, Nk around the tile edges both ways."""
-    g = _gen(request)
+    g = seeded_generator(request)
     windows = sorted({e + d for e in (16, 32, 48, 64) for d in (-2, -1, 0, 1, 2)} | {1, 2})
     for i, window in enumerate(windows):
         Nq, Nk = [(64, 64), (33, 97), (97, 33), (31, 65), (65, 31)][i % 5]

@@ -10,6 +10,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--dropout=0.0"]
 
 
+def seeded_generator(request):
+    """A CPU torch.Generator seeded from the test's own id (pytest's `request`): inputs differ from test to
+    test and stay the same from run to run, so a failure reproduces."""
+    import zlib
+
+    import torch
+
+    g = torch.Generator(device="cpu")
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return g
+
+
 def write_corpus(folder, n_lines: int = 400, seed: int = 0) -> str:
     """A small, learnable text file: a few verses repeated with variations."""
     import random

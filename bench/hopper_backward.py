@@ -7,7 +7,7 @@ For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fw
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
 medians (it flushes L2 between runs):
 
-* hopper  kernels.flash_hopper.hopper_backward: the tl dQ kernel, then the Gluon dK/dV kernel;
+* hopper  kernels.flash_hopper.backward_launch.hopper_backward: the tl dQ kernel, then the Gluon dK/dV kernel;
 * tl      kernels/flash/launch.py: _bwd, the split backward the model's flash call runs now;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 

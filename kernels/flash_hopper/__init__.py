@@ -10,11 +10,11 @@ unsupported() says None and the hopper_forward option (kernels/options.py, FLASH
 inputs: "auto" (the default) at head dim 128 with at least 4096 queries and keys, "on" always, "off" never.
 The backward is always the tl one, reading this kernel's O and log-sum-exp.
 
-    hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None) -> (dq, dk, dv)
-
-a Hopper backward (the tl dQ kernel, then a Gluon dK/dV kernel in FA3's structure) with the tl backward's inputs
-and outputs; not in any dispatch (passes the float64-reference tests on an H200, at the tl backward's speed:
-bench/results/flash_hopper/backward/).
+backward_launch.hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None) -> (dq, dk, dv) is a Hopper
+backward (the tl dQ kernel, then a Gluon dK/dV kernel in FA3's structure) with the tl backward's inputs and
+outputs; not in any dispatch (passes the float64-reference tests on an H200, at the tl backward's speed:
+bench/results/flash_hopper/backward/). It is not imported here: it calls kernels/flash's dQ kernel, and
+kernels/flash imports this package for the forward.
 
 Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;
 GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multiples and unit stride along the
@@ -28,7 +28,6 @@ windows, documents (varlen), the interpreter, other GPUs.
                  (wgmma), one program per 128 keys looping over the query blocks of the GQA group
     backward_launch.py   hopper_backward: the tl dQ kernel (and delta), then the Gluon kernel
 """
-from .backward_launch import hopper_backward
 from .launch import AVAILABLE, UNAVAILABLE_REASON, flash_hopper_forward, unsupported
 
-__all__ = ["flash_hopper_forward", "hopper_backward", "unsupported", "AVAILABLE", "UNAVAILABLE_REASON"]
+__all__ = ["flash_hopper_forward", "unsupported", "AVAILABLE", "UNAVAILABLE_REASON"]

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .. import _triton
+from ..flash import launch as _tl
 from .launch import AVAILABLE, _desc, _tma_ok, unsupported
 
 if AVAILABLE:
@@ -102,7 +103,6 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"flash_hopper: sm_scale must be a finite number > 0, got {sm_scale}")
-    from ..flash import launch as _tl  # (kernels.flash imports this package: not at module level)
 
     dq, dk, dv = (_tl._empty_like_layout(_tl._layout(t), q.dtype, q.device) for t in (q, k, v))
     delta = _triton.empty((B, Hq, Nq), torch.float32, q.device)

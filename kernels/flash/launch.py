@@ -423,8 +423,8 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
         dq, dk, dv = out
     kwargs = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     masks = dict(WINDOW=int(window), VARLEN=docs is not None, ROPE=rope is not None)  # the last constexprs
-    tables = (0, 0) if cos is None else (cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2))  # batch, row
-    dq_group, dkdv_group = _lpt_group(k, Nk, B * Hq), _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
+    tables = _table_strides(cos)
+    dkdv_group = _lpt_group(q, Nq * (Hq // Hkv), B * Hkv)
     qk_scale = sm_scale * _triton.LOG2E
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, acc, docs, cos, sin, *q.stride(), *k.stride(), *v.stride(),
                  *do.stride(), *dk.stride(), *dv.stride(), *tables, Hq, Hkv, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale,
@@ -446,10 +446,8 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
                     _planned("dkdvq", launched[1], dkdv_idx, dkdv_args[12:], dkdv_kwargs),
                     _planned("dqout", launched[2], (10, 7, 12, 13), out_args[4:], out_kwargs)]
     else:
-        dq_args = (q, k, v, o, do, lse, delta, dq, docs, cos, sin, *q.stride(), *k.stride(), *v.stride(),
-                   *o.stride(), *do.stride(), *dq.stride(), *tables, Hq, Hq // Hkv, Nq, Nk, Nk - Nq, qk_scale,
-                   sm_scale, dq_group, _bucket(Nq), _bucket(Nk))
-        dq_kwargs = dict(kwargs, TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, dq_group, opts), **masks)
+        dq_args, dq_kwargs = _dq_launch_args(do, q, k, v, o, lse, dq, delta, causal, sm_scale, opts, window, docs,
+                                             rope)
         with _triton.device_guard(q):
             dq_launch = _launch("dq", Nq, Hq, B, q.dtype, dq_args, dq_kwargs)
             dkdv_launch = _launch("dkdv", Nk, Hkv, B, q.dtype, dkdv_args, dkdv_kwargs)  # after dQ: reads its delta
@@ -459,21 +457,35 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
     return dq, dk, dv
 
 
+def _table_strides(cos: torch.Tensor | None) -> tuple[int, int]:
+    """RoPE tables' (batch, row) strides as the backward kernels take them: (0, 0) without tables."""
+    return (0, 0) if cos is None else (cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2))
+
+
+def _dq_launch_args(do, q, k, v, o, lse, dq, delta, causal: bool, sm_scale: float, opts, window: int = 0,
+                    docs=None, rope=None) -> tuple[tuple, dict]:
+    """The dQ kernel's arguments and constexprs for _launch("dq", ...): dQ into dq and delta = rowsum(dO * O)
+    into delta ((B, Hq, Nq) float32, contiguous). The arguments are _bwd's."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    cos, sin = rope or (None, None)
+    group = _lpt_group(k, Nk, B * Hq)
+    args = (q, k, v, o, do, lse, delta, dq, docs, cos, sin, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            *do.stride(), *dq.stride(), *_table_strides(cos), Hq, Hq // Hkv, Nq, Nk, Nk - Nq,
+            sm_scale * _triton.LOG2E, sm_scale, group, _bucket(Nq), _bucket(Nk))
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+                  TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, group, opts),
+                  WINDOW=int(window), VARLEN=docs is not None, ROPE=rope is not None)  # the last constexprs
+    return args, kwargs
+
+
 def _dq_into(do, q, k, v, o, lse, dq, delta, causal: bool, sm_scale: float) -> None:
     """The split backward's dQ kernel alone, without a window, documents or RoPE tables: dQ into dq and
     delta = rowsum(dO * O) into delta ((B, Hq, Nq) float32, contiguous). The Gluon dK/dV kernel
     (kernels/flash_hopper/backward_launch.py) runs after it and reads delta. The arguments are _bwd's for the
     same launch; no launch plan is recorded."""
-    opts = _options.get()
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    group = _lpt_group(k, Nk, B * Hq)
-    args = (q, k, v, o, do, lse, delta, dq, None, None, None, *q.stride(), *k.stride(), *v.stride(),
-            *o.stride(), *do.stride(), *dq.stride(), 0, 0, Hq, Hq // Hkv, Nq, Nk, Nk - Nq,
-            sm_scale * _triton.LOG2E, sm_scale, group, _bucket(Nq), _bucket(Nk))
-    kwargs = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-                  TMA=_tma_ok("dq", opts, k, v), LPT=_lpt(causal, group, opts), WINDOW=0, VARLEN=False,
-                  ROPE=False)
+    B, Hq, Nq, _ = q.shape
+    args, kwargs = _dq_launch_args(do, q, k, v, o, lse, dq, delta, causal, sm_scale, _options.get())
     with _triton.device_guard(q):
         _launch("dq", Nq, Hq, B, q.dtype, args, kwargs)
 

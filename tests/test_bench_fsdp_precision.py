@@ -3,16 +3,12 @@ fp32 parameters trains exactly as the plain model and FSDP2 with bf16 block para
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.util import ROOT
-
-SCRIPT = f"{ROOT}/bench/fsdp_precision.py"
+from tests.util import run_entry
 
 
 def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    return run_entry("bench/fsdp_precision.py", *args, timeout=300)
 
 
 def test_help_and_bad_input():

@@ -2,19 +2,14 @@
 exit 2 (the timing itself runs on the H200)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.util import ROOT
-
-SCRIPT = f"{ROOT}/bench/hopper_backward.py"
+from tests.util import run_entry
 
 
 def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
+    return run_entry("bench/hopper_backward.py", *args, timeout=120)
 
 
 def test_help_and_bad_shapes():

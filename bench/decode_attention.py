@@ -11,6 +11,8 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    holds), each sequence's split plan from its length on the device
     split-merged   the same under the kernel option decode_merge_in_split (PROVIDER_OPTIONS): the last split
                    program of each (sequence, kv head, row block) merges the parts, no merge launch
+    split-chunks   the same under decode_split_order="chunks": split s reads one contiguous chunk instead of
+                   key blocks s, s + used, ... (the default order)
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
@@ -28,8 +30,9 @@ copy" = a kernel's GB/s over the copy's. Decode calls pass check_lens=False (no 
 
 --sweep (once the table above is complete, per shape; graph timing): every tile config in SWEEP_TILES with the
 automatic split count, then the fastest two and the default with explicit split counts from SWEEP_SPLITS, and
-the automatic count under other decode_min_keys_per_split values. Each candidate's output is checked before it is
-timed; a candidate that fails to compile, run or match is recorded with its error and skipped. Writes
+the automatic count under other decode_min_keys_per_split values, all of it in each split order of
+--sweep-orders (--sweep-tiles, --sweep-splits and --sweep-min-keys narrow or replace the lists). Each
+candidate's output is checked before it is timed; a candidate that fails to compile, run or match is recorded with its error and skipped. Writes
 decode_attention_sweep.json/.md: the winner per shape and how far the default (tile, auto splits) is from it.
 
 Results go to --out (default bench/results/) as decode_attention.json/.md (..._smoke with --smoke), rewritten
@@ -62,8 +65,11 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 44, 64, 96, 128)
 SWEEP_MIN_KEYS = (64, 128, 512, 1024)  # decode_min_keys_per_split values tried with the automatic split count
 SMOKE_TILES = [(16, 4, 1, True), (32, 2, 1, False)]
 SMOKE_SPLITS = (1, 3)
-PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True)}  # kernel options a provider runs under
-DECODE_PROVIDERS = ("split", "split-merged", "split-fit", "nosplit")  # checked again after timing
+PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel options a provider runs under
+                    "split-chunks": dict(decode_split_order="chunks")}
+DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-fit", "nosplit")  # checked again after timing
+PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
+SPLIT_ORDERS = ("strided", "chunks")
 TARGET_LEN, TARGET_COPY_FRACTION, TARGET_VS_SDPA = 32768, 0.75, 1.0
 L2_FACTOR = 3  # bytes read between two visits of one cache copy, in L2 sizes
 
@@ -81,6 +87,14 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start nothing new after this many seconds (what was measured is written)")
+    p.add_argument("--providers", default=",".join(PROVIDERS),
+                   help=f"comma-separated providers of the table (default all: {','.join(PROVIDERS)})")
+    p.add_argument("--sweep-tiles", default=None,
+                   help="--sweep's tiles as BLOCK_N:WARPS:STAGES[:vec], comma-separated (default SWEEP_TILES)")
+    p.add_argument("--sweep-splits", default=None, help="--sweep's explicit split counts (default SWEEP_SPLITS)")
+    p.add_argument("--sweep-min-keys", default=None,
+                   help="--sweep's decode_min_keys_per_split values ('' for none; default SWEEP_MIN_KEYS)")
+    p.add_argument("--sweep-orders", default="strided", help="--sweep's split orders: strided, chunks or both")
     a = p.parse_args(argv)
 
     def ints(text, name):
@@ -92,6 +106,27 @@ def parse_args(argv=None):
             p.error(f"{name}: values must be >= 1, got {text!r}")
         return vals
     a.batches = ints(a.batches, "--batches") if a.batches else None
+    a.providers = [x for x in a.providers.split(",") if x]
+    bad = sorted(set(a.providers) - set(PROVIDERS))
+    if bad or not a.providers:
+        p.error(f"--providers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(PROVIDERS)}")
+    a.sweep_orders = [x for x in a.sweep_orders.split(",") if x]
+    if not a.sweep_orders or set(a.sweep_orders) - set(SPLIT_ORDERS):
+        p.error(f"--sweep-orders: expected some of {', '.join(SPLIT_ORDERS)}, got {','.join(a.sweep_orders)!r}")
+    a.sweep_splits = ints(a.sweep_splits, "--sweep-splits") if a.sweep_splits else None
+    if a.sweep_min_keys is not None:
+        a.sweep_min_keys = ints(a.sweep_min_keys, "--sweep-min-keys") if a.sweep_min_keys else []
+    if a.sweep_tiles:
+        tiles = []
+        for text in a.sweep_tiles.split(","):
+            parts = text.split(":")
+            try:
+                if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "vec"):
+                    raise ValueError
+                tiles.append((int(parts[0]), int(parts[1]), int(parts[2]), len(parts) == 3))
+            except ValueError:
+                p.error(f"--sweep-tiles: expected BLOCK_N:WARPS:STAGES[:vec], got {text!r}")
+        a.sweep_tiles = tiles
     a.lens = ints(a.lens, "--lens") if a.lens else None
     a.kv_heads = a.kv_heads or a.heads
     if a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:
@@ -271,6 +306,9 @@ class Run:
             batches, lens = [1, 16], [1024, 2048, 4096, 8192, 16384, 32768]
             self.H, self.Hkv, self.D = args.heads, args.kv_heads, args.head_dim
             self.tiles, self.splits_grid, self.min_keys_grid = SWEEP_TILES, SWEEP_SPLITS, SWEEP_MIN_KEYS
+        self.tiles = args.sweep_tiles or self.tiles
+        self.splits_grid = args.sweep_splits or self.splits_grid
+        self.min_keys_grid = self.min_keys_grid if args.sweep_min_keys is None else args.sweep_min_keys
         self.batches, self.lens = args.batches or batches, args.lens or lens
         self.capacity = args.capacity or max(self.lens)
         self.out_dir = Path(args.out) if args.out else ROOT / "bench" / "results"
@@ -354,6 +392,7 @@ class Run:
         providers = {
             "split": split,
             "split-merged": split,  # the same call, under PROVIDER_OPTIONS
+            "split-chunks": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,
@@ -365,6 +404,8 @@ class Run:
                    grid_splits=grid_splits, fit_splits=dec.auto_num_splits(B * Hkv, L, self.device), used_splits=used,
                    nbytes=shape.nbytes, sdpa_err=shape.sdpa_err, providers={})
         for name, fn in providers.items():
+            if name not in self.args.providers:
+                continue
             try:
                 with self.options.use(**PROVIDER_OPTIONS.get(name, {})):
                     if name != "copy":
@@ -392,8 +433,9 @@ class Run:
         est = ((row["providers"].get("split") or {}).get("graph") or {}).get("median", 50.0)
         dec = self.decode
 
-        def run(tile, num_splits, min_keys=None) -> dict:
-            cand = dict(tile=str(tile), splits="auto" if num_splits is None else num_splits, min_keys=min_keys)
+        def run(tile, num_splits, min_keys=None, order="strided") -> dict:
+            cand = dict(tile=str(tile), splits="auto" if num_splits is None else num_splits, min_keys=min_keys,
+                        order=order)
             res["candidates"].append(cand)
             if self.late():
                 cand["error"] = "skipped: deadline reached"
@@ -403,7 +445,8 @@ class Run:
                 return dec.decode_attention(shape.q, shape.k[i], shape.v[i], shape.lens, out=shape.out,
                                             check_lens=False, num_splits=num_splits, tile=tile)
             try:
-                with self.options.use(**({} if min_keys is None else dict(decode_min_keys_per_split=min_keys))):
+                with self.options.use(decode_split_order=order,
+                                      **({} if min_keys is None else dict(decode_min_keys_per_split=min_keys))):
                     cand["max_err"] = shape.check(fn)
                     m = self.measure(shape, fn, est_us=est)
                 cand["us"] = (m["graph"] or m["eager"])["median"]
@@ -416,15 +459,19 @@ class Run:
         tiles = [dec.DecodeTile(*t) for t in self.tiles if t[3] or shape.group == 1]
         if self.default not in tiles:
             tiles.insert(0, self.default)
-        stage1 = [run(t, None) for t in tiles]
-        fastest = [c["tile"] for c in sorted((c for c in stage1 if "us" in c), key=lambda c: c["us"])[:2]]
-        for t in dict.fromkeys([self.default, *(t for t in tiles if str(t) in fastest)]):
-            for s in candidate_splits(shape.L, t.block_n, self.splits_grid):
-                run(t, s)
-        for mk in self.min_keys_grid:
-            run(self.default, None, mk)
+        stage1 = []
+        for order in self.args.sweep_orders:
+            stage = [run(t, None, order=order) for t in tiles]
+            stage1 += stage
+            fastest = [c["tile"] for c in sorted((c for c in stage if "us" in c), key=lambda c: c["us"])[:2]]
+            for t in dict.fromkeys([self.default, *(t for t in tiles if str(t) in fastest)]):
+                for s in candidate_splits(shape.L, t.block_n, self.splits_grid):
+                    run(t, s, order=order)
+            for mk in self.min_keys_grid:
+                run(self.default, None, mk, order=order)
         ok = [c for c in res["candidates"] if "us" in c]
-        base = next((c for c in stage1 if c["tile"] == str(self.default) and "us" in c), None)
+        base = next((c for c in stage1 if c["tile"] == str(self.default) and c["order"] == SPLIT_ORDERS[0] and "us" in c),
+                    None)
         if ok:
             res["best"] = min(ok, key=lambda c: c["us"])
             res["default_us"] = base["us"] if base else None
@@ -517,7 +564,7 @@ def one_line(row) -> str:
 
 
 def render_markdown(meta, rows) -> str:
-    names = ["split", "split-merged", "split-fit", "nosplit", "sdpa", "copy"]
+    names = [n for n in PROVIDERS if any(n in r["providers"] for r in rows)] or list(PROVIDERS)
     lines = [f"# Decode attention: split-KV vs SDPA vs a copy ({meta['dtype']}, Nq=1, H={meta['H']}, "
              f"Hkv={meta['Hkv']}, D={meta['D']}, cache capacity {meta['capacity']})", "",
              f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
@@ -575,7 +622,8 @@ def render_sweep(meta, shapes) -> str:
         bad = [c for c in s["candidates"] if "error" in c]
         b = s.get("best")
         if b:
-            splits = f"{b['splits']}" + ("" if b.get("min_keys") is None else f" (min keys {b['min_keys']})")
+            splits = (f"{b['splits']}" + ("" if b.get("min_keys") is None else f" (min keys {b['min_keys']})")
+                      + ("" if b.get("order", "strided") == "strided" else f", {b['order']}"))
             default_us = "—" if s.get("default_us") is None else f"{s['default_us']:.2f}"
             cells = f"{b['tile']} | {splits} | {b['us']:.2f} | {default_us} | {s.get('default_over_best') or '—'}"
         else:
@@ -584,7 +632,8 @@ def render_sweep(meta, shapes) -> str:
     lines += ["", "Every candidate (µs; an error instead where it failed):", ""]
     for s in shapes:
         lines.append(f"- B={s['B']} L={s['L']}: " + ", ".join(
-            f"{c['tile']} {c['splits']}{'' if c.get('min_keys') is None else '/mk' + str(c['min_keys'])}: "
+            f"{c['tile']} {c['splits']}{'' if c.get('min_keys') is None else '/mk' + str(c['min_keys'])}"
+            f"{'' if c.get('order', 'strided') == 'strided' else ' ' + c['order']}: "
             + (f"{c['us']:.2f}" if "us" in c else c.get("error", "?")) for c in s["candidates"]))
     return "\n".join(lines) + "\n"
 

@@ -36,14 +36,18 @@ The grid holds `num_splits` split programs per (sequence, kv head, row block); t
 actually uses, and the chunk of each split, are computed ON THE DEVICE from its own cache_lens[b]
 (split_plan below, the same formula in both kernels), so a launch sized on the host for the longest possible
 cache stays right inside a CUDA graph whose lengths change at every replay:
-    num_splits=None  (auto) the grid from auto_num_splits(rows of work, length): `length` is the longest
-                     cache_lens when the host reads them (check_lens=True outside graph capture), else
-                     max_len. On the device a sequence uses min(grid, L // decode_min_keys_per_split) splits
+    num_splits=None  (auto) the grid from auto_num_splits(rows of work, length, programs_per_sm(tile)):
+                     `length` is the longest cache_lens when the host reads them (check_lens=True outside
+                     graph capture), else max_len. On the device a sequence uses min(grid, L // decode_min_keys_per_split) splits
                      (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
                      keys (chunks are rounded up to BLOCK_N; the last split holds the remainder).
     num_splits=k     exactly k splits of ceil(L / k) keys each (rounded up to BLOCK_N; the last splits of a
                      short sequence may then be empty)
     num_splits=1     the plain non-split kernel, which writes the output directly (the benchmark's baseline)
+Which blocks a used split reads (kernels.options decode_split_order): "strided" (the default) blocks s,
+s + used, s + 2 * used, ... of the whole prefix, so that at any moment a sequence's splits read neighbouring
+blocks; "chunks" its contiguous chunk [s * chunk, (s + 1) * chunk). Either way a split holds about L / used
+keys, in whole blocks, and the merge is the same.
 Splits a sequence does not use exit at once and write nothing; the merge reads only the used ones, and when
 a sequence uses one split, that split writes the output itself and the merge skips the row.
 
@@ -81,7 +85,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
-PROGRAMS_PER_SM = 4   # the automatic split count aims at this many split programs per SM
+PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
 
@@ -235,7 +239,8 @@ def _decode_split_kernel(
         qk_scale, H_KV, MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
-        PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr):
+        PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
+        STRIDED: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
 
     USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
@@ -246,6 +251,10 @@ def _decode_split_kernel(
     with one used split the output goes straight to OUT, otherwise O_PART (B*Hq*N_Q, NUM_SPLITS, HEAD_DIM)
     fp32 and LSE (B*Hq*N_Q, NUM_SPLITS) fp32 receive the split's part. Not SPLIT: one program per row block
     over the whole prefix, writing OUT (B, Hq, N_Q, HEAD_DIM).
+
+    STRIDED (with SPLIT): split s reads key blocks s, s + used, s + 2 * used, ... instead of the chunk
+    [s * chunk, (s + 1) * chunk); each used split still holds at least one block (used <= blocks), and the
+    merge is the same.
 
     MERGE (with SPLIT): after storing its part, a split program counts itself in COUNTERS (B * H_KV * row
     blocks,) int32, one zero per (sequence, kv head, row block), with an acq_rel atomic; the program that
@@ -280,14 +289,19 @@ def _decode_split_kernel(
     K += b * stride_kb + h_kv * stride_kh
     V += b * stride_vb + h_kv * stride_vh
 
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, L)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
-    for start in range(lo, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
-                                      stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
+    if STRIDED:  # blocks split, split + used, ...: at any moment the used splits read neighbouring blocks
+        for start in range(split * BLOCK_N, L, used * BLOCK_N):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, L, q_pos, offs_n, offs_d, d_ok,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
+    else:  # one contiguous chunk
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, L)
+        for start in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # rows with no key: 0
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -342,36 +356,50 @@ def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stri
 _triton.check_decorated(_decode_split_kernel, _decode_merge_kernel)
 
 
-def auto_num_splits(n_programs: int, length: int, device: torch.device) -> int:
+def auto_num_splits(n_programs: int, length: int, device: torch.device,
+                    per_sm: int = PROGRAMS_PER_SM) -> int:
     """Grid splits for n_programs (sequence, kv head, row block) programs over caches of at most `length`
-    valid keys: enough to give each SM PROGRAMS_PER_SM split programs, never more than length //
-    decode_min_keys_per_split (kernels.options), one for length <= SINGLE_SPLIT_MAX_LEN; and where that count
-    spills into another round of PROGRAMS_PER_SM programs per SM, the largest count that stays within the
-    rounds before, if it leaves a smaller share of their slots empty.
+    valid keys: the count whose programs spread most evenly over the SMs (n_programs * splits of them, as
+    equal a number on every SM as can be), the smallest such count, within one round of per_sm resident
+    programs per SM (programs_per_sm: what the tile's shared memory allows), never more than length //
+    decode_min_keys_per_split (kernels.options), one for length <= SINGLE_SPLIT_MAX_LEN.
+
+    On an H200 (132 SMs) GPT-2's 12 heads at batch 1 get 11 splits: one program per SM, each reading a long
+    stretch of the cache, which the sweep in bench/results/decode_attention/ timed faster than 33 or 44 splits
+    (several programs per SM) at 4k-32k keys. Batch 16 (192 programs) gets 2: 384 programs in one round of 3.
 
     Depends only on its arguments and the options (no GPU sync), so it is safe inside CUDA graphs.
     """
     if length <= SINGLE_SPLIT_MAX_LEN:
         return 1  # a short cache: the merge launch costs more than the split saves (bench/NOTES.md)
-    slots = PROGRAMS_PER_SM * _triton.sm_count(device)
-    want = _cdiv(slots, n_programs)
-    useful = length // _options.get().decode_min_keys_per_split
-    splits = max(1, min(want, useful, MAX_SPLITS))
-    # Rounded up, the count may spill a few programs into another round of slots (192 programs x 3 splits over
-    # 132 SMs x 4: 576 programs, 48 of them in a second round); the count that fills whole rounds with less left
-    # empty is then the better one (2 splits there: bench/results/decode_attention/, sweep at batch 16)
-    rounds = _cdiv(n_programs * splits, slots)
-    fewer = (rounds - 1) * slots // n_programs
-    if rounds > 1 and fewer >= 1 and _empty_share(n_programs * fewer, slots) < _empty_share(n_programs * splits,
-                                                                                               slots):
-        return fewer
-    return splits
+    sms = _triton.sm_count(device)
+    cap = max(1, min(length // _options.get().decode_min_keys_per_split, MAX_SPLITS,
+                     per_sm * sms // max(n_programs, 1)))
+    return max(range(1, cap + 1), key=lambda splits: (_even_share(n_programs * splits, sms), -splits))
 
 
-def _empty_share(programs: int, slots: int) -> float:
-    """The share of slots left empty when `programs` programs fill rounds of `slots`."""
-    rounds = _cdiv(programs, slots)
-    return (rounds * slots - programs) / (rounds * slots)
+def _even_share(programs: int, sms: int) -> float:
+    """How evenly `programs` programs spread over `sms` SMs: programs over (the most on one SM) x sms."""
+    return programs / (_cdiv(programs, sms) * sms)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
+
+
+SMEM_MARGIN = 8 << 10  # a split program's shared memory beyond its pipelined K/V tiles (measured 5-7 KB)
+
+
+def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device) -> int:
+    """Split programs of this tile that one SM holds at once, for the automatic split count: the SM's shared
+    memory over a program's (its num_stages - 1 K and V tiles in flight, as Triton's software pipeline keeps
+    them, plus SMEM_MARGIN), at most PROGRAMS_PER_SM (PROGRAMS_PER_SM off CUDA). The H200 gives 3 for the
+    default tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each)."""
+    if device.type != "cuda":
+        return PROGRAMS_PER_SM
+    per_program = max(tile.num_stages - 1, 0) * 2 * tile.block_n * block_d * elem_size + SMEM_MARGIN
+    return max(1, min(PROGRAMS_PER_SM, _smem_per_sm(device.index or 0) // per_program))
 
 
 def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -> int | None:
@@ -518,7 +546,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
-        num_splits = auto_num_splits(B * Hkv * row_blocks, max_len if longest is None else longest, q.device)
+        num_splits = auto_num_splits(B * Hkv * row_blocks, max_len if longest is None else longest, q.device,
+                                     programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
         min_chunk, unsplit_max = _options.get().decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
     else:  # exactly num_splits chunks per sequence
         min_chunk, unsplit_max = 1, 0
@@ -541,7 +570,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s), launch)
+                     MERGE_TILE_S=merge_tile_s,
+                     STRIDED=num_splits > 1 and _options.get().decode_split_order == "strided"), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),

@@ -31,7 +31,7 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         kernels (Hopper)
     loss_kernel                FLASHGPT_CE=auto|triton|torch     auto   what kernels.cross_entropy runs for "auto":
                                                                         auto = Triton on CUDA, PyTorch elsewhere
-    decode_min_keys_per_split  FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT=<int>   256   the split-KV decode never cuts
+    decode_min_keys_per_split  FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT=<int>   128   the split-KV decode never cuts
                                                                         the cache finer (automatic split count)
     llama_kernels              FLASHGPT_LLAMA_KERNELS=auto|triton|torch   torch   what the model's RMSNorm,
                                                                         SwiGLU and RoPE run for "auto"
@@ -48,6 +48,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
     decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch
+    decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
+                                                                        of the split-KV decode reads: every
+                                                                        used-th block from its own index (at any
+                                                                        moment the splits read neighbouring
+                                                                        blocks), or one contiguous chunk
     rope_in_flash              FLASHGPT_ROPE_IN_FLASH=0|1        True   a RoPE model's training/prefill call without
                                                                         a KV cache hands its RoPE tables to the
                                                                         packed flash call, whose backward kernels
@@ -71,6 +76,7 @@ BACKWARDS = ("split", "fused")
 LOSS_KERNELS = ("auto", "triton", "torch")
 LLAMA_KERNELS = ("auto", "triton", "torch")
 HOPPER_FORWARDS = ("auto", "on", "off")
+DECODE_SPLIT_ORDERS = ("strided", "chunks")
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,12 @@ class KernelOptions:
     fused_dq: int = 2
     pdl: bool = True
     loss_kernel: str = "auto"
-    decode_min_keys_per_split: int = 256
+    decode_min_keys_per_split: int = 128
     llama_kernels: str = "torch"
     hopper_forward: str = "auto"
     decode_merge_in_split: bool = False
     rope_in_flash: bool = True
+    decode_split_order: str = "strided"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -121,6 +128,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_forward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
 }
 
 
@@ -134,7 +142,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
-       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH"}
+       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

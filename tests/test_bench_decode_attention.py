@@ -15,12 +15,20 @@ def test_bad_arguments_are_one_line_errors(capsys):
     for argv, message in ((["--lens", "1k"], "--lens: expected comma-separated integers"),
                           (["--batches", "0"], "--batches: values must be >= 1"),
                           (["--heads", "12", "--kv-heads", "5"], "must be a positive multiple of --kv-heads"),
-                          (["--lens", "2048", "--capacity", "1024"], "below the longest length")):
+                          (["--lens", "2048", "--capacity", "1024"], "below the longest length"),
+                          (["--providers", "split,nope"], "--providers: unknown nope"),
+                          (["--sweep-tiles", "128:4"], "--sweep-tiles: expected BLOCK_N:WARPS:STAGES[:vec]"),
+                          (["--sweep-tiles", "128:4:2:dot"], "--sweep-tiles: expected BLOCK_N:WARPS:STAGES[:vec]"),
+                          (["--sweep-orders", "random"], "--sweep-orders: expected some of strided, chunks")):
         with pytest.raises(SystemExit) as e:
             bd.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
     a = bd.parse_args(["--heads", "12", "--kv-heads", "4", "--lens", "1024,4096"])
     assert a.kv_heads == 4 and a.lens == [1024, 4096] and a.batches is None
+    a = bd.parse_args(["--sweep-tiles", "128:4:3,64:2:1:vec", "--sweep-splits", "11,44", "--sweep-min-keys", "",
+                       "--sweep-orders", "chunks,strided", "--providers", "split,sdpa"])
+    assert a.sweep_tiles == [(128, 4, 3, True), (64, 2, 1, False)] and a.sweep_splits == [11, 44]
+    assert a.sweep_min_keys == [] and a.sweep_orders == ["chunks", "strided"] and a.providers == ["split", "sdpa"]
 
 
 def test_rotation_reads_three_l2s_between_visits_of_one_copy():

@@ -103,9 +103,10 @@ def test_split_counts_agree_with_non_split(num_splits):
     torch.testing.assert_close(split, base, atol=2e-6, rtol=1e-5)
 
 
-def test_auto_splits_matches_non_split():
+def test_auto_splits_matches_non_split(monkeypatch):
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)  # more SMs than the 4 heads: the auto path splits
     q, k, v, lens = make_case(1, 4, 4, 1, 64, [2000], max_len=2048, dtype=torch.float16, seed=3)
-    auto = check(q, k, v, lens, torch.float16)  # batch 1, long cache: the auto path splits
+    auto = check(q, k, v, lens, torch.float16)  # batch 1, long cache
     assert auto_num_splits(4, 2048, DEVICE) > 1
     base = check(q, k, v, lens, torch.float16, num_splits=1)
     torch.testing.assert_close(auto, base, atol=2e-3, rtol=2e-3)
@@ -144,25 +145,39 @@ def test_auto_num_splits_heuristic():
     assert auto_num_splits(1000, 32768, cpu) == 1          # plenty of programs already: no split
     assert auto_num_splits(1, 100, cpu) == 1               # short cache: nothing to split
     assert 1 < auto_num_splits(1, 32768, cpu) <= MAX_SPLITS
-    assert auto_num_splits(1, 1024, cpu) <= 4              # never finer than 256 keys of max_len
+    assert auto_num_splits(1, 1024, cpu) <= 8              # never finer than 128 keys of max_len
     assert auto_num_splits(1, 512, cpu) == 1               # a short cache runs unsplit (no merge launch)
     with options.use(decode_min_keys_per_split=512):       # the option (FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT)
         assert auto_num_splits(1, 1024, cpu) == 2
 
 
-def test_auto_num_splits_fills_whole_rounds_of_programs(monkeypatch):
-    """On an H200's 132 SMs (4 split programs each: rounds of 528): a count that spills a few programs into
-    another round gives way to the largest count within the rounds before, when that leaves less empty."""
+def test_auto_num_splits_spreads_programs_evenly_over_the_sms(monkeypatch):
+    """On an H200's 132 SMs: the smallest count whose programs spread most evenly over the SMs, within one round
+    of the resident programs per SM (3 for the default tiles: programs_per_sm)."""
     monkeypatch.setattr(kt, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert auto_num_splits(12, 32768, cpu) == 44   # GPT-2's 12 heads at batch 1: 528 programs, one whole round
-    assert auto_num_splits(48, 32768, cpu) == 11   # 528 again
-    assert auto_num_splits(192, 32768, cpu) == 2   # batch 16: 3 would be 576 (48 in a second round), 2 is 384
-    assert auto_num_splits(96, 32768, cpu) == 5    # batch 8: 6 would be 576, 5 is 480
-    assert auto_num_splits(288, 32768, cpu) == 2   # 2 rounds of 576 leave as much empty as one of 288: keep 2
-    assert auto_num_splits(192, 1024, cpu) == 2    # the length's own cap (4 of 256 keys) still applies first
-    assert auto_num_splits(600, 32768, cpu) == 1
-    assert auto_num_splits(1, 1024, cpu) == 4
+    assert auto_num_splits(12, 32768, cpu, 3) == 11   # GPT-2's 12 heads at batch 1: 132 programs, one per SM
+    assert auto_num_splits(3, 32768, cpu, 3) == 44    # SmolLM2's 3 kv heads: 132 again
+    assert auto_num_splits(1, 32768, cpu, 3) == 132
+    assert auto_num_splits(48, 32768, cpu, 3) == 8    # 384 programs: 120 SMs hold 3, 12 hold 2 (11 would be 4)
+    assert auto_num_splits(192, 32768, cpu, 3) == 2   # batch 16: 384 programs in one round of 396
+    assert auto_num_splits(96, 32768, cpu, 3) == 4    # batch 8: 384
+    assert auto_num_splits(288, 32768, cpu, 3) == 1   # two splits would not fit one round
+    assert auto_num_splits(96, 32768, cpu, 4) == 4    # 5 fits 4 per SM, but spreads less evenly (480 of 528)
+    assert auto_num_splits(192, 1024, cpu, 3) == 2
+    assert auto_num_splits(12, 1024, cpu, 3) == 8     # the length's cap (8 of 128 keys) applies first
+    assert auto_num_splits(600, 32768, cpu, 3) == 1
+
+
+def test_programs_per_sm_from_shared_memory(monkeypatch):
+    import kernels.decode as dec
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dec, "_smem_per_sm", lambda index: 233472)  # an H200's 228 KB
+    assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, cuda) == 3     # two 32 KB K/V stages + margin
+    assert dec.programs_per_sm(default_tile(128, 2, 1), 128, 2, cuda) == 3
+    assert dec.programs_per_sm(dec.DecodeTile(128, 4, 2), 64, 2, cuda) == 4  # 5 fit: capped at PROGRAMS_PER_SM
+    assert dec.programs_per_sm(dec.DecodeTile(64, 8, 8), 256, 4, cuda) == 1  # more than an SM holds: still 1
+    assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, torch.device("cpu")) == dec.PROGRAMS_PER_SM
 
 
 def _good():
@@ -208,7 +223,8 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
-    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--sweep", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--sweep", "--out", str(tmp_path),
+                        "--sweep-orders", "strided,chunks"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "split" in r.stdout and (tmp_path / "decode_attention_smoke.json").exists()
@@ -216,11 +232,29 @@ def test_bench_smoke(tmp_path):
     data = json.loads((tmp_path / "decode_attention_smoke.json").read_text())
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
-        assert set(row["providers"]) == {"split", "split-merged", "split-fit", "nosplit", "sdpa", "copy"}
+        assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-fit", "nosplit", "sdpa",
+                                         "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
     assert all("error" not in c for s in sweep for c in s["candidates"]), sweep
+    assert all({c["order"] for c in s["candidates"]} == {"chunks", "strided"} for s in sweep), sweep
+
+
+def test_bench_narrowed_to_some_providers_and_tiles(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
+    r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--sweep", "--out", str(tmp_path),
+                        "--batches", "1", "--lens", "600", "--providers", "split,sdpa", "--sweep-tiles", "32:2:1",
+                        "--sweep-splits", "2", "--sweep-min-keys", ""],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "decode_attention_smoke.json").read_text())
+    assert [set(row["providers"]) for row in data["rows"]] == [{"split", "sdpa"}]
+    (shape,) = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
+    # the default tile and the one asked for, with the automatic count, then each with 2 splits
+    default = shape["candidates"][0]["tile"]
+    assert sorted((c["tile"], str(c["splits"])) for c in shape["candidates"]) == sorted(
+        (t, s) for t in (default, "n32 w2 s1 dot") for s in ("auto", "2")), shape
 
 
 # ------------------------------------------------------------------ the split plan each sequence makes on the device
@@ -281,10 +315,10 @@ def test_auto_plan_with_several_tokens_and_the_causal_edge(workspaces, monkeypat
 def test_check_lens_sizes_the_grid_for_the_longest_real_length(workspaces, monkeypatch):
     monkeypatch.setattr(kt, "sm_count", lambda device: 64)
     q, k, v, lens = make_case(1, 2, 2, 1, 32, [600], max_len=4096, dtype=torch.float32, seed=2)
-    check(q, k, v, lens, torch.float32)                 # check_lens=True reads 600 back: 600 // 256 = 2 splits
-    assert workspaces[-1].shape[1] == auto_num_splits(2, 600, DEVICE) == 2
-    check(q, k, v, lens, torch.float32, check_lens=False)  # max_len: 4096 // 256 = 16 in the grid, 2 used
-    assert workspaces[-1].shape[1] == auto_num_splits(2, 4096, DEVICE) == 16
+    check(q, k, v, lens, torch.float32)                 # check_lens=True reads 600 back: 600 // 128 = 4 splits
+    assert workspaces[-1].shape[1] == auto_num_splits(2, 600, DEVICE) == 4
+    check(q, k, v, lens, torch.float32, check_lens=False)  # max_len: 32 splits of 2 sequences on 64 SMs, 4 used
+    assert workspaces[-1].shape[1] == auto_num_splits(2, 4096, DEVICE) == 32
 
 
 def test_lengths_outside_the_cache_are_clamped_without_a_check():
@@ -424,3 +458,23 @@ def test_merge_counters_grow_and_are_not_allocated_during_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="before CUDA graph capture"):
         dec.merge_counters(torch.device("cuda", 0), 8)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3, 64], ids=["auto", "split3", "split64"])
+@pytest.mark.parametrize("Nq", [1, 4], ids=["nq1", "nq4"])
+@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_strided_split_order(num_splits, Nq, Hq, Hkv, monkeypatch):
+    """Both split orders (strided, the default: split s reads blocks s, s + used, ...; chunks: one contiguous
+    chunk) give the reference's result, and the same up to summation order; 64 explicit splits leave short sequences with fewer blocks than
+    splits."""
+    monkeypatch.setattr(kt, "sm_count", lambda device: 64)
+    dtype = torch.float16
+    q, k, v, lens = make_case(len(LENS_MERGE), Hq, Hkv, Nq, 40, LENS_MERGE, max_len=2048, dtype=dtype, seed=Hq + Nq)
+    with options.use(decode_min_keys_per_split=128):
+        with options.use(decode_split_order="chunks"):
+            chunks = check(q, k, v, lens, dtype, num_splits=num_splits, check_lens=False)
+        with options.use(decode_split_order="strided"):
+            strided = check(q, k, v, lens, dtype, num_splits=num_splits, check_lens=False)
+            merged = merged_in_split(q, k, v, lens, dtype, num_splits=num_splits, check_lens=False)
+    torch.testing.assert_close(strided, chunks, atol=FLOOR[dtype], rtol=FLOOR[dtype])
+    torch.testing.assert_close(merged, strided, atol=FLOOR[dtype], rtol=FLOOR[dtype])

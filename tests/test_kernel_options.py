@@ -24,12 +24,13 @@ def test_environment_overrides_parse_into_typed_options():
     env = {"FLASHGPT_AUTOTUNE": "0", "FLASHGPT_TMA": "off", "FLASHGPT_TMA_MIN_D": "16", "FLASHGPT_LPT": "false",
            "FLASHGPT_FAST_LAUNCH": "no", "FLASHGPT_BWD": "fused", "FLASHGPT_FUSED_DQ": "1", "FLASHGPT_PDL": "0",
            "FLASHGPT_CE": "torch", "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT": "64", "FLASHGPT_LLAMA_KERNELS": "triton",
-           "FLASHGPT_HOPPER_FWD": "on", "FLASHGPT_DECODE_MERGE_IN_SPLIT": "on", "UNRELATED": "x"}
+           "FLASHGPT_HOPPER_FWD": "on", "FLASHGPT_DECODE_MERGE_IN_SPLIT": "on", "FLASHGPT_DECODE_SPLIT_ORDER": "chunks",
+           "UNRELATED": "x"}
     assert options.from_env(env) == KernelOptions(autotune=False, tma=False, tma_min_block_d=16, lpt=False,
                                                   fast_launch=False, backward="fused", fused_dq=1, pdl=False,
                                                   loss_kernel="torch", decode_min_keys_per_split=64,
                                                   llama_kernels="triton", hopper_forward="on",
-                                                  decode_merge_in_split=True)
+                                                  decode_merge_in_split=True, decode_split_order="chunks")
     assert set(options.ENV) == {f.name for f in dataclasses.fields(KernelOptions)}  # every option has one
     assert options.from_env({"FLASHGPT_TMA": "1", "FLASHGPT_LPT": "yes"}, tma=False, lpt=False).tma is True
     assert options.from_env({}, autotune=False).autotune is False  # a program's default, no override
@@ -43,6 +44,8 @@ def test_environment_overrides_parse_into_typed_options():
     ({"FLASHGPT_CE": "fused"}, "FLASHGPT_CE='fused': expected one of auto, triton, torch"),
     ({"FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT": "0"}, "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT='0': expected an int >= 1"),
     ({"FLASHGPT_DECODE_MERGE_IN_SPLIT": "2"}, "FLASHGPT_DECODE_MERGE_IN_SPLIT='2': expected 1 or 0"),
+    ({"FLASHGPT_DECODE_SPLIT_ORDER": "random"}, "FLASHGPT_DECODE_SPLIT_ORDER='random': expected one of strided, "
+                                                "chunks"),
 ])
 def test_a_bad_override_names_the_variable(env, match):
     with pytest.raises(ValueError, match=match):

@@ -32,8 +32,9 @@ copy" = a kernel's GB/s over the copy's. Decode calls pass check_lens=False (no 
 automatic split count, then the fastest two and the default with explicit split counts from SWEEP_SPLITS, and
 the automatic count under other decode_min_keys_per_split values, all of it in each split order of
 --sweep-orders (--sweep-tiles, --sweep-splits and --sweep-min-keys narrow or replace the lists). Each
-candidate's output is checked before it is timed; a candidate that fails to compile, run or match is recorded with its error and skipped. Writes
-decode_attention_sweep.json/.md: the winner per shape and how far the default (tile, auto splits) is from it.
+candidate's output is checked before it is timed; a candidate that fails to compile, run or match is recorded
+with its error and skipped. Writes decode_attention_sweep.json/.md: the winner per shape and how far the
+default (tile, auto splits) is from it.
 
 Results go to --out (default bench/results/) as decode_attention.json/.md (..._smoke with --smoke), rewritten
 after every shape (atomically), so a run stopped by --deadline-s or a time limit keeps what it measured.
@@ -470,8 +471,8 @@ class Run:
             for mk in self.min_keys_grid:
                 run(self.default, None, mk, order=order)
         ok = [c for c in res["candidates"] if "us" in c]
-        base = next((c for c in stage1 if c["tile"] == str(self.default) and c["order"] == SPLIT_ORDERS[0] and "us" in c),
-                    None)
+        base = next((c for c in stage1
+                     if c["tile"] == str(self.default) and c["order"] == SPLIT_ORDERS[0] and "us" in c), None)
         if ok:
             res["best"] = min(ok, key=lambda c: c["us"])
             res["default_us"] = base["us"] if base else None

@@ -38,7 +38,8 @@ actually uses, and the chunk of each split, are computed ON THE DEVICE from its 
 cache stays right inside a CUDA graph whose lengths change at every replay:
     num_splits=None  (auto) the grid from auto_num_splits(rows of work, length, programs_per_sm(tile)):
                      `length` is the longest cache_lens when the host reads them (check_lens=True outside
-                     graph capture), else max_len. On the device a sequence uses min(grid, L // decode_min_keys_per_split) splits
+                     graph capture), else max_len. On the device a sequence uses
+                     min(grid, L // decode_min_keys_per_split) splits
                      (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
                      keys (chunks are rounded up to BLOCK_N; the last split holds the remainder).
     num_splits=k     exactly k splits of ceil(L / k) keys each (rounded up to BLOCK_N; the last splits of a

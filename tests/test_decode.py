@@ -465,8 +465,8 @@ def test_merge_counters_grow_and_are_not_allocated_during_capture(monkeypatch):
 @pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_strided_split_order(num_splits, Nq, Hq, Hkv, monkeypatch):
     """Both split orders (strided, the default: split s reads blocks s, s + used, ...; chunks: one contiguous
-    chunk) give the reference's result, and the same up to summation order; 64 explicit splits leave short sequences with fewer blocks than
-    splits."""
+    chunk) give the reference's result, and the same up to summation order; 64 explicit splits leave short
+    sequences with fewer blocks than splits."""
     monkeypatch.setattr(kt, "sm_count", lambda device: 64)
     dtype = torch.float16
     q, k, v, lens = make_case(len(LENS_MERGE), Hq, Hkv, Nq, 40, LENS_MERGE, max_len=2048, dtype=dtype, seed=Hq + Nq)

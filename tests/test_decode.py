@@ -241,6 +241,7 @@ def test_bench_smoke(tmp_path):
     assert all({c["order"] for c in s["candidates"]} == {"chunks", "strided"} for s in sweep), sweep
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_narrowed_to_some_providers_and_tiles(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(str(ROOT)))
     r = subprocess.run([sys.executable, "bench/decode_attention.py", "--smoke", "--sweep", "--out", str(tmp_path),

@@ -60,7 +60,8 @@ past L1) and sets the counter back to 0. The counters are one zeroed buffer per 
 shared by every call: calls must follow each other in one stream order (as eager calls, a CUDA graph's layers
 and its replays do), and the first call needing a larger buffer must come before CUDA graph capture.
 
-Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile);
+Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
+deep_tile's four stages where the automatic split count leaves at most one split program per SM);
 dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of
 tensor-core dots, and applies only where one program holds one query row (group * Nq == 1).
 
@@ -135,6 +136,17 @@ def default_tile(block_d: int, elem_size: int, rows: int) -> DecodeTile:
     block_n = 128 if row_bytes <= 128 else 64 if block_d <= 128 else 32
     return DecodeTile(block_n=block_n, num_warps=4 if block_d <= 128 else 8,
                       num_stages=3 if row_bytes <= 256 else 2, dot=True)
+
+
+def deep_tile(tile: DecodeTile, block_d: int, elem_size: int) -> DecodeTile | None:
+    """The default tile with one more K/V tile in flight (four stages), for a grid of split programs that gives
+    no SM more than one: the H200 sweep (bench/results/decode_attention/) timed it 1-9 % faster than three stages
+    at batch 1 (GPT-2's 12 heads, 11 splits, 1k-32k keys but 8k, where it was 1 % slower), while at two or more
+    programs per SM (batch 16) its larger shared memory costs a resident program and it was slower. None where
+    it was not measured: tiles whose rows are wider than 128 bytes, or not the three-stage default."""
+    if block_d * elem_size > 128 or tile.num_stages != 3 or not tile.dot:
+        return None
+    return DecodeTile(tile.block_n, tile.num_warps, tile.num_stages + 1, tile.dot)
 
 
 @triton.jit
@@ -542,7 +554,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = _triton.empty(q.shape, q.dtype, q.device)  # contiguous
 
     BLOCK_D = _next_pow2(D)
-    if tile is None:
+    default = tile is None
+    if default:
         tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
@@ -550,6 +563,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = auto_num_splits(B * Hkv * row_blocks, max_len if longest is None else longest, q.device,
                                      programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
         min_chunk, unsplit_max = _options.get().decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
+        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and num_splits > 1 else None
+        if deep is not None and B * Hkv * row_blocks * num_splits <= _triton.sm_count(q.device):
+            tile = deep  # at most one split program per SM: more bytes in flight per program
     else:  # exactly num_splits chunks per sequence
         min_chunk, unsplit_max = 1, 0
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
@@ -581,5 +597,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-__all__ = ["decode_attention", "auto_num_splits", "plan_splits", "DecodeTile", "default_tile", "MAX_NQ",
-           "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "auto_num_splits", "plan_splits", "DecodeTile", "default_tile", "deep_tile",
+           "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

@@ -479,3 +479,27 @@ def test_strided_split_order(num_splits, Nq, Hq, Hkv, monkeypatch):
             merged = merged_in_split(q, k, v, lens, dtype, num_splits=num_splits, check_lens=False)
     torch.testing.assert_close(strided, chunks, atol=FLOOR[dtype], rtol=FLOOR[dtype])
     torch.testing.assert_close(merged, strided, atol=FLOOR[dtype], rtol=FLOOR[dtype])
+
+
+@pytest.mark.parametrize("batch, sms, stages", [(1, 64, 4), (2, 12, 3)], ids=["one-per-sm", "more"])
+def test_four_stages_where_the_split_programs_leave_each_sm_at_most_one(batch, sms, stages, monkeypatch):
+    """The default tile at 16-bit D = 64 gains a stage (deep_tile) where the automatic count gives no SM more than
+    one split program (4 heads x 16 splits on 64 SMs), and keeps three where it gives more (2 x 4 heads x 3
+    splits on 12 SMs); the result is the reference's either way."""
+    import kernels.decode as dec
+    monkeypatch.setattr(kt, "sm_count", lambda device: sms)
+    configs = []
+    real = dec._launch
+
+    def recording(kernel, grid, tensors, scalars, consts, launch):
+        if kernel is dec._decode_split_kernel:
+            configs.append((grid[0], consts["BLOCK_N"], launch["num_stages"]))
+        return real(kernel, grid, tensors, scalars, consts, launch)
+    monkeypatch.setattr(dec, "_launch", recording)
+    q, k, v, lens = make_case(batch, 4, 4, 1, 64, [2000, 1500][:batch], max_len=2048, dtype=torch.float16, seed=9)
+    check(q, k, v, lens, torch.float16, check_lens=False)
+    splits, block_n, got = configs[-1]
+    assert (block_n, got) == (128, stages) and batch * 4 * splits <= sms * (1 if stages == 4 else 3), configs
+    check(q, k, v, lens, torch.float16, check_lens=False, num_splits=4)  # an explicit count keeps the default
+    assert configs[-1][1:] == (128, 3)
+    assert dec.deep_tile(default_tile(128, 2, 1), 128, 2) is None  # 256-byte rows: not measured, not deepened

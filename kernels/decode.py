@@ -140,7 +140,7 @@ def default_tile(block_d: int, elem_size: int, rows: int) -> DecodeTile:
 
 def deep_tile(tile: DecodeTile, block_d: int, elem_size: int) -> DecodeTile | None:
     """The default tile with one more K/V tile in flight (four stages), for a grid of split programs that gives
-    no SM more than one: the H200 sweep (bench/results/decode_attention/) timed it 1-9 % faster than three stages
+    no SM more than one: the H200 sweep (bench/results/decode_attention/) timed it 2-9 % faster than three stages
     at batch 1 (GPT-2's 12 heads, 11 splits, 1k-32k keys but 8k, where it was 1 % slower), while at two or more
     programs per SM (batch 16) its larger shared memory costs a resident program and it was slower. None where
     it was not measured: tiles whose rows are wider than 128 bytes, or not the three-stage default."""

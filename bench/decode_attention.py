@@ -70,6 +70,8 @@ PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel 
                     "split-chunks": dict(decode_split_order="chunks")}
 DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-fit", "nosplit")  # checked again after timing
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
+# kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
+# --smoke has switched on the interpreter would decorate the kernels for a GPU
 SPLIT_ORDERS = ("strided", "chunks")
 TARGET_LEN, TARGET_COPY_FRACTION, TARGET_VS_SDPA = 32768, 0.75, 1.0
 L2_FACTOR = 3  # bytes read between two visits of one cache copy, in L2 sizes

@@ -79,6 +79,16 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
+
+
+def smem_per_sm(device: torch.device) -> int | None:
+    """Shared memory of one streaming multiprocessor of a CUDA device, in bytes; None elsewhere."""
+    return _smem_per_sm(device.index or 0) if device.type == "cuda" else None
+
+
 def empty(shape, dtype, device) -> torch.Tensor:
     """Every buffer a kernel writes its outputs into comes from here (tests replace it to poison outputs with
     NaN; modules call it as _triton.empty so that the replacement reaches them)."""

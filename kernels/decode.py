@@ -388,17 +388,19 @@ def auto_num_splits(n_programs: int, length: int, device: torch.device,
     sms = _triton.sm_count(device)
     cap = max(1, min(length // _options.get().decode_min_keys_per_split, MAX_SPLITS,
                      per_sm * sms // max(n_programs, 1)))
+    return _most_even_splits(n_programs, cap, sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_even_splits(n_programs: int, cap: int, sms: int) -> int:
+    """The smallest count in 1..cap whose n_programs * count programs spread most evenly over sms SMs (cached:
+    an eager decode loop asks the same question at every layer and token)."""
     return max(range(1, cap + 1), key=lambda splits: (_even_share(n_programs * splits, sms), -splits))
 
 
 def _even_share(programs: int, sms: int) -> float:
     """How evenly `programs` programs spread over `sms` SMs: programs over (the most on one SM) x sms."""
     return programs / (_cdiv(programs, sms) * sms)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_per_sm(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
 
 
 SMEM_MARGIN = 8 << 10  # a split program's shared memory beyond its pipelined K/V tiles (measured 5-7 KB)
@@ -409,10 +411,11 @@ def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torc
     memory over a program's (its num_stages - 1 K and V tiles in flight, as Triton's software pipeline keeps
     them, plus SMEM_MARGIN), at most PROGRAMS_PER_SM (PROGRAMS_PER_SM off CUDA). The H200 gives 3 for the
     default tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each)."""
-    if device.type != "cuda":
+    smem = _triton.smem_per_sm(device)
+    if smem is None:
         return PROGRAMS_PER_SM
     per_program = max(tile.num_stages - 1, 0) * 2 * tile.block_n * block_d * elem_size + SMEM_MARGIN
-    return max(1, min(PROGRAMS_PER_SM, _smem_per_sm(device.index or 0) // per_program))
+    return max(1, min(PROGRAMS_PER_SM, smem // per_program))
 
 
 def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -> int | None:
@@ -546,6 +549,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     skips reading cache_lens back to validate it (a GPU sync); `tile` overrides the split kernel's config.
     """
     longest = _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile)
+    opts = _options.get()
     B, Hq, Nq, D = q.shape
     Hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -562,7 +566,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         num_splits = auto_num_splits(B * Hkv * row_blocks, max_len if longest is None else longest, q.device,
                                      programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
-        min_chunk, unsplit_max = _options.get().decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
+        min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
         deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and num_splits > 1 else None
         if deep is not None and B * Hkv * row_blocks * num_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program
@@ -572,7 +576,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl = pdl_enabled(q.device)
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
 
-    merge_in_split = num_splits > 1 and _options.get().decode_merge_in_split
+    merge_in_split = num_splits > 1 and opts.decode_merge_in_split
+    strided = num_splits > 1 and opts.decode_split_order == "strided"
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
     else:
@@ -587,8 +592,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s,
-                     STRIDED=num_splits > 1 and _options.get().decode_split_order == "strided"), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),

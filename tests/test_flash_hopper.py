@@ -24,12 +24,9 @@ from kernels.flash import launch
 from kernels.flash_hopper import launch as hopper_launch
 from kernels.naive import causal_mask
 from tests.error_budget import assert_within_budget
-from tests.util import seeded_generator
+from tests.util import needs_sm90_gluon, seeded_generator
 
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = pytest.mark.skipif(
-    not (SM90 and flash_hopper.AVAILABLE),
-    reason="needs a CUDA device of compute capability 9.0" if not SM90 else flash_hopper.UNAVAILABLE_REASON or "")
+pytestmark = needs_sm90_gluon()
 
 DTYPES = [torch.bfloat16, torch.float16]
 # (B, Hq, Hkv, Nq, Nk, causal): odd lengths, Nq != Nk both ways (bottom-right causal; Nq > Nk leaves rows that

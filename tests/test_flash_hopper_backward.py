@@ -29,12 +29,9 @@ from kernels.flash import launch
 from kernels.flash_hopper import backward_launch
 from kernels.flash_hopper import launch as hopper_launch
 from tests.error_budget import assert_within_budget
-from tests.util import seeded_generator
+from tests.util import needs_sm90_gluon, seeded_generator
 
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-on_sm90 = pytest.mark.skipif(
-    not (SM90 and flash_hopper.AVAILABLE),
-    reason="needs a CUDA device of compute capability 9.0" if not SM90 else flash_hopper.UNAVAILABLE_REASON or "")
+on_sm90 = needs_sm90_gluon()
 needs_gluon = pytest.mark.skipif(not flash_hopper.AVAILABLE, reason=f"{flash_hopper.UNAVAILABLE_REASON}")
 
 DTYPES = [torch.bfloat16, torch.float16]

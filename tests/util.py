@@ -22,6 +22,20 @@ def seeded_generator(request):
     return g
 
 
+def needs_sm90_gluon():
+    """A pytest skip mark for tests of the Gluon Hopper kernels: they need a CUDA device of compute capability
+    9.0 and a Triton with Gluon (the reason says which is missing)."""
+    import pytest
+    import torch
+
+    from kernels import flash_hopper
+
+    sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return pytest.mark.skipif(
+        not (sm90 and flash_hopper.AVAILABLE),
+        reason="needs a CUDA device of compute capability 9.0" if not sm90 else flash_hopper.UNAVAILABLE_REASON or "")
+
+
 def write_corpus(folder, n_lines: int = 400, seed: int = 0) -> str:
     """A small, learnable text file: a few verses repeated with variations."""
     import random

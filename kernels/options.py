@@ -61,6 +61,12 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         and k itself before the call (its
                                                                         llama_kernels choice). Models with qk_norm
                                                                         always rotate themselves
+    hopper_tile_lists          FLASHGPT_HOPPER_TILE_LISTS=0|1    True   the Gluon forward's causal tiles come from a
+                                                                        list per program (longest first within
+                                                                        groups of heads whose K/V fit in L2,
+                                                                        dealt so that the programs end together;
+                                                                        kernels/flash_hopper/schedule.py); off:
+                                                                        heaviest first across all heads, strided
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -96,6 +102,7 @@ class KernelOptions:
     decode_merge_in_split: bool = False
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
+    hopper_tile_lists: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -129,6 +136,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
+    "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -142,7 +150,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
-       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER"}
+       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
+       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -5,8 +5,9 @@ Log-sum-exp (base 2, scaled, what the tl backward reads): within the budget of t
 see no key (causal, Nq > Nk): O exactly 0 and lse exactly +inf. Every buffer the kernels write starts as NaN,
 so an element never written fails the test. The persistent grid is also run with 1 and 5 programs (many tiles
 per program: the mbarrier phases across tiles, tiles with no key block in between), which must give bitwise the
-result of the full grid. Through kernels.flash_attention the hopper_forward switch on and off give the same
-output and gradients within the budget, on and off each launching the forward they should.
+result of the full grid; causal tiles from per-program lists of any group size, bitwise the strided order's.
+Through kernels.flash_attention the hopper_forward switch on and off give the same output and gradients within
+the budget, on and off each launching the forward they should.
 
 Skipped (with the reason) without a CUDA device of compute capability 9.0, or with a Triton lacking Gluon; the
 compile check for any machine is tests/test_flash_hopper_compile.py.
@@ -123,6 +124,29 @@ def test_persistent_grid_gives_the_same_result_with_any_program_count(case, D, d
     monkeypatch.setattr(kt, "sm_count", lambda device: programs)
     few = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
     assert torch.equal(few[0], full[0]) and torch.equal(few[1], full[1])
+
+
+@pytest.mark.parametrize("l2_bytes", [1, 1 << 20, 1 << 40])
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((3, 4, 2, 1023, 1023, True), 128, torch.bfloat16, id="causal-gqa-d128"),
+    pytest.param((2, 3, 3, 700, 1500, True), 64, torch.float16, id="causal-Nq<Nk-d64"),
+    pytest.param((1, 5, 1, 900, 300, True), 64, torch.bfloat16, id="causal-Nq>Nk-d64-mqa"),
+])
+def test_tile_lists_give_the_result_of_the_strided_order(case, D, dtype, l2_bytes, request):
+    """Causal tiles run from per-program lists (groups of 1 pair, of a few, of every pair) or strided over the
+    grid (hopper_tile_lists off): a tile's result does not depend on the order, so both must agree bitwise, and
+    every tile must be in some list (the NaN-poisoned outputs)."""
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
+    scale = 1.0 / math.sqrt(D)
+    outs = []
+    for lists in (True, False):
+        o, lse = (kt.empty(t.shape, t.dtype, t.device) for t in (q, q[..., 0].float()))
+        with options.use(hopper_tile_lists=lists):
+            hopper_launch.forward_into(q, k, v, o, lse, True, scale, l2_bytes=l2_bytes)
+        outs.append((o, lse))
+    (o, lse), (o_strided, lse_strided) = outs
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert torch.equal(o, o_strided) and torch.equal(lse, lse_strided)
 
 
 def _fwd_bwd(fn, q, k, v, do, causal):

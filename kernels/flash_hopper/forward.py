@@ -15,9 +15,12 @@ The structure of FlashAttention-3's forward on sm_90, written with Gluon's expli
   j runs while that PV is still in flight; O is rescaled after it retires.
 * ping-pong between the two consumers: a pair of mbarriers hands the tensor cores from one warpgroup to the
   other, so each one issues its two matmuls of a step while the other runs its softmax.
-* a persistent grid: each program loops over tiles (program_id, program_id + num_programs, ...); with a
-  causal mask the tiles come heaviest first (the bottom query blocks of every head), so short tiles fill the
-  tail. The producer runs ahead into the next tile (Q and K/V) while the consumers finish the current one.
+* a persistent grid: each program loops over its tiles. With a causal mask (LISTS) each program runs a list
+  of its own, made on the host (kernels/flash_hopper/schedule.py): longest first within groups of heads whose
+  K/V fit in L2, dealt so that the programs end together. Otherwise tiles program_id, program_id +
+  num_programs, ... of the arithmetic order (the query blocks of one head side by side; causal without lists:
+  the bottom query blocks of every head first). The producer runs ahead into the next tile (Q and K/V) while
+  the consumers finish the current one.
 * the output goes out through shared memory and a TMA store; the log-sum-exp with a masked store.
 
 Numerics as kernels/flash/forward.py: fp32 scores and statistics, the online softmax in base 2 with the scale
@@ -51,17 +54,39 @@ MAX_REGS = 168  # the kernel's register cap at entry (a launch option)
 
 
 @gluon.jit
-def _tile_coords(tile, n_m, n_bh, Hq, CAUSAL: gl.constexpr):
-    """(query block, head, batch) of tile number `tile` of n_m x n_bh. Causal: level by level from the bottom
+def _tile_range(starts_ptr, n_tiles, LISTS: gl.constexpr):
+    """(first, end, step) of the loop over this program's tiles: with LISTS its own list, entries
+    starts[pid] .. starts[pid + 1] of the tile list (kernels/flash_hopper/schedule.py); otherwise tiles pid,
+    pid + num_programs, ... < n_tiles of the arithmetic order."""
+    pid = gl.program_id(0)
+    if LISTS:
+        first = gl.load(starts_ptr + pid)
+        end = gl.load(starts_ptr + pid + 1)
+        step = 1
+    else:
+        first = pid
+        end = n_tiles
+        step = gl.num_programs(0)
+    return first, end, step
+
+
+@gluon.jit
+def _tile_coords(i, tiles_ptr, n_m, n_bh, Hq, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
+    """(query block, head, batch) of this program's tile i (an entry of the tile list with LISTS, coded
+    m · n_bh + bh; otherwise a tile number of n_m x n_bh). Without lists, causal: level by level from the bottom
     query block of every (batch, head) up (longest first); otherwise the query blocks of one head side by side
     (they share its K/V in L2)."""
-    if CAUSAL:
-        level = tile // n_bh
-        bh = tile - level * n_bh
+    if LISTS:
+        code = gl.load(tiles_ptr + i)
+        m_block = code // n_bh
+        bh = code - m_block * n_bh
+    elif CAUSAL:
+        level = i // n_bh
+        bh = i - level * n_bh
         m_block = n_m - 1 - level
     else:
-        bh = tile // n_m
-        m_block = tile - bh * n_m
+        bh = i // n_m
+        m_block = i - bh * n_m
     h = bh % Hq
     return m_block, h, bh // Hq
 
@@ -88,9 +113,9 @@ def _key_blocks(start_m, Nk, offset, CAUSAL: gl.constexpr, TILE_M: gl.constexpr,
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles,
+              v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr):
     """Per tile: both halves of Q (once the consumers released the previous tile's), then the K and V blocks
     of the tile into the ring, each stage once both consumers released it. Out-of-range rows (past Nq or Nk,
     the 4-d descriptors' bounds) arrive as zeros."""
@@ -98,8 +123,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * k_desc.dtype.primitive_bitwidth // 8
     it = 0  # K/V blocks loaded so far: stage it % STAGES, round it // STAGES
     t = 0  # tiles so far
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m_block, h, b = _tile_coords(tile, n_m, n_bh, Hq, CAUSAL)
+    first, end, step = _tile_range(starts_ptr, n_tiles, LISTS)
+    for i in range(first, end, step):
+        m_block, h, b = _tile_coords(i, tiles_ptr, n_m, n_bh, Hq, CAUSAL, LISTS)
         start_m = m_block * (2 * BLOCK_M)
         hk = h // GROUP
         for w in gl.static_range(2):
@@ -150,9 +176,9 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
-              k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
+              tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this program.
 
     Step j (j >= 1) of a tile: take the tensor cores (turn[WG]), issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1},
@@ -174,8 +200,9 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
     it = 0  # K/V blocks consumed so far (the producer's count)
     t = 0
     turns = 0  # tensor-core turns taken so far
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m_block, h, b = _tile_coords(tile, n_m, n_bh, Hq, CAUSAL)
+    first, end, step = _tile_range(starts_ptr, n_tiles, LISTS)
+    for i in range(first, end, step):
+        m_block, h, b = _tile_coords(i, tiles_ptr, n_m, n_bh, Hq, CAUSAL, LISTS)
         start_m = m_block * (2 * BLOCK_M)
         row0 = start_m + WG * BLOCK_M
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)  # (BLOCK_M,) query rows
@@ -248,24 +275,24 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
 
 @gluon.jit
 def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr):
+                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
+                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-              CAUSAL)
+              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)
 
 
 @gluon.jit
 def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr):
+                     v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
+                     tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-              CAUSAL)
+              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -275,8 +302,8 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
 
 @gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "n_m", "n_bh", "n_tiles"])
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
-                     n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                     n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -289,8 +316,10 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     unit stride along the head dim). lse_ptr: (B, Hq, Nq) fp32, contiguous, base 2 and scaled (log2 of the
     row's sum of exp2(s · qk_scale)); qk_scale = sm_scale · log2(e). Tiles: 2·BLOCK_M query rows of one
     (batch, head); n_m = cdiv(Nq, 2·BLOCK_M), n_bh = B·Hq, n_tiles = n_m·n_bh; the grid is persistent
-    (any size >= 1, at most n_tiles useful). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and
-    a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS.
+    (any size >= 1, at most n_tiles useful). LISTS: program p runs the tiles tiles_ptr[starts_ptr[p] ..
+    starts_ptr[p + 1]) (int32 codes m · n_bh + bh, every tile in exactly one list; the grid has one program per
+    list); without LISTS the two pointers are not read. Launched with num_warps=4 (consumer 0), plus a 4-warp
+    consumer and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS.
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # one per consumer
@@ -319,11 +348,12 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, BLOCK_M,
-                             BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+                             v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
+                             tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)),
         (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, BLOCK_M,
-                            BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+                            v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
+                            tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+                     v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N,
+                     HEAD_D, STAGES, CAUSAL, LISTS)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

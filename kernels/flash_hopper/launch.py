@@ -24,6 +24,8 @@ import math
 import torch
 
 from .. import _triton
+from .. import options as _options
+from . import schedule as _schedule
 
 try:
     import triton
@@ -105,9 +107,11 @@ def _smem_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
 
 
 def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 causal: bool, sm_scale: float) -> None:
+                 causal: bool, sm_scale: float, l2_bytes: int = _schedule.L2_BYTES) -> None:
     """Launch the Gluon forward on inputs that unsupported() accepted: O into o (like q: (B, Hq, Nq, D), any
-    strides TMA takes), the log-sum-exp into lse ((B, Hq, Nq) float32, contiguous). On q's device."""
+    strides TMA takes), the log-sum-exp into lse ((B, Hq, Nq) float32, contiguous). On q's device. Causal,
+    with the hopper_tile_lists option: each program runs its own tile list, groups of heads sized to l2_bytes
+    (kernels/flash_hopper/schedule.py)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if not _tma_ok(o) or o.shape != q.shape or o.dtype != q.dtype:
@@ -118,11 +122,18 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
                          f"{tuple(lse.shape)} {lse.dtype}")
     n_m = -(-Nq // (2 * BLOCK_M))
     n_tiles = n_m * B * Hq
-    grid = (min(n_tiles, _triton.sm_count(q.device)),)  # persistent: at most one program per SM
-    _forward._attn_fwd_hopper[grid](
+    programs = min(n_tiles, _triton.sm_count(q.device))  # persistent: at most one program per SM
+    starts = tiles = None
+    if causal and _options.get().hopper_tile_lists:
+        kv_bytes = 2 * Nk * D * k.element_size()  # one (batch, head)'s K and V
+        starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, 2 * BLOCK_M, BLOCK_N, kv_bytes,
+                                                    programs, l2_bytes, q.device)
+    lists = starts is not None
+    _forward._attn_fwd_hopper[(programs,)](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
         Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal),
+        starts if lists else lse, tiles if lists else lse,  # (not read without lists)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
         num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
 
 

@@ -1,0 +1,181 @@
+"""The attention forward alone on a Hopper GPU: the Gluon kernel's causal tile orders against each other, the tl
+forward, cuDNN and (where installed) FlashAttention-4, in one process.
+
+    python bench/hopper_forward.py [--shapes 4,16,4096,128 ...] [--causal both|yes|no] [--l2-mb 24 ...]
+                                   [--rep 100] [--out DIR]
+
+For each (B, H, N, D), bf16, the Gluon forward (kernels/flash_hopper/launch.py: forward_into, into buffers
+allocated once) runs as
+
+* lists      causal tiles from per-program lists, groups of heads whose K/V fit the default L2 budget
+             (kernels/flash_hopper/schedule.py: L2_BYTES), the default;
+* lists@M    the same with groups sized to M MB (each --l2-mb value; "all" puts every head in one group);
+* strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
+
+and its peers: tl (kernels/flash/launch.py: _fwd, the portable forward), cudnn (SDPA's cuDNN backend) and fa4
+(flash-attn-4's flash_attn_func; skipped with the reason where it is not installed). Without a causal mask the
+orders are one (the arithmetic order), so only "lists" runs. Each Gluon variant's O is first compared with tl's
+(largest relative L2 difference; above 1e-2 the shape is reported wrong and not timed). Times are
+triton.testing.do_bench medians (it flushes L2 between runs); TFLOP/s count 4·B·H·N²·D, halved when causal.
+Writes hopper_forward.md and hopper_forward.json into --out (default bench/results/flash_hopper).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.report import git_commit, write_report  # noqa: E402
+
+DEFAULT_SHAPES = ["4,16,4096,128", "1,16,16384,128", "4,16,4096,64", "8,16,2048,128"]
+WRONG = 1e-2
+ALL = 1 << 40  # an L2 budget that holds every head: one group
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        B, H, N, D = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,D (four integers)") from None
+    if min(B, H, N, D) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: every size must be at least 1")
+    return B, H, N, D
+
+
+def _l2_mb(text: str) -> int:
+    if text == "all":
+        return ALL
+    try:
+        mb = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--l2-mb {text!r}: expected a whole number of MB or 'all'") from None
+    if mb < 1:
+        raise argparse.ArgumentTypeError(f"--l2-mb {text!r}: must be at least 1")
+    return mb << 20
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def variants(causal: bool, budgets: list[int]) -> dict:
+    """name -> (hopper_tile_lists, l2_bytes) of the Gluon runs at one shape."""
+    from kernels.flash_hopper.schedule import L2_BYTES
+    if not causal:
+        return {"lists": (True, L2_BYTES)}
+    out = {"lists": (True, L2_BYTES)}
+    for b in budgets:
+        if b != L2_BYTES:
+            out[f"lists@{'all' if b == ALL else b >> 20}"] = (True, b)
+    out["strided"] = (False, L2_BYTES)
+    return out
+
+
+def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], rep: int) -> dict:
+    """ms per forward of each variant and peer at one shape, and each Gluon variant's difference from tl."""
+    import triton.testing
+
+    from bench.attention import Unavailable, make_provider
+    from kernels import options
+    from kernels.flash import launch
+    from kernels.flash_hopper.launch import forward_into
+    scale = D ** -0.5
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    row = {"shape": f"{B},{H},{N},{D}", "causal": causal, "ms": {}, "diff": {}, "skipped": {}}
+    o_tl, _ = launch._fwd(q, k, v, causal, scale)
+    row["ms"]["tl"] = triton.testing.do_bench(lambda: launch._fwd(q, k, v, causal, scale), rep=rep)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+    for name, (lists, l2) in variants(causal, budgets).items():
+        with options.use(hopper_tile_lists=lists):
+            o.fill_(float("nan"))
+            forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2)
+            row["diff"][name] = _rel(o, o_tl)
+            if row["diff"][name] <= WRONG:
+                row["ms"][name] = triton.testing.do_bench(
+                    lambda: forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2), rep=rep)
+    for peer in ("sdpa-cudnn", "fa4"):
+        try:
+            fn = make_provider(peer, N, causal, q)
+            fn(q, k, v)
+            row["ms"][peer.replace("sdpa-", "")] = triton.testing.do_bench(lambda: fn(q, k, v), rep=rep)
+        except (Unavailable, RuntimeError) as e:
+            row["skipped"][peer] = str(e).splitlines()[0][:120]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
+                   help="B,H,N,D ... (bf16)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--l2-mb", nargs="*", type=_l2_mb, default=[12 << 20, 48 << 20, ALL],
+                   help="L2 budgets (MB, or 'all') of the lists@M variants besides the default")
+    p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
+    args = p.parse_args(argv)
+    if args.rep < 1:
+        print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("error: the Gluon forward needs an sm_90 GPU (none here)", file=sys.stderr)
+        return 2
+    from kernels.flash_hopper import unsupported
+    for B, H, N, D in args.shapes:
+        probe = torch.empty(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        reason = unsupported(probe, probe, probe)
+        if reason:
+            print(f"error: shape {B},{H},{N},{D}: {reason}", file=sys.stderr)
+            return 2
+    causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
+    rows = []
+    for B, H, N, D in args.shapes:
+        for causal in causals:
+            row = measure(B, H, N, D, causal, args.l2_mb, args.rep)
+            rows.append(row)
+            work = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+            cells = ", ".join(f"{k} {work / ms / 1e9:.0f} ({ms:.3f} ms)" for k, ms in row["ms"].items())
+            print(f"{row['shape']} causal={causal}: {cells}; diff {row['diff']}; skipped {row['skipped']}",
+                  flush=True)
+    names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
+    lines = ["# The attention forward alone: the Gluon kernel's causal tile orders, tl, cuDNN, FA4", "",
+             f"`python bench/hopper_forward.py {' '.join(sys.argv[1:] if argv is None else argv)}` at commit "
+             f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
+             "TFLOP/s of one forward (ms in brackets); lists: the default per-program tile lists; lists@M: "
+             "groups sized to M MB of L2; strided: the option hopper_tile_lists off.", "",
+             "| B,H,N,D | causal | " + " | ".join(names) + " | lists / cudnn | lists / strided | max diff |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |"]
+    for r in rows:
+        B, H, N, D = (int(x) for x in r["shape"].split(","))
+        work = 4 * B * H * N * N * D * (0.5 if r["causal"] else 1.0)
+        ms = r["ms"]
+        cells = [f"{work / ms[n] / 1e9:.0f} ({ms[n]:.3f})" if n in ms else "—" for n in names]
+
+        def ratio(a, b):
+            return f"{ms[b] / ms[a]:.3f}" if a in ms and b in ms else "—"
+        diff = max(r["diff"].values()) if r["diff"] else float("nan")
+        lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | " + " | ".join(cells)
+                     + f" | {ratio('lists', 'cudnn')} | {ratio('lists', 'strided')} | {diff:.1e}"
+                     + (" WRONG" if diff > WRONG else "") + " |")
+    skipped = {f"{r['shape']} {'causal' if r['causal'] else 'full'} {k}": v for r in rows
+               for k, v in r["skipped"].items()}
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())]
+    write_report(args.out, "hopper_forward.md", lines)
+    path = os.path.join(args.out, "hopper_forward.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"command": sys.argv, "commit": git_commit(), "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""bench/hopper_forward.py on a machine without an sm_90 GPU: --help, and bad input or no GPU as one line with
+exit 2 (the timing itself runs on the H200)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.util import run_entry
+
+
+def run(*args):
+    return run_entry("bench/hopper_forward.py", *args, timeout=120)
+
+
+def test_help_and_bad_arguments():
+    r = run("--help")
+    assert r.returncode == 0 and "causal tile orders" in " ".join(r.stdout.split()) and "--l2-mb" in r.stdout
+    r = run("--shapes", "1,2,3")
+    assert r.returncode == 2 and "expected B,H,N,D" in r.stderr
+    r = run("--shapes", "1,2,0,64")
+    assert r.returncode == 2 and "at least 1" in r.stderr
+    r = run("--l2-mb", "lots")
+    assert r.returncode == 2 and "expected a whole number of MB or 'all'" in r.stderr
+    r = run("--l2-mb", "0")
+    assert r.returncode == 2 and "must be at least 1" in r.stderr
+    r = run("--rep", "0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --rep 0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0),
+                    reason="an sm_90 GPU is here: the benchmark would run")
+def test_without_an_sm90_gpu_one_line():
+    r = run("--shapes", "1,2,128,64")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: the Gluon forward needs an sm_90 GPU (none here)"
+
+
+def test_variants_per_mask():
+    """Without a causal mask only the default runs (one order); causal: the default, each other budget, strided."""
+    from bench.hopper_forward import ALL, variants
+    from kernels.flash_hopper.schedule import L2_BYTES
+    assert list(variants(False, [12 << 20, ALL])) == ["lists"]
+    assert variants(True, [12 << 20, L2_BYTES, ALL]) == {
+        "lists": (True, L2_BYTES), "lists@12": (True, 12 << 20), "lists@all": (True, ALL),
+        "strided": (False, L2_BYTES)}

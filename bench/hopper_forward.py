@@ -2,7 +2,7 @@
 forward, cuDNN and (where installed) FlashAttention-4, in one process.
 
     python bench/hopper_forward.py [--shapes 4,16,4096,128 ...] [--causal both|yes|no] [--l2-mb 24 ...]
-                                   [--rep 100] [--out DIR]
+                                   [--rep 100] [--rounds 3] [--out DIR]
 
 For each (B, H, N, D), bf16, the Gluon forward (kernels/flash_hopper/launch.py: forward_into, into buffers
 allocated once) runs as
@@ -12,11 +12,12 @@ allocated once) runs as
 * lists@M    the same with groups sized to M MB (each --l2-mb value; "all" puts every head in one group);
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
 
-and its peers: tl (kernels/flash/launch.py: _fwd, the portable forward), cudnn (SDPA's cuDNN backend) and fa4
+and its peers: tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable forward), cudnn (SDPA's cuDNN backend) and fa4
 (flash-attn-4's flash_attn_func; skipped with the reason where it is not installed). Without a causal mask the
 orders are one (the arithmetic order), so only "lists" runs. Each Gluon variant's O is first compared with tl's
 (largest relative L2 difference; above 1e-2 the shape is reported wrong and not timed). Times are
-triton.testing.do_bench medians (it flushes L2 between runs); TFLOP/s count 4·B·H·N²·D, halved when causal.
+triton.testing.do_bench medians (it flushes L2 between runs), each the median of --rounds rounds that time
+every variant and peer in turn (the order rotated each round); TFLOP/s count 4·B·H·N²·D, halved when causal.
 Writes hopper_forward.md and hopper_forward.json into --out (default bench/results/flash_hopper).
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch  # noqa: E402
 
 from bench.report import git_commit, write_report  # noqa: E402
 
-DEFAULT_SHAPES = ["4,16,4096,128", "1,16,16384,128", "4,16,4096,64", "8,16,2048,128"]
+DEFAULT_SHAPES = ["4,16,4096,128", "1,16,16384,128", "4,16,4096,64", "8,16,2048,128", "8,16,2048,64",
+                  "16,16,1024,128", "16,12,1024,64"]
 WRONG = 1e-2
 ALL = 1 << 40  # an L2 budget that holds every head: one group
 
@@ -78,8 +80,12 @@ def variants(causal: bool, budgets: list[int]) -> dict:
     return out
 
 
-def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], rep: int) -> dict:
-    """ms per forward of each variant and peer at one shape, and each Gluon variant's difference from tl."""
+def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], rep: int, rounds: int) -> dict:
+    """ms per forward of each variant and peer at one shape (the median of `rounds` rounds, each timing every
+    one in turn, the order rotated by one per round; "runs" keeps each round's), and each Gluon variant's
+    difference from tl."""
+    import statistics
+
     import triton.testing
 
     from bench.attention import Unavailable, make_provider
@@ -88,26 +94,39 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
     from kernels.flash_hopper.launch import forward_into
     scale = D ** -0.5
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    row = {"shape": f"{B},{H},{N},{D}", "causal": causal, "ms": {}, "diff": {}, "skipped": {}}
-    o_tl, _ = launch._fwd(q, k, v, causal, scale)
-    row["ms"]["tl"] = triton.testing.do_bench(lambda: launch._fwd(q, k, v, causal, scale), rep=rep)
+    row = {"shape": f"{B},{H},{N},{D}", "causal": causal, "ms": {}, "runs": {}, "diff": {}, "skipped": {}}
+
+    def tl():
+        with options.use(hopper_forward="off"):
+            return launch._fwd(q, k, v, causal, scale)
+    o_tl, _ = tl()
+    fns = {"tl": tl}
     o = torch.empty_like(q)
     lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+
+    def gluon(lists, l2):
+        def run():
+            with options.use(hopper_tile_lists=lists):
+                forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2)
+        return run
     for name, (lists, l2) in variants(causal, budgets).items():
-        with options.use(hopper_tile_lists=lists):
-            o.fill_(float("nan"))
-            forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2)
-            row["diff"][name] = _rel(o, o_tl)
-            if row["diff"][name] <= WRONG:
-                row["ms"][name] = triton.testing.do_bench(
-                    lambda: forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2), rep=rep)
+        o.fill_(float("nan"))
+        gluon(lists, l2)()
+        row["diff"][name] = _rel(o, o_tl)
+        if row["diff"][name] <= WRONG:
+            fns[name] = gluon(lists, l2)
     for peer in ("sdpa-cudnn", "fa4"):
         try:
             fn = make_provider(peer, N, causal, q)
             fn(q, k, v)
-            row["ms"][peer.replace("sdpa-", "")] = triton.testing.do_bench(lambda: fn(q, k, v), rep=rep)
+            fns[peer.replace("sdpa-", "")] = fn
         except (Unavailable, RuntimeError) as e:
             row["skipped"][peer] = str(e).splitlines()[0][:120]
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            row["runs"].setdefault(name, []).append(triton.testing.do_bench(fns[name], rep=rep))
+    row["ms"] = {name: statistics.median(row["runs"][name]) for name in names}
     return row
 
 
@@ -119,11 +138,13 @@ def main(argv=None) -> int:
     p.add_argument("--l2-mb", nargs="*", type=_l2_mb, default=[12 << 20, 48 << 20, ALL],
                    help="L2 budgets (MB, or 'all') of the lists@M variants besides the default")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (the median is kept)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
-    if args.rep < 1:
-        print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
-        return 2
+    for flag in ("rep", "rounds"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag} {getattr(args, flag)}: must be at least 1", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("error: the Gluon forward needs an sm_90 GPU (none here)", file=sys.stderr)
         return 2
@@ -138,7 +159,7 @@ def main(argv=None) -> int:
     rows = []
     for B, H, N, D in args.shapes:
         for causal in causals:
-            row = measure(B, H, N, D, causal, args.l2_mb, args.rep)
+            row = measure(B, H, N, D, causal, args.l2_mb, args.rep, args.rounds)
             rows.append(row)
             work = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
             cells = ", ".join(f"{k} {work / ms / 1e9:.0f} ({ms:.3f} ms)" for k, ms in row["ms"].items())

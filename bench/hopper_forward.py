@@ -12,8 +12,8 @@ allocated once) runs as
 * lists@M    the same with groups sized to M MB (each --l2-mb value; "all" puts every head in one group);
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
 
-and its peers: tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable forward), cudnn (SDPA's cuDNN backend) and fa4
-(flash-attn-4's flash_attn_func; skipped with the reason where it is not installed). Without a causal mask the
+and its peers: tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable forward), cudnn (SDPA's
+cuDNN backend) and fa4 (flash-attn-4's flash_attn_func; skipped with the reason where it is not installed). Without a causal mask the
 orders are one (the arithmetic order), so only "lists" runs. Each Gluon variant's O is first compared with tl's
 (largest relative L2 difference; above 1e-2 the shape is reported wrong and not timed). Times are
 triton.testing.do_bench medians (it flushes L2 between runs), each the median of --rounds rounds that time
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -119,7 +120,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
         try:
             fn = make_provider(peer, N, causal, q)
             fn(q, k, v)
-            fns[peer.replace("sdpa-", "")] = fn
+            fns[peer.replace("sdpa-", "")] = functools.partial(fn, q, k, v)
         except (Unavailable, RuntimeError) as e:
             row["skipped"][peer] = str(e).splitlines()[0][:120]
     names = list(fns)
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
                    help="B,H,N,D ... (bf16)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--l2-mb", nargs="*", type=_l2_mb, default=[12 << 20, 48 << 20, ALL],
+    p.add_argument("--l2-mb", nargs="*", type=_l2_mb, default=[24 << 20, 48 << 20, ALL],
                    help="L2 budgets (MB, or 'all') of the lists@M variants besides the default")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (the median is kept)")

@@ -39,7 +39,7 @@ def test_variants_per_mask():
     """Without a causal mask only the default runs (one order); causal: the default, each other budget, strided."""
     from bench.hopper_forward import ALL, variants
     from kernels.flash_hopper.schedule import L2_BYTES
-    assert list(variants(False, [12 << 20, ALL])) == ["lists"]
-    assert variants(True, [12 << 20, L2_BYTES, ALL]) == {
-        "lists": (True, L2_BYTES), "lists@12": (True, 12 << 20), "lists@all": (True, ALL),
+    assert list(variants(False, [24 << 20, ALL])) == ["lists"]
+    assert variants(True, [24 << 20, L2_BYTES, ALL]) == {
+        "lists": (True, L2_BYTES), "lists@24": (True, 24 << 20), "lists@all": (True, ALL),
         "strided": (False, L2_BYTES)}

@@ -7,7 +7,7 @@ forward of kernels/flash that the same backward consumes, used where it was meas
 
 kernels.flash_attention (and the packed and compiled forms) launches it instead of the tl forward where
 unsupported() says None and the hopper_forward option (kernels/options.py, FLASHGPT_HOPPER_FWD) gives it the
-inputs: "auto" (the default) at head dim 128 with at least 4096 queries and keys, "on" always, "off" never.
+inputs: "auto" (the default) at head dim 128 with at least 1024 queries and keys, "on" always, "off" never.
 The backward is always the tl one, reading this kernel's O and log-sum-exp.
 
 backward_launch.hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None) -> (dq, dk, dv) is a Hopper
@@ -22,7 +22,8 @@ head dim; compute capability 9.0 only. Not supported (the tl kernel's): float32,
 windows, documents (varlen), the interpreter, other GPUs.
 
     forward.py   the Gluon kernel: producer warp (TMA), two consumer warpgroups (wgmma, online softmax),
-                 ping-pong, persistent longest-first tiles
+                 ping-pong, persistent grid (causal: a tile list per program)
+    schedule.py  the causal tile lists: longest first within groups of heads whose K/V fit in L2, balanced
     launch.py    which inputs it takes, TMA descriptors, grid, launch
     backward.py  the Gluon dK/dV kernel: producer warp (TMA: K, V once, a Q/dO ring), two consumer warpgroups
                  (wgmma), one program per 128 keys looping over the query blocks of the GQA group

@@ -25,8 +25,10 @@ import heapq
 
 import torch
 
-# One group's K and V: about half of a Hopper GPU's 50 MB L2 (the tl kernels' LPT groups use the same budget)
-L2_BYTES = 24 << 20
+# One group's K and V: about a quarter of a Hopper GPU's 50 MB L2. On the H200 groups of 12 MB were as fast as
+# of 24 MB at 1024-4096 tokens and 3-6 % faster at 16k, d128 (one pair of 8 MB against three): two runs in
+# bench/results/flash_hopper/tile_lists/.
+L2_BYTES = 12 << 20
 TILE_OVERHEAD_BLOCKS = 1  # a tile's prologue (Q load, the first QKᵀ waited for) and epilogue, in key blocks
 
 

@@ -2,7 +2,7 @@
 forward, cuDNN and (where installed) FlashAttention-4, in one process.
 
     python bench/hopper_forward.py [--shapes 4,16,4096,128 ...] [--causal both|yes|no] [--l2-mb 24 ...]
-                                   [--rep 100] [--rounds 3] [--out DIR]
+                                   [--rep 100] [--rounds 3] [--kernel-times] [--out DIR]
 
 For each (B, H, N, D), bf16, the Gluon forward (kernels/flash_hopper/launch.py: forward_into, into buffers
 allocated once) runs as
@@ -12,12 +12,16 @@ allocated once) runs as
 * lists@M    the same with groups sized to M MB (each --l2-mb value; "all" puts every head in one group);
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
 
-and its peers: tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable forward), cudnn (SDPA's
-cuDNN backend) and fa4 (flash-attn-4's flash_attn_func; skipped with the reason where it is not installed). Without a causal mask the
+and its peers: call (kernels.flash_attention on inputs that require grad, as the model calls it: the default
+dispatch, the autograd op and its host time), tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable
+forward), cudnn (SDPA's cuDNN backend) and fa4 (flash-attn-4's flash_attn_func; skipped with the reason where it
+is not installed). Without a causal mask the
 orders are one (the arithmetic order), so only "lists" runs. Each Gluon variant's O is first compared with tl's
 (largest relative L2 difference; above 1e-2 the shape is reported wrong and not timed). Times are
 triton.testing.do_bench medians (it flushes L2 between runs), each the median of --rounds rounds that time
 every variant and peer in turn (the order rotated each round); TFLOP/s count 4·B·H·N²·D, halved when causal.
+--kernel-times adds each one's kernel time alone (torch.profiler), which host time cannot move, and its host
+time per call (50 calls queued without a sync).
 Writes hopper_forward.md and hopper_forward.json into --out (default bench/results/flash_hopper).
 """
 from __future__ import annotations
@@ -81,7 +85,8 @@ def variants(causal: bool, budgets: list[int]) -> dict:
     return out
 
 
-def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], rep: int, rounds: int) -> dict:
+def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], rep: int, rounds: int,
+            kernel_times: bool = False) -> dict:
     """ms per forward of each variant and peer at one shape (the median of `rounds` rounds, each timing every
     one in turn, the order rotated by one per round; "runs" keeps each round's), and each Gluon variant's
     difference from tl."""
@@ -90,7 +95,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
     import triton.testing
 
     from bench.attention import Unavailable, make_provider
-    from kernels import options
+    from kernels import flash_attention, options
     from kernels.flash import launch
     from kernels.flash_hopper.launch import forward_into
     scale = D ** -0.5
@@ -116,6 +121,8 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
         row["diff"][name] = _rel(o, o_tl)
         if row["diff"][name] <= WRONG:
             fns[name] = gluon(lists, l2)
+    q_grad, k_grad, v_grad = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    fns["call"] = lambda: flash_attention(q_grad, k_grad, v_grad, causal=causal)  # the model's path, autograd
     for peer in ("sdpa-cudnn", "fa4"):
         try:
             fn = make_provider(peer, N, causal, q)
@@ -128,7 +135,38 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
         for name in names[r % len(names):] + names[:r % len(names)]:
             row["runs"].setdefault(name, []).append(triton.testing.do_bench(fns[name], rep=rep))
     row["ms"] = {name: statistics.median(row["runs"][name]) for name in names}
+    if kernel_times:
+        row["kernel_ms"] = {name: _kernel_ms(fns[name]) for name in names}
+        row["host_us"] = {name: _host_us(fns[name]) for name in names}
     return row
+
+
+def _host_us(fn, calls: int = 50) -> float:
+    """Host time of one call: `calls` calls queued back to back without a sync (the GPU still working through
+    them), divided by their number."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def _kernel_ms(fn, iters: int = 10) -> float:
+    """GPU time of the kernels one call launches (torch.profiler, over `iters` calls): the call without the
+    host time that do_bench's timing of it can include."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / iters / 1e3
 
 
 def main(argv=None) -> int:
@@ -140,6 +178,9 @@ def main(argv=None) -> int:
                    help="L2 budgets (MB, or 'all') of the lists@M variants besides the default")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (the median is kept)")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also each variant's kernel time alone (torch.profiler) and host time per call, printed "
+                        "and in the json")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     for flag in ("rep", "rounds"):
@@ -160,12 +201,14 @@ def main(argv=None) -> int:
     rows = []
     for B, H, N, D in args.shapes:
         for causal in causals:
-            row = measure(B, H, N, D, causal, args.l2_mb, args.rep, args.rounds)
+            row = measure(B, H, N, D, causal, args.l2_mb, args.rep, args.rounds, args.kernel_times)
             rows.append(row)
             work = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
             cells = ", ".join(f"{k} {work / ms / 1e9:.0f} ({ms:.3f} ms)" for k, ms in row["ms"].items())
-            print(f"{row['shape']} causal={causal}: {cells}; diff {row['diff']}; skipped {row['skipped']}",
-                  flush=True)
+            kernels = ", ".join(f"{k} {ms:.3f}" for k, ms in row.get("kernel_ms", {}).items())
+            host = ", ".join(f"{k} {us:.0f}" for k, us in row.get("host_us", {}).items())
+            print(f"{row['shape']} causal={causal}: {cells}; diff {row['diff']}; skipped {row['skipped']}"
+                  + (f"; kernel ms: {kernels}; host us per call: {host}" if kernels else ""), flush=True)
     names = list(dict.fromkeys(n for r in rows for n in r["ms"]))
     lines = ["# The attention forward alone: the Gluon kernel's causal tile orders, tl, cuDNN, FA4", "",
              f"`python bench/hopper_forward.py {' '.join(sys.argv[1:] if argv is None else argv)}` at commit "

@@ -5,7 +5,8 @@ Log-sum-exp (base 2, scaled, what the tl backward reads): within the budget of t
 see no key (causal, Nq > Nk): O exactly 0 and lse exactly +inf. Every buffer the kernels write starts as NaN,
 so an element never written fails the test. The persistent grid is also run with 1 and 5 programs (many tiles
 per program: the mbarrier phases across tiles, tiles with no key block in between), which must give bitwise the
-result of the full grid; causal tiles from per-program lists of any group size, bitwise the strided order's.
+result of the full grid; causal tiles from per-program lists of any group size, bitwise the strided order's;
+repeated launches through the compiled kernel's launcher, bitwise the JIT's.
 Through kernels.flash_attention the hopper_forward switch on and off give the same output and gradients within
 the budget, on and off each launching the forward they should.
 
@@ -147,6 +148,25 @@ def test_tile_lists_give_the_result_of_the_strided_order(case, D, dtype, l2_byte
     (o, lse), (o_strided, lse_strided) = outs
     assert not o.isnan().any() and not lse.isnan().any()
     assert torch.equal(o, o_strided) and torch.equal(lse, lse_strided)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_direct_launches_give_the_result_of_the_jit(causal, request, monkeypatch):
+    """A repeated signature calls the compiled kernel's launcher directly (fast_launch, the default): bitwise the
+    result of a launch through JITFunction.run, and only the repeat goes direct."""
+    q, k, v = _inputs((2, 4, 2, 1023, 1023, causal), 128, torch.bfloat16, seeded_generator(request))
+    monkeypatch.setattr(hopper_launch, "_compiled", {})
+    direct = []
+    real = kt.launch_compiled
+    monkeypatch.setattr(kt, "launch_compiled", lambda *a: direct.append(1) or real(*a))
+    with options.use(fast_launch=False):
+        via_jit = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+    assert direct == []
+    first = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+    repeat = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+    assert direct == [1]
+    for o, lse in (first, repeat):
+        assert torch.equal(o, via_jit[0]) and torch.equal(lse, via_jit[1])
 
 
 def _fwd_bwd(fn, q, k, v, do, causal):

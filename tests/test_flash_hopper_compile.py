@@ -55,7 +55,7 @@ def compile_hopper_launches() -> list[dict]:
     kt.sm_count = lambda device: H200_SMS
     hopper_launch._is_sm90 = lambda device: True
     with compiling_instead_of_launching(forward._attn_fwd_hopper) as compiled, torch.no_grad(), \
-            options.use(hopper_forward="on"):
+            options.use(hopper_forward="on", fast_launch=False):
         for dtype in (torch.bfloat16, torch.float16):
             for D in (64, 128):
                 for causal in (True, False):
@@ -188,3 +188,55 @@ def test_hopper_forward_option_values():
     assert options.from_env({"FLASHGPT_HOPPER_FWD": "off"}).hopper_forward == "off"
     with pytest.raises(ValueError, match="FLASHGPT_HOPPER_FWD='1': expected one of auto, on, off"):
         options.from_env({"FLASHGPT_HOPPER_FWD": "1"})
+
+
+def test_repeated_launches_call_the_compiled_kernel_directly(monkeypatch):
+    """The first launch of a signature goes through the JIT (which compiles and returns the kernel); a repeat
+    calls the compiled kernel's launcher with the arguments then the constexprs; another dtype, mask or pointer
+    alignment is a new signature; with fast_launch off every launch goes through the JIT."""
+    from kernels.flash_hopper import forward
+
+    names = list(forward._attn_fwd_hopper.arg_names)
+    jit_calls, direct = [], []
+
+    class Compiled:
+        def run(self):
+            pass
+
+    class FakeJit:
+        arg_names = names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                jit_calls.append((grid, len(args), tuple(kwargs)))
+                return Compiled()
+            return launch
+
+    monkeypatch.setattr(hopper_launch._forward, "_attn_fwd_hopper", FakeJit())
+    monkeypatch.setattr(hopper_launch, "_compiled", {})
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    monkeypatch.setattr(kt, "launch_compiled", lambda kernel, grid, vals: direct.append((kernel, grid, vals)))
+
+    def launch(dtype=torch.bfloat16, causal=True, lists=True, lse_offset=0):
+        q = torch.zeros(1, 1, 8, 64, dtype=dtype)
+        lse = torch.zeros(64)[lse_offset:lse_offset + 8]
+        lists_t = torch.zeros(8, dtype=torch.int32) if lists else lse
+        args = ("qd", "kd", "vd", "od", lse, 1, 1, 8, 8, 0, 0.1, 1, 1, 1, lists_t, lists_t)
+        consts = dict(BLOCK_M=64, BLOCK_N=128, HEAD_D=64, STAGES=3, CAUSAL=causal, LISTS=lists)
+        hopper_launch._launch((5,), args, consts, q)
+        return args, consts
+
+    launch()
+    assert len(jit_calls) == 1 and not direct
+    args, consts = launch()
+    assert len(jit_calls) == 1 and len(direct) == 1
+    kernel, grid, vals = direct[0]
+    assert isinstance(kernel, Compiled) and grid == (5,) and vals == (*args, *consts.values())
+    assert len(vals) == len(names)
+    for change in (dict(dtype=torch.float16), dict(causal=False, lists=False), dict(lse_offset=1)):
+        launch(**change)
+        launch(**change)
+    assert len(jit_calls) == 4 and len(direct) == 4
+    with options.use(fast_launch=False):
+        launch()
+    assert len(jit_calls) == 5 and len(direct) == 4

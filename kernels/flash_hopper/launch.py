@@ -129,12 +129,36 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
         starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, 2 * BLOCK_M, BLOCK_N, kv_bytes,
                                                     programs, l2_bytes, q.device)
     lists = starts is not None
-    _forward._attn_fwd_hopper[(programs,)](
-        _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
-        Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
-        starts if lists else lse, tiles if lists else lse,  # (not read without lists)
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
-        num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
+    args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
+            Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
+            starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
+    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists)
+    _launch((programs,), args, consts, q)
+
+
+# The compiled kernel per launch signature, so that a repeated launch calls its launcher directly
+# (_triton.launch_compiled) instead of JITFunction.run, which binds and specialises the 22 arguments again on
+# every call (as kernels/flash/launch.py does for the tl kernels; the fast_launch option switches both off).
+# The key holds what Triton specialises on: the constexprs, the dtype (the descriptors' element type and
+# layouts follow from it and the block shapes; unsupported() has checked their TMA alignment) and each
+# pointer's dtype and 16-byte alignment; the integers are do_not_specialize and the scale a float.
+_compiled: dict[tuple, object] = {}
+
+
+def _launch(grid: tuple, args: tuple, consts: dict, q: torch.Tensor) -> None:
+    if not _options.get().fast_launch or _triton.INTERPRET:
+        _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
+        return
+    pointers = (args[4], args[14], args[15])  # lse and the two lists (or lse in their place)
+    key = (q.device.index, q.dtype, *consts.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in pointers])
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
+        # a compiled kernel (what a launch returns) whose launcher takes the arguments, then the constexprs
+        if hasattr(kernel, "run") and list(_forward._attn_fwd_hopper.arg_names[len(args):]) == list(consts):
+            _compiled[key] = kernel
+        return
+    _triton.launch_compiled(kernel, grid, (*args, *consts.values()))
 
 
 def flash_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.report import git_commit, write_report  # noqa: E402
+from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
@@ -37,16 +37,6 @@ WRONG = 1e-2
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def _shape(text: str) -> tuple[int, int, int, int]:
-    try:
-        B, H, N, D = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,D (four integers)") from None
-    if min(B, H, N, D) < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: every size must be at least 1")
-    return B, H, N, D
 
 
 def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int | None = None,
@@ -94,7 +84,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
+    p.add_argument("--shapes", nargs="+", type=attention_shape, default=[attention_shape(s) for s in DEFAULT_SHAPES],
                    help="B,H,N,D ... (bf16)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--stages", type=int, default=None,

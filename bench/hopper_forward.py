@@ -38,22 +38,12 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.report import git_commit, write_report  # noqa: E402
+from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,128", "1,16,16384,128", "4,16,4096,64", "8,16,2048,128", "8,16,2048,64",
                   "16,16,1024,128", "16,12,1024,64"]
 WRONG = 1e-2
 ALL = 1 << 40  # an L2 budget that holds every head: one group
-
-
-def _shape(text: str) -> tuple[int, int, int, int]:
-    try:
-        B, H, N, D = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,D (four integers)") from None
-    if min(B, H, N, D) < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: every size must be at least 1")
-    return B, H, N, D
 
 
 def _l2_mb(text: str) -> int:
@@ -171,7 +161,7 @@ def _kernel_ms(fn, iters: int = 10) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in DEFAULT_SHAPES],
+    p.add_argument("--shapes", nargs="+", type=attention_shape, default=[attention_shape(s) for s in DEFAULT_SHAPES],
                    help="B,H,N,D ... (bf16)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--l2-mb", nargs="*", type=_l2_mb, default=[24 << 20, 48 << 20, ALL],

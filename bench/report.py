@@ -1,7 +1,8 @@
-"""What every benchmark script shares at its end: the commit it measured, and its markdown report printed and
-written into the results folder."""
+"""What the benchmark scripts share: the commit they measured, their markdown report printed and written into the
+results folder, and the parsing of an attention shape argument."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 
@@ -28,3 +29,14 @@ def write_report(out_dir: str, filename: str, lines: list[str]) -> str:
     with open(os.path.join(out_dir, filename), "w") as f:
         f.write(text)
     return text
+
+
+def attention_shape(text: str) -> tuple[int, int, int, int]:
+    """An argparse type: "B,H,N,D" as four integers of at least 1 (one line naming the problem otherwise)."""
+    try:
+        B, H, N, D = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,N,D (four integers)") from None
+    if min(B, H, N, D) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: every size must be at least 1")
+    return B, H, N, D

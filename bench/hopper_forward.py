@@ -11,13 +11,15 @@ allocated once) runs as
              (kernels/flash_hopper/schedule.py: L2_BYTES), the default;
 * lists@M    the same with groups sized to M MB (each --l2-mb value; "all" puts every head in one group);
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
+* late-q     the option hopper_early_q off: each consumer releases its Q tile after a tile's last PV, not its
+             last QKᵀ;
 
 and its peers: call (kernels.flash_attention on inputs that require grad, as the model calls it: the default
 dispatch, the autograd op and its host time), tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable
 forward), cudnn (SDPA's cuDNN backend) and fa4 (flash-attn-4's flash_attn_func; skipped with the reason where it
-is not installed). Without a causal mask the
-orders are one (the arithmetic order), so only "lists" runs. Each Gluon variant's O is first compared with tl's
-(largest relative L2 difference; above 1e-2 the shape is reported wrong and not timed). Times are
+is not installed). Without a causal mask the orders are one (the arithmetic order), so only "lists" and
+"late-q" run. Each Gluon variant's O is first compared with tl's (largest relative L2 difference; above 1e-2
+the shape is reported wrong and not timed). Times are
 triton.testing.do_bench medians (it flushes L2 between runs), each the median of --rounds rounds that time
 every variant and peer in turn (the order rotated each round); TFLOP/s count 4·B·H·N²·D, halved when causal.
 --kernel-times adds each one's kernel time alone (torch.profiler), which host time cannot move, and its host
@@ -63,15 +65,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def variants(causal: bool, budgets: list[int]) -> dict:
-    """name -> (hopper_tile_lists, l2_bytes) of the Gluon runs at one shape."""
+    """name -> (kernel option overrides, l2_bytes) of the Gluon runs at one shape."""
     from kernels.flash_hopper.schedule import L2_BYTES
-    if not causal:
-        return {"lists": (True, L2_BYTES)}
-    out = {"lists": (True, L2_BYTES)}
-    for b in budgets:
-        if b != L2_BYTES:
-            out[f"lists@{'all' if b == ALL else b >> 20}"] = (True, b)
-    out["strided"] = (False, L2_BYTES)
+    out = {"lists": ({}, L2_BYTES)}
+    if causal:
+        for b in budgets:
+            if b != L2_BYTES:
+                out[f"lists@{'all' if b == ALL else b >> 20}"] = ({}, b)
+        out["strided"] = ({"hopper_tile_lists": False}, L2_BYTES)
+    out["late-q"] = ({"hopper_early_q": False}, L2_BYTES)
     return out
 
 
@@ -100,17 +102,17 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
     o = torch.empty_like(q)
     lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
 
-    def gluon(lists, l2):
+    def gluon(overrides, l2):
         def run():
-            with options.use(hopper_tile_lists=lists):
+            with options.use(**overrides):
                 forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2)
         return run
-    for name, (lists, l2) in variants(causal, budgets).items():
+    for name, (overrides, l2) in variants(causal, budgets).items():
         o.fill_(float("nan"))
-        gluon(lists, l2)()
+        gluon(overrides, l2)()
         row["diff"][name] = _rel(o, o_tl)
         if row["diff"][name] <= WRONG:
-            fns[name] = gluon(lists, l2)
+            fns[name] = gluon(overrides, l2)
     q_grad, k_grad, v_grad = (t.detach().clone().requires_grad_() for t in (q, k, v))
     fns["call"] = lambda: flash_attention(q_grad, k_grad, v_grad, causal=causal)  # the model's path, autograd
     for peer in ("sdpa-cudnn", "fa4"):
@@ -205,9 +207,10 @@ def main(argv=None) -> int:
              f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
              "TFLOP/s of one forward (ms in brackets); lists: the default per-program tile lists; lists@M: "
-             "groups sized to M MB of L2; strided: the option hopper_tile_lists off.", "",
-             "| B,H,N,D | causal | " + " | ".join(names) + " | lists / cudnn | lists / strided | max diff |",
-             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: |"]
+             "groups sized to M MB of L2; strided: the option hopper_tile_lists off; late-q: hopper_early_q off.", "",
+             "| B,H,N,D | causal | " + " | ".join(names) + " | lists / cudnn | lists / strided | lists / late-q | "
+             "max diff |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | ---: |"]
     for r in rows:
         B, H, N, D = (int(x) for x in r["shape"].split(","))
         work = 4 * B * H * N * N * D * (0.5 if r["causal"] else 1.0)
@@ -218,7 +221,8 @@ def main(argv=None) -> int:
             return f"{ms[b] / ms[a]:.3f}" if a in ms and b in ms else "—"
         diff = max(r["diff"].values()) if r["diff"] else float("nan")
         lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | " + " | ".join(cells)
-                     + f" | {ratio('lists', 'cudnn')} | {ratio('lists', 'strided')} | {diff:.1e}"
+                     + f" | {ratio('lists', 'cudnn')} | {ratio('lists', 'strided')} | {ratio('lists', 'late-q')}"
+                     + f" | {diff:.1e}"
                      + (" WRONG" if diff > WRONG else "") + " |")
     skipped = {f"{r['shape']} {'causal' if r['causal'] else 'full'} {k}": v for r in rows
                for k, v in r["skipped"].items()}

@@ -67,6 +67,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         dealt so that the programs end together;
                                                                         kernels/flash_hopper/schedule.py); off:
                                                                         heaviest first across all heads, strided
+    hopper_early_q             FLASHGPT_HOPPER_EARLY_Q=0|1       True   the Gluon forward's consumers release their
+                                                                        Q tile after a tile's last QKᵀ, so the next
+                                                                        tile's Q and K/V load during its last
+                                                                        softmax, PV and epilogue; off: after the
+                                                                        last PV
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -103,6 +108,7 @@ class KernelOptions:
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
+    hopper_early_q: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -137,6 +143,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
+    "hopper_early_q": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -151,7 +158,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
-       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS"}
+       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

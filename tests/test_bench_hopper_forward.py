@@ -36,10 +36,12 @@ def test_without_an_sm90_gpu_one_line():
 
 
 def test_variants_per_mask():
-    """Without a causal mask only the default runs (one order); causal: the default, each other budget, strided."""
+    """Without a causal mask the default and the late Q release run (one order); causal: also each other budget
+    and the strided order."""
     from bench.hopper_forward import ALL, variants
     from kernels.flash_hopper.schedule import L2_BYTES
-    assert list(variants(False, [24 << 20, ALL])) == ["lists"]
+    assert variants(False, [24 << 20, ALL]) == {"lists": ({}, L2_BYTES),
+                                                "late-q": ({"hopper_early_q": False}, L2_BYTES)}
     assert variants(True, [24 << 20, L2_BYTES, ALL]) == {
-        "lists": (True, L2_BYTES), "lists@24": (True, 24 << 20), "lists@all": (True, ALL),
-        "strided": (False, L2_BYTES)}
+        "lists": ({}, L2_BYTES), "lists@24": ({}, 24 << 20), "lists@all": ({}, ALL),
+        "strided": ({"hopper_tile_lists": False}, L2_BYTES), "late-q": ({"hopper_early_q": False}, L2_BYTES)}

@@ -6,7 +6,8 @@ see no key (causal, Nq > Nk): O exactly 0 and lse exactly +inf. Every buffer the
 so an element never written fails the test. The persistent grid is also run with 1 and 5 programs (many tiles
 per program: the mbarrier phases across tiles, tiles with no key block in between), which must give bitwise the
 result of the full grid; causal tiles from per-program lists of any group size, bitwise the strided order's;
-repeated launches through the compiled kernel's launcher, bitwise the JIT's.
+repeated launches through the compiled kernel's launcher, bitwise the JIT's; Q released early or late, bitwise
+alike.
 Through kernels.flash_attention the hopper_forward switch on and off give the same output and gradients within
 the budget, on and off each launching the forward they should.
 
@@ -148,6 +149,21 @@ def test_tile_lists_give_the_result_of_the_strided_order(case, D, dtype, l2_byte
     (o, lse), (o_strided, lse_strided) = outs
     assert not o.isnan().any() and not lse.isnan().any()
     assert torch.equal(o, o_strided) and torch.equal(lse, lse_strided)
+
+
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((2, 4, 2, 1023, 1023, True), 64, torch.bfloat16, id="causal-d64"),
+    pytest.param((1, 5, 1, 900, 130, True), 128, torch.float16, id="causal-Nq>Nk-d128-mqa"),
+    pytest.param((2, 3, 3, 700, 1500, False), 128, torch.bfloat16, id="full-Nq<Nk-d128"),
+])
+def test_early_and_late_q_release_give_the_same_result(case, D, dtype, request):
+    """The consumers release Q after a tile's last QKᵀ (hopper_early_q, the default) or after its last PV:
+    only the synchronisation moves, so the results agree bitwise (tiles of no, one and many key blocks)."""
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
+    with options.use(hopper_early_q=False):
+        late = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
+    early = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
+    assert torch.equal(early[0], late[0]) and torch.equal(early[1], late[1])
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -178,12 +178,14 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
 def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
               tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LISTS: gl.constexpr):
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this program.
 
     Step j (j >= 1) of a tile: take the tensor cores (turn[WG]), issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1},
     hand them over (turn[1 - WG]); wait for S_j only, release K_j, run the softmax of block j while PV runs;
-    then wait for PV, release V_{j-1}, rescale O by alpha_j. Block 0 (QKᵀ and softmax) comes before the
+    then wait for PV, release V_{j-1}, rescale O by alpha_j. EARLY_Q: this warpgroup's Q is released as soon
+    as the tile's last QKᵀ retires, so that the producer loads the next tile's Q (and then its K/V) while the
+    last softmax, PV and the epilogue run; otherwise after the last PV. Block 0 (QKᵀ and softmax) comes before the
     loop, the last PV after it."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -221,6 +223,8 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                               is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # (BLOCK_M, BLOCK_N) fp32
             mbarrier.arrive(k_empty.index(ks), count=1)
+            if EARLY_Q:  # a one-block tile's last QKᵀ has retired: the producer may load the next tile's Q
+                mbarrier.arrive(q_empty.index(WG), count=1, pred=n_blocks == 1)
             cols = gl.arange(0, BLOCK_N, layout=col_s)  # (BLOCK_N,) key columns of block 0
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, n_full == 0,
                                                  CAUSAL)
@@ -241,6 +245,8 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                 turns += 1
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, PV_{j-1} may still run
                 mbarrier.arrive(k_empty.index(ks), count=1)
+                if EARLY_Q:  # the tile's last QKᵀ has retired
+                    mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_blocks - 1)
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, j >= n_full,
                                                      CAUSAL)
@@ -257,7 +263,10 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(vs), count=1)
             it += n_blocks
-        mbarrier.arrive(q_empty.index(WG), count=1)  # every QKᵀ of the tile has retired
+        if EARLY_Q:  # released above after the tile's last QKᵀ, here only by a tile without key blocks
+            mbarrier.arrive(q_empty.index(WG), count=1, pred=n_blocks == 0)
+        else:  # released after the tile's last PV
+            mbarrier.arrive(q_empty.index(WG), count=1)
         t += 1
 
         # epilogue: rows that saw no key get O = 0 and lse = +inf (the backward's P is then exactly 0)
@@ -277,22 +286,24 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
 def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
+                      EARLY_Q: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)
 
 
 @gluon.jit
 def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
+                     EARLY_Q: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,7 +314,8 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
 @gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "Nk", "offset", "n_m", "n_bh", "n_tiles"])
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
                      n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr):
+                     HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
+                     EARLY_Q: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -318,7 +330,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     (batch, head); n_m = cdiv(Nq, 2·BLOCK_M), n_bh = B·Hq, n_tiles = n_m·n_bh; the grid is persistent
     (any size >= 1, at most n_tiles useful). LISTS: program p runs the tiles tiles_ptr[starts_ptr[p] ..
     starts_ptr[p + 1]) (int32 codes m · n_bh + bh, every tile in exactly one list; the grid has one program per
-    list); without LISTS the two pointers are not read. Launched with num_warps=4 (consumer 0), plus a 4-warp
+    list); without LISTS the two pointers are not read. EARLY_Q: each consumer releases its Q after the tile's
+    last QKᵀ rather than its last PV (see _consumer). Launched with num_warps=4 (consumer 0), plus a 4-warp
     consumer and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS.
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -349,10 +362,10 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     gl.warp_specialize([
         (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                             tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)),
+                             tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)),
         (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                            tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS)),
+                            tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N,
                      HEAD_D, STAGES, CAUSAL, LISTS)),

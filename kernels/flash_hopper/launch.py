@@ -123,8 +123,9 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     n_m = -(-Nq // (2 * BLOCK_M))
     n_tiles = n_m * B * Hq
     programs = min(n_tiles, _triton.sm_count(q.device))  # persistent: at most one program per SM
+    opts = _options.get()
     starts = tiles = None
-    if causal and _options.get().hopper_tile_lists:
+    if causal and opts.hopper_tile_lists:
         kv_bytes = 2 * Nk * D * k.element_size()  # one (batch, head)'s K and V
         starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, 2 * BLOCK_M, BLOCK_N, kv_bytes,
                                                     programs, l2_bytes, q.device)
@@ -132,7 +133,8 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
-    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists)
+    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
+                  EARLY_Q=opts.hopper_early_q)
     _launch((programs,), args, consts, q)
 
 

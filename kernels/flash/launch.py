@@ -342,9 +342,9 @@ def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 # hopper_forward = "auto" sends the forward to the Gluon kernel only where the H200 timed it faster than the tl
-# forward (bench/results/flash_hopper/tile_lists/: 1.17-1.32x at head dim 128 with 1024 to 16384 tokens, causal
-# or not); at head dim 64 it was 0.48-0.59x causal at 1024 tokens, 0.86-0.97x at 2048 and 1.01-1.04x at 4096,
-# so head dim 64 stays with the tl kernel.
+# forward (bench/results/flash_hopper/tile_lists/: 1.17-1.43x at head dim 128 with 1024 to 16384 tokens, causal
+# or not); at head dim 64 the two are level (0.99-1.03x at 1024 and 4096 tokens, tile_lists/early_q/), so head
+# dim 64 stays with the tl kernel.
 HOPPER_AUTO_HEAD_DIM = 128
 HOPPER_AUTO_MIN_LEN = 1024
 

@@ -14,9 +14,9 @@ program that would be free first (a greedy list schedule whose cost per tile is 
 its prologue and epilogue), so the programs end together although each runs its own fixed list.
 
 Striding a longest-first list over the programs (tile p, p + P, ...), the kernel's order without lists, keeps
-the programs level only when every pair is in one group; with groups sized for L2 it left the most loaded
-program 18-21 % above the mean at the shapes of bench/results/flash_hopper/ (tests/test_flash_hopper_schedule.py
-measures both).
+the programs level only when every pair is in one group; with groups of 12 MB it would leave the most loaded
+program 21-37 % above the mean at the 4096- and 16384-token shapes of bench/results/flash_hopper/, the dealt
+lists 0-5 % (counted in key blocks; tests/test_flash_hopper_schedule.py measures both).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import heapq
 
 import torch
 
-# One group's K and V: about a quarter of a Hopper GPU's 50 MB L2. On the H200 groups of 12 MB were as fast as
-# of 24 MB at 1024-4096 tokens and 3-6 % faster at 16k, d128 (one pair of 8 MB against three): two runs in
+# One group's K and V: about a quarter of a Hopper GPU's 50 MB L2. On the H200 groups of 12 MB were within 3 %
+# of 24 MB ones at 1024-4096 tokens and 4-6 % faster at 16k, d128 (one pair of 8 MB against three): two runs in
 # bench/results/flash_hopper/tile_lists/.
 L2_BYTES = 12 << 20
 TILE_OVERHEAD_BLOCKS = 1  # a tile's prologue (Q load, the first QKᵀ waited for) and epilogue, in key blocks

@@ -97,3 +97,16 @@ def test_device_lists_are_kept_and_match():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="programs 0"):
         schedule.causal_tile_lists(4, 4, 512, 0, TILE_M, BLOCK_N, 1, 0, 1)
+
+
+def test_no_new_lists_while_a_cuda_graph_is_captured(monkeypatch):
+    """During capture a list never made for the shape cannot be copied to the device: (None, None), and the
+    kernel keeps its strided order; lists made before capture are returned as they are."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(schedule, "_DEVICE_LISTS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    args = (8, 6, 1000, 0, TILE_M, BLOCK_N, 2 * 1000 * 64 * 2, 5, 1 << 20)
+    assert schedule.device_tile_lists(*args, cuda) == (None, None)
+    kept = (torch.zeros(6, dtype=torch.int32), torch.zeros(48, dtype=torch.int32))
+    schedule._DEVICE_LISTS[(*args, cuda)] = kept
+    assert schedule.device_tile_lists(*args, cuda) is kept

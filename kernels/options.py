@@ -41,7 +41,8 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         kernel (kernels/flash_hopper) on sm_90:
                                                                         auto = for the inputs it takes where it was
                                                                         measured faster than the tl kernel (head
-                                                                        dim 128, >= 1024 queries and keys;
+                                                                        dim 128, >= 4096 queries and keys, or
+                                                                        >= 1024 with B*Hq*Nq >= 262,144;
                                                                         kernels/flash/launch.py: HOPPER_AUTO_*),
                                                                         on = for every input it takes, off = never
                                                                         (the backward is always tl)

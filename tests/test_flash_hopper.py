@@ -223,11 +223,11 @@ def test_switch_on_and_off_give_the_same_gradients(case, D, dtype, request, monk
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_default_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
-    """With the default option (auto), head dim 128 at 1024 tokens runs the Gluon forward and head dim 64 the tl
+    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon forward and head dim 64 the tl
     forward; both within the budget of naive attention against the float64 reference, with GQA."""
     assert options.get().hopper_forward == "auto"
     for D, want_gluon in ((128, True), (64, False)):
-        case = (1, 4, 2, 1024, 1024, causal)
+        case = (1, 4, 2, 4096, 4096, causal)
         q, k, v = _inputs(case, D, torch.bfloat16, seeded_generator(request))
         gluon, tl = [], []
         real_into, real_launch = hopper_launch.forward_into, launch._launch

@@ -158,22 +158,26 @@ if __name__ == "__main__":
     json.dump(compile_hopper_launches(), sys.stdout)
 
 
-@pytest.mark.parametrize("mode, D, Nq, Nk, takes", [
-    ("auto", 128, 1024, 1024, True),
-    ("auto", 128, 16384, 16384, True),
-    ("auto", 128, 1023, 4096, False),   # fewer queries than the measured lengths
-    ("auto", 128, 4096, 1023, False),   # fewer keys
-    ("auto", 64, 4096, 4096, False),    # head dim 64: the tl forward was as fast or faster
-    ("on", 64, 113, 113, True),
-    ("off", 128, 4096, 4096, False),
+@pytest.mark.parametrize("mode, D, Nq, Nk, heads, takes", [
+    ("auto", 128, 1024, 1024, 256, True),     # 16 x 16 heads of 1024: the measured rows
+    ("auto", 128, 2048, 2048, 128, True),
+    ("auto", 128, 1024, 1024, 255, False),    # fewer rows than measured below 4096 tokens
+    ("auto", 128, 4096, 4096, 1, True),       # from 4096 tokens any batch and head count
+    ("auto", 128, 16384, 16384, 16, True),
+    ("auto", 128, 1023, 4096, 256, False),    # fewer queries than the measured lengths
+    ("auto", 128, 4096, 1023, 256, False),    # fewer keys
+    ("auto", 64, 4096, 4096, 256, False),     # head dim 64: the tl forward was as fast
+    ("on", 64, 113, 113, 1, True),
+    ("off", 128, 4096, 4096, 256, False),
 ])
-def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk, takes, monkeypatch):
+def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk, heads, takes, monkeypatch):
     """The dispatch rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128 with
-    at least 1024 queries and keys, on takes whatever the kernel takes, off nothing; and whatever the mode, an
-    input the kernel refuses stays with the tl kernel."""
+    at least 1024 queries and keys, and below 4096 tokens at least 16 x 16 x 1024 query rows in all (B · Hq ·
+    Nq); on takes whatever the kernel takes, off nothing; and whatever the mode, an input the kernel refuses
+    stays with the tl kernel."""
     from kernels.flash import launch
-    q = torch.empty(1, 1, Nq, D)
-    k = v = torch.empty(1, 1, Nk, D)
+    q = torch.empty(1, heads, Nq, D)
+    k = v = torch.empty(1, heads, Nk, D)
     asked = []
     monkeypatch.setattr(launch._hopper, "unsupported", lambda *a: asked.append(1) and None)
     assert launch._hopper_takes(mode, q, k, v, 0, None) is takes

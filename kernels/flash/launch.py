@@ -343,17 +343,28 @@ def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 # hopper_forward = "auto" sends the forward to the Gluon kernel only where the H200 timed it faster than the tl
 # forward (bench/results/flash_hopper/tile_lists/: 1.17-1.43x at head dim 128 with 1024 to 16384 tokens, causal
-# or not); at head dim 64 the two are level (0.99-1.03x at 1024 and 4096 tokens, tile_lists/early_q/), so head
-# dim 64 stays with the tl kernel.
+# or not, every shape with 262,144 query rows in all; tile_lists/call_eb068b8/: through the model's call too);
+# at head dim 64 the two are level (0.99-1.03x at 1024 and 4096 tokens, tile_lists/early_q/), so head dim 64
+# stays with the tl kernel. Below 4096 tokens it also takes as many query rows (B * Hq * Nq) as measured: a
+# smaller call's kernel is shorter than the Gluon launch's host time (0.12-0.26 ms per call against 0.06-0.07 for
+# the tl launch, tile_lists/call_eb068b8/), so there the host would decide and the tl call's is the shorter.
 HOPPER_AUTO_HEAD_DIM = 128
 HOPPER_AUTO_MIN_LEN = 1024
+HOPPER_AUTO_LONG_LEN = 4096  # from here any batch and head count (as before the shorter lengths were measured)
+HOPPER_AUTO_MIN_ROWS = 16 * 16 * 1024  # below HOPPER_AUTO_LONG_LEN: B * Hq * Nq at least the measured shapes'
+
+
+def _hopper_auto(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The shape rule of hopper_forward = "auto" (q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D))."""
+    length = min(q.shape[-2], k.shape[-2])
+    return (q.shape[-1] == HOPPER_AUTO_HEAD_DIM and length >= HOPPER_AUTO_MIN_LEN
+            and (length >= HOPPER_AUTO_LONG_LEN or q.shape[0] * q.shape[1] * q.shape[2] >= HOPPER_AUTO_MIN_ROWS))
 
 
 def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, docs) -> bool:
     """Whether the forward goes to the Gluon kernel under hopper_forward = mode ("auto" | "on" | "off"). The
     shape test comes first: the other inputs of "auto" cost no more host time than "off"."""
-    if mode == "off" or (mode == "auto" and not (q.shape[-1] == HOPPER_AUTO_HEAD_DIM
-                                                 and min(q.shape[-2], k.shape[-2]) >= HOPPER_AUTO_MIN_LEN)):
+    if mode == "off" or (mode == "auto" and not _hopper_auto(q, k)):
         return False
     return _hopper.unsupported(q, k, v, window, docs) is None
 

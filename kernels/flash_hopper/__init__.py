@@ -7,7 +7,8 @@ forward of kernels/flash that the same backward consumes, used where it was meas
 
 kernels.flash_attention (and the packed and compiled forms) launches it instead of the tl forward where
 unsupported() says None and the hopper_forward option (kernels/options.py, FLASHGPT_HOPPER_FWD) gives it the
-inputs: "auto" (the default) at head dim 128 with at least 1024 queries and keys, "on" always, "off" never.
+inputs: "auto" (the default) at head dim 128 with at least 4096 queries and keys, or at least 1024 with
+B·Hq·Nq >= 262,144 query rows in all (kernels/flash/launch.py: _hopper_auto), "on" always, "off" never.
 The backward is always the tl one, reading this kernel's O and log-sum-exp.
 
 backward_launch.hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None) -> (dq, dk, dv) is a Hopper

@@ -110,3 +110,15 @@ def test_no_new_lists_while_a_cuda_graph_is_captured(monkeypatch):
     kept = (torch.zeros(6, dtype=torch.int32), torch.zeros(48, dtype=torch.int32))
     schedule._DEVICE_LISTS[(*args, cuda)] = kept
     assert schedule.device_tile_lists(*args, cuda) is kept
+
+
+def test_kept_lists_are_capped(monkeypatch):
+    """Lists are never freed (a captured graph may read them), so past DEVICE_LISTS_MAX shapes no new ones are
+    made: (None, None), the strided order; the kept ones still come back."""
+    monkeypatch.setattr(schedule, "_DEVICE_LISTS", {})
+    monkeypatch.setattr(schedule, "DEVICE_LISTS_MAX", 3)
+    cpu = torch.device("cpu")
+    made = [schedule.device_tile_lists(8, 6, 1000 + i, 0, TILE_M, BLOCK_N, 1 << 10, 5, 1 << 20, cpu) for i in range(4)]
+    assert all(s is not None for s, _ in made[:3]) and made[3] == (None, None)
+    again = schedule.device_tile_lists(8, 6, 1000, 0, TILE_M, BLOCK_N, 1 << 10, 5, 1 << 20, cpu)
+    assert again[0] is made[0][0] and again[1] is made[0][1]

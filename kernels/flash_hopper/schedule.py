@@ -3,8 +3,9 @@ tiles unequal. Host code only (plain Python and one small device copy), cached p
 
     causal_tile_lists(n_m, n_bh, Nk, offset, tile_m, block_n, kv_bytes_per_pair, programs, l2_bytes)
         -> (starts, tiles)   tuples of ints: program p runs tiles[starts[p]:starts[p + 1]] in that order
-    device_tile_lists(..., device) -> (starts, tiles) int32 tensors on the device (None while a CUDA graph is
-        being captured and the shape was never seen: the kernel then keeps its own arithmetic order)
+    device_tile_lists(..., device) -> (starts, tiles) int32 tensors on the device, kept for good; (None, None)
+        for a shape not kept yet while a CUDA graph is being captured, or once DEVICE_LISTS_MAX are kept (the
+        kernel then keeps its own arithmetic order)
 
 A tile is (query block m, batch·head bh), coded as m · n_bh + bh. The order is longest first within groups of
 (batch, head) pairs whose K and V fit in `l2_bytes` together (so that the programs working at one time read
@@ -69,6 +70,9 @@ def causal_tile_lists(n_m: int, n_bh: int, Nk: int, offset: int, tile_m: int, bl
 
 
 _DEVICE_LISTS: dict = {}
+# Kept lists are never freed (a captured CUDA graph may read them at every replay), so their number is capped:
+# a few KB each, up to some tens of KB at 16k tokens and many heads.
+DEVICE_LISTS_MAX = 512
 
 
 def device_tile_lists(n_m: int, n_bh: int, Nk: int, offset: int, tile_m: int, block_n: int,
@@ -79,7 +83,7 @@ def device_tile_lists(n_m: int, n_bh: int, Nk: int, offset: int, tile_m: int, bl
     hit = _DEVICE_LISTS.get(key)
     if hit is not None:
         return hit
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if len(_DEVICE_LISTS) >= DEVICE_LISTS_MAX or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None, None
     starts, tiles = causal_tile_lists(*key[:-1])
     # kept for good: a CUDA graph captured with them reads them at every replay (a few KB per causal shape)

@@ -256,29 +256,31 @@ def _cfg_str(cfg):
     return f"{kw.get('BLOCK_M')}x{kw.get('BLOCK_N')} w{kw.get('num_warps')} s{kw.get('num_stages')}"
 
 
-def kernel_ms(fn, q, k, v, do, iters: int = 10) -> dict:
-    """GPU time of the kernels that one forward call and one backward call launch (torch.profiler, summed over
-    `iters` calls and divided by them): what a call costs without the host time that do_bench's timing of a
-    short call can include. Kernels only (memsets and copies the call makes count too)."""
+def kernels_ms_per_call(run, iters: int = 10) -> float:
+    """GPU time (ms) of the kernels one call of run() launches: torch.profiler over `iters` calls, summed and
+    divided by them. Kernels only (memsets and copies the call makes count too): what a call costs without the
+    host time that do_bench's timing of a short call can include."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-
-    def per_call(run) -> float:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                run()
-            torch.cuda.synchronize()
-        us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-        return us / iters / 1e3
+    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return us / iters / 1e3
 
+
+def kernel_ms(fn, q, k, v, do, iters: int = 10) -> dict:
+    """GPU time of the kernels that one forward call and one backward call launch (kernels_ms_per_call)."""
     out = fn(q, k, v)
 
     def backward():
         for t in (q, k, v):
             t.grad = None
         out.backward(do, retain_graph=True)
-    times = dict(fwd_kernel_ms=per_call(lambda: fn(q, k, v)), bwd_kernel_ms=per_call(backward))
+    times = dict(fwd_kernel_ms=kernels_ms_per_call(lambda: fn(q, k, v), iters),
+                 bwd_kernel_ms=kernels_ms_per_call(backward, iters))
     for t in (q, k, v):
         t.grad = None
     return times

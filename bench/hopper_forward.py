@@ -147,18 +147,11 @@ def _host_us(fn, calls: int = 50) -> float:
     return host
 
 
-def _kernel_ms(fn, iters: int = 10) -> float:
-    """GPU time of the kernels one call launches (torch.profiler, over `iters` calls): the call without the
-    host time that do_bench's timing of it can include."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+def _kernel_ms(fn) -> float:
+    """GPU time of the kernels one call launches, after a warm-up call (bench.attention.kernels_ms_per_call)."""
+    from bench.attention import kernels_ms_per_call
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / iters / 1e3
+    return kernels_ms_per_call(fn)
 
 
 def main(argv=None) -> int:

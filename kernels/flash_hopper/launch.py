@@ -135,7 +135,7 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
                   EARLY_Q=opts.hopper_early_q)
-    _launch((programs,), args, consts, q)
+    _launch((programs,), args, consts, q, opts.fast_launch)
 
 
 # The compiled kernel per launch signature, so that a repeated launch calls its launcher directly
@@ -147,8 +147,8 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
 _compiled: dict[tuple, object] = {}
 
 
-def _launch(grid: tuple, args: tuple, consts: dict, q: torch.Tensor) -> None:
-    if not _options.get().fast_launch or _triton.INTERPRET:
+def _launch(grid: tuple, args: tuple, consts: dict, q: torch.Tensor, fast: bool) -> None:
+    if not fast or _triton.INTERPRET:
         _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
         return
     pointers = (args[4], args[14], args[15])  # lse and the two lists (or lse in their place)

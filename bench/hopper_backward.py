@@ -8,6 +8,8 @@ log-sum-exp), then three backwards of the same upstream gradient are timed with 
 medians (it flushes L2 between runs):
 
 * hopper  kernels.flash_hopper.backward_launch.hopper_backward: the tl dQ kernel, then the Gluon dK/dV kernel;
+* fused   the same with fused=True: the tl pass storing delta and zeroing an fp32 dQ, the Gluon kernel adding
+          dS K into it with atomics besides dK and dV, the tl pass converting dQ;
 * tl      kernels/flash/launch.py: _bwd, the split backward the model's flash call runs now;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 
@@ -69,6 +71,11 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
                 lambda: launch._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale), rep=rep)
             row["dkdv"] = triton.testing.do_bench(
                 lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead), rep=rep)
+        fused = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=True)
+        row["fused_diff"] = max(_rel(a, b) for a, b in zip(fused, tl_grads))
+        if row["fused_diff"] <= WRONG:
+            row["fused"] = triton.testing.do_bench(
+                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=True), rep=rep)
     else:
         row["skipped"] = reason
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -116,9 +123,9 @@ def main(argv=None) -> int:
              "dQ, dK, dV.", "",
              "Each kernel alone (ms): dQ, the tl dQ kernel both backwards launch first; Gluon dK/dV, the hopper "
              "backward's second kernel; tl dK/dV, tl's time less the dQ kernel's.", "",
-             "| B,H,N,D | causal | hopper | tl | cudnn | hopper / tl | hopper / cudnn | dQ ms | Gluon dK/dV ms | "
-             "tl dK/dV ms | diff |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| B,H,N,D | causal | hopper | fused | tl | cudnn | hopper / tl | hopper / cudnn | fused / cudnn | "
+             "dQ ms | Gluon dK/dV ms | tl dK/dV ms | diff | fused diff |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
@@ -138,10 +145,12 @@ def main(argv=None) -> int:
                 return f"{row[b] / row[a]:.2f}" if row.get(a) and row.get(b) else "—"
             diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
                 row.get("skipped", "—")
-            lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {cell('tl')} | "
-                         f"{cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | {ms('dq')} | "
-                         f"{ms('dkdv')} | "
-                         f"{ms('tl', 'dq')} | {diff} |")
+            fdiff = f"{row['fused_diff']:.1e}" + (" WRONG" if row["fused_diff"] > WRONG else "") \
+                if "fused_diff" in row else "—"
+            lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {cell('fused')} | "
+                         f"{cell('tl')} | {cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | "
+                         f"{ratio('fused', 'cudnn')} | {ms('dq')} | {ms('dkdv')} | {ms('tl', 'dq')} | {diff} | "
+                         f"{fdiff} |")
             print(lines[-1], flush=True)
     write_report(args.out, "hopper_backward.md", lines)
     return 0

@@ -105,6 +105,23 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
+@pytest.mark.parametrize("case,D,dtype", MATRIX)
+def test_fused_backward_matches_reference(case, D, dtype, request, poisoned):
+    """The fused form: the Gluon kernel also adds dS K into an fp32 dQ accumulator with atomics (no tl dQ
+    kernel); the same float64-reference criterion on every case."""
+    causal = case[-1]
+    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
+    scale = 1.0 / math.sqrt(D)
+    o, lse = launch._fwd(q, k, v, causal, scale)
+    grads = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale, fused=True)
+    assert tuple(g.shape for g in grads) == (q.shape, k.shape, v.shape)
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    low = _naive_grads(q, k, v, do, causal)
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert_within_budget(name, got, r, n)
+
+
+@on_sm90
 @pytest.mark.parametrize("case", [CASES[2], CASES[8], CASES[10], CASES[14]])
 @pytest.mark.parametrize("D", [64, 128])
 def test_other_schedule_matches_reference(case, D, request, poisoned):
@@ -203,7 +220,7 @@ def compile_hopper_backward() -> list[dict]:
     """Run in a process started with TRITON_INTERPRET=0: every variant hopper_backward launches (the tl dQ kernel
     in its default config, the Gluon dK/dV kernel), compiled for sm_90."""
     from kernels import options
-    from kernels.flash.backward import _attn_bwd_dq
+    from kernels.flash.backward import _attn_bwd_dq, _attn_bwd_dq_out, _attn_bwd_prep
     from kernels.flash_hopper import backward
     from tests.gpu_compile import compiling_instead_of_launching
 
@@ -211,8 +228,8 @@ def compile_hopper_backward() -> list[dict]:
     kt.sm_count = lambda device: H200_SMS
     hopper_launch._is_sm90 = lambda device: True
     launch._hopper_or_newer = lambda index: True
-    with compiling_instead_of_launching(backward._attn_bwd_dkdv_hopper, _attn_bwd_dq) as compiled, \
-            options.use(autotune=False, fast_launch=False):
+    with compiling_instead_of_launching(backward._attn_bwd_dkdv_hopper, _attn_bwd_dq, _attn_bwd_prep,
+                                        _attn_bwd_dq_out) as compiled, options.use(autotune=False, fast_launch=False):
         for dtype in DTYPES:
             for D in (64, 128):
                 for causal in (True, False):
@@ -221,6 +238,11 @@ def compile_hopper_backward() -> list[dict]:
                         kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
                         backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                                         torch.zeros(2, 4, 113), causal)
+        for causal in (True, False):  # the fused form (dQ in the Gluon kernel), head dim 64
+            q = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
+            kv = torch.randn(2, 2, 203, 64).to(torch.bfloat16)
+            backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                            torch.zeros(2, 4, 113), causal, fused=True)
     return [_record(c) for c in compiled]
 
 
@@ -239,7 +261,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     for rec in records:
         c = rec["consts"]
         print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
-              f"d{c.get('HEAD_D', c.get('HEAD_DIM'))} causal={c['CAUSAL']} gqa={c.get('GQA', '-')}: "
+              f"d{c.get('HEAD_D', c.get('HEAD_DIM'))} causal={c.get('CAUSAL', '-')} gqa={c.get('GQA', '-')} "
+              f"dq={c.get('DQ', '-')}: "
               f"{rec['registers']} registers, spill stores {rec['spill_stores']} B, loads {rec['spill_loads']} B, "
               f"shared {rec['shared']} B")
     for rec in gluon:
@@ -251,6 +274,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     want = {(dt, D, causal, True) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)}
     assert got == want | {("bf16", 128, causal, False) for causal in (True, False)}
     assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
+    assert {r["consts"]["CAUSAL"] for r in gluon if r["consts"].get("DQ")} == {True, False}  # the fused form, d64
 
 
 if __name__ == "__main__":

@@ -143,8 +143,9 @@ def _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES: gl.constexpr, BLOCK_M
 
 @gluon.jit
 def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq, offset, qk_scale, i,
-               first, n_blocks, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+               first, n_blocks, k, ds_smem, dqacc_ptr, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               GQA: gl.constexpr, DQ: gl.constexpr):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
     dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
     releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
@@ -185,16 +186,42 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
     delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
     dpT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
-    dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
-    dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
+    if DQ:
+        # dSᵀ goes through shared memory: the A operand of dK += dSᵀ Q as it is, and read back transposed, of
+        # this warpgroup's part of dQ, dS K (the previous step's matmuls, its last readers, retired at that
+        # step's end)
+        ds_smem.store(dsT.to(dtype))  # (BLOCK_N, BLOCK_M)
+        fence_async_shared()
+        dk = warpgroup_mma(ds_smem, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
+        # dQ in column slices of DQ_COLS (an fp32 (BLOCK_M, 128) accumulator beside dK and dV spilled)
+        DQ_COLS: gl.constexpr = 64 if HEAD_D > 64 else HEAD_D
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        row_q: gl.constexpr = gl.SliceLayout(1, dq_layout)
+        col_q: gl.constexpr = gl.SliceLayout(0, dq_layout)
+        q_rows = start_m + gl.arange(0, BLOCK_M, layout=row_q)  # (BLOCK_M,) query rows of this step
+        row_off = gl.expand_dims((rows0 + g * Nq + q_rows) * HEAD_D, 1)  # (BLOCK_M, 1)
+        row_ok = gl.expand_dims(q_rows < Nq, 1)
+        for c in gl.static_range(HEAD_D // DQ_COLS):
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k.slice(c * DQ_COLS, DQ_COLS, dim=1),
+                               gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout), use_acc=False,
+                               is_async=True)  # (BLOCK_M, DQ_COLS)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))  # dK's and dV's matmuls retire with it
+            d_cols = c * DQ_COLS + gl.arange(0, DQ_COLS, layout=col_q)  # (DQ_COLS,)
+            gl.atomic_add(dqacc_ptr + row_off + gl.expand_dims(d_cols, 0), dq, mask=row_ok,
+                          sem="relaxed")  # fp32, not yet scaled
+        dsT_op = pT_op  # (no register operand of dSᵀ: the caller's waits keep pT_op alive)
+    else:
+        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     return dk, dv, pT_op, dsT_op
 
 
 @gluon.jit
 def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
-                qk_scale, GROUP, first, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                qk_scale, GROUP, first, n_blocks, ds_smem, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-                AHEAD: gl.constexpr):
+                AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
     tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
     order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
@@ -219,8 +246,8 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, i + 1, STAGES, BLOCK_M, HEAD_D,
                                               s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
-                                               Nq, offset, qk_scale, i, first, n_blocks, 2, BLOCK_M, BLOCK_N,
-                                               HEAD_D, STAGES, CAUSAL, GQA)
+                                               Nq, offset, qk_scale, i, first, n_blocks, k, ds_smem, dqacc_ptr, 2,
+                                               BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ)
             # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
             # values are taken by the next step's waits)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -228,16 +255,16 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT = sT_next
             dpT = dpT_next
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
-                                           offset, qk_scale, n - 1, first, n_blocks, 0, BLOCK_M, BLOCK_N, HEAD_D,
-                                           STAGES, CAUSAL, GQA)
+                                           offset, qk_scale, n - 1, first, n_blocks, k, ds_smem, dqacc_ptr, 0,
+                                           BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
     else:
         for i in range(n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
-                                               Nq, offset, qk_scale, i, first, n_blocks, 0, BLOCK_M, BLOCK_N,
-                                               HEAD_D, STAGES, CAUSAL, GQA)
+                                               Nq, offset, qk_scale, i, first, n_blocks, k, ds_smem, dqacc_ptr, 0,
+                                               BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ)
             # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
             # operands
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -247,9 +274,9 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
+              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr):
+              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
     the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -273,8 +300,8 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_ready.index(WG), 0)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq,
-                         offset, qk_scale, GROUP, lo, n_blocks, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA,
-                         AHEAD)
+                         offset, qk_scale, GROUP, lo, n_blocks, ds_smem.index(WG), dqacc_ptr, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
     # through them
@@ -290,22 +317,24 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
 
 @gluon.jit
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
-                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
+                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr):
+                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+              CAUSAL, GQA, AHEAD, DQ)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
-                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
+                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr):
+                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+              CAUSAL, GQA, AHEAD, DQ)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -315,9 +344,9 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_sm
 
 @gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset"])
 def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, Hq, GROUP, Nq,
-                          offset, qk_scale, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          offset, qk_scale, sm_scale, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-                          AHEAD: gl.constexpr):
+                          AHEAD: gl.constexpr, DQ: gl.constexpr):
     """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
     that read them.
 
@@ -341,6 +370,11 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)  # the dO ring
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)  # one per consumer
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    if DQ:  # each consumer's dSᵀ, read back transposed as the A operand of its dQ matmul
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    else:
+        ds_smem = k_smem  # (not used)
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -354,11 +388,11 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D,
-                             STAGES, CAUSAL, GQA, AHEAD)),
+                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M,
+                             BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_D,
-                            STAGES, CAUSAL, GQA, AHEAD)),
+                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M,
+                            BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
                      GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -26,8 +26,12 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
 * the epilogue writes dV and sm_scale · dK through the program's own K and V buffers (no longer read) and TMA
   stores; rows past Nk are clipped by the descriptors' bounds.
 
-dQ is not computed here: the launcher (kernels/flash_hopper/backward_launch.py) runs the tl dQ kernel
-(kernels/flash/backward.py: _attn_bwd_dq) first, which also stores delta.
+dQ: by default not computed here: the launcher (kernels/flash_hopper/backward_launch.py) runs the tl dQ kernel
+(kernels/flash/backward.py: _attn_bwd_dq) first, which also stores delta. With DQ (the fused form) each step
+also computes this warpgroup's part of dQ, dS K (BLOCK_M, HEAD_D), from dSᵀ kept in shared memory (read back
+transposed; it is also dK's A operand then) and adds it, unscaled, into an fp32 accumulator with atomics, in
+column slices of at most 64; the launcher zeroes the accumulator and stores delta before (the tl _attn_bwd_prep)
+and scales and converts dQ after (_attn_bwd_dq_out).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
@@ -363,7 +367,7 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
-    off).
+    off). DQ: also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32, contiguous, zeroed; not read without DQ).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring

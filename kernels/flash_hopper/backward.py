@@ -28,8 +28,8 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
 
 dQ: by default not computed here: the launcher (kernels/flash_hopper/backward_launch.py) runs the tl dQ kernel
 (kernels/flash/backward.py: _attn_bwd_dq) first, which also stores delta. With DQ (the fused form) each step
-also computes this warpgroup's part of dQ, dS K (BLOCK_M, HEAD_D), from dSᵀ kept in shared memory (read back
-transposed; it is also dK's A operand then) and adds it, unscaled, into an fp32 accumulator with atomics, in
+also computes this warpgroup's part of dQ, dS K (BLOCK_M, HEAD_D), from a copy of dSᵀ in shared memory (read
+back transposed) and adds it, unscaled, into an fp32 accumulator with atomics, in
 column slices of at most 64; the launcher zeroes the accumulator and stores delta before (the tl _attn_bwd_prep)
 and scales and converts dQ after (_attn_bwd_dq_out).
 
@@ -190,13 +190,14 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
     delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
     dpT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
+    dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+    dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     if DQ:
-        # dSᵀ goes through shared memory: the A operand of dK += dSᵀ Q as it is, and read back transposed, of
-        # this warpgroup's part of dQ, dS K (the previous step's matmuls, its last readers, retired at that
-        # step's end)
-        ds_smem.store(dsT.to(dtype))  # (BLOCK_N, BLOCK_M)
+        # dSᵀ also goes to shared memory, read back transposed as the A operand of this warpgroup's part of dQ,
+        # dS K (the previous step's dQ matmuls, its last readers, retired at that step's end). As dK's A operand
+        # too, in place of the registers, it spilled more at d128 (Triton 3.6: 212 against 192 B)
+        ds_smem.store(dsT_op)  # (BLOCK_N, BLOCK_M)
         fence_async_shared()
-        dk = warpgroup_mma(ds_smem, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
         # dQ in column slices of DQ_COLS (an fp32 (BLOCK_M, 128) accumulator beside dK and dV spilled)
         DQ_COLS: gl.constexpr = 64 if HEAD_D > 64 else HEAD_D
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -214,10 +215,6 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
             d_cols = c * DQ_COLS + gl.arange(0, DQ_COLS, layout=col_q)  # (DQ_COLS,)
             gl.atomic_add(dqacc_ptr + row_off + gl.expand_dims(d_cols, 0), dq, mask=row_ok,
                           sem="relaxed")  # fp32, not yet scaled
-        dsT_op = pT_op  # (no register operand of dSᵀ: the caller's waits keep pT_op alive)
-    else:
-        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
-        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     return dk, dv, pT_op, dsT_op
 
 

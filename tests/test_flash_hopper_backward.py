@@ -105,15 +105,17 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
+@pytest.mark.parametrize("fused", [1, 2])
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
-def test_fused_backward_matches_reference(case, D, dtype, request, poisoned):
-    """The fused form: the Gluon kernel also adds dS K into an fp32 dQ accumulator with atomics (no tl dQ
-    kernel); the same float64-reference criterion on every case."""
+def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
+    """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator with atomics (no tl dQ
+    kernel), each warpgroup its own keys' part (1) or half the columns over both warpgroups' keys through one
+    shared dS buffer (2); the same float64-reference criterion on every case."""
     causal = case[-1]
     q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)
     o, lse = launch._fwd(q, k, v, causal, scale)
-    grads = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale, fused=True)
+    grads = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale, fused=fused)
     assert tuple(g.shape for g in grads) == (q.shape, k.shape, v.shape)
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
     low = _naive_grads(q, k, v, do, causal)
@@ -238,11 +240,12 @@ def compile_hopper_backward() -> list[dict]:
                         kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
                         backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                                         torch.zeros(2, 4, 113), causal)
-        for causal in (True, False):  # the fused form (dQ in the Gluon kernel), head dim 64
-            q = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
-            kv = torch.randn(2, 2, 203, 64).to(torch.bfloat16)
-            backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                            torch.zeros(2, 4, 113), causal, fused=True)
+        for causal in (True, False):  # the fused forms (dQ in the Gluon kernel), head dim 64
+            for fused in (1, 2):
+                q = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
+                kv = torch.randn(2, 2, 203, 64).to(torch.bfloat16)
+                backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                                torch.zeros(2, 4, 113), causal, fused=fused)
     return [_record(c) for c in compiled]
 
 
@@ -274,7 +277,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     want = {(dt, D, causal, True) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)}
     assert got == want | {("bf16", 128, causal, False) for causal in (True, False)}
     assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
-    assert {r["consts"]["CAUSAL"] for r in gluon if r["consts"].get("DQ")} == {True, False}  # the fused form, d64
+    assert {(r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon if r["consts"].get("DQ")} == {
+        (causal, mode) for causal in (True, False) for mode in (1, 2)}  # the fused forms, d64
 
 
 if __name__ == "__main__":

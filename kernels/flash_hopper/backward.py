@@ -27,11 +27,13 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
   stores; rows past Nk are clipped by the descriptors' bounds.
 
 dQ: by default not computed here: the launcher (kernels/flash_hopper/backward_launch.py) runs the tl dQ kernel
-(kernels/flash/backward.py: _attn_bwd_dq) first, which also stores delta. With DQ (the fused form) each step
+(kernels/flash/backward.py: _attn_bwd_dq) first, which also stores delta. With DQ = 1 (a fused form) each step
 also computes this warpgroup's part of dQ, dS K (BLOCK_M, HEAD_D), from a copy of dSᵀ in shared memory (read
 back transposed) and adds it, unscaled, into an fp32 accumulator with atomics, in
 column slices of at most 64; the launcher zeroes the accumulator and stores delta before (the tl _attn_bwd_prep)
-and scales and converts dQ after (_attn_bwd_dq_out).
+and scales and converts dQ after (_attn_bwd_dq_out). With DQ = 2 both warpgroups put their dSᵀ into one
+buffer per step parity (mbarriers in both directions), and each computes half of dQ's columns over all
+2·BLOCK_N keys: half the atomic adds.
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
@@ -146,10 +148,24 @@ def _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES: gl.constexpr, BLOCK_M
 
 
 @gluon.jit
+def _add_dq_part(dq, dqacc_ptr, row_base, start_m, Nq, COL0: gl.constexpr, BLOCK_M: gl.constexpr,
+                 HEAD_D: gl.constexpr, DQ_COLS: gl.constexpr):
+    """Add dq (BLOCK_M, DQ_COLS) fp32, dQ's columns COL0 .. COL0 + DQ_COLS of BLOCK_M query rows from start_m,
+    into the fp32 accumulator dqacc_ptr (rows row_base + start_m + (0 .. BLOCK_M) of HEAD_D columns) with
+    atomics; rows past Nq are dropped."""
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))  # (BLOCK_M,) query rows
+    d_cols = COL0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))  # (DQ_COLS,)
+    ptrs = dqacc_ptr + gl.expand_dims((row_base + q_rows) * HEAD_D, 1) + gl.expand_dims(d_cols, 0)
+    gl.atomic_add(ptrs, dq, mask=gl.expand_dims(q_rows < Nq, 1), sem="relaxed")  # fp32, not yet scaled
+
+
+@gluon.jit
 def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq, offset, qk_scale, i,
-               first, n_blocks, k, ds_smem, dqacc_ptr, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr,
+               first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               GQA: gl.constexpr, DQ: gl.constexpr):
+               GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
     dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
     releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
@@ -192,7 +208,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
     dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
     dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
-    if DQ:
+    if DQ == 1:
         # dSᵀ also goes to shared memory, read back transposed as the A operand of this warpgroup's part of dQ,
         # dS K (the previous step's dQ matmuls, its last readers, retired at that step's end). As dK's A operand
         # too, in place of the registers, it spilled more at d128 (Triton 3.6: 212 against 192 B)
@@ -202,27 +218,46 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
         DQ_COLS: gl.constexpr = 64 if HEAD_D > 64 else HEAD_D
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
-        row_q: gl.constexpr = gl.SliceLayout(1, dq_layout)
-        col_q: gl.constexpr = gl.SliceLayout(0, dq_layout)
-        q_rows = start_m + gl.arange(0, BLOCK_M, layout=row_q)  # (BLOCK_M,) query rows of this step
-        row_off = gl.expand_dims((rows0 + g * Nq + q_rows) * HEAD_D, 1)  # (BLOCK_M, 1)
-        row_ok = gl.expand_dims(q_rows < Nq, 1)
         for c in gl.static_range(HEAD_D // DQ_COLS):
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k.slice(c * DQ_COLS, DQ_COLS, dim=1),
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_dq.slice(c * DQ_COLS, DQ_COLS, dim=1),
                                gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout), use_acc=False,
                                is_async=True)  # (BLOCK_M, DQ_COLS)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))  # dK's and dV's matmuls retire with it
-            d_cols = c * DQ_COLS + gl.arange(0, DQ_COLS, layout=col_q)  # (DQ_COLS,)
-            gl.atomic_add(dqacc_ptr + row_off + gl.expand_dims(d_cols, 0), dq, mask=row_ok,
-                          sem="relaxed")  # fp32, not yet scaled
+            _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, c * DQ_COLS, BLOCK_M, HEAD_D, DQ_COLS)
+    elif DQ == 2:
+        # both warpgroups' dSᵀ in one shared buffer per step parity (2·BLOCK_N keys, BLOCK_M queries); each
+        # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys, as two matmuls over the two
+        # warpgroups' keys (k_dq: both K tiles): one atomic add per element and program instead of two.
+        # ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each
+        par = i % 2
+        use = i // 2
+        buf = ds_smem.index(par)  # (2·BLOCK_N, BLOCK_M)
+        mbarrier.wait(ds_bars.index(2 + par), (use & 1) ^ 1)  # both dQ matmuls of step i - 2 retired
+        buf.slice(WG * BLOCK_N, BLOCK_N, dim=0).store(dsT_op)  # this warpgroup's keys
+        fence_async_shared()
+        mbarrier.arrive(ds_bars.index(par), count=1)
+        mbarrier.wait(ds_bars.index(par), use & 1)  # the other warpgroup's keys are there too
+        HALF: gl.constexpr = HEAD_D // 2
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HALF, 16])
+        dq = warpgroup_mma(buf.slice(0, BLOCK_N, dim=0).permute((1, 0)),
+                           k_dq.index(0).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1),
+                           gl.zeros([BLOCK_M, HALF], gl.float32, layout=half_layout), use_acc=False,
+                           is_async=True)  # (BLOCK_M, HALF) over warpgroup 0's keys
+        dq = warpgroup_mma(buf.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)),
+                           k_dq.index(1).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1), dq,
+                           is_async=True)  # ... and over warpgroup 1's
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        mbarrier.arrive(ds_bars.index(2 + par), count=1)
+        _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
     return dk, dv, pT_op, dsT_op
 
 
 @gluon.jit
 def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
-                qk_scale, GROUP, first, n_blocks, ds_smem, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-                AHEAD: gl.constexpr, DQ: gl.constexpr):
+                qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr):
     """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
     tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
     order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
@@ -247,8 +282,8 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, i + 1, STAGES, BLOCK_M, HEAD_D,
                                               s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
-                                               Nq, offset, qk_scale, i, first, n_blocks, k, ds_smem, dqacc_ptr, 2,
-                                               BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ)
+                                               Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
+                                               dqacc_ptr, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
             # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
             # values are taken by the next step's waits)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -256,16 +291,16 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT = sT_next
             dpT = dpT_next
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
-                                           offset, qk_scale, n - 1, first, n_blocks, k, ds_smem, dqacc_ptr, 0,
-                                           BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ)
+                                           offset, qk_scale, n - 1, first, n_blocks, k_dq, ds_smem, ds_bars,
+                                           dqacc_ptr, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
     else:
         for i in range(n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
-                                               Nq, offset, qk_scale, i, first, n_blocks, k, ds_smem, dqacc_ptr, 0,
-                                               BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ)
+                                               Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
+                                               dqacc_ptr, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
             # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
             # operands
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -275,7 +310,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr,
+              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
@@ -300,9 +335,19 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_ready.index(WG), 0)
+    if DQ == 2:  # dQ's matmuls read both warpgroups' K tiles
+        mbarrier.wait(kv_ready.index(1 - WG), 0)
+        k_dq = k_smem
+        ds_mine = ds_smem
+    else:
+        k_dq = k
+        ds_mine = ds_smem.index(WG)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq,
-                         offset, qk_scale, GROUP, lo, n_blocks, ds_smem.index(WG), dqacc_ptr, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)
+                         offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG)
+    if DQ == 2:  # the other warpgroup's last dQ matmuls read this one's K, which the epilogue overwrites
+        last = n_blocks * GROUP - 1
+        mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
     # through them
@@ -318,24 +363,24 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
 
 @gluon.jit
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
-                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr,
+                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-              CAUSAL, GQA, AHEAD, DQ)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D,
+              STAGES, CAUSAL, GQA, AHEAD, DQ)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
-                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr,
+                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-              CAUSAL, GQA, AHEAD, DQ)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D,
+              STAGES, CAUSAL, GQA, AHEAD, DQ)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -364,18 +409,22 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
-    off). DQ: also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32, contiguous, zeroed; not read without DQ).
+    off). DQ (1 or 2; 0: not): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32, contiguous, zeroed; not
+    read without DQ).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)  # the dO ring
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)  # one per consumer
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    if DQ:  # each consumer's dSᵀ, read back transposed as the A operand of its dQ matmul
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    if DQ == 1:  # each consumer's dSᵀ, read back transposed as the A operand of its dQ matmul
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    elif DQ == 2:  # both consumers' dSᵀ, per step parity
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)
     else:
         ds_smem = k_smem  # (not used)
+    ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # DQ == 2: ready x2, free x2
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -385,15 +434,17 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release each stage
+    for s in gl.static_range(4):
+        mbarrier.init(ds_bars.index(s), count=2)  # both consumers arrive
 
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M,
-                             BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
+                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, dqacc_ptr, BLOCK_M,
-                            BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
+                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+                            BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
                      GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

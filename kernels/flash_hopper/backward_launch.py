@@ -54,13 +54,17 @@ def unsupported_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
               delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, sm_scale: float,
-              stages: int | None = None, ahead: bool | None = None, dqacc: torch.Tensor | None = None) -> None:
+              stages: int | None = None, ahead: bool | None = None, dqacc: torch.Tensor | None = None,
+              dq_mode: int = 1) -> None:
     """Launch the Gluon dK/dV kernel on inputs that unsupported_backward() accepted: dK into dk, dV into dv
     (like k, v: (B, Hkv, Nk, D), TMA-aligned). lse and delta: (B, Hq, Nq) float32, contiguous. On q's device.
     stages: the Q/dO ring's depth, 2 to MAX_STAGES[D] (None: STAGES[D]). ahead: whether each consumer issues
     the next query block's score matmuls before this block's elementwise work (None: AHEAD[D]). dqacc: a
     contiguous (B, Hq, Nq, D) float32 buffer (zeros) into which the kernel also adds dS K, dQ unscaled (the
-    fused backward); None: no dQ."""
+    fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
+    the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both."""
+    if dqacc is not None and dq_mode not in (1, 2):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1 or 2")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):
@@ -84,18 +88,19 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
         lse if dqacc is None else dqacc,  # (not read without DQ)
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
-        AHEAD=AHEAD[D] if ahead is None else bool(ahead), DQ=dqacc is not None,
+        AHEAD=AHEAD[D] if ahead is None else bool(ahead), DQ=0 if dqacc is None else int(dq_mode),
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, causal: bool = True, sm_scale: float | None = None,
                     stages: int | None = None, ahead: bool | None = None,
-                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    fused: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of inputs the kernels take (a ValueError naming the reason otherwise), laid out like q, k, v.
-    No autograd: a test and benchmark entry point, called as kernels/flash/launch.py's _bwd. fused: the Gluon
-    kernel computes dQ too (into an fp32 accumulator with atomics, between the tl fused backward's delta and
-    zeroing pass and its dQ conversion) instead of the tl dQ kernel running first."""
+    No autograd: a test and benchmark entry point, called as kernels/flash/launch.py's _bwd. fused (1 or 2,
+    dkdv_into's dq_mode; 0: not): the Gluon kernel computes dQ too (into an fp32 accumulator with atomics,
+    between the tl fused backward's delta and zeroing pass and its dQ conversion) instead of the tl dQ kernel
+    running first."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] \
             or k.shape[1] < 1 or q.shape[1] % k.shape[1] or q.shape[2] < 1 or k.shape[2] < 1:
         raise ValueError(f"flash_hopper: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
@@ -120,7 +125,7 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             acc = _triton.empty((B, Hq, Nq, D), torch.float32, q.device)  # dQ, summed in fp32 by the kernel
             rows = dict(HEAD_DIM=D, BLOCK_D=D)
             _tl._launch("prep", Nq, Hq, B, q.dtype, (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq), rows)
-            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead, dqacc=acc)
+            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead, dqacc=acc, dq_mode=int(fused))
             _tl._launch("dqout", Nq, Hq, B, q.dtype, (acc, dq, None, None, *dq.stride(), *_tl._table_strides(None),
                                                       Hq, Nq, scale), dict(rows, ROPE=False))
         else:

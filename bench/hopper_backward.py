@@ -12,6 +12,8 @@ medians (it flushes L2 between runs):
           dS K into it with atomics besides dK and dV (each warpgroup its own keys' part), the tl pass
           converting dQ;
 * fused2  fused=2: the two warpgroups' dS through one shared buffer, each adding half of dQ's columns;
+* fused3  fused=3: as fused2, each warpgroup's half of dQ added through shared memory and a TMA reduce-add
+          per step instead of atomics per element (FlashAttention-3's way);
 * tl      kernels/flash/launch.py: _bwd, the split backward the model's flash call runs now;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 
@@ -37,6 +39,7 @@ from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
+FUSED_MODES = (1, 2, 3)  # hopper_backward(fused=...): the fused forms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,7 +76,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
                 lambda: launch._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale), rep=rep)
             row["dkdv"] = triton.testing.do_bench(
                 lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead), rep=rep)
-        for mode in (1, 2):
+        for mode in FUSED_MODES:
             fused = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode)
             row[f"fused{mode}_diff"] = max(_rel(a, b) for a, b in zip(fused, tl_grads))
             if row[f"fused{mode}_diff"] <= WRONG:
@@ -127,9 +130,10 @@ def main(argv=None) -> int:
              "dQ, dK, dV.", "",
              "Each kernel alone (ms): dQ, the tl dQ kernel both backwards launch first; Gluon dK/dV, the hopper "
              "backward's second kernel; tl dK/dV, tl's time less the dQ kernel's.", "",
-             "| B,H,N,D | causal | hopper | fused1 | fused2 | tl | cudnn | hopper / tl | hopper / cudnn | "
-             "fused1 / cudnn | fused2 / cudnn | dQ ms | Gluon dK/dV ms | tl dK/dV ms | diff | fused diffs |",
-             "| --- | --- | " + " | ".join("---:" for _ in range(14)) + " |"]
+             "| B,H,N,D | causal | hopper | " + " | ".join(f"fused{m}" for m in FUSED_MODES) + " | tl | cudnn | "
+             "hopper / tl | hopper / cudnn | " + " | ".join(f"fused{m} / cudnn" for m in FUSED_MODES) +
+             " | dQ ms | Gluon dK/dV ms | tl dK/dV ms | diff | fused diffs |",
+             "| --- | --- | " + " | ".join("---:" for _ in range(10 + 2 * len(FUSED_MODES))) + " |"]
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
@@ -150,11 +154,12 @@ def main(argv=None) -> int:
             diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
                 row.get("skipped", "—")
             fdiff = " / ".join(f"{row[f'fused{m}_diff']:.1e}" + (" WRONG" if row[f"fused{m}_diff"] > WRONG else "")
-                               for m in (1, 2) if f"fused{m}_diff" in row) or "—"
-            lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {cell('fused1')} | "
-                         f"{cell('fused2')} | {cell('tl')} | {cell('cudnn')} | {ratio('hopper', 'tl')} | "
-                         f"{ratio('hopper', 'cudnn')} | {ratio('fused1', 'cudnn')} | {ratio('fused2', 'cudnn')} | "
-                         f"{ms('dq')} | {ms('dkdv')} | {ms('tl', 'dq')} | {diff} | {fdiff} |")
+                               for m in FUSED_MODES if f"fused{m}_diff" in row) or "—"
+            fused_cells = " | ".join(cell(f"fused{m}") for m in FUSED_MODES)
+            fused_ratios = " | ".join(ratio(f"fused{m}", "cudnn") for m in FUSED_MODES)
+            lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {fused_cells} | "
+                         f"{cell('tl')} | {cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | "
+                         f"{fused_ratios} | {ms('dq')} | {ms('dkdv')} | {ms('tl', 'dq')} | {diff} | {fdiff} |")
             print(lines[-1], flush=True)
     write_report(args.out, "hopper_backward.md", lines)
     return 0

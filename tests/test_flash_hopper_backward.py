@@ -105,7 +105,7 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
-@pytest.mark.parametrize("fused", [1, 2])
+@pytest.mark.parametrize("fused", [1, 2, 3])
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
     """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator with atomics (no tl dQ
@@ -241,7 +241,7 @@ def compile_hopper_backward() -> list[dict]:
                         backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                                         torch.zeros(2, 4, 113), causal)
         for causal in (True, False):  # the fused forms (dQ in the Gluon kernel), head dim 64
-            for fused in (1, 2):
+            for fused in (1, 2, 3):
                 q = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
                 kv = torch.randn(2, 2, 203, 64).to(torch.bfloat16)
                 backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
@@ -278,7 +278,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     assert got == want | {("bf16", 128, causal, False) for causal in (True, False)}
     assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
     assert {(r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon if r["consts"].get("DQ")} == {
-        (causal, mode) for causal in (True, False) for mode in (1, 2)}  # the fused forms, d64
+        (causal, mode) for causal in (True, False) for mode in (1, 2, 3)}  # the fused forms, d64
 
 
 if __name__ == "__main__":

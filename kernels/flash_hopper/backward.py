@@ -49,6 +49,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .forward import _tma_load, _tma_store
 
+try:  # Triton >= 3.7 names it; 3.6 (what the H200 runs) has the op behind its builder only
+    _tma_reduce_add = tma.async_atomic_add
+except AttributeError:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile src into global memory at coord through TMA (cp.reduce.async.bulk.tensor
+        .add); completes like a TMA store (tma.store_wait)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
 # Partitions and register budgets as the forward's (kernels/flash_hopper/forward.py): 24 + 240 + 240 = 3 x 168.
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGS = gl.constexpr(24)  # the producer holds only scalars (tile coordinates, ring counters)
@@ -163,7 +177,7 @@ def _add_dq_part(dq, dqacc_ptr, row_base, start_m, Nq, COL0: gl.constexpr, BLOCK
 
 @gluon.jit
 def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq, offset, qk_scale, i,
-               first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr,
+               first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, AHEAD: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
@@ -224,7 +238,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
                                is_async=True)  # (BLOCK_M, DQ_COLS)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))  # dK's and dV's matmuls retire with it
             _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, c * DQ_COLS, BLOCK_M, HEAD_D, DQ_COLS)
-    elif DQ == 2:
+    elif DQ >= 2:
         # both warpgroups' dSᵀ in one shared buffer per step parity (2·BLOCK_N keys, BLOCK_M queries); each
         # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys, as two matmuls over the two
         # warpgroups' keys (k_dq: both K tiles): one atomic add per element and program instead of two.
@@ -249,13 +263,22 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
                            is_async=True)  # ... and over warpgroup 1's
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         mbarrier.arrive(ds_bars.index(2 + par), count=1)
-        _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
+        if DQ == 2:
+            _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
+        else:
+            # DQ == 3 (FA3's): dq goes through this warpgroup's fp32 buffer and one TMA reduce-add per step, whole
+            # lines added in L2 instead of an atomic per element; rows past Nq are clipped by the descriptor.
+            # The previous step's reduce, a step ago, has read the buffer by now (its wait rarely stalls)
+            tma.store_wait(0)
+            dq_smem.reshape([BLOCK_M, HALF]).store(dq)  # (BLOCK_M, HALF) fp32
+            fence_async_shared()
+            _tma_reduce_add(dqacc_ptr, [bh0 + g, start_m, WG * HALF], dq_smem)
     return dk, dv, pT_op, dsT_op
 
 
 @gluon.jit
 def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
-                qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, BLOCK_M: gl.constexpr,
+                qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                 GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr):
     """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
@@ -283,7 +306,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                               s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
-                                               dqacc_ptr, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
+                                               dqacc_ptr, dq_smem, bh0, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
             # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
             # values are taken by the next step's waits)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -292,7 +315,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             dpT = dpT_next
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
                                            offset, qk_scale, n - 1, first, n_blocks, k_dq, ds_smem, ds_bars,
-                                           dqacc_ptr, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
+                                           dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
     else:
@@ -300,7 +323,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
-                                               dqacc_ptr, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
+                                               dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG)
             # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
             # operands
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -310,7 +333,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
@@ -335,17 +358,23 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_ready.index(WG), 0)
-    if DQ == 2:  # dQ's matmuls read both warpgroups' K tiles
+    if DQ >= 2:  # dQ's matmuls read both warpgroups' K tiles
         mbarrier.wait(kv_ready.index(1 - WG), 0)
         k_dq = k_smem
         ds_mine = ds_smem
+        if DQ == 3:
+            dq_mine = dq_smem.index(WG)  # (1, BLOCK_M, HEAD_D // 2) fp32
+        else:
+            dq_mine = dq_smem
     else:
+        dq_mine = dq_smem
         k_dq = k
         ds_mine = ds_smem.index(WG)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq,
-                         offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, BLOCK_M,
+                         offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, dq_mine, b * Hq + hk * GROUP,
+                         BLOCK_M,
                          BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG)
-    if DQ == 2:  # the other warpgroup's last dQ matmuls read this one's K, which the epilogue overwrites
+    if DQ >= 2:  # the other warpgroup's last dQ matmuls read this one's K, which the epilogue overwrites
         last = n_blocks * GROUP - 1
         mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
 
@@ -363,23 +392,23 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
 
 @gluon.jit
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
-                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D,
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
               STAGES, CAUSAL, GQA, AHEAD, DQ)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
-                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+                     empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, BLOCK_M, BLOCK_N, HEAD_D,
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
               STAGES, CAUSAL, GQA, AHEAD, DQ)
 
 
@@ -420,10 +449,14 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     if DQ == 1:  # each consumer's dSᵀ, read back transposed as the A operand of its dQ matmul
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    elif DQ == 2:  # both consumers' dSᵀ, per step parity
+    elif DQ >= 2:  # both consumers' dSᵀ, per step parity
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)
     else:
         ds_smem = k_smem  # (not used)
+    if DQ == 3:  # each consumer's half of dQ's columns, fp32, the source of its TMA reduce-adds
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_D // 2], dqacc_ptr.layout)
+    else:
+        dq_smem = k_smem  # (not used)
     ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # DQ == 2: ready x2, free x2
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -440,10 +473,10 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                              BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
+                            ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
                      GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),

@@ -26,6 +26,10 @@ from ..flash import launch as _tl
 from .launch import AVAILABLE, _desc, _tma_ok, unsupported
 
 if AVAILABLE:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+if AVAILABLE:
     from . import backward as _backward
 
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
@@ -63,8 +67,8 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     contiguous (B, Hq, Nq, D) float32 buffer (zeros) into which the kernel also adds dS K, dQ unscaled (the
     fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
     the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both."""
-    if dqacc is not None and dq_mode not in (1, 2):
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1 or 2")
+    if dqacc is not None and dq_mode not in (1, 2, 3):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2 or 3")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):
@@ -86,10 +90,19 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
-        lse if dqacc is None else dqacc,  # (not read without DQ)
+        lse if dqacc is None else _dq_desc(dqacc) if dq_mode == 3 else dqacc,  # (not read without DQ)
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
         AHEAD=AHEAD[D] if ahead is None else bool(ahead), DQ=0 if dqacc is None else int(dq_mode),
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+
+
+def _dq_desc(dqacc: torch.Tensor):
+    """The TMA descriptor of the fused form's fp32 dQ accumulator (B, Hq, Nq, D), contiguous, as (B·Hq, Nq, D):
+    each consumer warpgroup adds (1, BLOCK_M, D / 2) blocks, half of dQ's columns."""
+    B, Hq, Nq, D = dqacc.shape
+    block = [1, BLOCK_M, D // 2]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dqacc, [B * Hq, Nq, D], [Nq * D, D, 1], block, layout)
 
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

@@ -47,7 +47,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int | None = None,
-            ahead: bool | None = None, fused_modes=FUSED_MODES, longest_first: bool | None = None) -> dict:
+            ahead: bool | None = None) -> dict:
     """ms per backward of each provider at one shape, and hopper's difference from tl's gradients."""
     import triton.testing
     import torch.nn.functional as F
@@ -64,27 +64,24 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
     row["tl"] = triton.testing.do_bench(lambda: launch._bwd(do, q, k, v, o, lse, causal, scale), rep=rep)
     reason = unsupported_backward(do, q, k, v, o)
     if reason is None:
-        grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, longest_first=longest_first)
+        grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead)
         row["diff"] = max(_rel(a, b) for a, b in zip(grads, tl_grads))
         if row["diff"] <= WRONG:
             row["hopper"] = triton.testing.do_bench(
-                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, longest_first=longest_first), rep=rep)
+                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead), rep=rep)
             # each kernel alone: the dQ kernel (shared by both), the Gluon dK/dV kernel after it
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
             delta = torch.empty_like(lse)
             row["dq"] = triton.testing.do_bench(
                 lambda: launch._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale), rep=rep)
             row["dkdv"] = triton.testing.do_bench(
-                lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead,
-                                  longest_first=longest_first), rep=rep)
-        for mode in fused_modes:
-            fused = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode,
-                                   longest_first=longest_first)
+                lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead), rep=rep)
+        for mode in FUSED_MODES:
+            fused = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode)
             row[f"fused{mode}_diff"] = max(_rel(a, b) for a, b in zip(fused, tl_grads))
             if row[f"fused{mode}_diff"] <= WRONG:
                 row[f"fused{mode}"] = triton.testing.do_bench(
-                    lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode,
-                                   longest_first=longest_first),
+                    lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode),
                     rep=rep)
     else:
         row["skipped"] = reason
@@ -109,11 +106,6 @@ def main(argv=None) -> int:
     p.add_argument("--ahead", choices=["auto", "on", "off"], default="auto",
                    help="issue the next query block's score matmuls before this block's elementwise work "
                         "(auto: the kernel's default per head dim)")
-    p.add_argument("--fused", nargs="*", type=int, choices=FUSED_MODES, default=list(FUSED_MODES),
-                   help="the fused forms to time (hopper_backward's fused=)")
-    p.add_argument("--order", choices=["auto", "longest", "tile"], default="auto",
-                   help="the Gluon kernel's program order: longest first (the default when causal) or key tile "
-                        "fastest (the default otherwise)")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
@@ -130,7 +122,6 @@ def main(argv=None) -> int:
         print("error: the Hopper backward needs an sm_90 GPU (none here)", file=sys.stderr)
         return 2
     causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
-    modes = tuple(args.fused)
     lines = ["# The attention backward alone: Gluon dK/dV (hopper) against tl and cuDNN", "",
              f"`python bench/hopper_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}` at commit "
              f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
@@ -139,15 +130,14 @@ def main(argv=None) -> int:
              "dQ, dK, dV.", "",
              "Each kernel alone (ms): dQ, the tl dQ kernel both backwards launch first; Gluon dK/dV, the hopper "
              "backward's second kernel; tl dK/dV, tl's time less the dQ kernel's.", "",
-             "| B,H,N,D | causal | hopper | " + " | ".join(f"fused{m}" for m in modes) + " | tl | cudnn | "
-             "hopper / tl | hopper / cudnn | " + " | ".join(f"fused{m} / cudnn" for m in modes) +
+             "| B,H,N,D | causal | hopper | " + " | ".join(f"fused{m}" for m in FUSED_MODES) + " | tl | cudnn | "
+             "hopper / tl | hopper / cudnn | " + " | ".join(f"fused{m} / cudnn" for m in FUSED_MODES) +
              " | dQ ms | Gluon dK/dV ms | tl dK/dV ms | diff | fused diffs |",
-             "| --- | --- | " + " | ".join("---:" for _ in range(10 + 2 * len(modes))) + " |"]
+             "| --- | --- | " + " | ".join("---:" for _ in range(10 + 2 * len(FUSED_MODES))) + " |"]
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
-            row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused,
-                          {"auto": None, "longest": True, "tile": False}[args.order])
+            row = measure(B, H, N, D, causal, args.rep, args.stages, ahead)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 
             def cell(name):
@@ -164,9 +154,9 @@ def main(argv=None) -> int:
             diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
                 row.get("skipped", "—")
             fdiff = " / ".join(f"{row[f'fused{m}_diff']:.1e}" + (" WRONG" if row[f"fused{m}_diff"] > WRONG else "")
-                               for m in modes if f"fused{m}_diff" in row) or "—"
-            fused_cells = " | ".join(cell(f"fused{m}") for m in modes)
-            fused_ratios = " | ".join(ratio(f"fused{m}", "cudnn") for m in modes)
+                               for m in FUSED_MODES if f"fused{m}_diff" in row) or "—"
+            fused_cells = " | ".join(cell(f"fused{m}") for m in FUSED_MODES)
+            fused_ratios = " | ".join(ratio(f"fused{m}", "cudnn") for m in FUSED_MODES)
             lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {fused_cells} | "
                          f"{cell('tl')} | {cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | "
                          f"{fused_ratios} | {ms('dq')} | {ms('dkdv')} | {ms('tl', 'dq')} | {diff} | {fdiff} |")

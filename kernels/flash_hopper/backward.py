@@ -89,26 +89,6 @@ def _query_blocks(start_n, Nq, offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _program_tile(Hkv, Nk, BLOCK_N: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-    """(key tile, kv head, batch) of this program, from its index in the 1-d grid of n_tiles · Hkv · B. The key
-    tile varies fastest (the programs running together read one head's Q and dO), or with LONGEST_FIRST (causal:
-    tile 0 sees the most query blocks) slowest, so the longest programs start first and the short ones fill in
-    at the end."""
-    pid = gl.program_id(0)
-    n_tiles = gl.cdiv(Nk, 2 * BLOCK_N)
-    if LONGEST_FIRST:
-        heads = gl.num_programs(0) // n_tiles  # Hkv · B
-        pid_n = pid // heads
-        hk = pid % Hkv
-        b = (pid % heads) // Hkv
-    else:
-        pid_n = pid % n_tiles
-        hk = (pid // n_tiles) % Hkv
-        b = pid // (n_tiles * Hkv)
-    return pid_n, hk, b
-
-
-@gluon.jit
 def _step_coords(i, first, n_blocks, GQA: gl.constexpr, BLOCK_M: gl.constexpr):
     """(query head within the group, first query row) of step i of a flat loop over the group's heads and the
     n_blocks query blocks from row `first` (head-major: each head's blocks in order)."""
@@ -143,12 +123,14 @@ def _load_steps(q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk, GROUP, fi
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty, Hq,
-              GROUP, Nq, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty, GROUP,
+              Nq, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
     """K and V of each consumer's keys (once), then Q and dO of every step into the ring. Out-of-range rows
     (past Nq or Nk: the 4-d descriptors' bounds) arrive as zeros."""
-    pid_n, hk, b = _program_tile(Hq // GROUP, Nq + offset, BLOCK_N, LONGEST_FIRST)
+    pid_n = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
     start_n = pid_n * (2 * BLOCK_N)
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * k_desc.dtype.primitive_bitwidth // 8
     for w in gl.static_range(2):
@@ -353,8 +335,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
               ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-              LONGEST_FIRST: gl.constexpr):
+              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
     the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -364,7 +345,9 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
                                                          instr_shape=[16, HEAD_D, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    pid_n, hk, b = _program_tile(Hq // GROUP, Nq + offset, BLOCK_N, LONGEST_FIRST)
+    pid_n = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
     start_n = pid_n * (2 * BLOCK_N)
     row0 = start_n + WG * BLOCK_N  # this warpgroup's first key
     lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
@@ -411,24 +394,22 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                       empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-              LONGEST_FIRST: gl.constexpr):
+                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
               Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ, LONGEST_FIRST)
+              STAGES, CAUSAL, GQA, AHEAD, DQ)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-              LONGEST_FIRST: gl.constexpr):
+                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
               Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ, LONGEST_FIRST)
+              STAGES, CAUSAL, GQA, AHEAD, DQ)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -440,7 +421,7 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_sm
 def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, Hq, GROUP, Nq,
                           offset, qk_scale, sm_scale, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-                          AHEAD: gl.constexpr, DQ: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+                          AHEAD: gl.constexpr, DQ: gl.constexpr):
     """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
     that read them.
 
@@ -493,10 +474,10 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     gl.warp_specialize([
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
                              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, LONGEST_FIRST)),
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                            BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, LONGEST_FIRST)),
+                            BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                     Hq, GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, LONGEST_FIRST)),
+                     GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

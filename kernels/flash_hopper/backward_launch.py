@@ -59,7 +59,7 @@ def unsupported_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
               delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, sm_scale: float,
               stages: int | None = None, ahead: bool | None = None, dqacc: torch.Tensor | None = None,
-              dq_mode: int = 1, longest_first: bool | None = None) -> None:
+              dq_mode: int = 1) -> None:
     """Launch the Gluon dK/dV kernel on inputs that unsupported_backward() accepted: dK into dk, dV into dv
     (like k, v: (B, Hkv, Nk, D), TMA-aligned). lse and delta: (B, Hq, Nq) float32, contiguous. On q's device.
     stages: the Q/dO ring's depth, 2 to MAX_STAGES[D] (None: STAGES[D]). ahead: whether each consumer issues
@@ -86,14 +86,13 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if t.shape != (B, Hq, Nq) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
                              f"{tuple(t.shape)} {t.dtype}")
-    grid = (-(-Nk // (2 * BLOCK_N)) * Hkv * B, )
+    grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
         lse if dqacc is None else _dq_desc(dqacc) if dq_mode == 3 else dqacc,  # (not read without DQ)
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
         AHEAD=AHEAD[D] if ahead is None else bool(ahead), DQ=0 if dqacc is None else int(dq_mode),
-        LONGEST_FIRST=bool(causal) if longest_first is None else bool(longest_first),
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 
@@ -108,8 +107,8 @@ def _dq_desc(dqacc: torch.Tensor):
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, causal: bool = True, sm_scale: float | None = None,
-                    stages: int | None = None, ahead: bool | None = None, fused: int = 0,
-                    longest_first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    stages: int | None = None, ahead: bool | None = None,
+                    fused: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of inputs the kernels take (a ValueError naming the reason otherwise), laid out like q, k, v.
     No autograd: a test and benchmark entry point, called as kernels/flash/launch.py's _bwd. fused (1 or 2,
     dkdv_into's dq_mode; 0: not): the Gluon kernel computes dQ too (into an fp32 accumulator with atomics,
@@ -139,12 +138,10 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             acc = _triton.empty((B, Hq, Nq, D), torch.float32, q.device)  # dQ, summed in fp32 by the kernel
             rows = dict(HEAD_DIM=D, BLOCK_D=D)
             _tl._launch("prep", Nq, Hq, B, q.dtype, (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq), rows)
-            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead, dqacc=acc, dq_mode=int(fused),
-                      longest_first=longest_first)
+            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead, dqacc=acc, dq_mode=int(fused))
             _tl._launch("dqout", Nq, Hq, B, q.dtype, (acc, dq, None, None, *dq.stride(), *_tl._table_strides(None),
                                                       Hq, Nq, scale), dict(rows, ROPE=False))
         else:
             _tl._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale)  # dQ, and delta for the dK/dV kernel
-            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead,
-                      longest_first=longest_first)
+            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead)
     return dq, dk, dv

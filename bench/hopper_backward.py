@@ -1,7 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
-                                    [--ahead auto|on|off] [--rep 100] [--out DIR]
+                                    [--ahead auto|on|off] [--fused 1 2 3] [--rep 100] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -47,7 +47,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int | None = None,
-            ahead: bool | None = None) -> dict:
+            ahead: bool | None = None, fused_modes=FUSED_MODES) -> dict:
     """ms per backward of each provider at one shape, and hopper's difference from tl's gradients."""
     import triton.testing
     import torch.nn.functional as F
@@ -76,7 +76,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
                 lambda: launch._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale), rep=rep)
             row["dkdv"] = triton.testing.do_bench(
                 lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead), rep=rep)
-        for mode in FUSED_MODES:
+        for mode in fused_modes:
             fused = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode)
             row[f"fused{mode}_diff"] = max(_rel(a, b) for a, b in zip(fused, tl_grads))
             if row[f"fused{mode}_diff"] <= WRONG:
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--ahead", choices=["auto", "on", "off"], default="auto",
                    help="issue the next query block's score matmuls before this block's elementwise work "
                         "(auto: the kernel's default per head dim)")
+    p.add_argument("--fused", nargs="*", type=int, choices=FUSED_MODES, default=list(FUSED_MODES),
+                   help="the fused forms to time (hopper_backward's fused=)")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
@@ -122,6 +124,7 @@ def main(argv=None) -> int:
         print("error: the Hopper backward needs an sm_90 GPU (none here)", file=sys.stderr)
         return 2
     causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
+    modes = tuple(args.fused)
     lines = ["# The attention backward alone: Gluon dK/dV (hopper) against tl and cuDNN", "",
              f"`python bench/hopper_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}` at commit "
              f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
@@ -130,14 +133,14 @@ def main(argv=None) -> int:
              "dQ, dK, dV.", "",
              "Each kernel alone (ms): dQ, the tl dQ kernel both backwards launch first; Gluon dK/dV, the hopper "
              "backward's second kernel; tl dK/dV, tl's time less the dQ kernel's.", "",
-             "| B,H,N,D | causal | hopper | " + " | ".join(f"fused{m}" for m in FUSED_MODES) + " | tl | cudnn | "
-             "hopper / tl | hopper / cudnn | " + " | ".join(f"fused{m} / cudnn" for m in FUSED_MODES) +
+             "| B,H,N,D | causal | hopper | " + " | ".join(f"fused{m}" for m in modes) + " | tl | cudnn | "
+             "hopper / tl | hopper / cudnn | " + " | ".join(f"fused{m} / cudnn" for m in modes) +
              " | dQ ms | Gluon dK/dV ms | tl dK/dV ms | diff | fused diffs |",
-             "| --- | --- | " + " | ".join("---:" for _ in range(10 + 2 * len(FUSED_MODES))) + " |"]
+             "| --- | --- | " + " | ".join("---:" for _ in range(10 + 2 * len(modes))) + " |"]
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
-            row = measure(B, H, N, D, causal, args.rep, args.stages, ahead)
+            row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 
             def cell(name):
@@ -154,9 +157,9 @@ def main(argv=None) -> int:
             diff = f"{row['diff']:.1e}" + (" WRONG" if row["diff"] > WRONG else "") if "diff" in row else \
                 row.get("skipped", "—")
             fdiff = " / ".join(f"{row[f'fused{m}_diff']:.1e}" + (" WRONG" if row[f"fused{m}_diff"] > WRONG else "")
-                               for m in FUSED_MODES if f"fused{m}_diff" in row) or "—"
-            fused_cells = " | ".join(cell(f"fused{m}") for m in FUSED_MODES)
-            fused_ratios = " | ".join(ratio(f"fused{m}", "cudnn") for m in FUSED_MODES)
+                               for m in modes if f"fused{m}_diff" in row) or "—"
+            fused_cells = " | ".join(cell(f"fused{m}") for m in modes)
+            fused_ratios = " | ".join(ratio(f"fused{m}", "cudnn") for m in modes)
             lines.append(f"| {row['shape']} | {'yes' if causal else 'no'} | {cell('hopper')} | {fused_cells} | "
                          f"{cell('tl')} | {cell('cudnn')} | {ratio('hopper', 'tl')} | {ratio('hopper', 'cudnn')} | "
                          f"{fused_ratios} | {ms('dq')} | {ms('dkdv')} | {ms('tl', 'dq')} | {diff} | {fdiff} |")

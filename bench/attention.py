@@ -6,11 +6,12 @@
 For each (B, H, N, D) in the issue's list, causal and not, bf16: forward and backward TFLOP/s and peak memory
 (one forward + backward, above the inputs) of
 
-* flash       kernels.flash_attention as the model calls it: the forward the hopper_forward option's default
-              (auto) picks per shape and device, the tl backward (autotuned on first use of each shape bucket),
-* flash-tl    the same with hopper_forward off: the portable tl forward everywhere,
-* flash-hopper the same with hopper_forward on: the Gluon forward of kernels/flash_hopper/ (sm_90,
-              bf16/fp16, head dims 64 and 128), the tl backward (skipped where the Gluon kernel cannot run),
+* flash       kernels.flash_attention as the model calls it: the forward and backward the hopper_forward and
+              hopper_backward options' defaults (auto) pick per shape and device (the tl kernels autotuned on
+              first use of each shape bucket),
+* flash-tl    the same with both options off: the portable tl kernels everywhere,
+* flash-hopper the same with both on: the Gluon forward and fused backward of kernels/flash_hopper/ (sm_90,
+              bf16/fp16, head dims 64 and 128; skipped where the Gluon kernel cannot run),
 * sdpa-flash  F.scaled_dot_product_attention restricted to the FLASH_ATTENTION backend (FlashAttention-2),
 * sdpa-cudnn  the same restricted to the CUDNN_ATTENTION backend (skipped where that backend does not take the
               shape or dtype),
@@ -114,6 +115,11 @@ def flops(B, H, N, D, causal, mode):
     return f * (2.5 if mode == "bwd" else 1.0)
 
 
+# kernel options held while a provider is measured (its forward, and its backward, which autograd runs later)
+PINNED = {"flash-tl": dict(hopper_forward="off", hopper_backward="off"),
+          "flash-hopper": dict(hopper_forward="on", hopper_backward="on")}
+
+
 def make_provider(name, N, causal, q=None):
     """Returns fn(q, k, v) -> o on (B, H, N, D) tensors, or raises (Unavailable: it cannot run here; checked
     against q's shape and dtype when given)."""
@@ -123,15 +129,9 @@ def make_provider(name, N, causal, q=None):
     if name == "flash":
         from kernels.flash import flash_attention
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-    if name in ("flash-tl", "flash-hopper"):
-        from kernels import options
+    if name in ("flash-tl", "flash-hopper"):  # the options are pinned around the whole measurement (PINNED)
         from kernels.flash import flash_attention
-        mode = "on" if name == "flash-hopper" else "off"
-
-        def pinned(q, k, v):
-            with options.use(hopper_forward=mode):
-                return flash_attention(q, k, v, causal=causal)
-        return pinned
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
     if name in ("sdpa-flash", "sdpa-cudnn"):
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
 
@@ -498,6 +498,8 @@ def main(argv=None):
     shapes, providers = args.shapes, args.providers
     causals = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
     import triton
+
+    from kernels import options
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
@@ -532,7 +534,8 @@ def main(argv=None):
                         torch.cuda.synchronize()
                         print(f"warm {p} {shape} causal={causal}: {time.time() - t0:.1f}s", flush=True)
                         continue
-                    m = measure(p, fn, q, k, v, do, ref, args.warmup, args.rep)
+                    with options.use(**PINNED.get(p, {})):
+                        m = measure(p, fn, q, k, v, do, ref, args.warmup, args.rep)
                     if p == "sdpa-flash":
                         ref = fwd_bwd(fn, q, k, v, do)
                     m["fwd_tflops"] = flops(B, H, N, D, causal, "fwd") / (m["fwd_ms"] * 1e-3) / 1e12

@@ -45,7 +45,16 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         >= 1024 with B*Hq*Nq >= 262,144;
                                                                         kernels/flash/launch.py: HOPPER_AUTO_*),
                                                                         on = for every input it takes, off = never
-                                                                        (the backward is always tl)
+    hopper_backward            FLASHGPT_HOPPER_BWD=auto|on|off   auto   where the flash backward runs the Gluon
+                                                                        kernel (kernels/flash_hopper: dK, dV and
+                                                                        dQ by TMA reduce-adds in one kernel) on
+                                                                        sm_90: auto = for the inputs it takes where
+                                                                        it was measured faster than the tl
+                                                                        backward (head dim 128, >= 4096 queries
+                                                                        and keys; kernels/flash/launch.py:
+                                                                        HOPPER_BWD_AUTO_*), on = for every input
+                                                                        it takes (no window, documents or RoPE
+                                                                        tables), off = never
     decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch
@@ -105,6 +114,7 @@ class KernelOptions:
     decode_min_keys_per_split: int = 128
     llama_kernels: str = "torch"
     hopper_forward: str = "auto"
+    hopper_backward: str = "auto"
     decode_merge_in_split: bool = False
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
@@ -140,6 +150,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_min_keys_per_split": (lambda v: _is_int(v) and v >= 1, "expected an int >= 1"),
     "llama_kernels": (lambda v: v in LLAMA_KERNELS, f"expected one of {', '.join(LLAMA_KERNELS)}"),
     "hopper_forward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
+    "hopper_backward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
@@ -157,7 +168,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
-       "hopper_forward": "FLASHGPT_HOPPER_FWD", "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
+       "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
+       "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import kernels._triton as kt
-from kernels import flash_hopper, naive_attention, split_qkv
+from kernels import flash_attention, flash_attention_qkvpacked, flash_hopper, naive_attention, options, split_qkv
 from kernels.flash import launch
 from kernels.flash_hopper import backward_launch
 from kernels.flash_hopper import launch as hopper_launch
@@ -138,6 +138,90 @@ def test_other_schedule_matches_reference(case, D, request, poisoned):
     low = _naive_grads(q, k, v, do, causal)
     for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
         assert_within_budget(name, got, r, n)
+
+
+def _fwd_bwd(q, k, v, do, causal):
+    """o, dq, dk, dv of kernels.flash_attention."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention(q, k, v, causal=causal)
+    o.backward(do)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def _spy(monkeypatch):
+    """Record the Hopper backward's calls (their fused argument) and the tl launches' names."""
+    gluon, tl = [], []
+    real_bwd, real_launch = backward_launch.hopper_backward, launch._launch
+    monkeypatch.setattr(backward_launch, "hopper_backward",
+                        lambda *a, **kw: gluon.append(kw.get("fused")) or real_bwd(*a, **kw))
+    monkeypatch.setattr(launch, "_launch", lambda name, *a: tl.append(name) or real_launch(name, *a))
+    monkeypatch.setattr(launch, "_plan_key", lambda *args: None)  # every tl launch goes through _launch
+    return gluon, tl
+
+
+@on_sm90
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((2, 4, 2, 1023, 1023, True), 128, torch.bfloat16, id="causal-gqa-d128-bf16"),
+    pytest.param((1, 2, 2, 113, 1023, False), 64, torch.float16, id="full-Nq<Nk-d64-fp16"),
+    pytest.param((1, 2, 2, 1023, 113, True), 64, torch.bfloat16, id="causal-Nq>Nk-d64-bf16"),
+])
+def test_switch_runs_the_fused_gluon_backward(case, D, dtype, request, monkeypatch, poisoned):
+    """kernels.flash_attention's backward with hopper_backward on runs the Gluon kernel's fused form (fused=3:
+    the tl delta and dQ passes around it, no tl dQ or dK/dV kernel); off, the tl backward. Both within the
+    float64-reference budget."""
+    causal = case[-1]
+    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
+    gluon, tl = _spy(monkeypatch)
+    with options.use(hopper_backward="on"):
+        on = _fwd_bwd(q, k, v, do, causal)
+    assert gluon == [3] and {"prep", "dqout"} <= set(tl) and not {"dq", "dkdv", "dkdvq"} & set(tl), tl
+    tl.clear()
+    with options.use(hopper_backward="off"):
+        off = _fwd_bwd(q, k, v, do, causal)
+    assert gluon == [3] and "dkdv" in tl
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    low = _naive_grads(q, k, v, do, causal)
+    for name, a, b, r, n in zip(("dq", "dk", "dv"), on[1:], off[1:], ref, low):
+        assert_within_budget(f"{name} (switch on)", a, r, n)
+        assert_within_budget(f"{name} (switch off)", b, r, n)
+
+
+@on_sm90
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_backward_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
+    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon backward and head dim 64 the
+    tl backward; both within the float64-reference budget, with GQA."""
+    assert options.get().hopper_backward == "auto"
+    for D, want_gluon in ((128, True), (64, False)):
+        q, k, v, do = _inputs((1, 4, 2, 4096, 4096, causal), D, torch.bfloat16, seeded_generator(request))
+        gluon, tl = _spy(monkeypatch)
+        grads = _fwd_bwd(q, k, v, do, causal)[1:]
+        monkeypatch.undo()
+        assert (gluon == [3]) is want_gluon and ("dkdv" in tl) is not want_gluon, (D, gluon, tl)
+        ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+        low = _naive_grads(q, k, v, do, causal)
+        for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
+            assert_within_budget(f"{name} d{D}", got, r, n)
+
+
+@on_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_packed_gradient_through_the_gluon_backward(D, request, monkeypatch):
+    """The model's path: q, k, v as views of one projection; with hopper_backward on, the Gluon kernel writes
+    dK, dV (and the tl pass dQ) straight into d(qkv)'s slices: within the float64-reference budget."""
+    B, N, Hq, Hkv = 2, 333, 4, 2
+    g = seeded_generator(request)
+    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    do = torch.randn(B, Hq, N, D, generator=g).to("cuda", torch.bfloat16)
+    gluon, _ = _spy(monkeypatch)
+    with options.use(hopper_backward="on"):
+        flash_attention_qkvpacked(qkv, Hq, Hkv).backward(do)
+    assert gluon == [3]
+    ref_qkv = qkv.detach().double().requires_grad_()
+    naive_attention(*split_qkv(ref_qkv, Hq, Hkv), causal=True).backward(do.double())
+    low_qkv = qkv.detach().clone().requires_grad_()
+    naive_attention(*split_qkv(low_qkv, Hq, Hkv), causal=True).backward(do)
+    assert_within_budget("d(qkv)", qkv.grad, ref_qkv.grad, low_qkv.grad)
 
 
 @on_sm90

@@ -187,6 +187,40 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk
     assert launch._hopper_takes(mode, q, k, v, 0, None) is False
 
 
+@pytest.mark.parametrize("mode, D, Nq, Nk, extra, takes", [
+    ("auto", 128, 4096, 4096, {}, True),
+    ("auto", 128, 16384, 16384, {}, True),
+    ("auto", 128, 4095, 4096, {}, False),     # shorter than measured
+    ("auto", 128, 4096, 1024, {}, False),
+    ("auto", 64, 4096, 4096, {}, False),      # head dim 64: the fused Gluon backward was slower there
+    ("on", 64, 113, 113, {}, True),
+    ("on", 128, 4096, 4096, {"window": 256}, False),  # masks and RoPE tables are the tl kernels'
+    ("on", 128, 4096, 4096, {"docs": torch.zeros(2, dtype=torch.int32)}, False),
+    ("on", 128, 4096, 4096, {"rope": (None, None)}, False),
+    ("off", 128, 4096, 4096, {}, False),
+])
+def test_backward_dispatch_rule(mode, D, Nq, Nk, extra, takes, monkeypatch):
+    """The backward's rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128
+    with at least 4096 queries and keys, on whatever the kernel takes, off nothing; windows, documents and RoPE
+    tables stay with the tl kernels, and so does any input the kernel refuses."""
+    from kernels.flash import launch
+    q = torch.empty(1, 2, Nq, D)
+    k = v = torch.empty(1, 2, Nk, D)
+    bwd = launch._hopper_backward()
+    monkeypatch.setattr(bwd, "unsupported_backward", lambda *a: None)
+    args = dict(window=0, docs=None, rope=None, out=None) | extra
+    assert launch._hopper_bwd_takes(mode, q, q, k, v, q, **args) is takes
+    monkeypatch.setattr(bwd, "unsupported_backward", lambda *a: "refused")
+    assert launch._hopper_bwd_takes(mode, q, q, k, v, q, **args) is False
+
+
+def test_hopper_backward_option_values():
+    assert options.KernelOptions().hopper_backward == "auto"
+    assert options.from_env({"FLASHGPT_HOPPER_BWD": "off"}).hopper_backward == "off"
+    with pytest.raises(ValueError, match="FLASHGPT_HOPPER_BWD='1': expected one of auto, on, off"):
+        options.from_env({"FLASHGPT_HOPPER_BWD": "1"})
+
+
 def test_hopper_forward_option_values():
     assert options.KernelOptions().hopper_forward == "auto"
     assert options.from_env({"FLASHGPT_HOPPER_FWD": "off"}).hopper_forward == "off"

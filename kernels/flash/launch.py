@@ -369,6 +369,33 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return _hopper.unsupported(q, k, v, window, docs) is None
 
 
+# hopper_backward = "auto" sends the backward to the Gluon kernel's fused form (dQ added by TMA reduce-adds) where
+# the H200 timed it faster than the tl backward: head dim 128 at 4096 and 16384 tokens, 1.01-1.09x causal and
+# 1.08-1.13x not (bench/results/flash_hopper/fused_backward/). At head dim 64 it is slower (0.93-0.96x), and
+# shorter lengths were not measured.
+HOPPER_BWD_AUTO_HEAD_DIM = 128
+HOPPER_BWD_AUTO_MIN_LEN = 4096
+
+
+def _hopper_backward():
+    """kernels/flash_hopper/backward_launch.py, imported on first use: it launches this module's tl passes."""
+    from ..flash_hopper import backward_launch
+    return backward_launch
+
+
+def _hopper_bwd_takes(mode: str, do, q, k, v, o, window: int, docs, rope, out) -> bool:
+    """Whether the backward goes to the Gluon kernel under hopper_backward = mode ("auto" | "on" | "off"): no
+    window, documents or RoPE tables, inputs (and out's dk, dv) the kernel takes."""
+    if mode == "off" or window or docs is not None or rope is not None:
+        return False
+    if mode == "auto" and not (q.shape[-1] == HOPPER_BWD_AUTO_HEAD_DIM
+                               and min(q.shape[-2], k.shape[-2]) >= HOPPER_BWD_AUTO_MIN_LEN):
+        return False
+    if _hopper_backward().unsupported_backward(do, q, k, v, o) is not None:
+        return False
+    return out is None or all(_hopper.launch._tma_ok(t) for t in out[1:])
+
+
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float, window: int = 0,
          docs: torch.Tensor | None = None):
     """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled).
@@ -409,6 +436,9 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
     (N, D) or (B, N, D) tables; Nq = Nk = N, D a power of two >= 16): q and k are RoPE-rotated, and dq, dk
     come back rotated back (the ROPE kernels)."""
     opts = _options.get()
+    if _hopper_bwd_takes(opts.hopper_backward, do, q, k, v, o, window, docs, rope, out):
+        with _triton.device_guard(q):  # (no launch plan: the Gluon launch builds its TMA descriptors per call)
+            return _hopper_backward().hopper_backward(do, q, k, v, o, lse, causal, sm_scale, fused=3, out=out)
     key = _plan_key(_masked("bwd", window, docs, rope), opts,
                     _with_docs((do, q, k, v, o, lse, *(out or ())), docs, rope), causal, sm_scale)
     cos, sin = rope or (None, None)

@@ -33,7 +33,10 @@ back transposed) and adds it, unscaled, into an fp32 accumulator with atomics, i
 column slices of at most 64; the launcher zeroes the accumulator and stores delta before (the tl _attn_bwd_prep)
 and scales and converts dQ after (_attn_bwd_dq_out). With DQ = 2 both warpgroups put their dSᵀ into one
 buffer per step parity (mbarriers in both directions), and each computes half of dQ's columns over all
-2·BLOCK_N keys: half the atomic adds.
+2·BLOCK_N keys: half the atomic adds. DQ = 3 (FA3's, the one kernels.flash_attention runs) is DQ = 2 with each
+warpgroup's half stored into its own fp32 shared buffer and added by one TMA reduce-add per step
+(cp.reduce.async.bulk.tensor), whole lines added in L2 instead of an atomic per element: 1.1-1.3x DQ = 2's
+backward, 1.3-1.7x DQ = 1's at 4096 tokens (bench/results/flash_hopper/fused_backward/).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
@@ -438,8 +441,9 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
-    off). DQ (1 or 2; 0: not): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32, contiguous, zeroed; not
-    read without DQ).
+    off). DQ (1, 2 or 3; 0: not): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32, contiguous, zeroed; not
+    read without DQ; with DQ = 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D), blocks (1, BLOCK_M,
+    HEAD_D / 2) fp32).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring

@@ -14,7 +14,7 @@ medians (it flushes L2 between runs):
 * fused2  fused=2: the two warpgroups' dS through one shared buffer, each adding half of dQ's columns;
 * fused3  fused=3: as fused2, each warpgroup's half of dQ added through shared memory and a TMA reduce-add
           per step instead of atomics per element (FlashAttention-3's way);
-* tl      kernels/flash/launch.py: _bwd, the split backward the model's flash call runs now;
+* tl      kernels/flash/launch.py: _bwd with hopper_backward off: the tl split backward;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 
 Before timing, hopper's dQ, dK, dV are compared with tl's (largest relative L2 difference, column "diff"); a
@@ -53,6 +53,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from kernels import options
     from kernels.flash import launch
     from kernels.flash_hopper.backward_launch import dkdv_into, hopper_backward, unsupported_backward
     scale = D ** -0.5
@@ -60,8 +61,11 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
     do = torch.randn_like(q)
     o, lse = launch._fwd(q, k, v, causal, scale)  # (B, H, N, D), (B, H, N)
     row = {"shape": f"{B},{H},{N},{D}", "causal": causal}
-    tl_grads = launch._bwd(do, q, k, v, o, lse, causal, scale)
-    row["tl"] = triton.testing.do_bench(lambda: launch._bwd(do, q, k, v, o, lse, causal, scale), rep=rep)
+    def tl():  # the tl backward, whatever the hopper_backward option's default would pick
+        with options.use(hopper_backward="off"):
+            return launch._bwd(do, q, k, v, o, lse, causal, scale)
+    tl_grads = tl()
+    row["tl"] = triton.testing.do_bench(tl, rep=rep)
     reason = unsupported_backward(do, q, k, v, o)
     if reason is None:
         grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead)

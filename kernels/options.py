@@ -50,8 +50,9 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         dQ by TMA reduce-adds in one kernel) on
                                                                         sm_90: auto = for the inputs it takes where
                                                                         it was measured faster than the tl
-                                                                        backward (head dim 128, >= 4096 queries
-                                                                        and keys; kernels/flash/launch.py:
+                                                                        backward (head dim 128, not causal,
+                                                                        >= 4096 queries and keys;
+                                                                        kernels/flash/launch.py:
                                                                         HOPPER_BWD_AUTO_*), on = for every input
                                                                         it takes (no window, documents or RoPE
                                                                         tables), off = never

@@ -190,6 +190,8 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk
 @pytest.mark.parametrize("mode, D, Nq, Nk, extra, takes", [
     ("auto", 128, 4096, 4096, {}, True),
     ("auto", 128, 16384, 16384, {}, True),
+    ("auto", 128, 4096, 4096, {"causal": True}, False),  # causal: level with the tl backward
+    ("on", 128, 4096, 4096, {"causal": True}, True),
     ("auto", 128, 4095, 4096, {}, False),     # shorter than measured
     ("auto", 128, 4096, 1024, {}, False),
     ("auto", 64, 4096, 4096, {}, False),      # head dim 64: the fused Gluon backward was slower there
@@ -200,15 +202,15 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk
     ("off", 128, 4096, 4096, {}, False),
 ])
 def test_backward_dispatch_rule(mode, D, Nq, Nk, extra, takes, monkeypatch):
-    """The backward's rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128
-    with at least 4096 queries and keys, on whatever the kernel takes, off nothing; windows, documents and RoPE
-    tables stay with the tl kernels, and so does any input the kernel refuses."""
+    """The backward's rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128,
+    not causal, with at least 4096 queries and keys, on whatever the kernel takes, off nothing; windows,
+    documents and RoPE tables stay with the tl kernels, and so does any input the kernel refuses."""
     from kernels.flash import launch
     q = torch.empty(1, 2, Nq, D)
     k = v = torch.empty(1, 2, Nk, D)
     bwd = launch._hopper_backward()
     monkeypatch.setattr(bwd, "unsupported_backward", lambda *a: None)
-    args = dict(window=0, docs=None, rope=None, out=None) | extra
+    args = dict(causal=False, window=0, docs=None, rope=None, out=None) | extra
     assert launch._hopper_bwd_takes(mode, q, q, k, v, q, **args) is takes
     monkeypatch.setattr(bwd, "unsupported_backward", lambda *a: "refused")
     assert launch._hopper_bwd_takes(mode, q, q, k, v, q, **args) is False

@@ -370,9 +370,9 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 # hopper_backward = "auto" sends the backward to the Gluon kernel's fused form (dQ added by TMA reduce-adds) where
-# the H200 timed it faster than the tl backward: head dim 128 at 4096 and 16384 tokens, 1.01-1.09x causal and
-# 1.08-1.13x not (bench/results/flash_hopper/fused_backward/). At head dim 64 it is slower (0.93-0.96x), and
-# shorter lengths were not measured.
+# the H200 timed it faster than the tl backward: head dim 128, not causal, at 4096 and 16384 tokens (1.08-1.19x,
+# bench/results/flash_hopper/fused_backward/). Causal it is level (0.97-1.09x across runs), at head dim 64
+# slower (0.91-0.96x), and shorter lengths were not measured: the tl backward keeps those.
 HOPPER_BWD_AUTO_HEAD_DIM = 128
 HOPPER_BWD_AUTO_MIN_LEN = 4096
 
@@ -383,13 +383,13 @@ def _hopper_backward():
     return backward_launch
 
 
-def _hopper_bwd_takes(mode: str, do, q, k, v, o, window: int, docs, rope, out) -> bool:
+def _hopper_bwd_takes(mode: str, do, q, k, v, o, causal: bool, window: int, docs, rope, out) -> bool:
     """Whether the backward goes to the Gluon kernel under hopper_backward = mode ("auto" | "on" | "off"): no
     window, documents or RoPE tables, inputs (and out's dk, dv) the kernel takes."""
     if mode == "off" or window or docs is not None or rope is not None:
         return False
-    if mode == "auto" and not (q.shape[-1] == HOPPER_BWD_AUTO_HEAD_DIM
-                               and min(q.shape[-2], k.shape[-2]) >= HOPPER_BWD_AUTO_MIN_LEN):
+    if mode == "auto" and (causal or q.shape[-1] != HOPPER_BWD_AUTO_HEAD_DIM
+                           or min(q.shape[-2], k.shape[-2]) < HOPPER_BWD_AUTO_MIN_LEN):
         return False
     if _hopper_backward().unsupported_backward(do, q, k, v, o) is not None:
         return False
@@ -436,7 +436,7 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
     (N, D) or (B, N, D) tables; Nq = Nk = N, D a power of two >= 16): q and k are RoPE-rotated, and dq, dk
     come back rotated back (the ROPE kernels)."""
     opts = _options.get()
-    if _hopper_bwd_takes(opts.hopper_backward, do, q, k, v, o, window, docs, rope, out):
+    if _hopper_bwd_takes(opts.hopper_backward, do, q, k, v, o, causal, window, docs, rope, out):
         with _triton.device_guard(q):  # (no launch plan: the Gluon launch builds its TMA descriptors per call)
             return _hopper_backward().hopper_backward(do, q, k, v, o, lse, causal, sm_scale, fused=3, out=out)
     key = _plan_key(_masked("bwd", window, docs, rope), opts,

@@ -13,7 +13,7 @@ The backward (backward_launch.hopper_backward(do, q, k, v, o, lse, causal, sm_sc
 is a Gluon dK/dV kernel in FA3's structure with the tl backward's inputs and outputs: after the tl dQ kernel
 (fused=0), or adding dQ itself (fused=1, 2, 3; 3 by TMA reduce-adds, the fastest). kernels.flash_attention's
 backward runs fused=3 where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it the inputs: "auto" at
-head dim 128 with at least 4096 queries and keys (kernels/flash/launch.py: _hopper_bwd_takes), "on" always,
+head dim 128, not causal, with at least 4096 queries and keys (kernels/flash/launch.py: _hopper_bwd_takes), "on" always,
 "off" never; elsewhere the tl backward, which reads either forward's O and log-sum-exp. backward_launch is not
 imported here: it calls kernels/flash's tl passes, and kernels/flash imports this package for the forward.
 

@@ -108,9 +108,10 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 @pytest.mark.parametrize("fused", [1, 2, 3])
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
-    """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator with atomics (no tl dQ
-    kernel), each warpgroup its own keys' part (1) or half the columns over both warpgroups' keys through one
-    shared dS buffer (2); the same float64-reference criterion on every case."""
+    """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator (no tl dQ kernel): each
+    warpgroup its own keys' part with atomics (1); half the columns over both warpgroups' keys through one
+    shared dS buffer, with atomics (2) or a TMA reduce-add from shared memory (3). The same float64-reference
+    criterion on every case."""
     causal = case[-1]
     q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)

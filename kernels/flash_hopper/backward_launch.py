@@ -34,7 +34,6 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-if AVAILABLE:
     from . import backward as _backward
 
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
@@ -71,7 +70,8 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     the next query block's score matmuls before this block's elementwise work (None: AHEAD[D]). dqacc: a
     contiguous (B, Hq, Nq, D) float32 buffer (zeros) into which the kernel also adds dS K, dQ unscaled (the
     fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
-    the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both."""
+    the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both; 3, as 2
+    with TMA reduce-adds instead of atomics."""
     if dqacc is not None and dq_mode not in (1, 2, 3):
         raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2 or 3")
     B, Hq, Nq, D = q.shape
@@ -117,7 +117,7 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """dq, dk, dv of inputs the kernels take (a ValueError naming the reason otherwise), laid out like q, k, v,
     or written into out = (dq, dk, dv) when given (views of one packed gradient). No autograd: called as
     kernels/flash/launch.py's _bwd (which runs it with fused=3 where the hopper_backward option sends it).
-    fused (dkdv_into's dq_mode 1, 2 or 3; 0: not): the Gluon kernel computes dQ too, into an fp32 accumulator
+    fused (dkdv_into's dq_mode; 0: not): the Gluon kernel computes dQ too, into an fp32 accumulator
     between the tl fused backward's delta and zeroing pass and its dQ conversion, instead of the tl dQ kernel
     running first; 3 (TMA reduce-adds) is the fastest form (bench/results/flash_hopper/fused_backward/)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] \

@@ -7,7 +7,7 @@ For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fw
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
 medians (it flushes L2 between runs):
 
-* hopper  kernels.flash_hopper.backward_launch.hopper_backward: the tl dQ kernel, then the Gluon dK/dV kernel;
+* hopper  kernels/flash/launch.py: _hopper_bwd, the tl dQ kernel, then the Gluon dK/dV kernel;
 * fused1  the same with fused=1: the tl pass storing delta and zeroing an fp32 dQ, the Gluon kernel adding
           dS K into it with atomics besides dK and dV (each warpgroup its own keys' part), the tl pass
           converting dQ;
@@ -39,7 +39,7 @@ from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
-FUSED_MODES = (1, 2, 3)  # hopper_backward(fused=...): the fused forms
+FUSED_MODES = (1, 2, 3)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,7 +55,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
 
     from kernels import options
     from kernels.flash import launch
-    from kernels.flash_hopper.backward_launch import dkdv_into, hopper_backward, unsupported_backward
+    from kernels.flash_hopper.backward_launch import dkdv_into, unsupported_backward
     scale = D ** -0.5
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -68,11 +68,11 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
     row["tl"] = triton.testing.do_bench(tl, rep=rep)
     reason = unsupported_backward(do, q, k, v, o)
     if reason is None:
-        grads = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead)
+        grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, scale, stages, ahead)
         row["diff"] = max(_rel(a, b) for a, b in zip(grads, tl_grads))
         if row["diff"] <= WRONG:
             row["hopper"] = triton.testing.do_bench(
-                lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead), rep=rep)
+                lambda: launch._hopper_bwd(do, q, k, v, o, lse, causal, scale, stages, ahead), rep=rep)
             # each kernel alone: the dQ kernel (shared by both), the Gluon dK/dV kernel after it
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
             delta = torch.empty_like(lse)
@@ -81,11 +81,11 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, rep: int, stages: int 
             row["dkdv"] = triton.testing.do_bench(
                 lambda: dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead), rep=rep)
         for mode in fused_modes:
-            fused = hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode)
+            fused = launch._hopper_bwd(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode)
             row[f"fused{mode}_diff"] = max(_rel(a, b) for a, b in zip(fused, tl_grads))
             if row[f"fused{mode}_diff"] <= WRONG:
                 row[f"fused{mode}"] = triton.testing.do_bench(
-                    lambda: hopper_backward(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode),
+                    lambda: launch._hopper_bwd(do, q, k, v, o, lse, causal, scale, stages, ahead, fused=mode),
                     rep=rep)
     else:
         row["skipped"] = reason

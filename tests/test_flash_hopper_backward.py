@@ -1,4 +1,4 @@
-"""The Hopper backward (kernels/flash_hopper/backward_launch.py: the tl dQ kernel, then the Gluon dK/dV kernel).
+"""The Hopper backward: kernels/flash/launch.py's _hopper_bwd around the Gluon dK/dV kernel (kernels/flash_hopper).
 
 On an sm_90 GPU: dq, dk, dv of fresh random inputs against a float64 reference (autograd through naive
 attention), within the suite's error budget (tests/error_budget.py) of naive attention's gradients computed in
@@ -95,7 +95,7 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
     q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)
     o, lse = launch._fwd(q, k, v, causal, scale)  # (B, Hq, Nq, D), (B, Hq, Nq): what the backward reads
-    dq, dk, dv = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale)
+    dq, dk, dv = launch._hopper_bwd(do, q, k, v, o, lse, causal, scale)
     assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
@@ -116,7 +116,7 @@ def test_fused_backward_matches_reference(case, D, dtype, fused, request, poison
     q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)
     o, lse = launch._fwd(q, k, v, causal, scale)
-    grads = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, scale, fused=fused)
+    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, scale, fused=fused)
     assert tuple(g.shape for g in grads) == (q.shape, k.shape, v.shape)
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
     low = _naive_grads(q, k, v, do, causal)
@@ -133,8 +133,7 @@ def test_other_schedule_matches_reference(case, D, request, poisoned):
     causal = case[-1]
     q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
     o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
-    grads = backward_launch.hopper_backward(do, q, k, v, o, lse, causal, D ** -0.5,
-                                            ahead=not backward_launch.AHEAD[D])
+    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, ahead=not backward_launch.AHEAD[D])
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
     low = _naive_grads(q, k, v, do, causal)
     for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
@@ -152,8 +151,8 @@ def _fwd_bwd(q, k, v, do, causal):
 def _spy(monkeypatch):
     """Record the Hopper backward's calls (their fused argument) and the tl launches' names."""
     gluon, tl = [], []
-    real_bwd, real_launch = backward_launch.hopper_backward, launch._launch
-    monkeypatch.setattr(backward_launch, "hopper_backward",
+    real_bwd, real_launch = launch._hopper_bwd, launch._launch
+    monkeypatch.setattr(launch, "_hopper_bwd",
                         lambda *a, **kw: gluon.append(kw.get("fused")) or real_bwd(*a, **kw))
     monkeypatch.setattr(launch, "_launch", lambda name, *a: tl.append(name) or real_launch(name, *a))
     monkeypatch.setattr(launch, "_plan_key", lambda *args: None)  # every tl launch goes through _launch
@@ -237,7 +236,7 @@ def test_packed_projection_layout(D, request, poisoned):
     do = torch.randn(B, N, Hq, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)  # like o
     assert backward_launch.unsupported_backward(do, q, k, v, do) is None
     o, lse = launch._fwd(q, k, v, True, D ** -0.5)
-    dq, dk, dv = backward_launch.hopper_backward(do, q, k, v, o, lse, True, D ** -0.5)
+    dq, dk, dv = launch._hopper_bwd(do, q, k, v, o, lse, True, D ** -0.5)
     for got, like in ((dq, q), (dk, k), (dv, v)):
         assert got.stride() == launch._empty_like_layout(launch._layout(like), like.dtype, like.device).stride()
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), True)
@@ -256,7 +255,7 @@ def _cpu_inputs(D=64, dtype=torch.bfloat16, Hq=4, Hkv=2):
 
 def test_unsupported_inputs_name_the_reason(monkeypatch):
     """On an sm_90 device (stood in for): what the Gluon forward takes, with do and o shaped like q and
-    TMA-aligned; anything else is refused with the reason (hopper_backward raises it)."""
+    TMA-aligned; anything else is refused with the reason (_hopper_bwd raises it)."""
     monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: True)
     monkeypatch.setattr(kt, "INTERPRET", False)
     if not flash_hopper.AVAILABLE:
@@ -270,7 +269,7 @@ def test_unsupported_inputs_name_the_reason(monkeypatch):
     misaligned = torch.randn(2, 4, 17, 64 + 4).bfloat16()[..., :64]  # a row stride of 136 bytes
     assert "16-byte" in backward_launch.unsupported_backward(do, q, k, v, misaligned)
     with pytest.raises(ValueError, match="16-byte"):
-        backward_launch.hopper_backward(misaligned, q, k, v, o, torch.zeros(2, 4, 17))
+        launch._hopper_bwd(misaligned, q, k, v, o, torch.zeros(2, 4, 17))
     monkeypatch.setattr(hopper_launch, "_is_sm90", lambda device: False)
     assert "compute capability 9.0" in backward_launch.unsupported_backward(do, q, k, v, o)
 
@@ -304,7 +303,7 @@ def _record(c) -> dict:
 
 
 def compile_hopper_backward() -> list[dict]:
-    """Run in a process started with TRITON_INTERPRET=0: every variant hopper_backward launches (the tl dQ kernel
+    """Run in a process started with TRITON_INTERPRET=0: every variant _hopper_bwd launches (the tl dQ kernel
     in its default config, the Gluon dK/dV kernel), compiled for sm_90."""
     from kernels import options
     from kernels.flash.backward import _attn_bwd_dq, _attn_bwd_dq_out, _attn_bwd_prep
@@ -323,14 +322,14 @@ def compile_hopper_backward() -> list[dict]:
                     for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
                         q = torch.randn(2, 4, 113, D).to(dtype)  # (B, Hq, Nq, D)
                         kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
-                        backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                                        torch.zeros(2, 4, 113), causal)
+                        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                           torch.zeros(2, 4, 113), causal)
         for causal in (True, False):  # the fused forms (dQ in the Gluon kernel), head dim 64
             for fused in (1, 2, 3):
                 q = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
                 kv = torch.randn(2, 2, 203, 64).to(torch.bfloat16)
-                backward_launch.hopper_backward(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                                torch.zeros(2, 4, 113), causal, fused=fused)
+                launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q), torch.zeros(2, 4, 113),
+                                   causal, fused=fused)
     return [_record(c) for c in compiled]
 
 

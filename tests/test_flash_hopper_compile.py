@@ -208,7 +208,7 @@ def test_backward_dispatch_rule(mode, D, Nq, Nk, extra, takes, monkeypatch):
     from kernels.flash import launch
     q = torch.empty(1, 2, Nq, D)
     k = v = torch.empty(1, 2, Nk, D)
-    bwd = launch._hopper_backward()
+    bwd = launch._hopper_bwd_launch
     monkeypatch.setattr(bwd, "unsupported_backward", lambda *a: None)
     args = dict(causal=False, window=0, docs=None, rope=None, out=None) | extra
     assert launch._hopper_bwd_takes(mode, q, q, k, v, q, **args) is takes

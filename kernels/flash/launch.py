@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .. import _triton
 from .. import flash_hopper as _hopper
+from ..flash_hopper import backward_launch as _hopper_bwd_launch
 from .. import options as _options
 from .. import rope as _rope
 from ..naive import split_qkv
@@ -377,12 +378,6 @@ HOPPER_BWD_AUTO_HEAD_DIM = 128
 HOPPER_BWD_AUTO_MIN_LEN = 4096
 
 
-def _hopper_backward():
-    """kernels/flash_hopper/backward_launch.py, imported on first use: it launches this module's tl passes."""
-    from ..flash_hopper import backward_launch
-    return backward_launch
-
-
 def _hopper_bwd_takes(mode: str, do, q, k, v, o, causal: bool, window: int, docs, rope, out) -> bool:
     """Whether the backward goes to the Gluon kernel under hopper_backward = mode ("auto" | "on" | "off"): no
     window, documents or RoPE tables, inputs (and out's dk, dv) the kernel takes."""
@@ -391,7 +386,7 @@ def _hopper_bwd_takes(mode: str, do, q, k, v, o, causal: bool, window: int, docs
     if mode == "auto" and (causal or q.shape[-1] != HOPPER_BWD_AUTO_HEAD_DIM
                            or min(q.shape[-2], k.shape[-2]) < HOPPER_BWD_AUTO_MIN_LEN):
         return False
-    if _hopper_backward().unsupported_backward(do, q, k, v, o) is not None:
+    if _hopper_bwd_launch.unsupported_backward(do, q, k, v, o) is not None:
         return False
     return out is None or all(_hopper.launch._tma_ok(t) for t in out[1:])
 
@@ -438,7 +433,7 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
     opts = _options.get()
     if _hopper_bwd_takes(opts.hopper_backward, do, q, k, v, o, causal, window, docs, rope, out):
         with _triton.device_guard(q):  # (no launch plan: the Gluon launch builds its TMA descriptors per call)
-            return _hopper_backward().hopper_backward(do, q, k, v, o, lse, causal, sm_scale, fused=3, out=out)
+            return _hopper_bwd(do, q, k, v, o, lse, causal, sm_scale, fused=3, out=out)
     key = _plan_key(_masked("bwd", window, docs, rope), opts,
                     _with_docs((do, q, k, v, o, lse, *(out or ())), docs, rope), causal, sm_scale)
     cos, sin = rope or (None, None)
@@ -521,10 +516,40 @@ def _dq_launch_args(do, q, k, v, o, lse, dq, delta, causal: bool, sm_scale: floa
     return args, kwargs
 
 
+def _hopper_bwd(do, q, k, v, o, lse, causal: bool = True, sm_scale: float | None = None, stages: int | None = None,
+                ahead: bool | None = None, fused: int = 0, out=None):
+    """The backward through the Gluon dK/dV kernel (kernels/flash_hopper/backward_launch.py) on inputs it takes
+    (a ValueError naming the reason otherwise): dq, dk, dv laid out like q, k, v, or written into out =
+    (dq, dk, dv) when given (views of one packed gradient). fused (the kernel's dq_mode; 0: not): the kernel
+    computes dQ too, into an fp32 accumulator between the fused backward's delta-and-zeroing pass and its dQ
+    conversion, instead of the tl dQ kernel running first; 3 (TMA reduce-adds) is the fastest form and what
+    _bwd runs (bench/results/flash_hopper/fused_backward/). stages, ahead: dkdv_into's. No launch plan."""
+    scale = _hopper_bwd_launch.checked_scale(do, q, k, v, o, lse, sm_scale)
+    B, Hq, Nq, D = q.shape
+    if out is None:
+        dq, dk, dv = (_empty_like_layout(_layout(t), q.dtype, q.device) for t in (q, k, v))
+    else:  # views of one packed gradient (dk, dv TMA-aligned: dkdv_into checks)
+        dq, dk, dv = out
+    delta = _triton.empty((B, Hq, Nq), torch.float32, q.device)
+    with _triton.device_guard(q):
+        if fused:
+            acc = _triton.empty((B, Hq, Nq, D), torch.float32, q.device)  # dQ, summed in fp32 by the kernel
+            rows = dict(HEAD_DIM=D, BLOCK_D=D)
+            _launch("prep", Nq, Hq, B, q.dtype, (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq), rows)
+            _hopper_bwd_launch.dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead, dqacc=acc,
+                                         dq_mode=int(fused))
+            _launch("dqout", Nq, Hq, B, q.dtype, (acc, dq, None, None, *dq.stride(), *_table_strides(None), Hq, Nq,
+                                                  scale), dict(rows, ROPE=False))
+        else:
+            _dq_into(do, q, k, v, o, lse, dq, delta, causal, scale)  # dQ, and delta for the dK/dV kernel
+            _hopper_bwd_launch.dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead)
+    return dq, dk, dv
+
+
 def _dq_into(do, q, k, v, o, lse, dq, delta, causal: bool, sm_scale: float) -> None:
     """The split backward's dQ kernel alone, without a window, documents or RoPE tables: dQ into dq and
     delta = rowsum(dO * O) into delta ((B, Hq, Nq) float32, contiguous). The Gluon dK/dV kernel
-    (kernels/flash_hopper/backward_launch.py) runs after it and reads delta. The arguments are _bwd's for the
+    (_hopper_bwd) runs after it and reads delta. The arguments are _bwd's for the
     same launch; no launch plan is recorded."""
     B, Hq, Nq, _ = q.shape
     args, kwargs = _dq_launch_args(do, q, k, v, o, lse, dq, delta, causal, sm_scale, _options.get())

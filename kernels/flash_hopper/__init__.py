@@ -9,13 +9,13 @@ kernels.flash_attention (and the packed and compiled forms) launches it instead 
 unsupported() says None and the hopper_forward option (kernels/options.py, FLASHGPT_HOPPER_FWD) gives it the
 inputs: "auto" (the default) at head dim 128 with at least 4096 queries and keys, or at least 1024 with
 B·Hq·Nq >= 262,144 query rows in all (kernels/flash/launch.py: _hopper_auto), "on" always, "off" never.
-The backward (backward_launch.hopper_backward(do, q, k, v, o, lse, causal, sm_scale, fused=...) -> (dq, dk, dv))
-is a Gluon dK/dV kernel in FA3's structure with the tl backward's inputs and outputs: after the tl dQ kernel
-(fused=0), or adding dQ itself (fused=1, 2, 3; 3 by TMA reduce-adds, the fastest). kernels.flash_attention's
-backward runs fused=3 where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it the inputs: "auto" at
-head dim 128, not causal, with at least 4096 queries and keys (kernels/flash/launch.py: _hopper_bwd_takes), "on" always,
-"off" never; elsewhere the tl backward, which reads either forward's O and log-sum-exp. backward_launch is not
-imported here: it calls kernels/flash's tl passes, and kernels/flash imports this package for the forward.
+The backward: backward_launch.py launches a Gluon dK/dV kernel in FA3's structure with the tl backward's
+inputs and outputs; kernels/flash/launch.py's _hopper_bwd runs the whole backward around it, after the tl dQ
+kernel (fused=0) or with dQ added by the kernel itself (fused=1, 2, 3; 3 by TMA reduce-adds, the fastest).
+kernels.flash_attention's backward runs fused=3 where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it
+the inputs: "auto" at head dim 128, not causal, with at least 4096 queries and keys (kernels/flash/launch.py:
+_hopper_bwd_takes), "on" always, "off" never; elsewhere the tl backward, which reads either forward's O and
+log-sum-exp.
 
 Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;
 GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multiples and unit stride along the
@@ -28,8 +28,7 @@ windows, documents (varlen), the interpreter, other GPUs.
     launch.py    which inputs it takes, TMA descriptors, grid, launch
     backward.py  the Gluon dK/dV kernel: producer warp (TMA: K, V once, a Q/dO ring), two consumer warpgroups
                  (wgmma), one program per 128 keys looping over the query blocks of the GQA group
-    backward_launch.py   hopper_backward: the tl dQ kernel (and delta), then the Gluon kernel; or the fused
-                 form: the tl delta pass, the Gluon kernel adding dQ too, the tl dQ conversion
+    backward_launch.py   which inputs the Gluon dK/dV kernel takes, its descriptors, grid and launch
 """
 from .launch import AVAILABLE, UNAVAILABLE_REASON, flash_hopper_forward, unsupported
 

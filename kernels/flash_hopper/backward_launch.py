@@ -1,24 +1,21 @@
-"""Host side of the Hopper backward: the Gluon dK/dV kernel, with the tl dQ kernel before it or dQ fused into it.
+"""Host side of the Hopper backward's Gluon dK/dV kernel (kernels/flash_hopper/backward.py).
 
-    hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=None, stages=None, ahead=None, fused=0,
-                    out=None) -> (dq, dk, dv)
     dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, sm_scale, stages=None, ahead=None, dqacc=None,
-              dq_mode=1) -> None                                                  Gluon alone
-    unsupported_backward(do, q, k, v, o) -> str | None                                None when it takes these
+              dq_mode=1) -> None                                  the Gluon kernel alone
+    unsupported_backward(do, q, k, v, o) -> str | None            None when it takes these
+    checked_scale(do, q, k, v, o, lse, sm_scale) -> float         the scale, or a ValueError naming the problem
 
-Inputs and outputs as kernels/flash/launch.py's _bwd (the tl backward's entry point, the reference): q
-(B, Hq, Nq, D), k, v (B, Hkv, Nk, D), o and do like q, lse (B, Hq, Nq) float32, contiguous, base 2 and scaled
-(qk_scale = sm_scale · log2 e), +inf for rows that see no key — what either forward stores. dq, dk, dv come back
-laid out in the memory order of q, k, v, in their dtype.
+Inputs as kernels/flash/launch.py's _bwd (the tl backward's entry point, the reference): q (B, Hq, Nq, D), k, v
+(B, Hkv, Nk, D), o and do like q, lse (B, Hq, Nq) float32, contiguous, base 2 and scaled (qk_scale = sm_scale ·
+log2 e), +inf for rows that see no key — what either forward stores.
 
-Split (fused=0), two launches: the tl dQ kernel (kernels/flash/backward.py: _attn_bwd_dq, autotuned as in the
-split backward) computes dQ and stores delta = rowsum(dO * O); the Gluon kernel (kernels/flash_hopper/
-backward.py) then computes dK and dV from Q, K, V, dO, lse and delta. Fused (fused=1, 2, 3), three launches:
-the tl pass storing delta and zeroing an fp32 dQ accumulator, the Gluon kernel adding dS K into it besides dK
-and dV, the tl pass scaling and converting dQ. Taken: what the Gluon forward takes (float16/bfloat16, head
-dims 64 and 128, any lengths, causal or not, GQA, TMA-aligned strides, compute capability 9.0), with do and o
-TMA-aligned as well. kernels.flash_attention's backward runs the fused form 3 where the hopper_backward option
-sends it (kernels/flash/launch.py: _hopper_bwd_takes).
+kernels/flash/launch.py's _hopper_bwd runs the whole backward around it: split, the tl dQ kernel (which stores
+delta = rowsum(dO * O)) and then this kernel for dK and dV; or fused (dq_mode 1, 2, 3), the tl pass storing
+delta and zeroing an fp32 dQ accumulator, this kernel adding dS K into it besides dK and dV, the tl pass
+scaling and converting dQ. kernels.flash_attention's backward runs the fused form 3 where the hopper_backward
+option sends it (kernels/flash/launch.py: _hopper_bwd_takes). Taken: what the Gluon forward takes
+(float16/bfloat16, head dims 64 and 128, any lengths, causal or not, GQA, TMA-aligned strides, compute
+capability 9.0), with do and o TMA-aligned as well.
 """
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ import math
 import torch
 
 from .. import _triton
-from ..flash import launch as _tl
 from .launch import AVAILABLE, _desc, _tma_ok, unsupported
 
 if AVAILABLE:
@@ -110,16 +106,10 @@ def _dq_desc(dqacc: torch.Tensor):
     return TensorDescriptor(dqacc, [B * Hq, Nq, D], [Nq * D, D, 1], block, layout)
 
 
-def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor, causal: bool = True, sm_scale: float | None = None,
-                    stages: int | None = None, ahead: bool | None = None, fused: int = 0,
-                    out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of inputs the kernels take (a ValueError naming the reason otherwise), laid out like q, k, v,
-    or written into out = (dq, dk, dv) when given (views of one packed gradient). No autograd: called as
-    kernels/flash/launch.py's _bwd (which runs it with fused=3 where the hopper_backward option sends it).
-    fused (dkdv_into's dq_mode; 0: not): the Gluon kernel computes dQ too, into an fp32 accumulator
-    between the tl fused backward's delta and zeroing pass and its dQ conversion, instead of the tl dQ kernel
-    running first; 3 (TMA reduce-adds) is the fastest form (bench/results/flash_hopper/fused_backward/)."""
+def checked_scale(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, sm_scale: float | None) -> float:
+    """The softmax scale (None: 1/sqrt(D)) of backward inputs the kernels take; a ValueError naming the reason
+    otherwise (shapes, dtypes, devices, what unsupported_backward() refuses, lse's layout, the scale)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] \
             or k.shape[1] < 1 or q.shape[1] % k.shape[1] or q.shape[2] < 1 or k.shape[2] < 1:
         raise ValueError(f"flash_hopper: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
@@ -136,21 +126,4 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"flash_hopper: sm_scale must be a finite number > 0, got {sm_scale}")
-
-    if out is None:
-        dq, dk, dv = (_tl._empty_like_layout(_tl._layout(t), q.dtype, q.device) for t in (q, k, v))
-    else:  # views of one packed gradient (dk, dv TMA-aligned: dkdv_into checks)
-        dq, dk, dv = out
-    delta = _triton.empty((B, Hq, Nq), torch.float32, q.device)
-    with _triton.device_guard(q):
-        if fused:
-            acc = _triton.empty((B, Hq, Nq, D), torch.float32, q.device)  # dQ, summed in fp32 by the kernel
-            rows = dict(HEAD_DIM=D, BLOCK_D=D)
-            _tl._launch("prep", Nq, Hq, B, q.dtype, (o, do, delta, acc, *o.stride(), *do.stride(), Hq, Nq), rows)
-            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead, dqacc=acc, dq_mode=int(fused))
-            _tl._launch("dqout", Nq, Hq, B, q.dtype, (acc, dq, None, None, *dq.stride(), *_tl._table_strides(None),
-                                                      Hq, Nq, scale), dict(rows, ROPE=False))
-        else:
-            _tl._dq_into(do, q, k, v, o, lse, dq, delta, causal, scale)  # dQ, and delta for the dK/dV kernel
-            dkdv_into(do, q, k, v, lse, delta, dk, dv, causal, scale, stages, ahead)
-    return dq, dk, dv
+    return scale

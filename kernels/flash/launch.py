@@ -371,9 +371,9 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 # hopper_backward = "auto" sends the backward to the Gluon kernel's fused form (dQ added by TMA reduce-adds) where
-# the H200 timed it faster than the tl backward: head dim 128, not causal, at 4096 and 16384 tokens (1.08-1.19x,
-# bench/results/flash_hopper/fused_backward/). Causal it is level (0.97-1.09x across runs), at head dim 64
-# slower (0.91-0.96x), and shorter lengths were not measured: the tl backward keeps those.
+# the H200 timed it faster than the tl backward: head dim 128, not causal, at 4096 and 16384 tokens (1.08-1.20x,
+# bench/results/flash_hopper/fused_backward/). Causal it is level (0.96-1.09x across runs), at head dim 64
+# slower (0.88-0.95x), and shorter lengths were not measured: the tl backward keeps those.
 HOPPER_BWD_AUTO_HEAD_DIM = 128
 HOPPER_BWD_AUTO_MIN_LEN = 4096
 

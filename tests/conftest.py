@@ -98,6 +98,18 @@ def _kernel_options(request):
 
 
 @pytest.fixture(autouse=True)
+def _float32_matmul_precision():
+    """Every test starts with torch's default float32 matmul precision and leaves it so: an entry point run in
+    the test's process (bench/train.py's main turns TF32 on) would otherwise change later tests' float32
+    references on a GPU."""
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1:]
+
+
+@pytest.fixture(autouse=True)
 def _wandb_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))

@@ -13,14 +13,12 @@ allocated once) runs as
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
 * late-q     the option hopper_early_q off: each consumer releases its Q tile after a tile's last PV, not its
              last QKᵀ;
-* poly1, poly2  the option hopper_exp2_poly at 1 and 2: that many of every 4 exponentials of the unmasked key
-             blocks from a cubic on the FMA units (kernels/flash_hopper/poly_exp2.py);
 
 and its peers: call (kernels.flash_attention on inputs that require grad, as the model calls it: the default
 dispatch, the autograd op and its host time), tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable
 forward), cudnn (SDPA's cuDNN backend) and fa4 (flash-attn-4's flash_attn_func; skipped with the reason where it
-is not installed). Without a causal mask the orders are one (the arithmetic order), so only "lists", "late-q"
-and the poly variants run. Each Gluon variant's O is first compared with tl's (largest relative L2 difference; above 1e-2
+is not installed). Without a causal mask the orders are one (the arithmetic order), so only "lists" and
+"late-q" run. Each Gluon variant's O is first compared with tl's (largest relative L2 difference; above 1e-2
 the shape is reported wrong and not timed). Times are
 triton.testing.do_bench medians (it flushes L2 between runs), each the median of --rounds rounds that time
 every variant and peer in turn (the order rotated each round); TFLOP/s count 4·B·H·N²·D, halved when causal.
@@ -76,8 +74,6 @@ def variants(causal: bool, budgets: list[int]) -> dict:
                 out[f"lists@{'all' if b == ALL else b >> 20}"] = ({}, b)
         out["strided"] = ({"hopper_tile_lists": False}, L2_BYTES)
     out["late-q"] = ({"hopper_early_q": False}, L2_BYTES)
-    for n in (1, 2):
-        out[f"poly{n}"] = ({"hopper_exp2_poly": n}, L2_BYTES)
     return out
 
 

@@ -83,10 +83,6 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         tile's Q and K/V load during its last
                                                                         softmax, PV and epilogue; off: after the
                                                                         last PV
-    hopper_exp2_poly           FLASHGPT_HOPPER_EXP2_POLY=0|1|2   0      of every 4 exponentials of the Gluon
-                                                                        forward's unmasked key blocks, this many
-                                                                        by a cubic on the FMA units instead of
-                                                                        the MUFU unit (poly_exp2.py)
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -125,7 +121,6 @@ class KernelOptions:
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
     hopper_early_q: bool = True
-    hopper_exp2_poly: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -162,7 +157,6 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: isinstance(v, bool), "expected True or False"),
-    "hopper_exp2_poly": (lambda v: _is_int(v) and v in (0, 1, 2), "expected 0, 1 or 2"),
 }
 
 
@@ -178,8 +172,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
-       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
-       "hopper_exp2_poly": "FLASHGPT_HOPPER_EXP2_POLY"}
+       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -36,14 +36,12 @@ def test_without_an_sm90_gpu_one_line():
 
 
 def test_variants_per_mask():
-    """Without a causal mask the default, the late Q release and the polynomial exponentials run (one order);
-    causal: also each other budget and the strided order."""
+    """Without a causal mask the default and the late Q release run (one order); causal: also each other budget
+    and the strided order."""
     from bench.hopper_forward import ALL, variants
     from kernels.flash_hopper.schedule import L2_BYTES
-    poly = {"poly1": ({"hopper_exp2_poly": 1}, L2_BYTES), "poly2": ({"hopper_exp2_poly": 2}, L2_BYTES)}
     assert variants(False, [24 << 20, ALL]) == {"lists": ({}, L2_BYTES),
-                                                "late-q": ({"hopper_early_q": False}, L2_BYTES), **poly}
+                                                "late-q": ({"hopper_early_q": False}, L2_BYTES)}
     assert variants(True, [24 << 20, L2_BYTES, ALL]) == {
         "lists": ({}, L2_BYTES), "lists@24": ({}, 24 << 20), "lists@all": ({}, ALL),
-        "strided": ({"hopper_tile_lists": False}, L2_BYTES), "late-q": ({"hopper_early_q": False}, L2_BYTES),
-        **poly}
+        "strided": ({"hopper_tile_lists": False}, L2_BYTES), "late-q": ({"hopper_early_q": False}, L2_BYTES)}

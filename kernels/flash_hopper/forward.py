@@ -34,8 +34,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .poly_exp2 import exp2 as _exp2
-
 # The TMA copy builtins were renamed between Triton releases (3.6: async_copy_*; later: async_load/async_store,
 # with the old names raising). Either is a Gluon builtin, so the kernels may call it through these names.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -154,13 +152,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL: gl.constexpr,
-                  EXP_POLY: gl.constexpr):
+def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL: gl.constexpr):
     """One online-softmax step on the unscaled scores s (BLOCK_M, BLOCK_N) of key columns `cols`: returns
     (p, m_new, l_new, alpha), p = exp2(s·qk_scale - m_new) in fp32, alpha = exp2(m_i - m_new) rescales the old
     statistics and O. masked: hide keys past Nk and (CAUSAL) above the diagonal (key j <= row i + offset); a row
-    that has seen no key yet keeps m = -inf and gets p = 0, alpha = 0 (not NaN). EXP_POLY: of every 4 elements of
-    an unmasked block's p, this many come from the polynomial of kernels/flash_hopper/poly_exp2.py."""
+    that has seen no key yet keeps m = -inf and gets p = 0, alpha = 0 (not NaN)."""
     if masked:
         visible = gl.expand_dims(cols, 0) < Nk  # (1, BLOCK_N)
         if CAUSAL:
@@ -172,7 +168,7 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0
         m_sub = m_new
-        p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EXP_POLY)  # every input finite
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)  # (BLOCK_M,) 0 on a row's first visible block
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
@@ -182,8 +178,7 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
 def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
               tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr,
-              EXP_POLY: gl.constexpr):
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this program.
 
     Step j (j >= 1) of a tile: take the tensor cores (turn[WG]), issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1},
@@ -232,7 +227,7 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                 mbarrier.arrive(q_empty.index(WG), count=1, pred=n_blocks == 1)
             cols = gl.arange(0, BLOCK_N, layout=col_s)  # (BLOCK_N,) key columns of block 0
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, n_full == 0,
-                                                 CAUSAL, EXP_POLY)
+                                                 CAUSAL)
             p = gl.convert_layout(p32.to(dtype), p_layout)  # (BLOCK_M, BLOCK_N) the A operand of PV
             for j in range(1, n_blocks):
                 cur = it + j
@@ -254,7 +249,7 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                     mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_blocks - 1)
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, j >= n_full,
-                                                     CAUSAL, EXP_POLY)
+                                                     CAUSAL)
                 # P_{j-1} stays live until its PV retires: the registers are the wgmma's operand
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
                 mbarrier.arrive(v_empty.index(vs), count=1)
@@ -292,11 +287,11 @@ def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, 
                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                      EARLY_Q: gl.constexpr, EXP_POLY: gl.constexpr):
+                      EARLY_Q: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, EXP_POLY)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)
 
 
 @gluon.jit
@@ -304,11 +299,11 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, EXP_POLY: gl.constexpr):
+                     EARLY_Q: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, EXP_POLY)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -320,7 +315,7 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
                      n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, EXP_POLY: gl.constexpr):
+                     EARLY_Q: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -336,8 +331,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     (any size >= 1, at most n_tiles useful). LISTS: program p runs the tiles tiles_ptr[starts_ptr[p] ..
     starts_ptr[p + 1]) (int32 codes m · n_bh + bh, every tile in exactly one list; the grid has one program per
     list); without LISTS the two pointers are not read. EARLY_Q: each consumer releases its Q after the tile's
-    last QKᵀ rather than its last PV (see _consumer). EXP_POLY (0, 1 or 2): of every 4 exponentials of an
-    unmasked key block, this many are computed by a polynomial on the FMA units (poly_exp2.py). Launched with num_warps=4 (consumer 0), plus a 4-warp
+    last QKᵀ rather than its last PV (see _consumer). Launched with num_warps=4 (consumer 0), plus a 4-warp
     consumer and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS.
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -368,10 +362,10 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     gl.warp_specialize([
         (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                             tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, EXP_POLY)),
+                             tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)),
         (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                            tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, EXP_POLY)),
+                            tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N,
                      HEAD_D, STAGES, CAUSAL, LISTS)),

@@ -60,6 +60,17 @@ past L1) and sets the counter back to 0. The counters are one zeroed buffer per 
 shared by every call: calls must follow each other in one stream order (as eager calls, a CUDA graph's layers
 and its replays do), and the first call needing a larger buffer must come before CUDA graph capture.
 
+A full grid (kernels.options decode_full_grid, on by default): where the call's (sequence, kv head, row block)
+programs are at least as many as the GPU's SMs (batch 16 of GPT-2's 12 heads on 132 SMs), the automatic plan
+  * runs caches of up to FULL_GRID_UNSPLIT_MAX_LEN keys unsplit (a grid of one split when the host's length
+    allows, otherwise on the device: the other split programs exit at once),
+  * merges longer ones inside the split kernel (the merge launch would cost more than the split saves at the
+    lengths that do not split), and
+  * lets the next launch start (programmatic dependent launch) only once a program has streamed its keys, not
+    as it starts: the next kernel's programs, resident early on the SMs with room, otherwise crowd the ones
+    still reading.
+On an H200 each measured faster than the plan without it at 1k-8k keys (bench/results/decode_attention/).
+
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
 dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of
@@ -87,6 +98,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
+FULL_GRID_UNSPLIT_MAX_LEN = 8192  # the same where the unsplit grid already gives every SM a program (see below)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
@@ -253,11 +265,12 @@ def _decode_split_kernel(
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr):
+        STRIDED: tl.constexpr, GDC_LATE: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
 
     USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
-    the previous one before reading anything (q, the cache and the lengths may all be its output).
+    the previous one before reading anything (q, the cache and the lengths may all be its output). GDC_LATE:
+    signal only after the key loop (a program that exits early signals by exiting).
 
     Row r of the GROUP * N_Q rows of a kv head is query head h_kv * GROUP + r // N_Q, new token r % N_Q.
     SPLIT: the split plan of each sequence comes from split_plan; a split beyond the used ones returns at once;
@@ -275,7 +288,8 @@ def _decode_split_kernel(
     (_merge_splits, the loads bypassing L1), so no merge launch follows.
     """
     if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+        if not GDC_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     b = (tl.program_id(1) // H_KV).to(tl.int64)
@@ -316,6 +330,8 @@ def _decode_split_kernel(
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
                                           stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
 
+    if USE_GDC and GDC_LATE:
+        tl.extra.cuda.gdc_launch_dependents()
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # rows with no key: 0
     out_mask = row_ok[:, None] & d_ok[None, :]
     if used == 1:
@@ -563,10 +579,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
+    # a full grid (see the module docstring): the unsplit programs alone give every SM one
+    full = num_splits is None and opts.decode_full_grid and B * Hkv * row_blocks >= _triton.sm_count(q.device)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
-        num_splits = auto_num_splits(B * Hkv * row_blocks, max_len if longest is None else longest, q.device,
-                                     programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
-        min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
+        length = max_len if longest is None else longest
+        if full and length <= FULL_GRID_UNSPLIT_MAX_LEN:
+            num_splits = 1
+        else:
+            num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
+                                         programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
+        min_chunk = opts.decode_min_keys_per_split
+        unsplit_max = FULL_GRID_UNSPLIT_MAX_LEN if full else SINGLE_SPLIT_MAX_LEN
         deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and num_splits > 1 else None
         if deep is not None and B * Hkv * row_blocks * num_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program
@@ -576,7 +599,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl = pdl_enabled(q.device)
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
 
-    merge_in_split = num_splits > 1 and opts.decode_merge_in_split
+    merge_in_split = num_splits > 1 and (opts.decode_merge_in_split or full)
     strided = num_splits > 1 and opts.decode_split_order == "strided"
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
@@ -592,7 +615,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, GDC_LATE=full), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),

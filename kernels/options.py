@@ -59,6 +59,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
     decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch
+    decode_full_grid           FLASHGPT_DECODE_FULL_GRID=0|1     True   where a decode call's unsplit programs
+                                                                        are at least the SMs: caches up to 8,192
+                                                                        keys unsplit, longer ones merged in the
+                                                                        split kernel, the next launch let in
+                                                                        after the key loop (kernels/decode.py)
     decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
                                                                         of the split-KV decode reads: every
                                                                         used-th block from its own index (at any
@@ -117,6 +122,7 @@ class KernelOptions:
     hopper_forward: str = "auto"
     hopper_backward: str = "auto"
     decode_merge_in_split: bool = False
+    decode_full_grid: bool = True
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
@@ -153,6 +159,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_forward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_backward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_full_grid": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -170,7 +177,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
-       "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT",
+       "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

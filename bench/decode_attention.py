@@ -13,8 +13,7 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    program of each (sequence, kv head, row block) merges the parts, no merge launch
     split-chunks   the same under decode_split_order="chunks": split s reads one contiguous chunk instead of
                    key blocks s, s + used, ... (the default order)
-    split-nofull   the same under decode_full_grid=False: the plan without the full-grid rule (short caches
-                   split in two at batch 16, a merge launch, the launch signal at the kernel's start)
+    split-nofull   the same under decode_full_grid=False: a full grid of short capacity still split (kernels/decode.py)
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
@@ -71,7 +70,8 @@ SMOKE_SPLITS = (1, 3)
 PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel options a provider runs under
                     "split-chunks": dict(decode_split_order="chunks"),
                     "split-nofull": dict(decode_full_grid=False)}
-DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-fit", "nosplit")  # checked again after timing
+# the decode providers are checked again after timing
+DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-fit", "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -327,8 +327,6 @@ class Run:
         self.elem = torch.tensor([], dtype=self.dtype).element_size()
         self.default = decode.default_tile(triton.next_power_of_2(self.D), self.elem, self.H // self.Hkv)
         self.min_keys = options.get().decode_min_keys_per_split
-        from kernels._triton import sm_count as kernel_sm_count
-        self.kernel_sm_count = kernel_sm_count
         self.meta = dict(
             command="python " + " ".join(["bench/decode_attention.py", *(sys.argv[1:] if argv is None else argv)]),
             date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
@@ -389,14 +387,9 @@ class Run:
     def one_shape(self, shape) -> None:
         torch, dec, Hkv, D = self.torch, self.decode, self.Hkv, self.D
         B, L, n_views = shape.B, shape.L, shape.n_views
-        # the default plan's grid and used splits (kernels/decode.py: the full-grid rule, then the split count)
-        full = self.options.get().decode_full_grid and B * Hkv >= self.kernel_sm_count(self.device)
-        if full and self.capacity <= dec.FULL_GRID_UNSPLIT_MAX_LEN:
-            grid_splits = 1
-        else:
-            grid_splits = dec.auto_num_splits(B * Hkv, self.capacity, self.device)
-        unsplit = dec.FULL_GRID_UNSPLIT_MAX_LEN if full else dec.SINGLE_SPLIT_MAX_LEN
-        used = dec.plan_splits(L, grid_splits, self.min_keys, unsplit, self.default.block_n)[1] \
+        grid_splits = 1 if dec.full_grid_unsplit(B * Hkv, self.capacity, self.device) else \
+            dec.auto_num_splits(B * Hkv, self.capacity, self.device)
+        used = dec.plan_splits(L, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, self.default.block_n)[1] \
             if grid_splits > 1 else 1
         n_el = shape.nbytes // self.elem
         copy_src = torch.empty(n_views * n_el, device=self.device, dtype=self.dtype)  # (views * n_el,)

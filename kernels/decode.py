@@ -61,15 +61,10 @@ shared by every call: calls must follow each other in one stream order (as eager
 and its replays do), and the first call needing a larger buffer must come before CUDA graph capture.
 
 A full grid (kernels.options decode_full_grid, on by default): where the call's (sequence, kv head, row block)
-programs are at least as many as the GPU's SMs (batch 16 of GPT-2's 12 heads on 132 SMs), the automatic plan
-  * runs caches of up to FULL_GRID_UNSPLIT_MAX_LEN keys unsplit (a grid of one split when the host's length
-    allows, otherwise on the device: the other split programs exit at once),
-  * merges longer ones inside the split kernel (the merge launch would cost more than the split saves at the
-    lengths that do not split), and
-  * lets the next launch start (programmatic dependent launch) only once a program has streamed its keys, not
-    as it starts: the next kernel's programs, resident early on the SMs with room, otherwise crowd the ones
-    still reading.
-On an H200 each measured faster than the plan without it at 1k-8k keys (bench/results/decode_attention/).
+programs are at least as many as the GPU's SMs (batch 16 of GPT-2's 12 heads on 132 SMs) and the length the
+automatic count is planned for is at most FULL_GRID_UNSPLIT_MAX_LEN, the grid has one split: one launch, no
+merge. On an H200 that was faster than two splits and their merge launch at 1k keys and level at 2k, slower
+from 4k (bench/results/decode_attention/).
 
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
@@ -98,7 +93,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
-FULL_GRID_UNSPLIT_MAX_LEN = 8192  # the same where the unsplit grid already gives every SM a program (see below)
+FULL_GRID_UNSPLIT_MAX_LEN = 2048  # the same where the unsplit grid already gives every SM a program (see below)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
@@ -265,12 +260,11 @@ def _decode_split_kernel(
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr, GDC_LATE: tl.constexpr):
+        STRIDED: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
 
     USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
-    the previous one before reading anything (q, the cache and the lengths may all be its output). GDC_LATE:
-    signal only after the key loop (a program that exits early signals by exiting).
+    the previous one before reading anything (q, the cache and the lengths may all be its output).
 
     Row r of the GROUP * N_Q rows of a kv head is query head h_kv * GROUP + r // N_Q, new token r % N_Q.
     SPLIT: the split plan of each sequence comes from split_plan; a split beyond the used ones returns at once;
@@ -288,8 +282,7 @@ def _decode_split_kernel(
     (_merge_splits, the loads bypassing L1), so no merge launch follows.
     """
     if USE_GDC:
-        if not GDC_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     split = tl.program_id(0)
     b = (tl.program_id(1) // H_KV).to(tl.int64)
@@ -330,8 +323,6 @@ def _decode_split_kernel(
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
                                           stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
 
-    if USE_GDC and GDC_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # rows with no key: 0
     out_mask = row_ok[:, None] & d_ok[None, :]
     if used == 1:
@@ -405,6 +396,13 @@ def auto_num_splits(n_programs: int, length: int, device: torch.device,
     cap = max(1, min(length // _options.get().decode_min_keys_per_split, MAX_SPLITS,
                      per_sm * sms // max(n_programs, 1)))
     return _most_even_splits(n_programs, cap, sms)
+
+
+def full_grid_unsplit(n_programs: int, length: int, device: torch.device) -> bool:
+    """Whether the automatic plan runs unsplit because the grid is full (the module docstring): the option on,
+    length <= FULL_GRID_UNSPLIT_MAX_LEN and n_programs (sequence, kv head, row block) at least the SMs."""
+    return (_options.get().decode_full_grid and length <= FULL_GRID_UNSPLIT_MAX_LEN
+            and n_programs >= _triton.sm_count(device))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -579,17 +577,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
-    # a full grid (see the module docstring): the unsplit programs alone give every SM one
-    full = num_splits is None and opts.decode_full_grid and B * Hkv * row_blocks >= _triton.sm_count(q.device)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         length = max_len if longest is None else longest
-        if full and length <= FULL_GRID_UNSPLIT_MAX_LEN:
+        if full_grid_unsplit(B * Hkv * row_blocks, length, q.device):
             num_splits = 1
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
                                          programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
-        min_chunk = opts.decode_min_keys_per_split
-        unsplit_max = FULL_GRID_UNSPLIT_MAX_LEN if full else SINGLE_SPLIT_MAX_LEN
+        min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
         deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and num_splits > 1 else None
         if deep is not None and B * Hkv * row_blocks * num_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program
@@ -599,7 +594,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl = pdl_enabled(q.device)
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
 
-    merge_in_split = num_splits > 1 and (opts.decode_merge_in_split or full)
+    merge_in_split = num_splits > 1 and opts.decode_merge_in_split
     strided = num_splits > 1 and opts.decode_split_order == "strided"
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
@@ -615,7 +610,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, GDC_LATE=full), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),
@@ -624,5 +619,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-__all__ = ["decode_attention", "auto_num_splits", "plan_splits", "DecodeTile", "default_tile", "deep_tile",
-           "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile", "default_tile",
+           "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

@@ -59,11 +59,10 @@ first get() of the process (a bad value is a ValueError naming the variable):
     decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch
-    decode_full_grid           FLASHGPT_DECODE_FULL_GRID=0|1     True   where a decode call's unsplit programs
-                                                                        are at least the SMs: caches up to 8,192
-                                                                        keys unsplit, longer ones merged in the
-                                                                        split kernel, the next launch let in
-                                                                        after the key loop (kernels/decode.py)
+    decode_full_grid           FLASHGPT_DECODE_FULL_GRID=0|1     True   a decode call whose unsplit programs are
+                                                                        at least the SMs runs unsplit up to
+                                                                        2,048 keys of capacity (no merge launch;
+                                                                        kernels/decode.py)
     decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
                                                                         of the split-KV decode reads: every
                                                                         used-th block from its own index (at any

@@ -505,62 +505,47 @@ def test_four_stages_where_the_split_programs_leave_each_sm_at_most_one(batch, s
     assert dec.deep_tile(default_tile(128, 2, 1), 128, 2) is None  # 256-byte rows: not measured, not deepened
 
 
-# ------------------------------------------------------------------ the full-grid plan (option decode_full_grid)
+# ------------------------------------------------------------------ the full grid (option decode_full_grid)
 
 @pytest.fixture
 def launched(monkeypatch):
-    """(kernel name, grid, constexprs) of each launch decode_attention makes (they still run)."""
+    """(kernel name, grid) of each launch decode_attention makes (they still run)."""
     import kernels.decode as dec
     made = []
     real = dec._launch
 
-    def recording(kernel, grid, tensors, scalars, consts, launch):
-        made.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid, consts))
-        return real(kernel, grid, tensors, scalars, consts, launch)
+    def recording(kernel, grid, *rest):
+        made.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid))
+        return real(kernel, grid, *rest)
     monkeypatch.setattr(dec, "_launch", recording)
     return made
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_full_grid_runs_short_caches_unsplit_and_merges_long_ones_in_the_split_kernel(dtype, monkeypatch, launched):
-    """Where the unsplit programs alone are at least the SMs (here 6 sequence-kv-heads on a token GPU of 4 SMs),
-    a cache of at most FULL_GRID_UNSPLIT_MAX_LEN keys (256 here) runs as one unsplit launch; a longer capacity
-    gets a split grid in which each sequence splits only past that length, merged inside the split kernel (no
-    merge launch) with the late launch signal. Both within the float64 budget, like the plan without it."""
+def test_full_grid_of_short_capacity_runs_unsplit(dtype, monkeypatch, launched):
+    """Unsplit programs at least the SMs (6 sequence-kv-heads on a token GPU of 4 SMs) and a capacity of at
+    most FULL_GRID_UNSPLIT_MAX_LEN (256 here): one launch of one split, within the float64 budget, as close to
+    the split plan (the option off: a split grid and its merge) as the budget allows. A longer capacity, fewer
+    programs than SMs or an explicit split count keep the split plan."""
     import kernels.decode as dec
     monkeypatch.setattr(dec, "FULL_GRID_UNSPLIT_MAX_LEN", 256)
+    monkeypatch.setattr(dec, "SINGLE_SPLIT_MAX_LEN", 64)  # below it every grid has one split anyway
     monkeypatch.setattr(kt, "sm_count", lambda device: 4)
-    lens = [3, 200, 256]
-    q, k, v, lens_t = make_case(3, 4, 2, 1, 32, lens, max_len=256, dtype=dtype, seed=11)
-    check(q, k, v, lens_t, dtype, check_lens=False)
-    assert [(name, grid[0]) for name, grid, _ in launched] == [("_decode_split_kernel", 1)]
-    assert launched[0][2]["SPLIT"] is False and launched[0][2]["GDC_LATE"] is True
-
-    launched.clear()
-    lens = [3, 256, 257, 700, 1000, 1023]                                   # unsplit, then split on the device
-    q, k, v, lens_t = make_case(6, 2, 1, 2, 32, lens, max_len=1024, dtype=dtype, seed=12)
-    full = check(q, k, v, lens_t, dtype, check_lens=False)
-    assert [name for name, _, _ in launched] == ["_decode_split_kernel"]    # no merge launch
-    (_, grid, consts), = launched
-    assert grid[0] > 1 and consts["MERGE"] is True and consts["GDC_LATE"] is True
-    assert (dec._counters[q.device] == 0).all()
-
-    launched.clear()
-    with options.use(decode_full_grid=False):                               # the plan without it
-        plain = check(q, k, v, lens_t, dtype, check_lens=False)
-    assert [name for name, _, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"]
-    assert launched[0][2]["GDC_LATE"] is False
-    torch.testing.assert_close(full, plain, atol=FLOOR[dtype], rtol=FLOOR[dtype])
-
-
-def test_full_grid_leaves_small_grids_and_explicit_counts_alone(monkeypatch, launched):
-    """Fewer unsplit programs than SMs, or an explicit split count: the plan is the one without the option."""
-    monkeypatch.setattr(kt, "sm_count", lambda device: 64)
-    q, k, v, lens = make_case(3, 4, 2, 1, 32, [3, 700, 1000], max_len=1024, dtype=torch.float32, seed=13)
-    check(q, k, v, lens, torch.float32, check_lens=False)                   # 6 programs < 64 SMs
-    assert [name for name, _, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"]
-    launched.clear()
-    monkeypatch.setattr(kt, "sm_count", lambda device: 4)
-    check(q, k, v, lens, torch.float32, num_splits=3)
-    assert [name for name, _, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"]
-    assert launched[0][1][0] == 3 and launched[0][2]["GDC_LATE"] is False
+    lens = [3, 170, 250]
+    with options.use(decode_min_keys_per_split=32):
+        q, k, v, lens_t = make_case(3, 4, 2, 1, 32, lens, max_len=256, dtype=dtype, seed=11)
+        full = check(q, k, v, lens_t, dtype, check_lens=False)
+        assert launched == [("_decode_split_kernel", (1, 6, 1))]
+        launched.clear()
+        with options.use(decode_full_grid=False):
+            plain = check(q, k, v, lens_t, dtype, check_lens=False)
+        assert [name for name, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"]
+        assert launched[0][1][0] > 1
+        torch.testing.assert_close(full, plain, atol=2 * FLOOR[dtype], rtol=FLOOR[dtype])
+        for case, kw in (((3, 4, 2, 1, 32, lens, 257), {}),              # capacity past the limit
+                         ((1, 4, 2, 1, 32, lens[1:2], 256), {}),         # 2 programs < 4 SMs
+                         ((3, 4, 2, 1, 32, lens, 256), {"num_splits": 3})):
+            launched.clear()
+            q, k, v, lens_t = make_case(*case, dtype=dtype, seed=12)
+            check(q, k, v, lens_t, dtype, check_lens=False, **kw)
+            assert [name for name, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"], case

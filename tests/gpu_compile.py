@@ -4,7 +4,8 @@
         wrapper(...)                      # every kernel_a[grid](...) inside compiles, launches nothing
     compiled                              # [CompiledKernel], in launch order (repeats of one variant: once)
     describe(c, dtype_arg)                # one compiled variant as plain data (for the parent process)
-    ptxas_usage(c)                        # its registers and spill bytes per thread, from `ptxas -v`
+    ptxas_usage(c)                        # its registers and spill bytes per thread, from `ptxas -v`,
+                                          # and whether ptxas serialised its wgmmas
 
 Triton's interpreter accepts kernels that its compiler rejects (a plain Python global read inside a kernel, for
 one), so a kernel tested only on the CPU can still fail to build on a GPU. Inside the context each launch goes
@@ -108,4 +109,8 @@ def ptxas_usage(c) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if regs is None or spills is None:
         raise RuntimeError(f"unexpected ptxas -v output for {c.name}: {log[-2000:]}")
-    return dict(registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
+    # ptxas's notes C7510-C7519: "wgmma.mma_async instructions are serialized due to ..." (a wgmma in flight
+    # across a loop's back edge, accumulator registers touched by other instructions, too few registers)
+    serialized = sorted(set(re.findall(r"\((C751\d)\) Potential Performance Loss: wgmma", log)))
+    return dict(registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
+                wgmma_serialized=serialized)

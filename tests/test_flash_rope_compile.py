@@ -6,7 +6,7 @@ launch code with each launch turned into a compile (tests/gpu_compile.py), in a 
 TRITON_INTERPRET=0, for the SmolLM2-135M attention shape (9 query, 3 KV heads, head dim 64) and a head dim 128
 one, bf16, with and without the tables, each kernel in the first (default) config of its list. `ptxas -v`
 counts registers and spill bytes per variant: a ROPE variant may spill no more than the same launch without
-the tables, and take at most 8 more registers.
+the tables, and take at most 8 more registers. No variant may have its wgmmas serialised by ptxas.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def test_rope_backward_compiles_for_hopper_without_more_spills(tmp_path):
     assert set(found) == {(k, d, rope) for k in ("_attn_bwd_dq", "_attn_bwd_dkdv") for d in SHAPES
                           for rope in (False, True)}
     for (kernel, d, rope), rec in found.items():
+        assert not rec["wgmma_serialized"], rec  # ptxas's C751x notes: the kernel's wgmmas serialised
         if not rope:
             continue
         plain = found[(kernel, d, False)]

@@ -145,10 +145,11 @@ def _read_sharded(folder: str, index_path: str) -> dict:
             raise TypeError("weight_map is not an object")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise HFError(f"cannot read {index_path} ({_one_line(e)})") from None
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
+    for shard in weight_map.values():  # checked before sorting: a number or a list would not sort with names
         if not isinstance(shard, str) or os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
             raise HFError(f"{index_path} names {shard!r}, which is not a .safetensors file of the folder")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
         if not os.path.isfile(os.path.join(folder, shard)):
             raise HFError(f"{index_path} names shard {shard}, which is missing from {folder}")
     tensors: dict = {}

@@ -148,6 +148,41 @@ def test_hub_cache_snapshot_of_a_llama_loads_offline(tmp_path, monkeypatch):
         assert (GPT.from_pretrained("org/tiny-llama")(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
 
 
+
+def _hub_error(cls):
+    """An instance of one of huggingface_hub's HTTP errors without an HTTP response (their constructor wants one)."""
+    e = cls.__new__(cls)
+    Exception.__init__(e, "404 Client Error")
+    return e
+
+
+@pytest.mark.parametrize("kind,want", [("GatedRepoError", "gated; accept its licence on the hub and set HF_TOKEN"),
+                                       ("RepositoryNotFoundError", "no such repo on the hub (or it is private"),
+                                       ("RevisionNotFoundError", "no such revision"),
+                                       ("OSError", "the download failed")])
+def test_hub_download_errors_are_one_line(kind, want, monkeypatch):
+    """A repo missing from the local cache with the hub reachable: what the download raises becomes one line that
+    says what to do (the hub itself is not contacted: snapshot_download is replaced)."""
+    import huggingface_hub
+    import huggingface_hub.errors as hub_errors
+
+    from model import hf_files
+
+    def fake_download(repo, allow_patterns=None, local_files_only=False):
+        if local_files_only:
+            raise hub_errors.LocalEntryNotFoundError("not in the cache")
+        raise OSError("disk full") if kind == "OSError" else _hub_error(getattr(hub_errors, kind))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.setattr(hf_files, "_hub_reachable", lambda timeout=5.0: True)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(HFError) as e:
+        GPT.from_pretrained("org/some-model")
+    msg = str(e.value)
+    assert "'org/some-model'" in msg and want in msg and "\n" not in msg, msg
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 
 @pytest.fixture(scope="module")
@@ -249,6 +284,14 @@ def test_missing_shard_and_index_mismatches(sharded_dir, tmp_path):
     with open(tmp_path / "b" / index, "w") as f:
         json.dump(idx, f)
     assert f"places tensor {name} in {other}, which does not hold it" in one_line_error(tmp_path / "b")
+    for bad in (3, ["x.safetensors"], "../x.safetensors"):  # not a file name: one line, before any sorting
+        shutil.copytree(sharded_dir, tmp_path / "c", dirs_exist_ok=True)
+        with open(tmp_path / "c" / index) as f:
+            idx = json.load(f)
+        idx["weight_map"][name] = bad
+        with open(tmp_path / "c" / index, "w") as f:
+            json.dump(idx, f)
+        assert f"names {bad!r}, which is not a .safetensors file of the folder" in one_line_error(tmp_path / "c")
 
 
 def test_folders_without_usable_weights(llama_dir, tmp_path):

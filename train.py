@@ -1,6 +1,7 @@
 """Train a GPT from a config.
 
     python train.py configs/demo.toml [--key=value ...] [--resume [--allow-config-change]]
+    python train.py configs/finetune_tiny.toml --init-from hf:runs/llama_demo_hf   # fine-tune from weights
     torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml          # DistributedDataParallel
     torchrun --nproc_per_node=8 train.py configs/gpt2_124m.toml --parallel=fsdp   # FSDP2, sharded checkpoints
 
@@ -9,8 +10,8 @@ best.pt (under parallel=fsdp: folders ckpt_<step>/ and best_<step>/), config.tom
 (and with train.export_hf, <out_dir>/hf: best.pt as a Hugging Face model). Ctrl-C or SIGTERM saves a
 checkpoint after the step in flight and exits; --resume continues exactly.
 
-train.init_from = "hf:<repo-or-dir>" or a run folder starts from those weights, with their shape and tokenizer
-(training/pretrained.py); the run's own checkpoints then resume it like any other.
+train.init_from = "hf:<repo-or-dir>" or a run folder (--init-from gives the same) starts from those weights, with
+their shape and tokenizer (training/pretrained.py); the run's own checkpoints then resume it like any other.
 
 A run is a Trainer: setup() (checkpoint, data, model, log), then run(), whose loop is made of step(),
 log_step(), evaluate() and checkpoint().
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="config keys (defaults), overridable as --key=value or --section.key=value:\n" + "\n".join(keys))
     p.add_argument("config", nargs="?", help="TOML config file (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir from its last checkpoint")
+    p.add_argument("--init-from", metavar="hf:REPO_OR_DIR | RUN_DIR",
+                   help="start from pretrained weights, with their shape and tokenizer: the same as "
+                        "--init_from=... (train.init_from; generate.py and eval.py take the same flag)")
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: apply [model]/[data] values that differ from the checkpoint's "
                         "(refused without it)")
@@ -820,6 +824,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
     try:
+        if args.init_from is not None:
+            if args.resume:
+                raise ConfigError("--init-from and --resume: a resumed run continues from its own checkpoint; "
+                                  "give one of them")
+            overrides = [*overrides, f"--train.init_from={args.init_from}"]  # validated with the other keys
         cfg = load_config(args.config, overrides)
         if args.resume:
             cfg.train.init_from = "resume"

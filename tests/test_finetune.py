@@ -214,3 +214,19 @@ def test_pretrained_folders_that_cannot_be_used(pretrained, tmp_path):
     assert "no such run folder or checkpoint file" in one_line(e)
     with pytest.raises(ConfigError, match="data.tokenizer='model' is the tokenizer of a pretrained model"):
         load_config(None, ["--tokenizer=model"])
+
+
+def test_init_from_flag_is_the_config_key(pretrained, tmp_path):
+    """train.py --init-from X (as generate.py and eval.py spell it) sets train.init_from: the run starts from
+    the pretrained weights as --init_from=X does; with --resume it is refused in one line."""
+    folder, _, corpus = pretrained
+    common = [CONFIG, f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache", "--num_proc=1", "--device=cpu",
+              "--block_size=32", "--batch_size=8", "--max_iters=2", "--eval_interval=2", "--eval_iters=1",
+              "--warmup_iters=1", "--lr_decay_iters=2", "--export_hf=false"]
+    assert train_mod.main([*common, "--init-from", f"hf:{folder}", f"--out_dir={tmp_path}/flag"]) == 0
+    assert train_mod.main([*common, f"--init_from=hf:{folder}", f"--out_dir={tmp_path}/key"]) == 0
+    first = [rows(tmp_path / run, "val_loss") for run in ("flag", "key")]
+    assert first[0] == first[1] and first[0]  # the same start, the same losses
+    r = run_entry("train.py", CONFIG, "--init-from", f"hf:{folder}", "--resume", f"--out_dir={tmp_path}/r")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "--init-from and --resume" in lines[0], r.stderr

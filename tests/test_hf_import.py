@@ -76,6 +76,30 @@ def test_same_logits_and_greedy_tokens_as_transformers(family, tmp_path):
         assert ours == expected, backend
 
 
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_transformers_to_ours_to_export_to_transformers(family, tmp_path):
+    """The whole chain from a transformers model: saved, loaded here, written as a checkpoint, exported
+    (python -m model.export's export_checkpoint), loaded by transformers again: the same architecture and the
+    original model's logits."""
+    from config import RunConfig
+    from data.tokenizers import CharTokenizer
+    from model.checkpoint import save_checkpoint
+    from model.export import export_checkpoint
+
+    hf, folder = saved(family, tmp_path / family)
+    model = GPT.from_pretrained(folder)
+    spec = CharTokenizer("".join(chr(c) for c in range(32, 32 + VOCAB - 1)) + "\n").spec()
+    ckpt = str(tmp_path / "ckpt.pt")
+    save_checkpoint({"model": model.state_dict(), "config": RunConfig(model=model.config).to_dict(),
+                     "tokenizer": spec, "iter": 0}, ckpt)
+    again = transformers.AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, str(tmp_path / "out"))).eval()
+    assert type(again).__name__ == type(hf).__name__
+    idx = torch.randint(0, VOCAB, (2, 100))
+    want = hf(idx).logits
+    assert want.abs().max() > 1 and (again(idx).logits - want).abs().max() <= 1e-4
+
 def test_config_fields_per_family(tmp_path):
     """What each family's config.json becomes (the options that make the logits above agree)."""
     c = GPT.from_pretrained(saved("llama3-scaled-tied", tmp_path / "a")[1]).config

@@ -64,3 +64,18 @@ def tiny_llama(folder, vocab_size: int, family: str = "llama", **overrides):
     hf = randomised(model_cls(config_cls(**{**cfg, **overrides})))
     hf.save_pretrained(folder, safe_serialization=True)
     return hf
+
+
+def char_spec(vocab_size: int) -> dict:
+    """The spec of a character tokenizer of vocab_size ids (printable ASCII from the space on, then a newline)."""
+    from data.tokenizers import CharTokenizer
+    return CharTokenizer("".join(chr(c) for c in range(32, 32 + vocab_size - 1)) + "\n").spec()
+
+
+def write_ckpt(path, model, tokenizer_spec: dict) -> str:
+    """A training checkpoint of `model` (a GPT) at step 0 with this tokenizer, as train.py writes it; its path."""
+    from config import RunConfig
+    from model.checkpoint import save_checkpoint
+    save_checkpoint({"model": model.state_dict(), "config": RunConfig(model=model.config).to_dict(),
+                     "tokenizer": tokenizer_spec, "iter": 0}, str(path))
+    return str(path)

@@ -12,12 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from config import RunConfig  # noqa: E402
 from data.tokenizers import CharTokenizer, GPT2Tokenizer, HFTokenizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from model.checkpoint import save_checkpoint  # noqa: E402
 from model.export import ExportError, export_checkpoint, hf_family  # noqa: E402
-from tests.hf_models import write_tokenizer  # noqa: E402
+from tests import hf_models  # noqa: E402
+from tests.hf_models import write_ckpt, write_tokenizer  # noqa: E402
 from tests.util import ROOT, pythonpath  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -48,16 +47,9 @@ def random_model(fields: dict, seed: int = 0) -> GPT:
     return model.eval()
 
 
-def write_ckpt(path, model: GPT, tokenizer_spec: dict) -> str:
-    cfg = RunConfig(model=model.config)
-    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tokenizer_spec,
-                     "iter": 0}, str(path))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def char_spec():
-    return CharTokenizer("".join(chr(c) for c in range(32, 32 + VOCAB - 1)) + "\n").spec()
+    return hf_models.char_spec(VOCAB)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

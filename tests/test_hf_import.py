@@ -83,17 +83,11 @@ def test_transformers_to_ours_to_export_to_transformers(family, tmp_path):
     """The whole chain from a transformers model: saved, loaded here, written as a checkpoint, exported
     (python -m model.export's export_checkpoint), loaded by transformers again: the same architecture and the
     original model's logits."""
-    from config import RunConfig
-    from data.tokenizers import CharTokenizer
-    from model.checkpoint import save_checkpoint
     from model.export import export_checkpoint
+    from tests.hf_models import char_spec, write_ckpt
 
     hf, folder = saved(family, tmp_path / family)
-    model = GPT.from_pretrained(folder)
-    spec = CharTokenizer("".join(chr(c) for c in range(32, 32 + VOCAB - 1)) + "\n").spec()
-    ckpt = str(tmp_path / "ckpt.pt")
-    save_checkpoint({"model": model.state_dict(), "config": RunConfig(model=model.config).to_dict(),
-                     "tokenizer": spec, "iter": 0}, ckpt)
+    ckpt = write_ckpt(tmp_path / "ckpt.pt", GPT.from_pretrained(folder), char_spec(VOCAB))
     again = transformers.AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, str(tmp_path / "out"))).eval()
     assert type(again).__name__ == type(hf).__name__
     idx = torch.randint(0, VOCAB, (2, 100))

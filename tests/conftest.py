@@ -19,7 +19,27 @@ def pytest_addoption(parser):
                           "test id, tab-separated): the durations survive a run stopped at its limit")
 
 
+def _kernels_name_clash() -> str | None:
+    """One line when the installed transformers cannot build a model next to this checkout, else None: releases
+    from 5.25 import Hugging Face's `kernels` package, and this project's `kernels/` answers that import."""
+    import importlib.metadata
+    try:
+        importlib.metadata.version("kernels")  # Hugging Face's package; absent: transformers never imports it
+        import transformers.integrations.hub_kernels  # noqa: F401
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    except ImportError as e:
+        if "'kernels'" not in str(e):
+            return None  # transformers absent or broken otherwise: the tests that need it say so
+        import transformers
+        return (f"transformers {transformers.__version__} imports Hugging Face's `kernels` package, which this "
+                "checkout's kernels/ shadows: pip install 'transformers<5.25' (the dev extra's pin)")
+    return None
+
+
 def pytest_configure(config):
+    if not hasattr(config, "workerinput") and (clash := _kernels_name_clash()):
+        raise pytest.UsageError(clash)
     config.addinivalue_line("markers", "autotune: run the kernel with its autotuner on (GPU only)")
     config.addinivalue_line("markers", "slow: an exhaustive sweep, skipped unless selected with `-m slow`")
     if hasattr(config, "workerinput"):  # an xdist worker: its share of the cores, for itself and what it starts

@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set with mass p")
     smp.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     smp.add_argument("--seed", type=int, default=1337)
-    smp.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    smp.add_argument("--no-stop", action="store_true",
+                     help="do not stop at the end-of-text tokens (the tokenizer's eos_token and "
+                          "generation_config.json's eos_token_id)")
     smp.add_argument("--no-stream", action="store_true", help="print each sample at the end instead of streaming")
     return p
 
@@ -224,7 +226,7 @@ def run(args) -> int:
     batch = [ids for ids in encoded for _ in range(args.num_samples)]  # (num prompts * num samples) sequences
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens,
-                            stop_token=None if args.no_stop else tok.eot_token)
+                            stop_tokens=() if args.no_stop else tok.stop_tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     cuda_graph = args.cuda_graph and device.type == "cuda"
     try:

@@ -57,6 +57,7 @@ class GPT2Tokenizer:
     name = "gpt2"
     vocab_size = 50257
     eot_token = GPT2_EOT
+    stop_tokens = (GPT2_EOT,)
 
     def __init__(self):
         self._enc = gpt2_encoding()
@@ -88,6 +89,7 @@ class CharTokenizer:
         self.chars = "".join(sorted(set(chars)))
         self.eot = eot
         self.eot_token = len(self.chars) if eot else None
+        self.stop_tokens = (self.eot_token,) if eot else ()
         self.vocab_size = len(self.chars) + int(eot)
         self._stoi = {c: i for i, c in enumerate(self.chars)}
 
@@ -131,12 +133,16 @@ class HFTokenizer:
     encode() adds the special tokens of tokenizer.json's post-processor (Llama-3's BOS, for one), as
     transformers' tokenizer(text) does; encode(text, add_special_tokens=False) does not (for text that already
     holds them, such as a rendered chat template). Special tokens written in the text are read as special.
-    eot_token is the id of tokenizer_config.json's eos_token (None when it names none).
+    eot_token is the id of tokenizer_config.json's eos_token (None when it names none): it ends each document of
+    the training data. stop_tokens are the ids generation stops at: eot_token and the eos_token_id (an id or a
+    list) of the model's generation_config.json, which names more ends than the tokenizer in some families
+    (Llama-3.x: <|eot_id|> and <|eom_id|> besides <|end_of_text|>; Qwen2.5 instruct: <|im_end|> and
+    <|endoftext|>).
     """
     name = "hf"
 
     def __init__(self, tokenizer_json: str, config: dict | None = None, chat_template: str | None = None,
-                 source: str = ""):
+                 source: str = "", generation_eos: list[int] | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -159,6 +165,23 @@ class HFTokenizer:
         self.eos_text = _token_text(self.config.get("eos_token"))
         self.bos_token = self._id_of(self.bos_text, "bos_token")
         self.eot_token = self._id_of(self.eos_text, "eos_token")
+        self.generation_eos = self._checked_ids(generation_eos)
+        ends = ([] if self.eot_token is None else [self.eot_token]) + self.generation_eos
+        self.stop_tokens = tuple(dict.fromkeys(ends))  # in order, each once
+
+    def _checked_ids(self, value) -> list[int]:
+        """generation_config.json's eos_token_id (an id, a list of ids, or null) as a list of ids in the vocabulary."""
+        if value is None:
+            return []
+        ids = value if isinstance(value, list) else [value]
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TokenizerError(f"{self.source}: generation_config.json's eos_token_id must be a token id or a "
+                                     f"list of ids, not {value!r}")
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"{self.source}: generation_config.json's eos_token_id {i} is outside the "
+                                     f"vocabulary of {self.vocab_size} tokens")
+        return list(ids)
 
     def _id_of(self, text: str | None, key: str) -> int | None:
         if text is None:
@@ -171,8 +194,9 @@ class HFTokenizer:
     @classmethod
     def from_folder(cls, folder: str, source: str | None = None) -> "HFTokenizer":
         """The tokenizer of a Hugging Face model folder: tokenizer.json, with tokenizer_config.json (special
-        tokens, chat_template), special_tokens_map.json (special tokens tokenizer_config.json leaves out) and
-        chat_template.jinja (a template kept in its own file) where the folder has them."""
+        tokens, chat_template), special_tokens_map.json (special tokens tokenizer_config.json leaves out),
+        chat_template.jinja (a template kept in its own file) and generation_config.json (its eos_token_id: where
+        generation stops) where the folder has them."""
         source = source or repr(folder)
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
@@ -193,7 +217,9 @@ class HFTokenizer:
         jinja = os.path.join(folder, "chat_template.jinja")
         if not isinstance(template, str) and os.path.isfile(jinja):
             template = _read_text(jinja)
-        return cls(tokenizer_json, config, template if isinstance(template, str) else None, source)
+        generation = _read_json(os.path.join(folder, "generation_config.json"))
+        return cls(tokenizer_json, config, template if isinstance(template, str) else None, source,
+                   generation.get("eos_token_id"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -205,10 +231,13 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def spec(self) -> dict:
-        return {"kind": "hf", "source": self.source,
+        spec = {"kind": "hf", "source": self.source,
                 "sha256": hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest(),
                 "tokenizer_json": self.tokenizer_json, "tokenizer_config": self.config,
                 "chat_template": self.chat_template}
+        if set(self.generation_eos) - {self.eot_token}:  # else absent: the token files' cache key stays as it was
+            spec["generation_eos"] = self.generation_eos
+        return spec
 
 
 def _read_text(path: str) -> str:
@@ -262,5 +291,5 @@ def tokenizer_from_spec(spec: dict):
         config = spec.get("tokenizer_config") or {}
         if not isinstance(config, dict):
             raise TokenizerError(f"the stored tokenizer {source} is damaged: tokenizer_config is not a dict")
-        return HFTokenizer(text, config, spec.get("chat_template"), source)
+        return HFTokenizer(text, config, spec.get("chat_template"), source, spec.get("generation_eos"))
     raise TokenizerError(f"unknown tokenizer spec kind {kind!r}; expected 'gpt2', 'char' or 'hf'")

@@ -184,7 +184,7 @@ class FlashGPTLM:
             if all(d or s for d, s in zip(done, stopped)):
                 raise _AllStopped
 
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token=self.eot_token_id)
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_tokens=self.tokenizer.stop_tokens)
         was_training = self.model.training
         self.model.eval()
         try:

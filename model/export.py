@@ -7,7 +7,8 @@ writes into DIR:
     model.safetensors       the weights under the architecture's names (model/hf_weights.py's rules read
                             backwards: c_attn split into q/k/v, c_fc into gate/up, GPT-2's Conv1D transposed,
                             a tied LM head left to the embedding)
-    generation_config.json  bos/eos token ids (when the tokenizer has an end-of-text token)
+    generation_config.json  bos/eos token ids (when the tokenizer has an end-of-text token; eos_token_id is a list
+                            when generation stops at more than one, as the model's own generation_config.json had)
     tokenizer files         tokenizer.json + tokenizer_config.json (data/tokenizer_export.py; GPT-2 adds
                             vocab.json and merges.txt; the character tokenizer becomes a WordLevel tokenizer.json)
 
@@ -172,8 +173,10 @@ def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype
     if family == "gpt2" and tok.name == "gpt2":
         bos = eos
     files = {"config.json": _dump(hf_config(family, cfg, torch_dtype, bos, eos))}
-    if eos is not None:
-        files["generation_config.json"] = _dump({"bos_token_id": bos, "eos_token_id": eos})
+    stops = list(tok.stop_tokens)  # eos first, then the ends of the original generation_config.json
+    if stops:
+        files["generation_config.json"] = _dump({"bos_token_id": bos,
+                                                 "eos_token_id": stops if len(stops) > 1 else stops[0]})
     files.update(hf_tokenizer_files(tok, cfg.block_size))
     tensors = hf_tensors(family, cfg, ckpt["model"], torch_dtype)
     _write_folder(out, files, tensors, force)

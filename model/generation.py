@@ -173,7 +173,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     (inside the graph when both are on). fused: decode with model/fused_decode.py (a few fused Triton kernels
     per layer); None = automatically on CUDA with the flash backend and without compile; True where it cannot
     run raises ValueError. Returns stats with `sequences`: each prompt's new tokens, stopping at
-    params.stop_token (excluded); stats.decode_path says which step ran.
+    the first of params.stop_tokens (excluded); stats.decode_path says which step ran.
     """
     device = model.lm_head.weight.device
     B = len(prompts)
@@ -212,6 +212,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
         stats.time_to_first_token = t1 - t0
 
         done = [False] * B
+        stop = frozenset(params.stop_tokens)
         out: list[list[int]] = [[] for _ in range(B)]
         pos = lengths[:, None].clone()  # (B, 1): where each sequence's next token goes
         if in_graph_argmax:
@@ -237,7 +238,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
                 pending.append(_start_host_copy(next_tokens()))
             for b in range(B):
                 if not done[b]:
-                    if tokens[b] == params.stop_token:
+                    if tokens[b] in stop:
                         done[b] = True
                     else:
                         out[b].append(tokens[b])

@@ -18,7 +18,7 @@ class SamplingParams:
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     max_new_tokens: int = 200
-    stop_token: int | None = None
+    stop_tokens: tuple[int, ...] = ()  # a sequence ends at the first of these (excluded from its output)
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

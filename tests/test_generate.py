@@ -104,14 +104,16 @@ def test_prefill_in_chunks_gives_the_same_logits(oracle):
         torch.testing.assert_close(last, full_model_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_stop_token_ends_each_sequence_separately(oracle):
+def test_stop_tokens_end_each_sequence_separately(oracle):
     model, prompts, expected = oracle[0]
-    stop = expected[1][3]  # the 4th greedy token of prompt 2
-    stats = generate(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=N_NEW, stop_token=stop))
-    for seq, full in zip(stats.sequences, expected):
-        assert seq == (full[:full.index(stop)] if stop in full else full)
-    assert stats.new_tokens == sum(len(s) for s in stats.sequences)
-    assert stats.decode_tokens == stats.new_tokens - sum(1 for s in stats.sequences if s)
+    for stops in ((expected[1][3],), (expected[0][5], expected[2][2])):  # one end token; two (the first wins)
+        stats = generate(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=N_NEW, stop_tokens=stops))
+        for seq, full in zip(stats.sequences, expected):
+            first = min((full.index(s) for s in stops if s in full), default=len(full))
+            assert seq == full[:first]
+        assert any(len(seq) < N_NEW for seq in stats.sequences)
+        assert stats.new_tokens == sum(len(s) for s in stats.sequences)
+        assert stats.decode_tokens == stats.new_tokens - sum(1 for s in stats.sequences if s)
 
 
 def test_streaming_callback_sees_every_token(oracle):

@@ -59,6 +59,30 @@ def test_chat_uses_the_template_and_prints_the_reply(llama, capsys):
     assert out == f"--- sample 1 (prompt 1) ---\n{want}\n"
 
 
+def test_generation_stops_at_every_end_id_of_generation_config(llama, tmp_path, capsys):
+    """generation_config.json's eos_token_id list stops generation as it stops transformers' generate (Llama-3.x
+    and Qwen2.5 name more ends there than the tokenizer's eos_token)."""
+    folder, hf = llama
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tok("the king and").input_ids
+    free = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                       eos_token_id=None)[0, len(ids):].tolist()
+    end = next(t for t in free[2:] if t != 2)  # a token greedy decoding reaches after a few steps
+    ends = shutil.copytree(folder, tmp_path / "ends")
+    generation = json.loads((ends / "generation_config.json").read_text())
+    (ends / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[2, end])))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(ends).generate(
+        torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+    assert theirs[-1] == end and len(theirs) < 12  # transformers stopped at the new end id
+    code = generate_mod.main(["--init-from", f"hf:{ends}", "--prompt", "the king and", "--temperature", "0",
+                              "--max-new-tokens", "12", "--no-stream", "--device", "cpu"])
+    assert code == 0
+    assert capsys.readouterr().out == f"--- sample 1 (prompt 1) ---\nthe king and{tok.decode(theirs[:-1])}\n"
+    code = generate_mod.main(["--init-from", f"hf:{ends}", "--prompt", "the king and", "--temperature", "0",
+                              "--max-new-tokens", "12", "--no-stream", "--device", "cpu", "--no-stop"])
+    assert code == 0 and tok.decode(free) in capsys.readouterr().out
+
+
 def cli_error(capsys, *args) -> str:
     code = generate_mod.main([*map(str, args), "--device", "cpu"])
     captured = capsys.readouterr()

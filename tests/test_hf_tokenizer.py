@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -88,6 +89,33 @@ def test_special_tokens_map_and_template_files(tok_dir, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert HFTokenizer.from_folder(str(folder)).chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_generation_config_end_ids_are_stop_tokens(tok_dir, tmp_path):
+    """generation_config.json's eos_token_id (an id or a list) joins eos_token as where generation stops, is kept
+    in the spec, and leaves the spec as it was when it adds nothing."""
+    folder = shutil.copytree(tok_dir, tmp_path / "gen")
+    assert HFTokenizer.from_folder(str(folder)).stop_tokens == (0,)  # no generation_config.json: eos_token only
+    for value, stops in ((1, (0, 1)), ([2, 0, 2], (0, 2)), ([], (0,)), (None, (0,))):
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        tok = HFTokenizer.from_folder(str(folder))
+        assert tok.stop_tokens == stops and tok.eot_token == 0
+        spec = json.loads(json.dumps(tok.spec()))
+        assert ("generation_eos" in spec) == (stops != (0,))
+        assert tokenizer_from_spec(spec).stop_tokens == stops
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    same = HFTokenizer.from_folder(str(folder), "x").spec(), HFTokenizer.from_folder(tok_dir, "x").spec()
+    assert same[0] == same[1]
+    for value, message in ((300, "eos_token_id 300 is outside the vocabulary of 300 tokens"),
+                           ([1, -1], "eos_token_id -1 is outside the vocabulary"),
+                           ("<|im_end|>", "eos_token_id must be a token id or a list of ids, not '<|im_end|>'"),
+                           ([True], "must be a token id or a list of ids")):
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        with pytest.raises(TokenizerError, match=re.escape(message)):
+            HFTokenizer.from_folder(str(folder), "hf:org/m")
+    (folder / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(TokenizerError, match="generation_config.json is not a JSON object"):
+        HFTokenizer.from_folder(str(folder))
 
 
 def test_bad_folders_are_one_line(tok_dir, tmp_path):

@@ -87,6 +87,9 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         tile's Q and K/V load during its last
                                                                         softmax, PV and epilogue; off: after the
                                                                         last PV
+    hopper_consumers_d64       FLASHGPT_HOPPER_CONSUMERS_D64=2|3  2     consumer warpgroups of the Gluon forward at
+                                                                        head dim 64: 2 (128-row tiles) or 3
+                                                                        (192-row tiles, 160 registers each)
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -126,6 +129,7 @@ class KernelOptions:
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
     hopper_early_q: bool = True
+    hopper_consumers_d64: int = 2
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -163,6 +167,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: isinstance(v, bool), "expected True or False"),
+    "hopper_consumers_d64": (lambda v: _is_int(v) and v in (2, 3), "expected 2 or 3"),
 }
 
 
@@ -178,7 +183,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
-       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q"}
+       "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
+       "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -2,19 +2,19 @@
 
 The structure of FlashAttention-3's forward on sm_90, written with Gluon's explicit primitives:
 
-* warp specialization (gl.warp_specialize): a producer warp that only issues TMA copies, and two consumer
-  warpgroups (the default partition and a 4-warp worker) that only compute. The register budget moves from
-  the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS) with setmaxnreg.
-* a tile is 2 x BLOCK_M query rows; consumer warpgroup w owns rows [w·BLOCK_M, (w + 1)·BLOCK_M) of it. Both
-  read the same K/V blocks, streamed by the producer through a STAGES-deep shared-memory ring: one mbarrier
+* warp specialization (gl.warp_specialize): a producer warp that only issues TMA copies, and CONSUMERS (2 or
+  3) consumer warpgroups (the default partition and 4-warp workers) that only compute. The register budget
+  moves from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS) with setmaxnreg.
+* a tile is CONSUMERS x BLOCK_M query rows; consumer warpgroup w owns rows [w·BLOCK_M, (w + 1)·BLOCK_M) of it.
+  All read the same K/V blocks, streamed by the producer through a STAGES-deep shared-memory ring: one mbarrier
   pair (ready, empty) per stage for K and another for V, so QKᵀ of a block can start before its V has landed.
-  A stage is refilled once both consumers have released it (empty barriers count two arrivals).
+  A stage is refilled once every consumer has released it (empty barriers count CONSUMERS arrivals).
 * wgmma for both matmuls: S = Q Kᵀ with Q and K in shared memory, O += P V with P in registers (the fp32
   accumulator layout of S becomes the 16-bit A-operand layout of P without a trip through shared memory).
 * intra-warpgroup overlap: QKᵀ of block j is issued together with PV of block j - 1, and the softmax of block
   j runs while that PV is still in flight; O is rescaled after it retires.
-* ping-pong between the two consumers: a pair of mbarriers hands the tensor cores from one warpgroup to the
-  other, so each one issues its two matmuls of a step while the other runs its softmax.
+* ping-pong between the consumers: one mbarrier per consumer hands the tensor cores from one warpgroup to the
+  next (in a ring), so each one issues its two matmuls of a step while the others run their softmax.
 * a persistent grid: each program loops over its tiles. With a causal mask (LISTS) each program runs a list
   of its own, made on the host (kernels/flash_hopper/schedule.py): longest first within groups of heads whose
   K/V fit in L2, dealt so that the programs end together. Otherwise tiles program_id, program_id +
@@ -39,13 +39,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-# Partition sizes and register budgets (constexprs: the kernel reads them). A warpgroup is 4 warps; the kernel
-# runs 3 (consumer 0, consumer 1, the producer's), so MAX_REGS x 3 x 128 threads stays within the 64K registers
-# of an SM, and setmaxnreg moves registers from the producer to the consumers: 24 + 240 + 240 = 3 x 168.
+# Partition sizes and register budgets (constexprs: the kernel reads them). A warpgroup is 4 warps; with two
+# consumers the kernel runs 3 (consumer 0, consumer 1, the producer's), so MAX_REGS x 3 x 128 threads stays
+# within the 64K registers of an SM, and setmaxnreg moves registers from the producer to the consumers:
+# 24 + 240 + 240 = 3 x 168. With three consumers (4 warpgroups): 24 + 3 x 160 <= 4 x 128.
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGS = gl.constexpr(24)  # the producer holds only scalars (tile coordinates, ring counters)
-CONSUMER_REGS = gl.constexpr(240)  # each consumer: S (and the next S), P, O and the row statistics
-MAX_REGS = 168  # the kernel's register cap at entry (a launch option)
+CONSUMER_REGS = gl.constexpr(240)  # each of two consumers: S (and the next S), P, O and the row statistics
+CONSUMER_REGS_3 = gl.constexpr(160)  # each of three (head dim 64: S and P of 64 x 128, O of 64 x 64)
+MAX_REGS = {2: 168, 3: 128}  # the kernel's register cap at entry (a launch option), per consumer count
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -115,9 +117,9 @@ def _key_blocks(start_m, Nk, offset, CAUSAL: gl.constexpr, TILE_M: gl.constexpr,
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LISTS: gl.constexpr):
-    """Per tile: both halves of Q (once the consumers released the previous tile's), then the K and V blocks
-    of the tile into the ring, each stage once both consumers released it. Out-of-range rows (past Nq or Nk,
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Per tile: each consumer's rows of Q (once it released the previous tile's), then the K and V blocks
+    of the tile into the ring, each stage once every consumer released it. Out-of-range rows (past Nq or Nk,
     the 4-d descriptors' bounds) arrive as zeros."""
     q_bytes: gl.constexpr = BLOCK_M * HEAD_D * q_desc.dtype.primitive_bitwidth // 8
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * k_desc.dtype.primitive_bitwidth // 8
@@ -126,13 +128,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     first, end, step = _tile_range(starts_ptr, n_tiles, LISTS)
     for i in range(first, end, step):
         m_block, h, b = _tile_coords(i, tiles_ptr, n_m, n_bh, Hq, CAUSAL, LISTS)
-        start_m = m_block * (2 * BLOCK_M)
+        start_m = m_block * (CONSUMERS * BLOCK_M)
         hk = h // GROUP
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.wait(q_empty.index(w), (t & 1) ^ 1)  # a fresh barrier passes phase 1 at once
             mbarrier.expect(q_ready.index(w), q_bytes)
             _tma_load(q_desc, [b, h, start_m + w * BLOCK_M, 0], q_ready.index(w), q_smem.index(w))
-        n_blocks, n_full = _key_blocks(start_m, Nk, offset, CAUSAL, 2 * BLOCK_M, BLOCK_N)
+        n_blocks, n_full = _key_blocks(start_m, Nk, offset, CAUSAL, CONSUMERS * BLOCK_M, BLOCK_N)
         for j in range(n_blocks):
             s = it % STAGES
             ph = (it // STAGES) & 1
@@ -147,7 +149,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The consumers: two warpgroups, BLOCK_M query rows each
+# The consumers: two or three warpgroups, BLOCK_M query rows each
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -178,11 +180,14 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
 def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
               tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this program.
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr,
+              PV_OVERLAP: gl.constexpr):
+    """Consumer warpgroup WG (0 .. CONSUMERS - 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this
+    program.
 
     Step j (j >= 1) of a tile: take the tensor cores (turn[WG]), issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1},
-    hand them over (turn[1 - WG]); wait for S_j only, release K_j, run the softmax of block j while PV runs;
+    hand them to the next consumer (turn[(WG + 1) % CONSUMERS]); wait for S_j only, release K_j, run the softmax
+    of block j while PV runs;
     then wait for PV, release V_{j-1}, rescale O by alpha_j. EARLY_Q: this warpgroup's Q is released as soon
     as the tile's last QKᵀ retires, so that the producer loads the next tile's Q (and then its K/V) while the
     last softmax, PV and the epilogue run; otherwise after the last PV. Block 0 (QKᵀ and softmax) comes before the
@@ -205,10 +210,10 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
     first, end, step = _tile_range(starts_ptr, n_tiles, LISTS)
     for i in range(first, end, step):
         m_block, h, b = _tile_coords(i, tiles_ptr, n_m, n_bh, Hq, CAUSAL, LISTS)
-        start_m = m_block * (2 * BLOCK_M)
+        start_m = m_block * (CONSUMERS * BLOCK_M)
         row0 = start_m + WG * BLOCK_M
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)  # (BLOCK_M,) query rows
-        n_blocks, n_full = _key_blocks(start_m, Nk, offset, CAUSAL, 2 * BLOCK_M, BLOCK_N)
+        n_blocks, n_full = _key_blocks(start_m, Nk, offset, CAUSAL, CONSUMERS * BLOCK_M, BLOCK_N)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max (base 2, scaled)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum of exp2
@@ -241,18 +246,23 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                                   is_async=True)
                 mbarrier.wait(v_ready.index(vs), (prev // STAGES) & 1)
                 acc = warpgroup_mma(p, v_smem.index(vs).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-                mbarrier.arrive(turn.index(1 - WG), count=1)
+                mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
                 turns += 1
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, PV_{j-1} may still run
+                if PV_OVERLAP:
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, PV_{j-1} may still run
+                else:  # both retire first: P_{j-1} is not held through the softmax (fewer live registers)
+                    s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
+                    mbarrier.arrive(v_empty.index(vs), count=1)
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if EARLY_Q:  # the tile's last QKᵀ has retired
                     mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_blocks - 1)
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, j >= n_full,
                                                      CAUSAL)
-                # P_{j-1} stays live until its PV retires: the registers are the wgmma's operand
-                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
-                mbarrier.arrive(v_empty.index(vs), count=1)
+                if PV_OVERLAP:
+                    # P_{j-1} stays live until its PV retires: the registers are the wgmma's operand
+                    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+                    mbarrier.arrive(v_empty.index(vs), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p = gl.convert_layout(p32.to(dtype), p_layout)
             # the last block's PV
@@ -287,11 +297,11 @@ def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, 
                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                      EARLY_Q: gl.constexpr):
+                      EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, PV_OVERLAP)
 
 
 @gluon.jit
@@ -299,11 +309,23 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, PV_OVERLAP)
+
+
+@gluon.jit
+def _consumer_worker_2(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
+                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
+                       EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
+    """Consumer 2 (with three consumers), in a second 4-warp worker partition."""
+    _consumer(2, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, PV_OVERLAP)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -315,7 +337,7 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
                      n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -326,47 +348,69 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     q_desc, o_desc: 4-d TMA descriptors over (B, Hq, Nq, HEAD_D), blocks (1, 1, BLOCK_M, HEAD_D); k_desc,
     v_desc: over (B, Hkv, Nk, HEAD_D), blocks (1, 1, BLOCK_N, HEAD_D) (any strides that are 16-byte multiples,
     unit stride along the head dim). lse_ptr: (B, Hq, Nq) fp32, contiguous, base 2 and scaled (log2 of the
-    row's sum of exp2(s · qk_scale)); qk_scale = sm_scale · log2(e). Tiles: 2·BLOCK_M query rows of one
-    (batch, head); n_m = cdiv(Nq, 2·BLOCK_M), n_bh = B·Hq, n_tiles = n_m·n_bh; the grid is persistent
+    row's sum of exp2(s · qk_scale)); qk_scale = sm_scale · log2(e). Tiles: CONSUMERS·BLOCK_M query rows of one
+    (batch, head), CONSUMERS 2 or 3 (3 with HEAD_D 64 only: the register budget); n_m = cdiv(Nq, CONSUMERS·BLOCK_M),
+    n_bh = B·Hq, n_tiles = n_m·n_bh; the grid is persistent
     (any size >= 1, at most n_tiles useful). LISTS: program p runs the tiles tiles_ptr[starts_ptr[p] ..
     starts_ptr[p + 1]) (int32 codes m · n_bh + bh, every tile in exactly one list; the grid has one program per
     list); without LISTS the two pointers are not read. EARLY_Q: each consumer releases its Q after the tile's
-    last QKᵀ rather than its last PV (see _consumer). Launched with num_warps=4 (consumer 0), plus a 4-warp
-    consumer and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS.
+    last QKᵀ rather than its last PV (see _consumer). Launched with num_warps=4 (consumer 0), plus CONSUMERS - 1
+    4-warp consumers and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS[CONSUMERS].
     """
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # one per consumer
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # one per consumer
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)  # the K ring
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)  # the V ring
-    o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], o_desc.layout)  # one per consumer
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_D], o_desc.layout)  # one per consumer
 
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose matmuls
-    for w in gl.static_range(2):
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())  # whose matmuls
+    for w in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # both consumers release each stage
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)  # every consumer releases each stage
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the tensor cores first
 
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
-    gl.warp_specialize([
-        (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                             tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)),
-        (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                            tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N,
-                     HEAD_D, STAGES, CAUSAL, LISTS)),
-    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
+                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
+                                 CONSUMERS, PV_OVERLAP)),
+            (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
+                                starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
+                                CONSUMERS, PV_OVERLAP)),
+            (_consumer_worker_2, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh,
+                                  n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS,
+                                  EARLY_Q, CONSUMERS, PV_OVERLAP)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),
+        ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS_3, CONSUMER_REGS_3, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
+                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
+                                 CONSUMERS, PV_OVERLAP)),
+            (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
+                                starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
+                                CONSUMERS, PV_OVERLAP)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -45,8 +45,10 @@ AVAILABLE = UNAVAILABLE_REASON is None
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-BLOCK_M = 64  # query rows per consumer warpgroup (a tile is 2 x BLOCK_M)
+BLOCK_M = 64  # query rows per consumer warpgroup (a tile is consumers x BLOCK_M)
 BLOCK_N = 128  # keys per K/V block
+BLOCK_N_3 = 128  # keys per K/V block with three consumers
+PV_OVERLAP_3 = True  # three consumers: PV of a block still in flight during the next softmax (as with two)
 STAGES = {64: 3, 128: 2}  # K/V ring depth per head dim (shared memory: Q, O and the ring fit in 227 KB)
 NUM_WARPS = 4  # the default partition: consumer 0
 
@@ -120,22 +122,31 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     if lse.shape != (B, Hq, Nq) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"flash_hopper: lse must be a contiguous (B, Hq, Nq) float32 buffer, got "
                          f"{tuple(lse.shape)} {lse.dtype}")
-    n_m = -(-Nq // (2 * BLOCK_M))
+    opts = _options.get()
+    consumers = consumer_count(D, opts)
+    block_n = BLOCK_N if consumers == 2 else BLOCK_N_3
+    n_m = -(-Nq // (consumers * BLOCK_M))
     n_tiles = n_m * B * Hq
     programs = min(n_tiles, _triton.sm_count(q.device))  # persistent: at most one program per SM
-    opts = _options.get()
     starts = tiles = None
     if causal and opts.hopper_tile_lists:
         kv_bytes = 2 * Nk * D * k.element_size()  # one (batch, head)'s K and V
-        starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, 2 * BLOCK_M, BLOCK_N, kv_bytes,
-                                                    programs, l2_bytes, q.device)
+        starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, consumers * BLOCK_M, block_n,
+                                                    kv_bytes, programs, l2_bytes, q.device)
     lists = starts is not None
-    args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
+    args = (_desc(q, BLOCK_M), _desc(k, block_n), _desc(v, block_n), _desc(o, BLOCK_M), lse,
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
-    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
-                  EARLY_Q=opts.hopper_early_q)
+    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
+                  EARLY_Q=opts.hopper_early_q, CONSUMERS=consumers, PV_OVERLAP=consumers == 2 or PV_OVERLAP_3)
     _launch((programs,), args, consts, q, opts.fast_launch)
+
+
+def consumer_count(head_dim: int, opts=None) -> int:
+    """Consumer warpgroups of the Gluon forward: the hopper_consumers_d64 option at head dim 64 (2 or 3), 2 at
+    128 (three would not fit S, P and O of 64 x 128 in their registers)."""
+    opts = opts or _options.get()
+    return opts.hopper_consumers_d64 if head_dim == 64 else 2
 
 
 # The compiled kernel per launch signature, so that a repeated launch calls its launcher directly
@@ -148,14 +159,15 @@ _compiled: dict[tuple, object] = {}
 
 
 def _launch(grid: tuple, args: tuple, consts: dict, q: torch.Tensor, fast: bool) -> None:
+    maxnreg = _forward.MAX_REGS[consts["CONSUMERS"]]
     if not fast or _triton.INTERPRET:
-        _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
+        _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=maxnreg)
         return
     pointers = (args[4], args[14], args[15])  # lse and the two lists (or lse in their place)
     key = (q.device.index, q.dtype, *consts.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in pointers])
     kernel = _compiled.get(key)
     if kernel is None:
-        kernel = _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=_forward.MAX_REGS)
+        kernel = _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=maxnreg)
         # a compiled kernel (what a launch returns) whose launcher takes the arguments, then the constexprs
         if hasattr(kernel, "run") and list(_forward._attn_fwd_hopper.arg_names[len(args):]) == list(consts):
             _compiled[key] = kernel

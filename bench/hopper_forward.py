@@ -13,8 +13,8 @@ allocated once) runs as
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
 * late-q     the option hopper_early_q off: each consumer releases its Q tile after a tile's last PV, not its
              last QKᵀ;
-* c3         head dim 64: three consumer warpgroups (the option hopper_consumers_d64 = 3, 192-row tiles), PV in
-             flight through the next softmax; c3-serial: both matmuls retired before it; c3-n64: 64-key blocks;
+* c2, c3     head dim 64: two or three consumer warpgroups (the option hopper_consumers_d64; 128- or 192-row
+             tiles), whichever "lists" (the default: three without a causal mask, two with one) is not;
 
 and its peers: call (kernels.flash_attention on inputs that require grad, as the model calls it: the default
 dispatch, the autograd op and its host time), tl (kernels/flash/launch.py: _fwd, hopper_forward off: the portable
@@ -31,7 +31,6 @@ Writes hopper_forward.md and hopper_forward.json into --out (default bench/resul
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import json
@@ -68,35 +67,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def variants(causal: bool, budgets: list[int], D: int = 128) -> dict:
-    """name -> (kernel option overrides, l2_bytes, launch constants) of the Gluon runs at one shape."""
+    """name -> (kernel option overrides, l2_bytes) of the Gluon runs at one shape."""
     from kernels.flash_hopper.schedule import L2_BYTES
-    out = {"lists": ({}, L2_BYTES, {})}
+    out = {"lists": ({}, L2_BYTES)}
     if causal:
         for b in budgets:
             if b != L2_BYTES:
-                out[f"lists@{'all' if b == ALL else b >> 20}"] = ({}, b, {})
-        out["strided"] = ({"hopper_tile_lists": False}, L2_BYTES, {})
-    out["late-q"] = ({"hopper_early_q": False}, L2_BYTES, {})
+                out[f"lists@{'all' if b == ALL else b >> 20}"] = ({}, b)
+        out["strided"] = ({"hopper_tile_lists": False}, L2_BYTES)
+    out["late-q"] = ({"hopper_early_q": False}, L2_BYTES)
     if D == 64:
-        three = {"hopper_consumers_d64": 3}
-        out["c3"] = (three, L2_BYTES, {"BLOCK_N_3": 128, "PV_OVERLAP_3": True})
-        out["c3-serial"] = (three, L2_BYTES, {"BLOCK_N_3": 128, "PV_OVERLAP_3": False})
-        out["c3-n64"] = (three, L2_BYTES, {"BLOCK_N_3": 64, "PV_OVERLAP_3": True})
+        other = 3 if causal else 2  # the consumer count the default does not run
+        out[f"c{other}"] = ({"hopper_consumers_d64": other}, L2_BYTES)
     return out
-
-
-@contextlib.contextmanager
-def _launch_constants(values: dict):
-    """kernels/flash_hopper/launch.py's module constants set to `values` inside the block."""
-    from kernels.flash_hopper import launch as hopper_launch
-    saved = {name: getattr(hopper_launch, name) for name in values}
-    for name, value in values.items():
-        setattr(hopper_launch, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(hopper_launch, name, value)
 
 
 def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], rep: int, rounds: int,
@@ -124,17 +107,17 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
     o = torch.empty_like(q)
     lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
 
-    def gluon(overrides, l2, constants):
+    def gluon(overrides, l2):
         def run():
-            with options.use(**overrides), _launch_constants(constants):
+            with options.use(**overrides):
                 forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2)
         return run
-    for name, (overrides, l2, constants) in variants(causal, budgets, D).items():
+    for name, (overrides, l2) in variants(causal, budgets, D).items():
         o.fill_(float("nan"))
-        gluon(overrides, l2, constants)()
+        gluon(overrides, l2)()
         row["diff"][name] = _rel(o, o_tl)
         if row["diff"][name] <= WRONG:
-            fns[name] = gluon(overrides, l2, constants)
+            fns[name] = gluon(overrides, l2)
     q_grad, k_grad, v_grad = (t.detach().clone().requires_grad_() for t in (q, k, v))
     fns["call"] = lambda: flash_attention(q_grad, k_grad, v_grad, causal=causal)  # the model's path, autograd
     for peer in ("sdpa-cudnn", "fa4"):
@@ -222,10 +205,11 @@ def main(argv=None) -> int:
              f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
              "TFLOP/s of one forward (ms in brackets); lists: the default per-program tile lists; lists@M: "
-             "groups sized to M MB of L2; strided: the option hopper_tile_lists off; late-q: hopper_early_q off.", "",
+             "groups sized to M MB of L2; strided: the option hopper_tile_lists off; late-q: hopper_early_q off; "
+             "c2, c3: two or three consumer warpgroups at head dim 64.", "",
              "| B,H,N,D | causal | " + " | ".join(names) + " | lists / cudnn | lists / strided | lists / late-q | "
-             "c3 / lists | c3-serial / lists | c3-n64 / lists | max diff |",
-             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "lists / c2 | lists / c3 | max diff |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         B, H, N, D = (int(x) for x in r["shape"].split(","))
         work = 4 * B * H * N * N * D * (0.5 if r["causal"] else 1.0)
@@ -237,7 +221,7 @@ def main(argv=None) -> int:
         diff = max(r["diff"].values()) if r["diff"] else float("nan")
         lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | " + " | ".join(cells)
                      + f" | {ratio('lists', 'cudnn')} | {ratio('lists', 'strided')} | {ratio('lists', 'late-q')}"
-                     + f" | {ratio('c3', 'lists')} | {ratio('c3-serial', 'lists')} | {ratio('c3-n64', 'lists')}"
+                     + f" | {ratio('lists', 'c2')} | {ratio('lists', 'c3')}"
                      + f" | {diff:.1e}"
                      + (" WRONG" if diff > WRONG else "") + " |")
     skipped = {f"{r['shape']} {'causal' if r['causal'] else 'full'} {k}": v for r in rows

@@ -87,9 +87,10 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         tile's Q and K/V load during its last
                                                                         softmax, PV and epilogue; off: after the
                                                                         last PV
-    hopper_consumers_d64       FLASHGPT_HOPPER_CONSUMERS_D64=2|3  2     consumer warpgroups of the Gluon forward at
-                                                                        head dim 64: 2 (128-row tiles) or 3
-                                                                        (192-row tiles, 160 registers each)
+    hopper_consumers_d64       FLASHGPT_HOPPER_CONSUMERS_D64=0|2|3  0   consumer warpgroups of the Gluon forward at
+                                                                        head dim 64: 2 (128-row tiles), 3 (192-row
+                                                                        tiles, 160 registers each) or 0: 3 without
+                                                                        a causal mask, 2 with one
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -129,7 +130,7 @@ class KernelOptions:
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
     hopper_early_q: bool = True
-    hopper_consumers_d64: int = 2
+    hopper_consumers_d64: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -167,7 +168,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: isinstance(v, bool), "expected True or False"),
-    "hopper_consumers_d64": (lambda v: _is_int(v) and v in (2, 3), "expected 2 or 3"),
+    "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
 }
 
 

@@ -46,7 +46,7 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGS = gl.constexpr(24)  # the producer holds only scalars (tile coordinates, ring counters)
 CONSUMER_REGS = gl.constexpr(240)  # each of two consumers: S (and the next S), P, O and the row statistics
-CONSUMER_REGS_3 = gl.constexpr(160)  # each of three (head dim 64: S and P of 64 x 128, O of 64 x 64)
+CONSUMER_REGS_3 = gl.constexpr(160)  # each of three (head dim 64 only: S and P of 64 x 128, O of 64 x 64)
 MAX_REGS = {2: 168, 3: 128}  # the kernel's register cap at entry (a launch option), per consumer count
 
 
@@ -180,8 +180,7 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
 def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
               tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr,
-              PV_OVERLAP: gl.constexpr):
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup WG (0 .. CONSUMERS - 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this
     program.
 
@@ -248,21 +247,16 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                 acc = warpgroup_mma(p, v_smem.index(vs).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
                 mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
                 turns += 1
-                if PV_OVERLAP:
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, PV_{j-1} may still run
-                else:  # both retire first: P_{j-1} is not held through the softmax (fewer live registers)
-                    s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
-                    mbarrier.arrive(v_empty.index(vs), count=1)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, PV_{j-1} may still run
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if EARLY_Q:  # the tile's last QKᵀ has retired
                     mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_blocks - 1)
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, j >= n_full,
                                                      CAUSAL)
-                if PV_OVERLAP:
-                    # P_{j-1} stays live until its PV retires: the registers are the wgmma's operand
-                    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
-                    mbarrier.arrive(v_empty.index(vs), count=1)
+                # P_{j-1} stays live until its PV retires: the registers are the wgmma's operand
+                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+                mbarrier.arrive(v_empty.index(vs), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p = gl.convert_layout(p32.to(dtype), p_layout)
             # the last block's PV
@@ -297,11 +291,11 @@ def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, 
                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                      EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
+                      EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, PV_OVERLAP)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS)
 
 
 @gluon.jit
@@ -309,11 +303,11 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, PV_OVERLAP)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS)
 
 
 @gluon.jit
@@ -321,11 +315,11 @@ def _consumer_worker_2(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready,
                        v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                        tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                       EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
+                       EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer 2 (with three consumers), in a second 4-warp worker partition."""
     _consumer(2, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, PV_OVERLAP)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -337,7 +331,7 @@ def _consumer_worker_2(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready,
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
                      n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, PV_OVERLAP: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -387,15 +381,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
             (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                 CONSUMERS, PV_OVERLAP)),
+                                 CONSUMERS)),
             (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                CONSUMERS, PV_OVERLAP)),
+                                CONSUMERS)),
             (_consumer_worker_2, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                   k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh,
                                   n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS,
-                                  EARLY_Q, CONSUMERS, PV_OVERLAP)),
+                                  EARLY_Q, CONSUMERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),
@@ -405,11 +399,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
             (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                 CONSUMERS, PV_OVERLAP)),
+                                 CONSUMERS)),
             (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                CONSUMERS, PV_OVERLAP)),
+                                CONSUMERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),

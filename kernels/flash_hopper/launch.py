@@ -47,8 +47,6 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64  # query rows per consumer warpgroup (a tile is consumers x BLOCK_M)
 BLOCK_N = 128  # keys per K/V block
-BLOCK_N_3 = 128  # keys per K/V block with three consumers
-PV_OVERLAP_3 = True  # three consumers: PV of a block still in flight during the next softmax (as with two)
 STAGES = {64: 3, 128: 2}  # K/V ring depth per head dim (shared memory: Q, O and the ring fit in 227 KB)
 NUM_WARPS = 4  # the default partition: consumer 0
 
@@ -123,30 +121,33 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
         raise ValueError(f"flash_hopper: lse must be a contiguous (B, Hq, Nq) float32 buffer, got "
                          f"{tuple(lse.shape)} {lse.dtype}")
     opts = _options.get()
-    consumers = consumer_count(D, opts)
-    block_n = BLOCK_N if consumers == 2 else BLOCK_N_3
+    consumers = consumer_count(D, causal, opts)
     n_m = -(-Nq // (consumers * BLOCK_M))
     n_tiles = n_m * B * Hq
     programs = min(n_tiles, _triton.sm_count(q.device))  # persistent: at most one program per SM
     starts = tiles = None
     if causal and opts.hopper_tile_lists:
         kv_bytes = 2 * Nk * D * k.element_size()  # one (batch, head)'s K and V
-        starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, consumers * BLOCK_M, block_n,
+        starts, tiles = _schedule.device_tile_lists(n_m, B * Hq, Nk, Nk - Nq, consumers * BLOCK_M, BLOCK_N,
                                                     kv_bytes, programs, l2_bytes, q.device)
     lists = starts is not None
-    args = (_desc(q, BLOCK_M), _desc(k, block_n), _desc(v, block_n), _desc(o, BLOCK_M), lse,
+    args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, BLOCK_M), lse,
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
-    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
-                  EARLY_Q=opts.hopper_early_q, CONSUMERS=consumers, PV_OVERLAP=consumers == 2 or PV_OVERLAP_3)
+    consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
+                  EARLY_Q=opts.hopper_early_q, CONSUMERS=consumers)
     _launch((programs,), args, consts, q, opts.fast_launch)
 
 
-def consumer_count(head_dim: int, opts=None) -> int:
-    """Consumer warpgroups of the Gluon forward: the hopper_consumers_d64 option at head dim 64 (2 or 3), 2 at
-    128 (three would not fit S, P and O of 64 x 128 in their registers)."""
+def consumer_count(head_dim: int, causal: bool, opts=None) -> int:
+    """Consumer warpgroups of the Gluon forward. Head dim 64: the hopper_consumers_d64 option, whose auto (0)
+    is three (192-row tiles) without a causal mask and two with one, as measured
+    (bench/results/flash_hopper/three_consumers/). Head dim 128: two (three would not fit S, P and O of
+    64 x 128 in 160 registers each)."""
     opts = opts or _options.get()
-    return opts.hopper_consumers_d64 if head_dim == 64 else 2
+    if head_dim != 64:
+        return 2
+    return opts.hopper_consumers_d64 or (2 if causal else 3)
 
 
 # The compiled kernel per launch signature, so that a repeated launch calls its launcher directly

@@ -13,6 +13,8 @@ allocated once) runs as
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
 * late-q     the option hopper_early_q off: each consumer releases its Q tile after a tile's last PV, not its
              last QKᵀ;
+* every      causal: the option hopper_own_blocks off: each consumer runs every key block of its tile, masked,
+             also those its own rows do not see;
 * c2, c3     head dim 64: two or three consumer warpgroups (the option hopper_consumers_d64; 128- or 192-row
              tiles), whichever "lists" (the default: three without a causal mask, two with one) is not;
 
@@ -75,10 +77,13 @@ def variants(causal: bool, budgets: list[int], D: int = 128) -> dict:
             if b != L2_BYTES:
                 out[f"lists@{'all' if b == ALL else b >> 20}"] = ({}, b)
         out["strided"] = ({"hopper_tile_lists": False}, L2_BYTES)
+        out["every"] = ({"hopper_own_blocks": False}, L2_BYTES)
     out["late-q"] = ({"hopper_early_q": False}, L2_BYTES)
     if D == 64:
         other = 3 if causal else 2  # the consumer count the default does not run
         out[f"c{other}"] = ({"hopper_consumers_d64": other}, L2_BYTES)
+        if causal:
+            out["c3-every"] = ({"hopper_consumers_d64": 3, "hopper_own_blocks": False}, L2_BYTES)
     return out
 
 
@@ -206,10 +211,10 @@ def main(argv=None) -> int:
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
              "TFLOP/s of one forward (ms in brackets); lists: the default per-program tile lists; lists@M: "
              "groups sized to M MB of L2; strided: the option hopper_tile_lists off; late-q: hopper_early_q off; "
-             "c2, c3: two or three consumer warpgroups at head dim 64.", "",
+             "every: hopper_own_blocks off; c2, c3: two or three consumer warpgroups at head dim 64.", "",
              "| B,H,N,D | causal | " + " | ".join(names) + " | lists / cudnn | lists / strided | lists / late-q | "
-             "lists / c2 | lists / c3 | max diff |",
-             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "lists / every | lists / c2 | lists / c3 | max diff |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---:" * 7 + " |"]
     for r in rows:
         B, H, N, D = (int(x) for x in r["shape"].split(","))
         work = 4 * B * H * N * N * D * (0.5 if r["causal"] else 1.0)
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
         diff = max(r["diff"].values()) if r["diff"] else float("nan")
         lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | " + " | ".join(cells)
                      + f" | {ratio('lists', 'cudnn')} | {ratio('lists', 'strided')} | {ratio('lists', 'late-q')}"
-                     + f" | {ratio('lists', 'c2')} | {ratio('lists', 'c3')}"
+                     + f" | {ratio('lists', 'every')} | {ratio('lists', 'c2')} | {ratio('lists', 'c3')}"
                      + f" | {diff:.1e}"
                      + (" WRONG" if diff > WRONG else "") + " |")
     skipped = {f"{r['shape']} {'causal' if r['causal'] else 'full'} {k}": v for r in rows

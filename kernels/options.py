@@ -87,6 +87,10 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         tile's Q and K/V load during its last
                                                                         softmax, PV and epilogue; off: after the
                                                                         last PV
+    hopper_own_blocks          FLASHGPT_HOPPER_OWN_BLOCKS=0|1    True   the Gluon forward's consumers, causal, skip
+                                                                        the matmuls of the tile's key blocks their
+                                                                        own rows do not see; off: every consumer
+                                                                        runs every block of the tile (masked)
     hopper_consumers_d64       FLASHGPT_HOPPER_CONSUMERS_D64=0|2|3  0   consumer warpgroups of the Gluon forward at
                                                                         head dim 64: 2 (128-row tiles), 3 (192-row
                                                                         tiles, 160 registers each) or 0: 3 without
@@ -131,6 +135,7 @@ class KernelOptions:
     hopper_tile_lists: bool = True
     hopper_early_q: bool = True
     hopper_consumers_d64: int = 0
+    hopper_own_blocks: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -169,6 +174,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
+    "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -185,7 +191,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
-       "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64"}
+       "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -197,6 +197,31 @@ def test_early_and_late_q_release_give_the_same_result(case, D, dtype, request):
     assert torch.equal(early[0], late[0]) and torch.equal(early[1], late[1])
 
 
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((2, 4, 2, 1023, 1023, True), 64, torch.bfloat16, id="causal-d64"),
+    pytest.param((1, 5, 1, 900, 130, True), 64, torch.float16, id="causal-Nq>Nk-d64-mqa"),
+    pytest.param((2, 3, 3, 700, 1500, True), 64, torch.bfloat16, id="causal-Nq<Nk-d64"),
+    pytest.param((1, 4, 2, 2049, 2049, True), 128, torch.bfloat16, id="causal-d128"),
+    pytest.param((1, 5, 1, 900, 130, True), 128, torch.float16, id="causal-Nq>Nk-d128-mqa"),
+])
+def test_own_key_blocks_give_the_result_of_every_block(case, D, dtype, consumers, request, monkeypatch):
+    """Causal, each consumer skips the matmuls of the tile's key blocks its own rows do not see
+    (hopper_own_blocks, the default) or runs them all masked: a fully masked block changes neither the row
+    statistics nor O, so both agree bitwise, also with 1 and 5 programs (turns and stages taken without
+    matmuls, across tiles)."""
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
+    with options.use(hopper_consumers_d64=consumers):
+        with options.use(hopper_own_blocks=False):
+            every = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
+        for programs in (None, 1, 5):
+            if programs:
+                monkeypatch.setattr(kt, "sm_count", lambda device: programs)
+            own = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
+            assert not own[0].isnan().any()
+            assert torch.equal(own[0], every[0]) and torch.equal(own[1], every[1])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_direct_launches_give_the_result_of_the_jit(causal, request, monkeypatch):
     """A repeated signature calls the compiled kernel's launcher directly (fast_launch, the default): bitwise the

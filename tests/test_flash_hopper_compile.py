@@ -275,7 +275,7 @@ def test_repeated_launches_call_the_compiled_kernel_directly(monkeypatch):
         lists_t = torch.zeros(8, dtype=torch.int32) if lists else lse
         args = ("qd", "kd", "vd", "od", lse, 1, 1, 8, 8, 0, 0.1, 1, 1, 1, lists_t, lists_t)
         consts = dict(BLOCK_M=64, BLOCK_N=128, HEAD_D=64, STAGES=3, CAUSAL=causal, LISTS=lists, EARLY_Q=True,
-                      CONSUMERS=2)
+                      CONSUMERS=2, OWN_BLOCKS=True)
         hopper_launch._launch((5,), args, consts, q, options.get().fast_launch)
         return args, consts
 

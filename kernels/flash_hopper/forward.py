@@ -180,7 +180,8 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
 def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
               tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
+              CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr,
+              OWN_BLOCKS: gl.constexpr):
     """Consumer warpgroup WG (0 .. CONSUMERS - 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this
     program.
 
@@ -213,12 +214,17 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
         row0 = start_m + WG * BLOCK_M
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)  # (BLOCK_M,) query rows
         n_blocks, n_full = _key_blocks(start_m, Nk, offset, CAUSAL, CONSUMERS * BLOCK_M, BLOCK_N)
+        if CAUSAL and OWN_BLOCKS:  # this warpgroup's rows see fewer blocks than the tile's last rows
+            n_mine, _ = _key_blocks(row0, Nk, offset, CAUSAL, BLOCK_M, BLOCK_N)
+            n_mine = gl.minimum(n_mine, n_blocks)
+        else:
+            n_mine = n_blocks
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)  # running max (base 2, scaled)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)  # running sum of exp2
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)  # running unnormalised O
         mbarrier.wait(q_ready.index(WG), t & 1)
-        if n_blocks > 0:
+        if n_mine > 0:
             # block 0: S_0 = Q K_0ᵀ and its softmax
             ks = it % STAGES
             mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
@@ -228,12 +234,12 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # (BLOCK_M, BLOCK_N) fp32
             mbarrier.arrive(k_empty.index(ks), count=1)
             if EARLY_Q:  # a one-block tile's last QKᵀ has retired: the producer may load the next tile's Q
-                mbarrier.arrive(q_empty.index(WG), count=1, pred=n_blocks == 1)
+                mbarrier.arrive(q_empty.index(WG), count=1, pred=n_mine == 1)
             cols = gl.arange(0, BLOCK_N, layout=col_s)  # (BLOCK_N,) key columns of block 0
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, n_full == 0,
                                                  CAUSAL)
             p = gl.convert_layout(p32.to(dtype), p_layout)  # (BLOCK_M, BLOCK_N) the A operand of PV
-            for j in range(1, n_blocks):
+            for j in range(1, n_mine):
                 cur = it + j
                 prev = cur - 1
                 ks = cur % STAGES
@@ -250,7 +256,7 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j done, PV_{j-1} may still run
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if EARLY_Q:  # the tile's last QKᵀ has retired
-                    mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_blocks - 1)
+                    mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_mine - 1)
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, j >= n_full,
                                                      CAUSAL)
@@ -260,15 +266,28 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p = gl.convert_layout(p32.to(dtype), p_layout)
             # the last block's PV
-            last = it + n_blocks - 1
+            last = it + n_mine - 1
             vs = last % STAGES
             mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(vs).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(vs), count=1)
-            it += n_blocks
-        if EARLY_Q:  # released above after the tile's last QKᵀ, here only by a tile without key blocks
-            mbarrier.arrive(q_empty.index(WG), count=1, pred=n_blocks == 0)
+        # the tile's blocks this warpgroup's rows do not see (all masked): take the turns and release the stages
+        # as the others expect, without the matmuls (ready waited first: the stage holds this round's block)
+        for j in range(n_mine, n_blocks):
+            cur = it + j
+            if j > 0:
+                mbarrier.wait(turn.index(WG), turns & 1)
+                mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
+                turns += 1
+            st = cur % STAGES
+            mbarrier.wait(k_ready.index(st), (cur // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(st), count=1)
+            mbarrier.wait(v_ready.index(st), (cur // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(st), count=1)
+        it += n_blocks
+        if EARLY_Q:  # released above after this warpgroup's last QKᵀ, here only when its rows see no key
+            mbarrier.arrive(q_empty.index(WG), count=1, pred=n_mine == 0)
         else:  # released after the tile's last PV
             mbarrier.arrive(q_empty.index(WG), count=1)
         t += 1
@@ -291,11 +310,11 @@ def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, 
                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                      EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
+                      EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, OWN_BLOCKS)
 
 
 @gluon.jit
@@ -303,11 +322,11 @@ def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q
                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, OWN_BLOCKS)
 
 
 @gluon.jit
@@ -315,11 +334,11 @@ def _consumer_worker_2(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready,
                        v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
                        tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                       EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
+                       EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
     """Consumer 2 (with three consumers), in a second 4-warp worker partition."""
     _consumer(2, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
               v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS)
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, OWN_BLOCKS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,7 +350,7 @@ def _consumer_worker_2(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready,
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
                      n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -381,15 +400,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
             (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                 CONSUMERS)),
+                                 CONSUMERS, OWN_BLOCKS)),
             (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                CONSUMERS)),
+                                CONSUMERS, OWN_BLOCKS)),
             (_consumer_worker_2, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                   k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh,
                                   n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS,
-                                  EARLY_Q, CONSUMERS)),
+                                  EARLY_Q, CONSUMERS, OWN_BLOCKS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),
@@ -399,11 +418,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
             (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                 CONSUMERS)),
+                                 CONSUMERS, OWN_BLOCKS)),
             (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                CONSUMERS)),
+                                CONSUMERS, OWN_BLOCKS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),

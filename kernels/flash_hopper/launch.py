@@ -135,7 +135,8 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
-                  EARLY_Q=opts.hopper_early_q, CONSUMERS=consumers)
+                  EARLY_Q=opts.hopper_early_q, CONSUMERS=consumers,
+                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks)
     _launch((programs,), args, consts, q, opts.fast_launch)
 
 

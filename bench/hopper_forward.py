@@ -11,8 +11,8 @@ allocated once) runs as
              (kernels/flash_hopper/schedule.py: L2_BYTES), the default;
 * lists@M    the same with groups sized to M MB (each --l2-mb value; "all" puts every head in one group);
 * strided    the option hopper_tile_lists off: heaviest query blocks of every head first, strided over the grid;
-* late-q     the option hopper_early_q off: each consumer releases its Q tile after a tile's last PV, not its
-             last QKᵀ;
+* late-q     the option hopper_early_q "off": each consumer releases its Q tile after a tile's last PV, not its
+             last QKᵀ (without a causal mask from 4096 keys, where that is the default: early-q, the option "on");
 * every      causal: the option hopper_own_blocks off: each consumer runs every key block of its tile, masked,
              also those its own rows do not see;
 * c2, c3     head dim 64: two or three consumer warpgroups (the option hopper_consumers_d64; 128- or 192-row
@@ -68,7 +68,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def variants(causal: bool, budgets: list[int], D: int = 128) -> dict:
+def variants(causal: bool, budgets: list[int], D: int = 128, N: int = 4096) -> dict:
     """name -> (kernel option overrides, l2_bytes) of the Gluon runs at one shape."""
     from kernels.flash_hopper.schedule import L2_BYTES
     out = {"lists": ({}, L2_BYTES)}
@@ -78,9 +78,13 @@ def variants(causal: bool, budgets: list[int], D: int = 128) -> dict:
                 out[f"lists@{'all' if b == ALL else b >> 20}"] = ({}, b)
         out["strided"] = ({"hopper_tile_lists": False}, L2_BYTES)
         out["every"] = ({"hopper_own_blocks": False}, L2_BYTES)
-    out["late-q"] = ({"hopper_early_q": False}, L2_BYTES)
+    if causal or N < 4096:
+        out["late-q"] = ({"hopper_early_q": "off"}, L2_BYTES)
+    else:  # the default releases late here
+        out["early-q"] = ({"hopper_early_q": "on"}, L2_BYTES)
     if D == 64:
-        other = 3 if causal else 2  # the consumer count the default does not run
+        from kernels.flash_hopper.launch import consumer_count
+        other = 5 - consumer_count(64, causal)  # the consumer count the default does not run
         out[f"c{other}"] = ({"hopper_consumers_d64": other}, L2_BYTES)
         if causal:
             out["c3-every"] = ({"hopper_consumers_d64": 3, "hopper_own_blocks": False}, L2_BYTES)
@@ -117,7 +121,7 @@ def measure(B: int, H: int, N: int, D: int, causal: bool, budgets: list[int], re
             with options.use(**overrides):
                 forward_into(q, k, v, o, lse, causal, scale, l2_bytes=l2)
         return run
-    for name, (overrides, l2) in variants(causal, budgets, D).items():
+    for name, (overrides, l2) in variants(causal, budgets, D, N).items():
         o.fill_(float("nan"))
         gluon(overrides, l2)()
         row["diff"][name] = _rel(o, o_tl)
@@ -210,11 +214,11 @@ def main(argv=None) -> int:
              f"{git_commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16; do_bench medians.", "",
              "TFLOP/s of one forward (ms in brackets); lists: the default per-program tile lists; lists@M: "
-             "groups sized to M MB of L2; strided: the option hopper_tile_lists off; late-q: hopper_early_q off; "
+             "groups sized to M MB of L2; strided: the option hopper_tile_lists off; late-q / early-q: hopper_early_q off / on; "
              "every: hopper_own_blocks off; c2, c3: two or three consumer warpgroups at head dim 64.", "",
              "| B,H,N,D | causal | " + " | ".join(names) + " | lists / cudnn | lists / strided | lists / late-q | "
-             "lists / every | lists / c2 | lists / c3 | max diff |",
-             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---:" * 7 + " |"]
+             "lists / early-q | lists / every | lists / c2 | lists / c3 | max diff |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---:" * 8 + " |"]
     for r in rows:
         B, H, N, D = (int(x) for x in r["shape"].split(","))
         work = 4 * B * H * N * N * D * (0.5 if r["causal"] else 1.0)
@@ -226,7 +230,7 @@ def main(argv=None) -> int:
         diff = max(r["diff"].values()) if r["diff"] else float("nan")
         lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | " + " | ".join(cells)
                      + f" | {ratio('lists', 'cudnn')} | {ratio('lists', 'strided')} | {ratio('lists', 'late-q')}"
-                     + f" | {ratio('lists', 'every')} | {ratio('lists', 'c2')} | {ratio('lists', 'c3')}"
+                     + f" | {ratio('lists', 'early-q')} | {ratio('lists', 'every')} | {ratio('lists', 'c2')} | {ratio('lists', 'c3')}"
                      + f" | {diff:.1e}"
                      + (" WRONG" if diff > WRONG else "") + " |")
     skipped = {f"{r['shape']} {'causal' if r['causal'] else 'full'} {k}": v for r in rows

@@ -42,7 +42,8 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         auto = for the inputs it takes where it was
                                                                         measured faster than the tl kernel (head
                                                                         dim 128, >= 4096 queries and keys, or
-                                                                        >= 1024 with B*Hq*Nq >= 262,144;
+                                                                        >= 1024 with B*Hq*Nq >= 262,144; head
+                                                                        dim 64 not causal the same from 2048;
                                                                         kernels/flash/launch.py: HOPPER_AUTO_*),
                                                                         on = for every input it takes, off = never
     hopper_backward            FLASHGPT_HOPPER_BWD=auto|on|off   auto   where the flash backward runs the Gluon
@@ -82,11 +83,12 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         dealt so that the programs end together;
                                                                         kernels/flash_hopper/schedule.py); off:
                                                                         heaviest first across all heads, strided
-    hopper_early_q             FLASHGPT_HOPPER_EARLY_Q=0|1       True   the Gluon forward's consumers release their
-                                                                        Q tile after a tile's last QKᵀ, so the next
-                                                                        tile's Q and K/V load during its last
-                                                                        softmax, PV and epilogue; off: after the
-                                                                        last PV
+    hopper_early_q             FLASHGPT_HOPPER_EARLY_Q=auto|on|off  auto  the Gluon forward's consumers release
+                                                                        their Q tile after a tile's last QKᵀ, so
+                                                                        the next tile's Q and K/V load during its
+                                                                        last softmax, PV and epilogue (on), or
+                                                                        after its last PV (off); auto: on, except
+                                                                        without a causal mask from 4096 keys
     hopper_own_blocks          FLASHGPT_HOPPER_OWN_BLOCKS=0|1    True   the Gluon forward's consumers, causal, skip
                                                                         the matmuls of the tile's key blocks their
                                                                         own rows do not see; off: every consumer
@@ -133,7 +135,7 @@ class KernelOptions:
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
-    hopper_early_q: bool = True
+    hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
     hopper_own_blocks: bool = True
 
@@ -172,7 +174,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
-    "hopper_early_q": (lambda v: isinstance(v, bool), "expected True or False"),
+    "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
     "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
 }

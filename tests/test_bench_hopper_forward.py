@@ -35,19 +35,26 @@ def test_without_an_sm90_gpu_one_line():
     assert r.stderr.strip() == "error: the Gluon forward needs an sm_90 GPU (none here)"
 
 
-def test_variants_per_mask():
-    """Without a causal mask the default and the late Q release run (one order); causal: also each other budget
+def test_variants_per_mask(monkeypatch):
+    """Without a causal mask the default and the other Q release run (one order; late below 4096 keys, early
+    from there); causal: also each other budget
     and the strided order and every block per consumer; at head dim 64 the other consumer count."""
     from bench.hopper_forward import ALL, variants
     from kernels.flash_hopper.schedule import L2_BYTES
     assert variants(False, [24 << 20, ALL]) == {"lists": ({}, L2_BYTES),
-                                                "late-q": ({"hopper_early_q": False}, L2_BYTES)}
+                                                "early-q": ({"hopper_early_q": "on"}, L2_BYTES)}
+    assert variants(False, [], N=2048)["late-q"] == ({"hopper_early_q": "off"}, L2_BYTES)
     assert variants(True, [24 << 20, L2_BYTES, ALL]) == {
         "lists": ({}, L2_BYTES), "lists@24": ({}, 24 << 20), "lists@all": ({}, ALL),
         "strided": ({"hopper_tile_lists": False}, L2_BYTES), "every": ({"hopper_own_blocks": False}, L2_BYTES),
-        "late-q": ({"hopper_early_q": False}, L2_BYTES)}
-    # head dim 64: the consumer count the default does not run (three without a causal mask, two with one)
+        "late-q": ({"hopper_early_q": "off"}, L2_BYTES)}
+    # head dim 64: the consumer count the default does not run (three without a causal mask under the Triton
+    # measured, two with one)
+    from kernels.flash_hopper import launch
+    monkeypatch.setattr(launch.triton, "__version__", "3.6.0")
     assert variants(False, [], D=64)["c2"] == ({"hopper_consumers_d64": 2}, L2_BYTES)
     assert variants(True, [], D=64)["c3"] == ({"hopper_consumers_d64": 3}, L2_BYTES)
     assert variants(True, [], D=64)["c3-every"] == ({"hopper_consumers_d64": 3, "hopper_own_blocks": False}, L2_BYTES)
     assert "c2" not in variants(True, [], D=64) and "c3" not in variants(False, [], D=64)
+    monkeypatch.setattr(launch.triton, "__version__", "3.9.0")  # two consumers by default: three is the other
+    assert variants(False, [], D=64)["c3"] == ({"hopper_consumers_d64": 3}, L2_BYTES)

@@ -113,15 +113,14 @@ def test_forward_matches_reference(case, D, dtype, request):
 @pytest.mark.parametrize("case,dtype", [pytest.param(case, dtype, id=f"{_id(case, 64)}-{str(dtype)[6:]}")
                                         for case in CASES for dtype in DTYPES])
 def test_other_consumer_count_matches_reference(case, dtype, request, monkeypatch):
-    """Head dim 64 with the consumer count the mask does not choose by default (three warpgroups and 192-row
-    tiles with a causal mask, two without): within the budget of the float64 reference (O and lse), rows that
+    """Head dim 64 with the consumer count the default does not choose (three warpgroups and 192-row tiles with a
+    causal mask, two without, under the Triton measured): within the budget of the float64 reference (O and lse), rows that
     see no key exactly 0 / +inf, every output written; with 1 and 5 programs bitwise the full grid's (the
     turn ring's and the K/V ring's phases across tiles)."""
     causal = case[-1]
     q, k, v = _inputs(case, 64, dtype, seeded_generator(request))
-    other = options.use(hopper_consumers_d64=3 if causal else 2)
-    assert hopper_launch.consumer_count(64, causal) == (2 if causal else 3)  # the default, for contrast
-    with other:
+    count = 5 - hopper_launch.consumer_count(64, causal)  # the count the default does not choose
+    with options.use(hopper_consumers_d64=count):
         o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
     ref = naive_attention(q.double(), k.double(), v.double(), causal=causal)
     assert_within_budget("out", o, ref, naive_attention(q, k, v, causal=causal))
@@ -136,7 +135,7 @@ def test_other_consumer_count_matches_reference(case, dtype, request, monkeypatc
     if case[3] >= 300:
         for programs in (1, 5):
             monkeypatch.setattr(kt, "sm_count", lambda device: programs)
-            with options.use(hopper_consumers_d64=3 if causal else 2):
+            with options.use(hopper_consumers_d64=count):
                 few = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
             assert torch.equal(few[0], o) and torch.equal(few[1], lse)
 
@@ -186,15 +185,20 @@ def test_tile_lists_give_the_result_of_the_strided_order(case, D, dtype, l2_byte
     pytest.param((2, 4, 2, 1023, 1023, True), 64, torch.bfloat16, id="causal-d64"),
     pytest.param((1, 5, 1, 900, 130, True), 128, torch.float16, id="causal-Nq>Nk-d128-mqa"),
     pytest.param((2, 3, 3, 700, 1500, False), 128, torch.bfloat16, id="full-Nq<Nk-d128"),
+    pytest.param((1, 3, 1, 300, 4100, False), 64, torch.bfloat16, id="full-Nq<Nk-d64-mqa-three"),
 ])
 def test_early_and_late_q_release_give_the_same_result(case, D, dtype, request):
-    """The consumers release Q after a tile's last QKᵀ (hopper_early_q, the default) or after its last PV:
-    only the synchronisation moves, so the results agree bitwise (tiles of no, one and many key blocks)."""
+    """The consumers release Q after a tile's last QKᵀ (hopper_early_q "on") or after its last PV ("off"):
+    only the synchronisation moves, so the results agree bitwise with each other and with the default (tiles of
+    no, one and many key blocks; two and three consumers)."""
     q, k, v = _inputs(case, D, dtype, seeded_generator(request))
-    with options.use(hopper_early_q=False):
-        late = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
-    early = flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1])
-    assert torch.equal(early[0], late[0]) and torch.equal(early[1], late[1])
+    outs = []
+    for mode in ("on", "off", "auto"):
+        with options.use(hopper_early_q=mode):
+            outs.append(flash_hopper.flash_hopper_forward(q, k, v, causal=case[-1]))
+    for o, lse in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(lse, outs[0][1])
+    assert hopper_launch.early_q(case[-1], case[4]) is (case[-1] or case[4] < 4096)
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
@@ -279,10 +283,11 @@ def test_switch_on_and_off_give_the_same_gradients(case, D, dtype, request, monk
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_default_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
-    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon forward and head dim 64 the tl
-    forward; both within the budget of naive attention against the float64 reference, with GQA."""
+    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon forward, head dim 64 the tl
+    forward with a causal mask and the Gluon one without; all within the budget of naive attention against the
+    float64 reference, with GQA."""
     assert options.get().hopper_forward == "auto"
-    for D, want_gluon in ((128, True), (64, False)):
+    for D, want_gluon in ((128, True), (64, not causal)):
         case = (1, 4, 2, 4096, 4096, causal)
         q, k, v = _inputs(case, D, torch.bfloat16, seeded_generator(request))
         gluon, tl = [], []

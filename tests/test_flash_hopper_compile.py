@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 import kernels._triton as kt
 from kernels import flash_hopper, options
@@ -64,9 +65,8 @@ def compile_hopper_launches() -> list[dict]:
                 for causal in (True, False):
                     q = torch.randn(2, 4, 113, D).to(dtype)                     # (B, Hq, Nq, D)
                     kv = torch.randn(2, 2, 203, D).to(dtype)                    # (B, Hkv, Nk, D): GQA, Nk != Nq
-                    kernels.flash_attention(q, kv, kv, causal=causal)
-                    if D == 64:  # the consumer count the mask does not choose by default
-                        with options.use(hopper_consumers_d64=3 if causal else 2):
+                    for count in ((2, 3) if D == 64 else (0,)):  # head dim 64: both consumer counts
+                        with options.use(hopper_consumers_d64=count):
                             kernels.flash_attention(q, kv, kv, causal=causal)
         qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)           # (B, N, (Hq + 2·Hkv)·D)
         kernels.flash_attention_qkvpacked(qkv, 4, 2)                            # (B, N, H, D) strides
@@ -79,8 +79,9 @@ def compile_hopper_launches() -> list[dict]:
 def test_hopper_forward_compiles_for_sm90(tmp_path):
     """Each variant (bf16 and fp16, head dims 64 and 128, causal or not) compiles to a cubin with wgmma, 4-d TMA
     loads and stores, mbarrier waits and the producer-to-consumer register reallocation; 12 warps with two
-    consumer warpgroups (240 registers each), 16 with three (head dim 64, 160 each, at most 128 bytes of spills
-    per thread, as measured); shared memory within sm_90's limit; ptxas does not serialise its wgmmas."""
+    consumer warpgroups (240 registers each) and no spills, 16 with three (head dim 64, 160 each; at most 128
+    bytes of spills per thread under the Triton whose three consumers were measured faster, elsewhere not
+    chosen by default); shared memory within sm_90's limit; ptxas does not serialise its wgmmas."""
     from tests.util import ROOT, pythonpath
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
@@ -94,7 +95,8 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
         assert rec["mbarrier"] and rec["regs_to_consumers"] and rec["regs_from_producer"], rec
         three = rec["consts"]["CONSUMERS"] == 3
         assert rec["num_warps"] == (16 if three else 12) and 0 < rec["shared"] <= SMEM_LIMIT, rec
-        assert rec["spill_stores"] <= (128 if three else 0), rec
+        if not three or triton.__version__.startswith(hopper_launch.THREE_CONSUMERS_TRITON):
+            assert rec["spill_stores"] <= (128 if three else 0), rec
         assert not rec["wgmma_serialized"], rec  # ptxas serialising the wgmmas undoes the overlap the kernel is for
     got = {(rec["dtype"], rec["consts"]["HEAD_D"], rec["consts"]["CAUSAL"], rec["consts"]["CONSUMERS"])
            for rec in records}
@@ -170,33 +172,38 @@ if __name__ == "__main__":
     json.dump(compile_hopper_launches(), sys.stdout)
 
 
-@pytest.mark.parametrize("mode, D, Nq, Nk, heads, takes", [
-    ("auto", 128, 1024, 1024, 256, True),     # 16 x 16 heads of 1024: the measured rows
-    ("auto", 128, 2048, 2048, 128, True),
-    ("auto", 128, 1024, 1024, 255, False),    # fewer rows than measured below 4096 tokens
-    ("auto", 128, 4096, 4096, 1, True),       # from 4096 tokens any batch and head count
-    ("auto", 128, 16384, 16384, 16, True),
-    ("auto", 128, 1023, 4096, 256, False),    # fewer queries than the measured lengths
-    ("auto", 128, 4096, 1023, 256, False),    # fewer keys
-    ("auto", 64, 4096, 4096, 256, False),     # head dim 64: the tl forward was as fast
-    ("on", 64, 113, 113, 1, True),
-    ("off", 128, 4096, 4096, 256, False),
+@pytest.mark.parametrize("mode, D, causal, Nq, Nk, heads, takes", [
+    ("auto", 128, True, 1024, 1024, 256, True),     # 16 x 16 heads of 1024: the measured rows
+    ("auto", 128, False, 2048, 2048, 128, True),
+    ("auto", 128, True, 1024, 1024, 255, False),    # fewer rows than measured below 4096 tokens
+    ("auto", 128, True, 4096, 4096, 1, True),       # from 4096 tokens any batch and head count
+    ("auto", 128, False, 16384, 16384, 16, True),
+    ("auto", 128, True, 1023, 4096, 256, False),    # fewer queries than the measured lengths
+    ("auto", 128, True, 4096, 1023, 256, False),    # fewer keys
+    ("auto", 64, True, 4096, 4096, 256, False),     # head dim 64, causal: the tl forward was as fast
+    ("auto", 64, False, 4096, 4096, 1, True),       # not causal: three consumer warpgroups, faster
+    ("auto", 64, False, 2048, 2048, 128, True),
+    ("auto", 64, False, 2048, 2048, 127, False),    # fewer rows than measured below 4096 tokens
+    ("auto", 64, False, 1024, 1024, 1024, False),   # shorter than measured
+    ("on", 64, True, 113, 113, 1, True),
+    ("off", 128, False, 4096, 4096, 256, False),
 ])
-def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, Nq, Nk, heads, takes, monkeypatch):
+def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, causal, Nq, Nk, heads, takes,
+                                                                 monkeypatch):
     """The dispatch rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128 with
-    at least 1024 queries and keys, and below 4096 tokens at least 16 x 16 x 1024 query rows in all (B · Hq ·
-    Nq); on takes whatever the kernel takes, off nothing; and whatever the mode, an input the kernel refuses
-    stays with the tl kernel."""
+    at least 1024 queries and keys, head dim 64 without a causal mask with at least 2048, and below 4096 tokens
+    at least 16 x 16 x 1024 query rows in all (B · Hq · Nq); on takes whatever the kernel takes, off nothing;
+    and whatever the mode, an input the kernel refuses stays with the tl kernel."""
     from kernels.flash import launch
     q = torch.empty(1, heads, Nq, D)
     k = v = torch.empty(1, heads, Nk, D)
     asked = []
     monkeypatch.setattr(launch._hopper, "unsupported", lambda *a: asked.append(1) and None)
-    assert launch._hopper_takes(mode, q, k, v, 0, None) is takes
+    assert launch._hopper_takes(mode, q, k, v, 0, None, causal) is takes
     if mode == "auto" and not takes:
         assert asked == []  # the shape test answers first: no per-call cost for the shapes auto leaves alone
     monkeypatch.setattr(launch._hopper, "unsupported", lambda *a: "refused")
-    assert launch._hopper_takes(mode, q, k, v, 0, None) is False
+    assert launch._hopper_takes(mode, q, k, v, 0, None, causal) is False
 
 
 @pytest.mark.parametrize("mode, D, Nq, Nk, extra, takes", [
@@ -293,3 +300,19 @@ def test_repeated_launches_call_the_compiled_kernel_directly(monkeypatch):
     with options.use(fast_launch=False):
         launch()
     assert len(jit_calls) == 5 and len(direct) == 4
+
+
+def test_consumer_count_by_head_dim_mask_option_and_triton(monkeypatch):
+    """Three consumers only at head dim 64: by default without a causal mask and under the Triton they were
+    measured faster with; the option forces a count; head dim 128 always two."""
+    monkeypatch.setattr(hopper_launch.triton, "__version__", "3.6.0")
+    assert hopper_launch.consumer_count(64, False) == 3 and hopper_launch.consumer_count(64, True) == 2
+    assert hopper_launch.consumer_count(128, False) == 2
+    monkeypatch.setattr(hopper_launch.triton, "__version__", "3.9.0")
+    assert hopper_launch.consumer_count(64, False) == 2
+    for count in (2, 3):
+        with options.use(hopper_consumers_d64=count):
+            assert hopper_launch.consumer_count(64, True) == count == hopper_launch.consumer_count(64, False)
+            assert hopper_launch.consumer_count(128, False) == 2
+    with pytest.raises(ValueError, match="hopper_consumers_d64"):
+        options.KernelOptions(hopper_consumers_d64=4)

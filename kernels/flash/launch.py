@@ -345,27 +345,37 @@ def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 # hopper_forward = "auto" sends the forward to the Gluon kernel only where the H200 timed it faster than the tl
 # forward (bench/results/flash_hopper/tile_lists/: 1.17-1.43x at head dim 128 with 1024 to 16384 tokens, causal
 # or not, every shape with 262,144 query rows in all; tile_lists/call_eb068b8/: through the model's call too);
-# at head dim 64 the two are level (0.99-1.03x at 1024 and 4096 tokens, tile_lists/early_q/), so head dim 64
-# stays with the tl kernel. Below 4096 tokens it also takes as many query rows (B * Hq * Nq) as measured: a
+# at head dim 64 with a causal mask the two are level (0.99-1.03x at 1024 to 16384 tokens, tile_lists/early_q/,
+# three_consumers/own_blocks/), so it stays with the tl kernel; without one the Gluon kernel's three consumer
+# warpgroups are 1.07-1.10x the tl forward at 2048 to 16384 tokens (three_consumers/own_blocks/), from 2048.
+# Below 4096 tokens it also takes as many query rows (B * Hq * Nq) as measured: a
 # smaller call's kernel is shorter than the Gluon launch's host time (0.12-0.26 ms per call against 0.06-0.07 for
 # the tl launch, tile_lists/call_eb068b8/), so there the host would decide and the tl call's is the shorter.
 HOPPER_AUTO_HEAD_DIM = 128
 HOPPER_AUTO_MIN_LEN = 1024
+HOPPER_AUTO_D64_MIN_LEN = 2048  # head dim 64, not causal
 HOPPER_AUTO_LONG_LEN = 4096  # from here any batch and head count (as before the shorter lengths were measured)
 HOPPER_AUTO_MIN_ROWS = 16 * 16 * 1024  # below HOPPER_AUTO_LONG_LEN: B * Hq * Nq at least the measured shapes'
 
 
-def _hopper_auto(q: torch.Tensor, k: torch.Tensor) -> bool:
+def _hopper_auto(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """The shape rule of hopper_forward = "auto" (q: (B, Hq, Nq, D), k: (B, Hkv, Nk, D))."""
     length = min(q.shape[-2], k.shape[-2])
-    return (q.shape[-1] == HOPPER_AUTO_HEAD_DIM and length >= HOPPER_AUTO_MIN_LEN
-            and (length >= HOPPER_AUTO_LONG_LEN or q.shape[0] * q.shape[1] * q.shape[2] >= HOPPER_AUTO_MIN_ROWS))
+    if q.shape[-1] == HOPPER_AUTO_HEAD_DIM:
+        min_len = HOPPER_AUTO_MIN_LEN
+    elif q.shape[-1] == 64 and not causal:
+        min_len = HOPPER_AUTO_D64_MIN_LEN
+    else:
+        return False
+    return length >= min_len and (length >= HOPPER_AUTO_LONG_LEN
+                                  or q.shape[0] * q.shape[1] * q.shape[2] >= HOPPER_AUTO_MIN_ROWS)
 
 
-def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, docs) -> bool:
+def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, docs,
+                  causal: bool = True) -> bool:
     """Whether the forward goes to the Gluon kernel under hopper_forward = mode ("auto" | "on" | "off"). The
     shape test comes first: the other inputs of "auto" cost no more host time than "off"."""
-    if mode == "off" or (mode == "auto" and not _hopper_auto(q, k)):
+    if mode == "off" or (mode == "auto" and not _hopper_auto(q, k, causal)):
         return False
     return _hopper.unsupported(q, k, v, window, docs) is None
 
@@ -396,7 +406,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_sca
     """Launch the forward. Returns O (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32 (base 2, scaled).
     Inputs that the hopper_forward option gives to the Gluon kernel go to it instead of the tl kernel."""
     opts = _options.get()
-    if _hopper_takes(opts.hopper_forward, q, k, v, window, docs):
+    if _hopper_takes(opts.hopper_forward, q, k, v, window, docs, causal):
         return _hopper_fwd(q, k, v, causal, sm_scale)
     key = _plan_key(_masked("fwd", window, docs), opts, _with_docs((q, k, v), docs), causal, sm_scale)
     plan = _plans.get(key)

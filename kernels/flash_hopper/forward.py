@@ -13,6 +13,8 @@ The structure of FlashAttention-3's forward on sm_90, written with Gluon's expli
   accumulator layout of S becomes the 16-bit A-operand layout of P without a trip through shared memory).
 * intra-warpgroup overlap: QKᵀ of block j is issued together with PV of block j - 1, and the softmax of block
   j runs while that PV is still in flight; O is rescaled after it retires.
+* causal, each consumer's own key range (OWN_BLOCKS): the tile's last key blocks that its own rows do not see
+  are not multiplied; the consumer only takes its turns and releases their ring stages.
 * ping-pong between the consumers: one mbarrier per consumer hands the tensor cores from one warpgroup to the
   next (in a ring), so each one issues its two matmuls of a step while the others run their softmax.
 * a persistent grid: each program loops over its tiles. With a causal mask (LISTS) each program runs a list
@@ -367,7 +369,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     (any size >= 1, at most n_tiles useful). LISTS: program p runs the tiles tiles_ptr[starts_ptr[p] ..
     starts_ptr[p + 1]) (int32 codes m · n_bh + bh, every tile in exactly one list; the grid has one program per
     list); without LISTS the two pointers are not read. EARLY_Q: each consumer releases its Q after the tile's
-    last QKᵀ rather than its last PV (see _consumer). Launched with num_warps=4 (consumer 0), plus CONSUMERS - 1
+    last QKᵀ rather than its last PV (see _consumer). OWN_BLOCKS (causal): each consumer multiplies only the key
+    blocks its own rows see. Launched with num_warps=4 (consumer 0), plus CONSUMERS - 1
     4-warp consumers and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS[CONSUMERS].
     """
     dtype: gl.constexpr = q_desc.dtype

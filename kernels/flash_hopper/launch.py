@@ -135,20 +135,42 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
             Hq, Hq // Hkv, Nq, Nk, Nk - Nq, sm_scale * _triton.LOG2E, n_m, B * Hq, n_tiles,
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
-                  EARLY_Q=opts.hopper_early_q, CONSUMERS=consumers,
+                  EARLY_Q=early_q(causal, Nk, opts), CONSUMERS=consumers,
                   OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks)
     _launch((programs,), args, consts, q, opts.fast_launch)
+
+
+# Q released after a tile's last QKᵀ (early) or its last PV (late): early is 1.05-1.16x at 1024 tokens and
+# 1.00-1.04x causal from 4096 (bench/results/flash_hopper/tile_lists/early_q/); without a causal mask from 4096
+# keys late was 0.3-3.4 % faster in every run that timed both (d64 and d128; tile_lists/early_q/, poly_exp2/,
+# three_consumers/ and three_consumers/own_blocks/).
+EARLY_Q_LATE_FROM_KEYS = 4096
+
+
+def early_q(causal: bool, Nk: int, opts=None) -> bool:
+    """Whether the consumers release Q after a tile's last QKᵀ: the hopper_early_q option ("on", "off", or
+    "auto": early except without a causal mask from EARLY_Q_LATE_FROM_KEYS keys)."""
+    mode = (opts or _options.get()).hopper_early_q
+    return mode == "on" or (mode == "auto" and (causal or Nk < EARLY_Q_LATE_FROM_KEYS))
+
+
+# Three consumers hold S and P of 64 x 128 and O of 64 x 64 in 160 registers: ptxas spills 60-128 bytes per
+# thread with Triton 3.6 (the version measured faster, bench/results/flash_hopper/three_consumers/), 444-476 with
+# 3.9 (compiled for sm_90 on a CPU, not timed), so the automatic choice takes three only with the measured one.
+THREE_CONSUMERS_TRITON = ("3.6.",)
 
 
 def consumer_count(head_dim: int, causal: bool, opts=None) -> int:
     """Consumer warpgroups of the Gluon forward. Head dim 64: the hopper_consumers_d64 option, whose auto (0)
     is three (192-row tiles) without a causal mask and two with one, as measured
-    (bench/results/flash_hopper/three_consumers/). Head dim 128: two (three would not fit S, P and O of
-    64 x 128 in 160 registers each)."""
+    (bench/results/flash_hopper/three_consumers/), and two under a Triton not in THREE_CONSUMERS_TRITON. Head
+    dim 128: two (three would not fit S, P and O of 64 x 128 in 160 registers each)."""
     opts = opts or _options.get()
     if head_dim != 64:
         return 2
-    return opts.hopper_consumers_d64 or (2 if causal else 3)
+    if opts.hopper_consumers_d64:
+        return opts.hopper_consumers_d64
+    return 3 if not causal and triton.__version__.startswith(THREE_CONSUMERS_TRITON) else 2
 
 
 # The compiled kernel per launch signature, so that a repeated launch calls its launcher directly

@@ -307,42 +307,6 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
     tma.store_wait(0)
 
 
-@gluon.jit
-def _consumer_default(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                      v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                      tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                      EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
-    """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
-    _consumer(0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, OWN_BLOCKS)
-
-
-@gluon.jit
-def _consumer_worker(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                     tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
-    """Consumer 1, in a 4-warp worker partition."""
-    _consumer(1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, OWN_BLOCKS)
-
-
-@gluon.jit
-def _consumer_worker_2(o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-                       v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
-                       tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                       EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
-    """Consumer 2 (with three consumers), in a second 4-warp worker partition."""
-    _consumer(2, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr, BLOCK_M,
-              BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q, CONSUMERS, OWN_BLOCKS)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------------------
@@ -400,15 +364,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+            (_consumer, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
                                  CONSUMERS, OWN_BLOCKS)),
-            (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+            (_consumer, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
                                 CONSUMERS, OWN_BLOCKS)),
-            (_consumer_worker_2, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+            (_consumer, (2, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                   k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh,
                                   n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS,
                                   EARLY_Q, CONSUMERS, OWN_BLOCKS)),
@@ -418,11 +382,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
         ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS_3, CONSUMER_REGS_3, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer_default, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+            (_consumer, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
                                  CONSUMERS, OWN_BLOCKS)),
-            (_consumer_worker, (o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+            (_consumer, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
                                 CONSUMERS, OWN_BLOCKS)),

@@ -43,7 +43,8 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         measured faster than the tl kernel (head
                                                                         dim 128, >= 4096 queries and keys, or
                                                                         >= 1024 with B*Hq*Nq >= 262,144; head
-                                                                        dim 64 not causal the same from 2048;
+                                                                        dim 64 not causal the same from 2048,
+                                                                        causal from 4096;
                                                                         kernels/flash/launch.py: HOPPER_AUTO_*),
                                                                         on = for every input it takes, off = never
     hopper_backward            FLASHGPT_HOPPER_BWD=auto|on|off   auto   where the flash backward runs the Gluon

@@ -283,12 +283,12 @@ def test_switch_on_and_off_give_the_same_gradients(case, D, dtype, request, monk
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_default_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
-    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon forward, head dim 64 the tl
-    forward with a causal mask and the Gluon one without; all within the budget of naive attention against the
-    float64 reference, with GQA."""
+    """With the default option (auto), head dims 128 and 64 at 4096 tokens run the Gluon forward, head dim 64 at
+    2048 with fewer query rows than measured the tl forward; all within the budget of naive attention against
+    the float64 reference, with GQA."""
     assert options.get().hopper_forward == "auto"
-    for D, want_gluon in ((128, True), (64, not causal)):
-        case = (1, 4, 2, 4096, 4096, causal)
+    for D, N, want_gluon in ((128, 4096, True), (64, 4096, True), (64, 2048, False)):
+        case = (1, 4, 2, N, N, causal)
         q, k, v = _inputs(case, D, torch.bfloat16, seeded_generator(request))
         gluon, tl = [], []
         real_into, real_launch = hopper_launch.forward_into, launch._launch

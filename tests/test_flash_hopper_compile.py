@@ -180,7 +180,8 @@ if __name__ == "__main__":
     ("auto", 128, False, 16384, 16384, 16, True),
     ("auto", 128, True, 1023, 4096, 256, False),    # fewer queries than the measured lengths
     ("auto", 128, True, 4096, 1023, 256, False),    # fewer keys
-    ("auto", 64, True, 4096, 4096, 256, False),     # head dim 64, causal: the tl forward was as fast
+    ("auto", 64, True, 2048, 2048, 256, False),     # head dim 64, causal, below 4096: the tl forward as fast
+    ("auto", 64, True, 4096, 4096, 1, True),        # from 4096: level or faster
     ("auto", 64, False, 4096, 4096, 1, True),       # not causal: three consumer warpgroups, faster
     ("auto", 64, False, 2048, 2048, 128, True),
     ("auto", 64, False, 2048, 2048, 127, False),    # fewer rows than measured below 4096 tokens
@@ -191,7 +192,8 @@ if __name__ == "__main__":
 def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, causal, Nq, Nk, heads, takes,
                                                                  monkeypatch):
     """The dispatch rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128 with
-    at least 1024 queries and keys, head dim 64 without a causal mask with at least 2048, and below 4096 tokens
+    at least 1024 queries and keys, head dim 64 without a causal mask with at least 2048 (with one from 4096),
+    and below 4096 tokens
     at least 16 x 16 x 1024 query rows in all (B · Hq · Nq); on takes whatever the kernel takes, off nothing;
     and whatever the mode, an input the kernel refuses stays with the tl kernel."""
     from kernels.flash import launch

@@ -345,9 +345,10 @@ def _hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 # hopper_forward = "auto" sends the forward to the Gluon kernel only where the H200 timed it faster than the tl
 # forward (bench/results/flash_hopper/tile_lists/: 1.17-1.43x at head dim 128 with 1024 to 16384 tokens, causal
 # or not, every shape with 262,144 query rows in all; tile_lists/call_eb068b8/: through the model's call too);
-# at head dim 64 with a causal mask the two are level (0.99-1.03x at 1024 to 16384 tokens, tile_lists/early_q/,
-# three_consumers/own_blocks/), so it stays with the tl kernel; without one the Gluon kernel's three consumer
-# warpgroups are 1.07-1.10x the tl forward at 2048 to 16384 tokens (three_consumers/own_blocks/), from 2048.
+# at head dim 64 with a causal mask the two are level below 4096 tokens (0.99-1.01x, tile_lists/early_q/,
+# three_consumers/), which stay with the tl kernel, and from 4096 the Gluon kernel is 0.99-1.01x at 4096 and
+# 1.03-1.05x at 16384 (three_consumers/, poly_exp2/); without a causal mask its three consumer warpgroups are
+# 1.07-1.10x the tl forward at 2048 to 16384 tokens (three_consumers/own_blocks/), from 2048.
 # Below 4096 tokens it also takes as many query rows (B * Hq * Nq) as measured: a
 # smaller call's kernel is shorter than the Gluon launch's host time (0.12-0.26 ms per call against 0.06-0.07 for
 # the tl launch, tile_lists/call_eb068b8/), so there the host would decide and the tl call's is the shorter.
@@ -363,8 +364,8 @@ def _hopper_auto(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     length = min(q.shape[-2], k.shape[-2])
     if q.shape[-1] == HOPPER_AUTO_HEAD_DIM:
         min_len = HOPPER_AUTO_MIN_LEN
-    elif q.shape[-1] == 64 and not causal:
-        min_len = HOPPER_AUTO_D64_MIN_LEN
+    elif q.shape[-1] == 64:
+        min_len = HOPPER_AUTO_LONG_LEN if causal else HOPPER_AUTO_D64_MIN_LEN
     else:
         return False
     return length >= min_len and (length >= HOPPER_AUTO_LONG_LEN

@@ -8,8 +8,8 @@ forward of kernels/flash that the same backward consumes, used where it was meas
 kernels.flash_attention (and the packed and compiled forms) launches it instead of the tl forward where
 unsupported() says None and the hopper_forward option (kernels/options.py, FLASHGPT_HOPPER_FWD) gives it the
 inputs: "auto" (the default) at head dim 128 with at least 4096 queries and keys, or at least 1024 with
-B·Hq·Nq >= 262,144 query rows in all, and at head dim 64 without a causal mask the same from 2048
-(kernels/flash/launch.py: _hopper_auto), "on" always, "off" never.
+B·Hq·Nq >= 262,144 query rows in all, and at head dim 64 without a causal mask the same from 2048, with one
+from 4096 (kernels/flash/launch.py: _hopper_auto), "on" always, "off" never.
 The backward: backward_launch.py launches a Gluon dK/dV kernel in FA3's structure with the tl backward's
 inputs and outputs; kernels/flash/launch.py's _hopper_bwd runs the whole backward around it, after the tl dQ
 kernel (fused=0) or with dQ added by the kernel itself (fused=1, 2, 3; 3 by TMA reduce-adds, the fastest).

@@ -23,8 +23,8 @@ GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multip
 head dim; compute capability 9.0 only. Not supported (the tl kernel's): float32, other head dims, sliding
 windows, documents (varlen), the interpreter, other GPUs.
 
-    forward.py   the Gluon kernel: producer warp (TMA), two consumer warpgroups (wgmma, online softmax),
-                 ping-pong, persistent grid (causal: a tile list per program)
+    forward.py   the Gluon kernel: producer warp (TMA), two or three consumer warpgroups (wgmma, online
+                 softmax), ping-pong, persistent grid (causal: a tile list per program)
     schedule.py  the causal tile lists: longest first within groups of heads whose K/V fit in L2, balanced
     launch.py    which inputs it takes, TMA descriptors, grid, launch
     backward.py  the Gluon dK/dV kernel: producer warp (TMA: K, V once, a Q/dO ring), two consumer warpgroups

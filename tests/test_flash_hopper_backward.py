@@ -105,7 +105,7 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
-@pytest.mark.parametrize("fused", [1, 2, 3])
+@pytest.mark.parametrize("fused", [1, 2, 3, 4])
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
     """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator (no tl dQ kernel): each
@@ -283,6 +283,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB
 # Triton 3.9 causal 76 / 100, not causal 0 / 0; Triton 3.6 causal 12 / 12, not causal 12 / 12 (without GQA:
 # 40 / 64 and 24 / 24).
 MAX_SPILL = {64: 0, 128: 128}
+# the fused forms at d128 hold dQ's half-tile and the shared dS buffers besides dK and dV: Triton 3.6 spills
+# 120-292 B per thread in form 3, 144-344 B in form 4 (the loop's bulk stays in registers)
+MAX_SPILL_FUSED_D128 = 400
 
 
 def _record(c) -> dict:
@@ -324,12 +327,13 @@ def compile_hopper_backward() -> list[dict]:
                         kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
                         launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                            torch.zeros(2, 4, 113), causal)
-        for causal in (True, False):  # the fused forms (dQ in the Gluon kernel), head dim 64
-            for fused in (1, 2, 3):
-                q = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
-                kv = torch.randn(2, 2, 203, 64).to(torch.bfloat16)
-                launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q), torch.zeros(2, 4, 113),
-                                   causal, fused=fused)
+        for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 and 4 at d128
+            for D, forms in ((64, (1, 2, 3, 4)), (128, (3, 4))):
+                for fused in forms:
+                    q = torch.randn(2, 4, 113, D).to(torch.bfloat16)
+                    kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
+                    launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                       torch.zeros(2, 4, 113), causal, fused=fused)
     return [_record(c) for c in compiled]
 
 
@@ -356,15 +360,17 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     for rec in gluon:
         assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
         assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec
-        limit = MAX_SPILL[rec["consts"]["HEAD_D"]]
+        fused_d128 = rec["consts"]["HEAD_D"] == 128 and rec["consts"].get("DQ", 0) >= 1
+        limit = MAX_SPILL_FUSED_D128 if fused_d128 else MAX_SPILL[rec["consts"]["HEAD_D"]]
         assert rec["spill_stores"] <= limit and rec["spill_loads"] <= limit, rec
         assert not rec["wgmma_serialized"], rec  # ptxas's C751x notes: every wgmma of the kernel serialised
     got = {(r["dtype"], r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["GQA"]) for r in gluon}
     want = {(dt, D, causal, True) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)}
     assert got == want | {("bf16", 128, causal, False) for causal in (True, False)}
     assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
-    assert {(r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon if r["consts"].get("DQ")} == {
-        (causal, mode) for causal in (True, False) for mode in (1, 2, 3)}  # the fused forms, d64
+    assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon
+            if r["consts"].get("DQ")} == {(D, causal, mode) for causal in (True, False)
+                                          for D, modes in ((64, (1, 2, 3, 4)), (128, (3, 4))) for mode in modes}
 
 
 if __name__ == "__main__":

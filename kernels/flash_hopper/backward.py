@@ -179,10 +179,58 @@ def _add_dq_part(dq, dqacc_ptr, row_base, start_m, Nq, COL0: gl.constexpr, BLOCK
 
 
 @gluon.jit
+def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.constexpr):
+    """Put this warpgroup's dSᵀ (BLOCK_N, BLOCK_M) of step i into its half of the step parity's shared buffer
+    (ds_smem: (2, 2·BLOCK_N, BLOCK_M)), once both warpgroups' dQ matmuls of step i - 2 have read that buffer.
+    ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each."""
+    par = i % 2
+    mbarrier.wait(ds_bars.index(2 + par), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+    ds_smem.index(par).slice(WG * BLOCK_N, BLOCK_N, dim=0).store(dsT_op)  # this warpgroup's keys
+    fence_async_shared()
+    mbarrier.arrive(ds_bars.index(par), count=1)
+
+
+@gluon.jit
+def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, GQA: gl.constexpr,
+                DQ: gl.constexpr, WG: gl.constexpr):
+    """This warpgroup's half of dQ's columns of step j, dS K over both warpgroups' 2·BLOCK_N keys, once both
+    published their dSᵀ of step j (_publish_ds); added into dqacc_ptr with atomics (DQ = 2) or through dq_smem and
+    one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight."""
+    g, start_m = _step_coords(j, first, n_blocks, GQA, BLOCK_M)
+    par = j % 2
+    buf = ds_smem.index(par)  # (2·BLOCK_N, BLOCK_M)
+    mbarrier.wait(ds_bars.index(par), (j // 2) & 1)  # both warpgroups' keys are there
+    HALF: gl.constexpr = HEAD_D // 2
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF, 16])
+    dq = warpgroup_mma(buf.slice(0, BLOCK_N, dim=0).permute((1, 0)),
+                       k_dq.index(0).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1),
+                       gl.zeros([BLOCK_M, HALF], gl.float32, layout=half_layout), use_acc=False,
+                       is_async=True)  # (BLOCK_M, HALF) over warpgroup 0's keys
+    dq = warpgroup_mma(buf.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)),
+                       k_dq.index(1).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1), dq,
+                       is_async=True)  # ... and over warpgroup 1's
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    mbarrier.arrive(ds_bars.index(2 + par), count=1)
+    if DQ == 2:
+        _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
+    else:
+        # DQ >= 3 (FA3's): dq goes through this warpgroup's fp32 buffer and one TMA reduce-add per step, whole
+        # lines added in L2 instead of an atomic per element; rows past Nq are clipped by the descriptor. The
+        # previous step's reduce, a step ago, has read the buffer by now (its wait rarely stalls)
+        tma.store_wait(0)
+        dq_smem.reshape([BLOCK_M, HALF]).store(dq)  # (BLOCK_M, HALF) fp32
+        fence_async_shared()
+        _tma_reduce_add(dqacc_ptr, [bh0 + g, start_m, WG * HALF], dq_smem)
+
+
+@gluon.jit
 def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq, offset, qk_scale, i,
                first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, AHEAD: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr):
+               CAUSAL: gl.constexpr, GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
+               PREV: gl.constexpr = False):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
     dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
     releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
@@ -243,39 +291,16 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
             _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, c * DQ_COLS, BLOCK_M, HEAD_D, DQ_COLS)
     elif DQ >= 2:
         # both warpgroups' dSᵀ in one shared buffer per step parity (2·BLOCK_N keys, BLOCK_M queries); each
-        # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys, as two matmuls over the two
-        # warpgroups' keys (k_dq: both K tiles): one add per element and program instead of two.
-        # ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each
-        par = i % 2
-        use = i // 2
-        buf = ds_smem.index(par)  # (2·BLOCK_N, BLOCK_M)
-        mbarrier.wait(ds_bars.index(2 + par), (use & 1) ^ 1)  # both dQ matmuls of step i - 2 retired
-        buf.slice(WG * BLOCK_N, BLOCK_N, dim=0).store(dsT_op)  # this warpgroup's keys
-        fence_async_shared()
-        mbarrier.arrive(ds_bars.index(par), count=1)
-        mbarrier.wait(ds_bars.index(par), use & 1)  # the other warpgroup's keys are there too
-        HALF: gl.constexpr = HEAD_D // 2
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, HALF, 16])
-        dq = warpgroup_mma(buf.slice(0, BLOCK_N, dim=0).permute((1, 0)),
-                           k_dq.index(0).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1),
-                           gl.zeros([BLOCK_M, HALF], gl.float32, layout=half_layout), use_acc=False,
-                           is_async=True)  # (BLOCK_M, HALF) over warpgroup 0's keys
-        dq = warpgroup_mma(buf.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)),
-                           k_dq.index(1).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1), dq,
-                           is_async=True)  # ... and over warpgroup 1's
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        mbarrier.arrive(ds_bars.index(2 + par), count=1)
-        if DQ == 2:
-            _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
-        else:
-            # DQ == 3 (FA3's): dq goes through this warpgroup's fp32 buffer and one TMA reduce-add per step, whole
-            # lines added in L2 instead of an atomic per element; rows past Nq are clipped by the descriptor.
-            # The previous step's reduce, a step ago, has read the buffer by now (its wait rarely stalls)
-            tma.store_wait(0)
-            dq_smem.reshape([BLOCK_M, HALF]).store(dq)  # (BLOCK_M, HALF) fp32
-            fence_async_shared()
-            _tma_reduce_add(dqacc_ptr, [bh0 + g, start_m, WG * HALF], dq_smem)
+        # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys (_dq_of_step): one add per element
+        # and program instead of two. DQ = 4 takes the previous step's dQ here (PREV), so that neither warpgroup
+        # waits for the other's dSᵀ of the step it has just computed
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG)
+        if DQ < 4:
+            _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
+                        BLOCK_N, HEAD_D, GQA, DQ, WG)
+        elif PREV:
+            _dq_of_step(i - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
+                        BLOCK_N, HEAD_D, GQA, DQ, WG)
     return dk, dv, pT_op, dsT_op
 
 
@@ -323,6 +348,26 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                            CAUSAL, GQA, DQ, WG)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
+    elif DQ == 4:
+        # dQ one step behind: step 0 only publishes its dSᵀ, step i computes dQ of step i - 1 after issuing its
+        # own dK, and the last step's dQ follows the loop
+        sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
+        dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
+                                           offset, qk_scale, 0, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr,
+                                           dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG,
+                                           False)
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
+        mbarrier.arrive(empty.index(0), count=1)
+        for i in range(1, n):
+            sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
+            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
+                                               Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
+                                               dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                                               CAUSAL, GQA, DQ, WG, True)
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
+        _dq_of_step(n - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
+                    BLOCK_N, HEAD_D, GQA, DQ, WG)
     else:
         for i in range(n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
@@ -371,7 +416,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
     else:
         k_dq = k
         ds_mine = ds_smem.index(WG)
-    if DQ == 3:
+    if DQ >= 3:
         dq_mine = dq_smem.index(WG)  # (1, BLOCK_M, HEAD_D // 2) fp32
     else:
         dq_mine = dq_smem  # (not used)
@@ -458,7 +503,7 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)
     else:
         ds_smem = k_smem  # (not used)
-    if DQ == 3:  # each consumer's half of dQ's columns, fp32, the source of its TMA reduce-adds
+    if DQ >= 3:  # each consumer's half of dQ's columns, fp32, the source of its TMA reduce-adds
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_D // 2], dqacc_ptr.layout)
     else:
         dq_smem = k_smem  # (not used)

@@ -67,15 +67,19 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     contiguous (B, Hq, Nq, D) float32 buffer (zeros) into which the kernel also adds dS K, dQ unscaled (the
     fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
     the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both; 3, as 2
-    with TMA reduce-adds instead of atomics."""
-    if dqacc is not None and dq_mode not in (1, 2, 3):
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2 or 3")
+    with TMA reduce-adds instead of atomics; 4, as 3 with each step's dQ computed in the next step, after that
+    step's dK matmul is issued (not with ahead)."""
+    if dqacc is not None and dq_mode not in (1, 2, 3, 4):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3 or 4")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):
         raise ValueError(f"flash_hopper: dqacc must be a contiguous (B, Hq, Nq, D) float32 buffer, got "
                          f"{tuple(dqacc.shape)} {dqacc.dtype}")
     Hkv, Nk = k.shape[1], k.shape[2]
+    ahead = AHEAD[D] if ahead is None else bool(ahead)
+    if ahead and dqacc is not None and dq_mode == 4:
+        raise ValueError("flash_hopper: dq_mode=4 (dQ one step behind) does not run with ahead=True")
     stages = STAGES[D] if stages is None else stages
     if not 2 <= stages <= MAX_STAGES[D]:
         raise ValueError(f"flash_hopper: stages={stages} at head dim {D}: the ring holds 2 to {MAX_STAGES[D]}")
@@ -91,9 +95,9 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
-        lse if dqacc is None else _dq_desc(dqacc) if dq_mode == 3 else dqacc,  # (not read without DQ)
+        lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc,  # (not read without DQ)
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
-        AHEAD=AHEAD[D] if ahead is None else bool(ahead), DQ=0 if dqacc is None else int(dq_mode),
+        AHEAD=ahead, DQ=0 if dqacc is None else int(dq_mode),
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 

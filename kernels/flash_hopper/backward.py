@@ -36,7 +36,10 @@ buffer per step parity (mbarriers in both directions), and each computes half of
 2·BLOCK_N keys: half the atomic adds. DQ = 3 (FA3's, the one kernels.flash_attention runs) is DQ = 2 with each
 warpgroup's half stored into its own fp32 shared buffer and added by one TMA reduce-add per step
 (cp.reduce.async.bulk.tensor), whole lines added in L2 instead of an atomic per element: 1.1-1.3x DQ = 2's
-backward, 1.3-1.7x DQ = 1's at 4096 tokens (bench/results/flash_hopper/fused_backward/).
+backward, 1.3-1.7x DQ = 1's at 4096 tokens (bench/results/flash_hopper/fused_backward/). DQ = 4 is DQ = 3 with
+each step's dQ computed one step later, after the next step's dK matmul is issued, so that a warpgroup does not
+wait for the other's dSᵀ of the step it has just computed: 1.05-1.07x DQ = 3 at d64 without a mask, 0.81-0.89x
+at d128 without one (it spills more there), level causal; an option, not the default (same folder).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
@@ -487,9 +490,9 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
-    off). DQ (1, 2 or 3; 0: not): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32, contiguous, zeroed; not
-    read without DQ; with DQ = 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D), blocks (1, BLOCK_M,
-    HEAD_D / 2) fp32).
+    off). DQ (1, 2, 3 or 4; 0: not; 4 not with AHEAD): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32,
+    contiguous, zeroed; not read without DQ; with DQ >= 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D),
+    blocks (1, BLOCK_M, HEAD_D / 2) fp32).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring

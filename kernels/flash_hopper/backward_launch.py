@@ -10,7 +10,7 @@ Inputs as kernels/flash/launch.py's _bwd (the tl backward's entry point, the ref
 log2 e), +inf for rows that see no key — what either forward stores.
 
 kernels/flash/launch.py's _hopper_bwd runs the whole backward around it: split, the tl dQ kernel (which stores
-delta = rowsum(dO * O)) and then this kernel for dK and dV; or fused (dq_mode 1, 2, 3), the tl pass storing
+delta = rowsum(dO * O)) and then this kernel for dK and dV; or fused (dq_mode 1 to 4), the tl pass storing
 delta and zeroing an fp32 dQ accumulator, this kernel adding dS K into it besides dK and dV, the tl pass
 scaling and converting dQ. kernels.flash_attention's backward runs the fused form 3 where the hopper_backward
 option sends it (kernels/flash/launch.py: _hopper_bwd_takes). Taken: what the Gluon forward takes

@@ -1,7 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
-                                    [--ahead auto|on|off] [--fused 1 2 3 4 5] [--rep 100] [--out DIR]
+                                    [--ahead auto|on|off] [--fused 1 2 3 4] [--rep 100] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -16,7 +16,6 @@ medians (it flushes L2 between runs):
           per step instead of atomics per element (FlashAttention-3's way);
 * fused4  fused=4: as fused3, each step's dQ computed in the next step, after that step's dK matmul is
           issued, so that neither warpgroup waits for the other's dS of the step it has just computed;
-* fused5  fused=5: as fused4, with that dQ computed before the next step's score matmuls are issued;
 * tl      kernels/flash/launch.py: _bwd with hopper_backward off: the tl split backward;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 
@@ -42,7 +41,7 @@ from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
-FUSED_MODES = (1, 2, 3, 4, 5)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
+FUSED_MODES = (1, 2, 3, 4)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,8 +120,8 @@ def main(argv=None) -> int:
     if args.rep < 1:
         print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
         return 2
-    if args.ahead == "on" and {4, 5} & set(args.fused):
-        print("error: --ahead on does not run with --fused 4 or 5 (dQ one step behind)", file=sys.stderr)
+    if args.ahead == "on" and 4 in args.fused:
+        print("error: --ahead on does not run with --fused 4 (dQ one step behind)", file=sys.stderr)
         return 2
     from kernels.flash_hopper.backward_launch import MAX_STAGES
     for _, _, _, D in args.shapes:

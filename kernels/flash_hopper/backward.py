@@ -351,9 +351,9 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                            CAUSAL, GQA, DQ, WG)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
-    elif DQ >= 4:
+    elif DQ == 4:
         # dQ one step behind: step 0 only publishes its dSᵀ, step i computes dQ of step i - 1 after issuing its
-        # own dK (DQ = 4) or before its score matmuls (DQ = 5), and the last step's dQ follows the loop
+        # own dK, and the last step's dQ follows the loop
         sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
                                            offset, qk_scale, 0, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr,
@@ -362,14 +362,11 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index(0), count=1)
         for i in range(1, n):
-            if DQ == 5:
-                _dq_of_step(i - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
-                            BLOCK_M, BLOCK_N, HEAD_D, GQA, DQ, WG)
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, DQ == 4)
+                                               CAUSAL, GQA, DQ, WG, True)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
             mbarrier.arrive(empty.index(i % STAGES), count=1)
         _dq_of_step(n - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,

@@ -68,10 +68,9 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
     the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both; 3, as 2
     with TMA reduce-adds instead of atomics; 4, as 3 with each step's dQ computed in the next step, after that
-    step's dK matmul is issued; 5, as 4 with it computed before that step's score matmuls (4, 5 not with
-    ahead)."""
-    if dqacc is not None and dq_mode not in (1, 2, 3, 4, 5):
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1 to 5")
+    step's dK matmul is issued (not with ahead)."""
+    if dqacc is not None and dq_mode not in (1, 2, 3, 4):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3 or 4")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):
@@ -79,8 +78,8 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          f"{tuple(dqacc.shape)} {dqacc.dtype}")
     Hkv, Nk = k.shape[1], k.shape[2]
     ahead = AHEAD[D] if ahead is None else bool(ahead)
-    if ahead and dqacc is not None and dq_mode >= 4:
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode} (dQ one step behind) does not run with ahead=True")
+    if ahead and dqacc is not None and dq_mode == 4:
+        raise ValueError("flash_hopper: dq_mode=4 (dQ one step behind) does not run with ahead=True")
     stages = STAGES[D] if stages is None else stages
     if not 2 <= stages <= MAX_STAGES[D]:
         raise ValueError(f"flash_hopper: stages={stages} at head dim {D}: the ring holds 2 to {MAX_STAGES[D]}")

@@ -274,6 +274,20 @@ def test_unsupported_inputs_name_the_reason(monkeypatch):
     assert "compute capability 9.0" in backward_launch.unsupported_backward(do, q, k, v, o)
 
 
+
+def test_fused_form_arguments_are_checked_before_the_launch():
+    """dkdv_into refuses an unknown fused form and the lagged form (4) with the next block's score matmuls
+    issued ahead, each in one line, before anything is launched."""
+    do, q, k, v, o = _cpu_inputs()
+    B, Hq, Nq, D = q.shape
+    lse = torch.zeros(B, Hq, Nq)
+    dqacc = torch.zeros(B, Hq, Nq, D)
+    with pytest.raises(ValueError, match="dq_mode=5"):
+        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, dqacc=dqacc, dq_mode=5)
+    with pytest.raises(ValueError, match="ahead"):
+        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
+                                  dqacc=dqacc, dq_mode=4)
+
 # --------------------------------------------------------------------- compiled for sm_90 (any machine)
 
 H200_SMS = 132

@@ -20,6 +20,9 @@ prefill/decode split and the host loop:
                      Triton kernels, RoPE and the k/v cache writes inside the QKV kernel, split-KV decode
                      attention) replayed as a CUDA graph: generate()'s default on a GPU
     flashgpt-fused   the same, eager
+    flashgpt-fused-mlp2+graph   flashgpt-fused+graph with the kernel option decode_fused_mlp off: each MLP block
+                     as two launches (up projection + activation, down projection + residual) instead of one
+                     (kernels/decode_mlp.py)
     flashgpt+graph   flash prefill + the model's own decode step (split-KV decode kernel for attention, PyTorch
                      for the rest) replayed as a CUDA graph
     flashgpt         the same, eager
@@ -111,6 +114,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from kernels import options as kernel_options  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step  # noqa: E402
 from model.generation import DecodeGraph, decode_one_token, generate  # noqa: E402
@@ -144,6 +148,7 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
     """name → (provider, attention backend, cuda_graph, compile, fused); provider "flashgpt" or "transformers"
     (with transformers=True: compiled on a GPU, eager on the CPU)."""
     out = {"flashgpt-fused+graph": ("flashgpt", "flash", True, False, True),
+           "flashgpt-fused-mlp2+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused": ("flashgpt", "flash", False, False, True),
            "flashgpt+graph": ("flashgpt", "flash", True, False, False),
            "flashgpt": ("flashgpt", "flash", False, False, False),
@@ -154,6 +159,9 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
         on_gpu = torch.device(device).type == "cuda"
         out[HF_VARIANTS[0] if on_gpu else HF_VARIANTS[1]] = ("transformers", "sdpa", False, on_gpu, False)
     return out
+
+
+VARIANT_OPTIONS = {"flashgpt-fused-mlp2+graph": dict(decode_fused_mlp=False)}  # kernel options of a variant
 
 
 def run_variant(model, prompts, new_tokens, backend, cuda_graph, compile_step, fused, reps):
@@ -497,31 +505,33 @@ def main() -> int:
                 rows.append(dict(batch=B, variant=vname, error="skipped: transformers is not installed "
                                  "(pip install transformers)"))
                 continue
-            try:
-                if provider == "transformers":
-                    if hf_model is None:
-                        hf_model = transformers_model(model, device, dtype)
-                    res, tokens[vname] = run_transformers(hf_model, prompts, new_tokens, comp, reps)
-                else:
-                    res, tokens[vname] = run_variant(model, prompts, new_tokens, backend, graph, comp, fused, reps)
-                if graph:  # the same step's GPU time alone, at the middle of the generation's cache lengths
-                    try:
-                        res["graph_replay_us"] = graph_replay_us(model, B, prompt_len + new_tokens,
-                                                                 prompt_len + new_tokens // 2, comp, fused)
-                    except Exception as e:
-                        res["graph_replay_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-                res["weight_gb_s"] = round(wbytes / (res["step_us"] * 1e-6) / 1e9, 1)
-                rows.append(dict(batch=B, variant=vname, **res, bandwidth_limit_tok_s=round(limit)))
-                print(f"B={B:3d} {vname:28s} prefill {_fmt(res['prefill_ms'], '8.2f')} ms  "
-                      f"TTFT {res['ttft_ms']:8.2f} ms  decode {res['decode_tok_s']:10,.0f} tok/s  "
-                      f"({res['step_us']:7.0f} µs/step)", flush=True)
-            except Exception as e:  # record and go on with the other variants
-                err = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-                rows.append(dict(batch=B, variant=vname, error=err))
-                print(f"B={B:3d} {vname:28s} FAILED {err}", flush=True)
-                traceback.print_exc()
-            finally:
-                model.clear_kv_cache()
+            with kernel_options.use(**VARIANT_OPTIONS.get(vname, {})):  # the variant's kernel options
+                try:
+                    if provider == "transformers":
+                        if hf_model is None:
+                            hf_model = transformers_model(model, device, dtype)
+                        res, tokens[vname] = run_transformers(hf_model, prompts, new_tokens, comp, reps)
+                    else:
+                        res, tokens[vname] = run_variant(model, prompts, new_tokens, backend, graph, comp, fused,
+                                                         reps)
+                    if graph:  # the same step's GPU time alone, at the middle of the generation's cache lengths
+                        try:
+                            res["graph_replay_us"] = graph_replay_us(model, B, prompt_len + new_tokens,
+                                                                     prompt_len + new_tokens // 2, comp, fused)
+                        except Exception as e:
+                            res["graph_replay_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                    res["weight_gb_s"] = round(wbytes / (res["step_us"] * 1e-6) / 1e9, 1)
+                    rows.append(dict(batch=B, variant=vname, **res, bandwidth_limit_tok_s=round(limit)))
+                    print(f"B={B:3d} {vname:28s} prefill {_fmt(res['prefill_ms'], '8.2f')} ms  "
+                          f"TTFT {res['ttft_ms']:8.2f} ms  decode {res['decode_tok_s']:10,.0f} tok/s  "
+                          f"({res['step_us']:7.0f} µs/step)", flush=True)
+                except Exception as e:  # record and go on with the other variants
+                    err = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                    rows.append(dict(batch=B, variant=vname, error=err))
+                    print(f"B={B:3d} {vname:28s} FAILED {err}", flush=True)
+                    traceback.print_exc()
+                finally:
+                    model.clear_kv_cache()
         base = {r["variant"]: r["decode_tok_s"] for r in rows if r["batch"] == B and "error" not in r}
         hf_base = next((base[v] for v in HF_VARIANTS if v in base), None)
         for r in rows:

@@ -98,6 +98,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         head dim 64: 2 (128-row tiles), 3 (192-row
                                                                         tiles, 160 registers each) or 0: 3 without
                                                                         a causal mask, 2 with one
+    decode_fused_mlp           FLASHGPT_DECODE_FUSED_MLP=0|1     True   the fused decode step runs each MLP block
+                                                                        (norm, up projection, activation, down
+                                                                        projection, residual) as one launch
+                                                                        (kernels/decode_mlp.py) where it takes the
+                                                                        shape; off: two ln_linear launches
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -139,6 +144,7 @@ class KernelOptions:
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
     hopper_own_blocks: bool = True
+    decode_fused_mlp: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -178,6 +184,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
     "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_fused_mlp": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -194,7 +201,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
-       "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS"}
+       "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
+       "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -3,13 +3,17 @@
     logits = fused_decode_step(model, tok, pos)   # same contract as generation.decode_one_token
 
 It wraps a GPT from outside (reads its weights and its attached KV caches; changes nothing else). One launch
-embeds the tokens; then each layer is four fused Triton launches plus the split-KV decode attention:
+embeds the tokens; then each layer is four fused Triton launches (three, the MLP block in one) plus the split-KV
+decode attention:
 
     q, k→cache, v→cache = rope(N₁(x) W_attnᵀ + b)        kernels.ln_linear.ln_qkv_to_cache
     y = decode_attention(q, cache)                       kernels.decode (split-KV, GQA; 1 or 2 launches)
     x = x + y W_projᵀ + b                                kernels.ln_linear.ln_linear(residual=x)
     h = act(N₂(x) W_fcᵀ + b)                             ln_linear(ln=..., gelu=True | swiglu=True)
     x = x + h W_mlpᵀ + b                                 ln_linear(residual=x)
+                                                         (both as one launch, kernels.decode_mlp.ln_mlp, up to
+                                                         its MAX_ROWS rows and width MAX_C; option
+                                                         decode_fused_mlp)
 
 then the final norm and the LM head (PyTorch: cuBLAS streams the big matrix fastest): about 6 kernels per layer
 instead of the ~16 of the eager model (norms, GEMVs, bias adds, RoPE, cache scatters, activation, residual adds),
@@ -37,7 +41,10 @@ import torch
 import torch.nn as nn
 
 from kernels import SUPPORTED_DTYPES, interpreting
+from kernels import options as kernel_options
 from kernels.decode import decode_attention
+from kernels.decode_mlp import fusable as mlp_fusable
+from kernels.decode_mlp import ln_mlp
 from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
 
 from .norms import RMSNorm
@@ -122,6 +129,7 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     tr = model.transformer
     n_layer = len(tr.h)
     swiglu = model.config.mlp == "swiglu"
+    one_mlp_launch = kernel_options.get().decode_fused_mlp and mlp_fusable(B, model.config.n_embd)
     p = pos[:, 0]                                               # (B,) positions of the new tokens
     lens = p + 1                                                # (B,) valid cache lengths after this step
     # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's first / second norm, written by the
@@ -143,10 +151,14 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
                              check_lens=False)                  # (B, Hq, 1, D)
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 1], pdl=True)     # (B, C)
+        stats_next = stats[2 * i + 2] if i + 1 < n_layer else None
+        if one_mlp_launch:  # the whole MLP block in one launch
+            x = ln_mlp(x, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias, ln=ln_2, rms=rms_2,
+                       swiglu=swiglu, ln_stats=stats[2 * i + 1], stats_out=stats_next, pdl=True)  # (B, C)
+            continue
         h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=ln_2, rms=rms_2, gelu=not swiglu, swiglu=swiglu,
                       ln_stats=stats[2 * i + 1], pdl=True)      # (B, I)
-        x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x,
-                      stats_out=stats[2 * i + 2] if i + 1 < n_layer else None, pdl=True)  # (B, C)
+        x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x, stats_out=stats_next, pdl=True)  # (B, C)
     # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than
     # the fused kernel (bench/NOTES.md).
     return model.lm_head(tr.ln_f(x)).float()                                             # (B, V)

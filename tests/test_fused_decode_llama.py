@@ -349,35 +349,48 @@ def test_fused_step_past_the_first_rope_table():
 
 
 class LaunchLog:
-    """Stands in for kernels.ln_linear._ln_linear_kernel: records each launch's switches, then launches."""
+    """Stands in for a kernel (ln_linear's, ln_mlp's): records each launch's switches (of `keys`), then launches."""
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+    def __init__(self, kernel, keys=("RMS", "SWIGLU", "ROPE", "PAIRED", "GELU", "QKV_CACHE"), into=None):
+        self.kernel, self.keys = kernel, keys
+        self.launches = [] if into is None else into
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.launches.append({k: kw[k] for k in ("RMS", "SWIGLU", "ROPE", "PAIRED", "GELU", "QKV_CACHE")})
+            self.launches.append({k: kw[k] for k in self.keys})
             return self.kernel[grid](*args, **kw)
         return launch
 
 
+@pytest.mark.parametrize("fused_mlp", [False, True], ids=["mlp_two_launches", "mlp_one_launch"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @torch.no_grad()
-def test_four_fused_launches_per_layer_in_both_families(family, monkeypatch):
-    """GPT-2 blocks launch the fused kernel exactly as before (no new switch on); Llama blocks the same number
-    of times, with RMSNorm and RoPE in the QKV launch and RMSNorm and SwiGLU in the MLP's first."""
-    import kernels.ln_linear as ll
-    log = LaunchLog(ll._ln_linear_kernel)
-    monkeypatch.setattr(ll, "_ln_linear_kernel", log)
+def test_fused_launches_per_layer_in_both_families(family, fused_mlp, monkeypatch):
+    """GPT-2 blocks launch the fused kernels as before (no new switch on); Llama blocks the same number of times,
+    with RMSNorm and RoPE in the QKV launch and RMSNorm and SwiGLU in the MLP's first (or only) launch."""
+    import kernels.decode_mlp as dm
+    launches: list = []
+    monkeypatch.setattr(ll, "_ln_linear_kernel", LaunchLog(ll._ln_linear_kernel, into=launches))
+    monkeypatch.setattr(dm, "_ln_mlp_kernel", LaunchLog(dm._ln_mlp_kernel, ("RMS", "SWIGLU"), into=launches))
     kw = dict(n_head=4, n_embd=64) if family == "gpt2" else {**LLAMA, **SHAPES["llama"]}
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, attention="naive", **kw)).to(DEVICE).eval()
     model.setup_kv_cache(2, 16)
-    fused_decode_step(model, torch.tensor([[1], [2]], device=DEVICE), torch.tensor([[0], [3]], device=DEVICE))
+    with options.use(decode_fused_mlp=fused_mlp):
+        fused_decode_step(model, torch.tensor([[1], [2]], device=DEVICE), torch.tensor([[0], [3]], device=DEVICE))
     llama = family == "llama"
     qkv = dict(RMS=llama, SWIGLU=False, ROPE=llama, PAIRED=llama, GELU=False, QKV_CACHE=True)
     proj = dict(RMS=False, SWIGLU=False, ROPE=False, PAIRED=False, GELU=False, QKV_CACHE=False)
     fc = dict(RMS=llama, SWIGLU=llama, ROPE=False, PAIRED=llama, GELU=not llama, QKV_CACHE=False)
-    assert log.launches == [qkv, proj, fc, proj] * 2
+    mlp = dict(RMS=llama, SWIGLU=llama)
+    assert launches == ([qkv, proj, mlp] if fused_mlp else [qkv, proj, fc, proj]) * 2
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@torch.no_grad()
+def test_fused_step_with_the_mlp_in_two_launches(name):
+    """The decode_fused_mlp option off: the MLP block as two ln_linear launches, still the model's step."""
+    with options.use(decode_fused_mlp=False):
+        decode_three_ways(tiny_llama(name, torch.float32), [1, 6, 14], max_len=24, steps=2)
 
 
 def test_rope_tables_are_the_models_and_kept():

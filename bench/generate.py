@@ -21,8 +21,11 @@ prefill/decode split and the host loop:
                      attention) replayed as a CUDA graph: generate()'s default on a GPU
     flashgpt-fused   the same, eager
     flashgpt-fused-mlp2+graph   flashgpt-fused+graph with the kernel option decode_fused_mlp off: each MLP block
-                     as two launches (up projection + activation, down projection + residual) instead of one
-                     (kernels/decode_mlp.py)
+                     as two launches (up projection + activation, down projection + residual), never as one
+                     (kernels/decode_mlp.py, which the default uses where its fusable() takes the shape)
+    flashgpt-fused-mlp1+graph   the same step with every MLP block as one launch (decode_mlp.forced_tile: programs
+                     of 16 intermediate columns, 8 warps), at any batch and width it takes
+    flashgpt-fused-mlp1w4+graph the same with 4 warps per program
     flashgpt+graph   flash prefill + the model's own decode step (split-KV decode kernel for attention, PyTorch
                      for the rest) replayed as a CUDA graph
     flashgpt         the same, eager
@@ -60,6 +63,7 @@ bench/results/) and to $OUT when that is set, after every stage, so that a run c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -114,6 +118,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import kernels.decode_mlp as decode_mlp  # noqa: E402
 from kernels import options as kernel_options  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step  # noqa: E402
@@ -149,6 +154,8 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
     (with transformers=True: compiled on a GPU, eager on the CPU)."""
     out = {"flashgpt-fused+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp2+graph": ("flashgpt", "flash", True, False, True),
+           "flashgpt-fused-mlp1+graph": ("flashgpt", "flash", True, False, True),
+           "flashgpt-fused-mlp1w4+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused": ("flashgpt", "flash", False, False, True),
            "flashgpt+graph": ("flashgpt", "flash", True, False, False),
            "flashgpt": ("flashgpt", "flash", False, False, False),
@@ -161,7 +168,11 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
     return out
 
 
-VARIANT_OPTIONS = {"flashgpt-fused-mlp2+graph": dict(decode_fused_mlp=False)}  # kernel options of a variant
+VARIANT_SETUP = {  # variant -> a context that sets what the variant changes (kernel options, tiles)
+    "flashgpt-fused-mlp2+graph": lambda: kernel_options.use(decode_fused_mlp=False),
+    "flashgpt-fused-mlp1+graph": lambda: decode_mlp.forced_tile(16, 8),
+    "flashgpt-fused-mlp1w4+graph": lambda: decode_mlp.forced_tile(16, 4),
+}
 
 
 def run_variant(model, prompts, new_tokens, backend, cuda_graph, compile_step, fused, reps):
@@ -505,7 +516,7 @@ def main() -> int:
                 rows.append(dict(batch=B, variant=vname, error="skipped: transformers is not installed "
                                  "(pip install transformers)"))
                 continue
-            with kernel_options.use(**VARIANT_OPTIONS.get(vname, {})):  # the variant's kernel options
+            with VARIANT_SETUP.get(vname, contextlib.nullcontext)():
                 try:
                     if provider == "transformers":
                         if hf_model is None:

@@ -2,7 +2,7 @@
 
     ln_mlp(x, w_fc, b_fc, w_down, b_down, *, ln, rms=False, swiglu=False, ln_stats=None, stats_out=None,
            pdl=False) -> x + act(N(x) W_fcᵀ + b_fc) W_downᵀ + b_down            (M, C)
-    fusable(M, C) -> bool                     whether the decode step runs this shape's MLP through ln_mlp
+    fusable(M, C, I, device) -> bool          whether the decode step runs this shape's MLP through ln_mlp
 
 A decode step's MLP as two ln_linear launches (kernels/ln_linear.py) is two kernels in a chain of small
 kernels, each paying its start and its memory latency; at a narrow model's widths (SmolLM2-135M: C = 576,
@@ -35,6 +35,8 @@ before this one writes the weights, as for ln_linear.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +49,27 @@ from .pdl import pdl_enabled
 # 16 or 32 intermediate columns): C = 576 and 768 take 254-255 registers without spilling; C = 960 spills
 # 412-748 B per thread.
 MAX_C = 768
-MAX_ROWS = 16  # one row block: each further block of 16 rows would stream every weight again
 WARPS = 8
+# Where the decode step uses it (fusable), from whole decode steps on an H200 (bench/results/generate_smollm2/
+# fused_mlp/): SmolLM2-135M (I = 1536, 96 programs of 16 columns) at batch 1 took 727 against 760 us per step
+# in two launches; at batch 16 1,135 against 783 (the atomics of 16 rows); GPT-2 124M (I = 3072, 96 programs of
+# 32 columns, 96 KB of weights each) 334 against 296 at batch 1.
+MAX_ROWS = 4
+MAX_BLOCK_I = 16
+
+_forced: tuple | None = None  # (block_i, num_warps): every decode step of width <= MAX_C fuses its MLP so
+
+
+@contextlib.contextmanager
+def forced_tile(block_i: int, num_warps: int = WARPS):
+    """Inside the block, ln_mlp's default tile is (block_i, num_warps) and fusable() takes every width up to
+    MAX_C at any row count: tests and benchmark sweeps."""
+    global _forced
+    old, _forced = _forced, (block_i, num_warps)
+    try:
+        yield
+    finally:
+        _forced = old
 
 
 def _parts(C: int) -> tuple[int, int]:
@@ -198,10 +219,14 @@ def _ln_mlp_kernel(X, W_FC, B_FC, W_DN, B_DN, LN_W, LN_B, OUT, WS, CNT, STATS_IN
 _triton.check_decorated(_ln_mlp_kernel)
 
 
-def fusable(M: int, C: int) -> bool:
-    """Whether the decode step should run its MLP through ln_mlp: width C up to MAX_C (a program holds its
-    weights over the whole C) and up to MAX_ROWS rows. ln_mlp itself takes any M."""
-    return 1 <= C <= MAX_C and 1 <= M <= MAX_ROWS
+def fusable(M: int, C: int, I: int, device: torch.device) -> bool:
+    """Whether the decode step should run its MLP block (width C, intermediate I) through ln_mlp for M rows:
+    C up to MAX_C (a program holds its weights over the whole C), up to MAX_ROWS rows, and a grid of one wave
+    of programs of at most MAX_BLOCK_I columns (see MAX_ROWS); inside forced_tile, any M and I. ln_mlp itself
+    takes any M and I."""
+    if not 1 <= C <= MAX_C or M < 1:
+        return False
+    return _forced is not None or (M <= MAX_ROWS and pick_block_i(I, device) <= MAX_BLOCK_I)
 
 
 def pick_block_i(I: int, device: torch.device) -> int:
@@ -225,7 +250,7 @@ def ln_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor | None, w_dow
     stats_out: (M, 2) float32: receives the result's row sums (Σy, Σy²), for the next norm.
     pdl: as ln_linear's (the weights are read before the wait on the previous kernel).
     block_i, num_warps: the tile (intermediate columns per program, a power of two >= 16, default
-    pick_block_i; warps).
+    pick_block_i; warps); block_i None inside forced_tile: the forced tile.
     """
     if ln is None:
         raise ValueError("ln_mlp: the MLP block's norm is required (ln=(weight, bias or None, eps))")
@@ -245,7 +270,8 @@ def ln_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor | None, w_dow
         raise ValueError(f"ln_mlp: b_fc must have shape ({w_fc.shape[0]},), got {tuple(b_fc.shape)}")
     if not 1 <= C <= MAX_C:
         raise ValueError(f"ln_mlp: width C={C} above {MAX_C} (use two ln_linear calls)")
-    block_i = pick_block_i(I, x.device) if block_i is None else block_i
+    if block_i is None:
+        block_i, num_warps = _forced if _forced is not None else (pick_block_i(I, x.device), num_warps)
     if not isinstance(block_i, int) or block_i < 16 or block_i & (block_i - 1):
         raise ValueError(f"ln_mlp: block_i must be a power of two >= 16, got {block_i}")
     out = _triton.empty((M, C), x.dtype, x.device)
@@ -269,4 +295,4 @@ def ln_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor | None, w_dow
     return out
 
 
-__all__ = ["ln_mlp", "fusable", "pick_block_i"]
+__all__ = ["ln_mlp", "fusable", "pick_block_i", "forced_tile"]

@@ -11,8 +11,8 @@ decode attention:
     x = x + y W_projᵀ + b                                kernels.ln_linear.ln_linear(residual=x)
     h = act(N₂(x) W_fcᵀ + b)                             ln_linear(ln=..., gelu=True | swiglu=True)
     x = x + h W_mlpᵀ + b                                 ln_linear(residual=x)
-                                                         (both as one launch, kernels.decode_mlp.ln_mlp, up to
-                                                         its MAX_ROWS rows and width MAX_C; option
+                                                         (both as one launch, kernels.decode_mlp.ln_mlp, where
+                                                         its fusable() takes the shape; option
                                                          decode_fused_mlp)
 
 then the final norm and the LM head (PyTorch: cuBLAS streams the big matrix fastest): about 6 kernels per layer
@@ -129,7 +129,8 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     tr = model.transformer
     n_layer = len(tr.h)
     swiglu = model.config.mlp == "swiglu"
-    one_mlp_launch = kernel_options.get().decode_fused_mlp and mlp_fusable(B, model.config.n_embd)
+    one_mlp_launch = kernel_options.get().decode_fused_mlp and mlp_fusable(B, model.config.n_embd,
+                                                                           model.config.mlp_hidden, tok.device)
     p = pos[:, 0]                                               # (B,) positions of the new tokens
     lens = p + 1                                                # (B,) valid cache lengths after this step
     # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's first / second norm, written by the

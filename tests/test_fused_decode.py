@@ -6,6 +6,7 @@ model's own decode step), plus a floor of 1e-5 x max(1, |reference|). CUDA when 
 otherwise CPU through the Triton interpreter (fp16/fp32). Outputs and the KV cache are poisoned with NaN before
 each call, so a missed write or a stray one shows up.
 """
+import contextlib
 import copy
 import os
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv_to_cache, pick_config  # noqa: E402
 import kernels._triton as kt  # noqa: E402
+import kernels.decode_mlp as dm  # noqa: E402
 from kernels import options  # noqa: E402
 from kernels.pdl import pdl_enabled  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -243,12 +245,20 @@ def check_step(got, want, oracle, twin, model, exact, pos, what: str) -> None:
                              valid_cache(exact, pos, which), valid_cache(model, pos, which))
 
 
+@pytest.mark.parametrize("mlp", ["default", "one_launch", "two_launches"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias,n_kv_head", [(True, 0), (False, 2)], ids=["gpt2-mha", "nobias-gqa"])
 @torch.no_grad()
-def test_fused_step_equals_the_models_step(bias, n_kv_head, dtype):
+def test_fused_step_equals_the_models_step(bias, n_kv_head, dtype, mlp):
     """Prefill three prompts of different lengths, then decode 5 steps three ways from the same prompts: fused,
-    the model's own step in `dtype`, and the same weights in float64 (the oracle); all fed the same tokens."""
+    the model's own step in `dtype`, and the same weights in float64 (the oracle); all fed the same tokens.
+    The MLP blocks as the device's default picks, forced into one launch (kernels/decode_mlp.py), or as two."""
+    with options.use(decode_fused_mlp=mlp != "two_launches"), \
+            (dm.forced_tile(16) if mlp == "one_launch" else contextlib.nullcontext()):
+        fused_step_three_ways(bias, n_kv_head, dtype)
+
+
+def fused_step_three_ways(bias, n_kv_head, dtype):
     model = tiny_gpt(bias, n_kv_head, dtype)
     twin = copy.deepcopy(model)
     exact = copy.deepcopy(model).double()  # the same (dtype-rounded) weights, float64 end to end

@@ -375,7 +375,7 @@ def test_fused_launches_per_layer_in_both_families(family, fused_mlp, monkeypatc
     kw = dict(n_head=4, n_embd=64) if family == "gpt2" else {**LLAMA, **SHAPES["llama"]}
     model = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=2, attention="naive", **kw)).to(DEVICE).eval()
     model.setup_kv_cache(2, 16)
-    with options.use(decode_fused_mlp=fused_mlp):
+    with options.use(decode_fused_mlp=fused_mlp), dm.forced_tile(16):  # one MLP launch at any sm_count
         fused_decode_step(model, torch.tensor([[1], [2]], device=DEVICE), torch.tensor([[0], [3]], device=DEVICE))
     llama = family == "llama"
     qkv = dict(RMS=llama, SWIGLU=False, ROPE=llama, PAIRED=llama, GELU=False, QKV_CACHE=True)
@@ -385,11 +385,15 @@ def test_fused_launches_per_layer_in_both_families(family, fused_mlp, monkeypatc
     assert launches == ([qkv, proj, mlp] if fused_mlp else [qkv, proj, fc, proj]) * 2
 
 
+@pytest.mark.parametrize("mlp", ["two_launches", "one_launch"])
 @pytest.mark.parametrize("name", list(SHAPES))
 @torch.no_grad()
-def test_fused_step_with_the_mlp_in_two_launches(name):
-    """The decode_fused_mlp option off: the MLP block as two ln_linear launches, still the model's step."""
-    with options.use(decode_fused_mlp=False):
+def test_fused_step_with_the_mlp_in_one_or_two_launches(name, mlp):
+    """The MLP block as two ln_linear launches (option decode_fused_mlp off) or as one ln_mlp launch (forced,
+    whatever the device's SM count makes of the default rule): still the model's step."""
+    import kernels.decode_mlp as dm
+    one = mlp == "one_launch"
+    with options.use(decode_fused_mlp=one), (dm.forced_tile(16) if one else contextlib.nullcontext()):
         decode_three_ways(tiny_llama(name, torch.float32), [1, 6, 14], max_len=24, steps=2)
 
 

@@ -33,11 +33,12 @@ LLAMA_MODELS = {  # one layer of each, as the paired tiles were chosen for (kern
 # --------------------------------------------------------------------- the child: compile what the path launches
 
 DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_kernel": "Q",
-             "_decode_merge_kernel": "OUT"}  # the argument whose pointer dtype is the variant's dtype
+             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X"}  # the argument whose pointer dtype is the variant's dtype
 
 
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
-    """fused_decode_step on a GPT-2-like, a Llama-like and a Qwen2-like (qkv_bias) model."""
+    """fused_decode_step on a GPT-2-like, a Llama-like and a Qwen2-like (qkv_bias) model, the MLP blocks in
+    one launch where the default takes them (kernels/decode_mlp.py) and in two."""
     import torch
 
     from kernels import options
@@ -46,12 +47,14 @@ def _steps(dtype, pdl: bool, batch: int = 1) -> None:
     for kw in (GPT2, LLAMA, dict(LLAMA, qkv_bias=True)):
         model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
         model.setup_kv_cache(batch, 64)
-        with options.use(pdl=pdl):
-            fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
+        for fused_mlp in (True, False):
+            with options.use(pdl=pdl, decode_fused_mlp=fused_mlp):
+                fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
 
 
 def _llama_model_steps() -> None:
-    """fused_decode_step in bf16 on one layer of each of LLAMA_MODELS, at batch 1, 8 and 16, with and without PDL."""
+    """fused_decode_step in bf16 on one layer of each of LLAMA_MODELS, at batch 1, 8 and 16, with and without PDL,
+    the MLP blocks in one launch where the default takes them and in two."""
     import torch
 
     from kernels import options
@@ -64,8 +67,9 @@ def _llama_model_steps() -> None:
         for batch in (1, 8, 16):
             model.setup_kv_cache(batch, 64)
             for pdl in (True, False):
-                with options.use(pdl=pdl):
-                    fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
+                for fused_mlp in (True, False):
+                    with options.use(pdl=pdl, decode_fused_mlp=fused_mlp):
+                        fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
 
 
 def _paired_split_k(dtype, pdl: bool) -> None:
@@ -118,6 +122,7 @@ def compile_decode_launches() -> list[dict]:
 
     import kernels._triton as kt
     import kernels.decode as decode
+    import kernels.decode_mlp as dm
     import kernels.ln_linear as ll
     from kernels import options
     from kernels.pdl import triton_has_gdc
@@ -125,9 +130,10 @@ def compile_decode_launches() -> list[dict]:
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
-    ll.pdl_enabled = decode.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl  # sm_90
+    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl
     torch.manual_seed(0)
-    kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel)
+    kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel,
+               dm._ln_mlp_kernel)
     with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
         for dtype in (getattr(torch, name) for name in DTYPES):
             for pdl in (True, False):
@@ -139,6 +145,8 @@ def compile_decode_launches() -> list[dict]:
     records = [describe(c, DTYPE_ARG) for c in compiled]
     for c, rec in zip(compiled, records):
         if rec["kernel"] == "_ln_linear_kernel" and (rec["consts"]["SWIGLU"] or rec["consts"]["ROPE"]):
+            rec["ptxas"] = ptxas_usage(c)
+        if rec["kernel"] == "_ln_mlp_kernel":
             rec["ptxas"] = ptxas_usage(c)
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
@@ -164,6 +172,10 @@ def _tags(rec: dict) -> set[str]:
             ("LN_HAS_BIAS", "ln_bias"), ("GELU", "gelu"), ("SWIGLU", "swiglu"), ("ROPE", "rope"),
             ("QKV_CACHE", "qkv_cache"), ("HAS_RES", "residual"), ("LN_STATS_IN", "stats_in"),
             ("STATS_OUT_ON", "stats_out")))
+    elif rec["kernel"] == "_ln_mlp_kernel":
+        tags.update({"rmsnorm" if c["RMS"] else "layernorm", "swiglu" if c["SWIGLU"] else "gelu",
+                     "bias" if c["HAS_FC_BIAS"] else "no_bias", "stats_out" if c["STATS_OUT_ON"] else "no_stats_out",
+                     f"block_i{c['BLOCK_I']}", f"c{c['PART_A']}+{c['PART_B']}"})
     elif rec["kernel"] == "_embed_kernel":
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
     else:
@@ -211,6 +223,12 @@ OTHER_MODES = [
     "_decode_split_kernel mha d64 split pdl dot no_merge strided stages3",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py), with and without PDL, each dtype
+    "layernorm gelu bias stats_out block_i16 c256+256",      # GPT-2-like, C = 512
+    "layernorm gelu bias no_stats_out block_i16 c256+256",   # its last layer
+    "rmsnorm swiglu no_bias stats_out block_i16 c256+256",   # Llama-like
+]
+MLP_MODEL_MODES = ["rmsnorm swiglu no_bias block_i16 c512+64"]  # bf16, SmolLM2-135M's C = 576
 
 
 WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns wide (the paired: 32 pairs)
@@ -240,8 +258,10 @@ def required_modes() -> list[set[str]]:
         ptr = PTR_DTYPES[dtype]
         out += [{"_ln_linear_kernel", ptr, p, *m.split()} for m in LN_LINEAR_MODES for p in ("pdl", "no_pdl")]
         out += [{ptr, *m.split()} for m in OTHER_MODES]
+        out += [{"_ln_mlp_kernel", ptr, p, *m.split()} for m in MLP_MODES for p in ("pdl", "no_pdl")]
     out += [{"bf16", "pdl", *m.split()} for m in WIDE_PDL_MODES]
     out += [{"_ln_linear_kernel", "bf16", *m.split()} for m in LLAMA_MODEL_MODES]
+    out += [{"_ln_mlp_kernel", "bf16", p, *m.split()} for m in MLP_MODEL_MODES for p in ("pdl", "no_pdl")]
     return out
 
 
@@ -252,7 +272,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
     (the automatic count's four-stage tile at batch 1 included, in both split orders); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
-    faster there despite their spills)."""
+    faster there despite their spills); the MLP block in one launch (kernels/decode_mlp.py) does not spill."""
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path)
@@ -273,6 +293,9 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     spills = [(tags, usage) for tags, usage in paired if usage["spill_stores"] or usage["spill_loads"]]
     spilled = [(tags, usage) for tags, usage in spills if not {"pdl", "one_split"} <= set(tags.split())]
     assert not spilled, f"paired launches that spill at sm_90: {spilled}"
+    mlp = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if rec["kernel"] == "_ln_mlp_kernel"]
+    assert len(mlp) >= len(MLP_MODES) + len(MLP_MODEL_MODES)
+    assert not [m for m in mlp if m[1]["spill_stores"] or m[1]["spill_loads"]], f"MLP launches that spill: {mlp}"
 
 
 if __name__ == "__main__":

@@ -51,10 +51,11 @@ from .pdl import pdl_enabled
 MAX_C = 768
 WARPS = 8
 # Where the decode step uses it (fusable), from whole decode steps on an H200 (bench/results/generate_smollm2/
-# fused_mlp/): SmolLM2-135M (I = 1536, 96 programs of 16 columns) at batch 1 took 727 against 760 us per step
-# in two launches; at batch 16 1,135 against 783 (the atomics of 16 rows); GPT-2 124M (I = 3072, 96 programs of
-# 32 columns, 96 KB of weights each) 334 against 296 at batch 1.
-MAX_ROWS = 4
+# fused_mlp/, two runs): SmolLM2-135M (I = 1536, 96 programs of 16 columns, 8 warps) at batch 1 took 725-727
+# against 755-760 us per step in two launches; at batch 4 828 against 806, at batch 16 1,113-1,135 against 782
+# (the atomics of more rows); 4 warps 763 at batch 1. GPT-2 124M (I = 3072) at batch 1: 334 us with programs of
+# 32 columns (96 KB of weights each), 398-463 with 16-column ones, against 295 in two launches.
+MAX_ROWS = 1
 MAX_BLOCK_I = 16
 
 _forced: tuple | None = None  # (block_i, num_warps): every decode step of width <= MAX_C fuses its MLP so

@@ -20,6 +20,9 @@ prefill/decode split and the host loop:
                      Triton kernels, RoPE and the k/v cache writes inside the QKV kernel, split-KV decode
                      attention) replayed as a CUDA graph: generate()'s default on a GPU
     flashgpt-fused   the same, eager
+    flashgpt-fused-layers+graph flashgpt-fused+graph with the kernel option decode_stack off: one sequence's step
+                     as per-layer launches too, instead of every layer in one persistent launch
+                     (kernels/decode_stack.py, which the default uses at batch 1 where its fits() takes the shape)
     flashgpt-fused-mlp2+graph   flashgpt-fused+graph with the kernel option decode_fused_mlp off: each MLP block
                      as two launches (up projection + activation, down projection + residual), never as one
                      (kernels/decode_mlp.py, which the default uses where its fusable() takes the shape)
@@ -153,6 +156,7 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
     """name → (provider, attention backend, cuda_graph, compile, fused); provider "flashgpt" or "transformers"
     (with transformers=True: compiled on a GPU, eager on the CPU)."""
     out = {"flashgpt-fused+graph": ("flashgpt", "flash", True, False, True),
+           "flashgpt-fused-layers+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp2+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp1+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp1w4+graph": ("flashgpt", "flash", True, False, True),
@@ -169,6 +173,7 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
 
 
 VARIANT_SETUP = {  # variant -> a context that sets what the variant changes (kernel options, tiles)
+    "flashgpt-fused-layers+graph": lambda: kernel_options.use(decode_stack=False),
     "flashgpt-fused-mlp2+graph": lambda: kernel_options.use(decode_fused_mlp=False),
     "flashgpt-fused-mlp1+graph": lambda: decode_mlp.forced_tile(16, 8),
     "flashgpt-fused-mlp1w4+graph": lambda: decode_mlp.forced_tile(16, 4),

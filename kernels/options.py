@@ -103,6 +103,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         projection, residual) as one launch
                                                                         (kernels/decode_mlp.py) where it takes the
                                                                         shape; off: two ln_linear launches
+    decode_stack               FLASHGPT_DECODE_STACK=0|1         True   the fused decode step of one sequence runs
+                                                                        every layer in one persistent launch
+                                                                        (kernels/decode_stack.py, grid barriers
+                                                                        between the phases) where the shape fits;
+                                                                        off: the per-layer launches
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -145,6 +150,7 @@ class KernelOptions:
     hopper_consumers_d64: int = 0
     hopper_own_blocks: bool = True
     decode_fused_mlp: bool = True
+    decode_stack: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -185,6 +191,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
     "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_fused_mlp": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_stack": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -202,7 +209,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
-       "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP"}
+       "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP", "decode_stack": "FLASHGPT_DECODE_STACK"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

@@ -41,10 +41,13 @@ import torch
 import torch.nn as nn
 
 from kernels import SUPPORTED_DTYPES, interpreting
+from kernels import _triton
 from kernels import options as kernel_options
 from kernels.decode import decode_attention
 from kernels.decode_mlp import fusable as mlp_fusable
 from kernels.decode_mlp import ln_mlp
+from kernels.decode_stack import StackPlan, decode_stack
+from kernels.decode_stack import fits as stack_fits
 from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
 
 from .norms import RMSNorm
@@ -114,6 +117,55 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     return None
 
 
+# id(model) -> (weak reference to the model, StackPlan): a model's address table and buffers, built once (a
+# captured CUDA graph holds their addresses) and again only when its weights or caches are other tensors
+_stack_plans: dict = {}
+INTERPRETER_PROGRAMS = 24  # the interpreter's grid for the stack (programs run one after another there)
+
+
+def _stack_layers(model) -> list[dict]:
+    layers = []
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        ln_1, _ = _norm(block.ln_1)
+        ln_2, _ = _norm(block.ln_2)
+        layers.append(dict(w_qkv=attn.c_attn.weight, b_qkv=attn.c_attn.bias, ln1=ln_1, w_o=attn.c_proj.weight,
+                           b_o=attn.c_proj.bias, ln2=ln_2, w_fc=mlp.c_fc.weight, b_fc=mlp.c_fc.bias,
+                           w_down=mlp.c_proj.weight, b_down=mlp.c_proj.bias, k_cache=attn.kv_cache.k,
+                           v_cache=attn.kv_cache.v))
+    return layers
+
+
+def stack_plan(model) -> StackPlan | None:
+    """The model's plan for kernels.decode_stack (one launch for every layer of a one-sequence step), or None
+    where its shape does not fit (decode_stack.fits) or its norms mix kinds."""
+    tr, c = model.transformer, model.config
+    attn = tr.h[0].attn
+    device = model.lm_head.weight.device
+    programs = INTERPRETER_PROGRAMS if interpreting() else _triton.sm_count(device)
+    kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
+    if len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]:
+        return None
+    if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
+                  programs):
+        return None
+    layers = _stack_layers(model)
+    hit = _stack_plans.get(id(model))
+    if hit is not None and hit[0]() is model and hit[1].same_tensors(layers):
+        return hit[1]
+    try:
+        plan = StackPlan(layers, n_head=attn.n_head, n_kv_head=attn.n_kv_head, head_dim=attn.head_dim,
+                         rms=isinstance(tr.h[0].ln_1, RMSNorm), swiglu=c.mlp == "swiglu",
+                         rope=model.rotary is not None, programs=programs)
+    except ValueError:  # a layer unlike the first (shapes, biases, eps): the per-layer launches take it
+        return None
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        for k in [k for k, v in _stack_plans.items() if v[0]() is None]:
+            del _stack_plans[k]
+        _stack_plans[id(model)] = (weakref.ref(model), plan)
+    return plan
+
+
 def supported(model, check_cache: bool = True) -> bool:
     return unsupported_reason(model, check_cache) is None
 
@@ -135,12 +187,16 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     lens = p + 1                                                # (B,) valid cache lengths after this step
     # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's first / second norm, written by the
     # kernel that produces that residual stream (the embedding, then each residual add), so no norm re-reads x
-    stats = torch.empty(2 * n_layer, B, 2, dtype=torch.float32, device=tok.device)
+    plan = stack_plan(model) if B == 1 and kernel_options.get().decode_stack else None
+    stats = torch.empty(1 if plan else 2 * n_layer, B, 2, dtype=torch.float32, device=tok.device)
     wpe = tr.wpe.weight if "wpe" in tr else None                # RoPE models have no position table
     x = embed_with_stats(tok[:, 0], p, tr.wte.weight, wpe, stats)  # (B, C); stats[0] set, rest zeroed
     rope = None
     if model.rotary is not None:                                # cos, sin (L, D) of positions 0..L-1
         rope = rope_tables(model, tr.h[0].attn.kv_cache.max_len, x.dtype)
+    if plan is not None:  # one sequence: every layer in one persistent launch
+        x = decode_stack(plan, x, p, rope)                      # (1, C)
+        return model.lm_head(tr.ln_f(x)).float()                # (1, V)
     for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
         ln_1, rms_1 = _norm(block.ln_1)

@@ -1,0 +1,603 @@
+"""Every layer of a one-sequence decode step in one persistent launch: the phases meet at grid barriers.
+
+    plan = StackPlan(layers, ...)                 the layers' weights and caches as a table of addresses
+    x_out = decode_stack(plan, x, pos, rope)      x (1, C) the embedded token → the last layer's output (1, C)
+    fits(...) -> str | None                       why a model's shape cannot run here (None: it can)
+
+A decode step of a narrow model at batch 1 is a chain of ~4 small kernels per layer (ln_linear.py,
+decode.py, decode_mlp.py): each pays its launch, its ramp and its memory latency, so a 30-layer model's step
+is bound by ~120 launch boundaries, not by its weights' bytes (bench/NOTES.md). Here one launch of one program
+per SM runs the whole stack. Each layer is four phases, separated by grid barriers (an arrival counter in
+global memory, release / acquire at GPU scope) instead of kernel boundaries, and every program loads the
+weights of its next phase before it waits at the barrier, so the weights stream while the slowest program of
+the phase before finishes:
+
+    A   x = x_mid + round(Σ_down + b_down)  (the previous layer's MLP sums; the embedding at layer 0)
+        q, k, v = rope(N₁(x) W_qkvᵀ + b)     each program PA lane pairs (i, i + D/2) of one head; k, v into
+                                            the cache at pos, q into a buffer
+    B   attention of one kv group over one strided share of the cache's key tiles → partial (m, l, acc)
+    C   y = merge of the partials (every head); x_mid = x + round(y W_oᵀ + b_o)    OC output columns a program
+    D   h = act(N₂(x_mid) W_fcᵀ + b_fc)       IB intermediate columns a program (h never leaves it), and
+        Σ_down[l + 1] += h W_downᵀ[:, cols] with fp32 atomics
+
+and after the last layer x_out = x_mid + round(Σ_down + b_down). Rounding follows the eager model in its dtype
+as ln_linear's does (norm outputs, each linear's output with its bias, RoPE's products, SiLU and h, the
+attention output, each residual add); the attention itself and every sum run in fp32.
+
+Supported (checked by fits / StackPlan with a ValueError naming the problem):
+    dtypes   float16, bfloat16, float32 (one for x, weights, caches and RoPE tables)
+    shapes   one sequence (batch 1); C <= MAX_C held as two power-of-two blocks (576 = 512 + 64); head dim a
+             power of two 16..128 with caches (B', Hkv, max_len, D) unit-strided along D; Hq a multiple of
+             Hkv; each phase's blocks within one program per SM
+    models   LayerNorm or RMSNorm (a gain, optional bias), GELU (tanh) or SwiGLU (w_fc rows [gate | up]),
+             optional biases on every linear, RoPE (rotate-half tables) or none, GQA
+    devices  CUDA, every program resident at once (one per SM); under Triton's interpreter, where programs
+             run one after another and no barrier could be passed, each phase is its own launch
+             (phase_by_phase=True), the same code without the barriers: that is what the CPU tests run.
+Weights are read through 64-bit addresses from the plan's table (no copies); every address must be 16-byte
+aligned. Inference only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _triton
+
+MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
+WARPS = 8
+MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
+BLOCK_N = 32       # keys per tile in phase B
+
+# the per-layer address table's columns
+W_QKV, B_QKV, LN1_W, LN1_B, W_O, B_O, LN2_W, LN2_B, W_FC, B_FC, W_DN, B_DN, K_CACHE, V_CACHE = range(14)
+N_PTRS = 14
+
+
+@triton.jit
+def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
+    """Column j of the address table's row `layer`, as a pointer to dtype (16-byte aligned: the plan checks)."""
+    a = tl.multiple_of(tl.load(PTRS + layer * 14 + j), 16)
+    return a.to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _ld_acquire(p):
+    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_sync(BAR, target):
+    """Wait until every program has arrived (the counter reaches target); this program's earlier writes are
+    visible to every program after its wait, and theirs to this one."""
+    tl.debug_barrier()                                    # the whole program's writes precede the arrival
+    tl.atomic_add(BAR, 1, sem="release", scope="gpu")      # one thread arrives for the program
+    seen = _ld_acquire(BAR)
+    while seen < target:
+        seen = _ld_acquire(BAR)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rows2(W, rows, ok, stride, offs_a, a_ok, offs_b, b_ok):
+    """Weight rows `rows` (R,) over the two column blocks: (R, A), (R, B), masked by ok (R,)."""
+    base = W + rows.to(tl.int64)[:, None] * stride
+    wa = tl.load(base + offs_a[None, :], mask=ok[:, None] & a_ok[None, :], other=0.0)
+    wb = tl.load(base + offs_b[None, :], mask=ok[:, None] & b_ok[None, :], other=0.0)
+    return wa, wb
+
+
+@triton.jit
+def _gemv(wa, wb, xa, xb):
+    """Σ_c w[r, c] x[c] over both column blocks, fp32: (R,)."""
+    return tl.sum(wa.to(tl.float32) * xa[None, :], 1) + tl.sum(wb.to(tl.float32) * xb[None, :], 1)
+
+
+@triton.jit
+def _residual(X0, XM, WS, B_PREV, layer, offs, ok, C: tl.constexpr, DN_BIAS: tl.constexpr,
+              dtype: tl.constexpr):
+    """The residual stream entering `layer` at columns offs, fp32 of dtype values: the embedding at layer 0,
+    else x_mid + round(Σ_down[layer] + b_down of layer - 1), rounded as eager adds them."""
+    at = offs * 0 + layer                                                    # (R,) (a tensor & a tensor)
+    later = at > 0
+    x = tl.load(X0 + offs, mask=ok & (at == 0), other=0.0).to(tl.float32)
+    x += tl.load(XM + offs, mask=ok & later, other=0.0, cache_modifier=".cg").to(tl.float32)
+    s = tl.load(WS + layer * C + offs, mask=ok & later, other=0.0, cache_modifier=".cg")
+    if DN_BIAS:
+        s += tl.load(B_PREV + offs, mask=ok & later, other=0.0).to(tl.float32)
+    return (s.to(dtype).to(tl.float32) + x).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _normed(xa, xb, LNW, LNB, offs_a, a_ok, offs_b, b_ok, eps, C: tl.constexpr, RMS: tl.constexpr,
+            LN_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """N(x) over the two blocks, rounded as eager rounds it, fp32: (A,), (B,)."""
+    ga = tl.load(LNW + offs_a, mask=a_ok, other=0.0).to(tl.float32)
+    gb = tl.load(LNW + offs_b, mask=b_ok, other=0.0).to(tl.float32)
+    if RMS:  # eager rounds x / rms to dtype, then the product with the gain
+        rstd = 1.0 / tl.sqrt((tl.sum(xa * xa, 0) + tl.sum(xb * xb, 0)) / C + eps)
+        na = ((xa * rstd).to(dtype).to(tl.float32) * ga).to(dtype).to(tl.float32)
+        nb = ((xb * rstd).to(dtype).to(tl.float32) * gb).to(dtype).to(tl.float32)
+    else:
+        mean = (tl.sum(xa, 0) + tl.sum(xb, 0)) / C
+        da = tl.where(a_ok, xa - mean, 0.0)
+        db = tl.where(b_ok, xb - mean, 0.0)
+        rstd = 1.0 / tl.sqrt((tl.sum(da * da, 0) + tl.sum(db * db, 0)) / C + eps)
+        na = da * rstd * ga
+        nb = db * rstd * gb
+        if LN_BIAS:
+            na += tl.load(LNB + offs_a, mask=a_ok, other=0.0).to(tl.float32)
+            nb += tl.load(LNB + offs_b, mask=b_ok, other=0.0).to(tl.float32)
+        na = na.to(dtype).to(tl.float32)
+        nb = nb.to(dtype).to(tl.float32)
+    return na, nb
+
+
+@triton.jit
+def _phase_qkv(PTRS, X0, XM, XA, WS, QBUF, POS, COS, SIN, layer, pid, eps, stride_ch, stride_cn, stride_rope,
+               w1a, w1b, w2a, w2b, rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok,
+               C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+               RMS: tl.constexpr, LN_BIAS: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
+               DN_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs), RoPE,
+    q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes Σ_down[layer + 1]."""
+    b_prev = _addr(PTRS, tl.maximum(layer - 1, 0), 11, dtype)               # B_DN of the layer before
+    xa = _residual(X0, XM, WS, b_prev, layer, offs_a, a_ok, C, DN_BIAS, dtype)   # (A,)
+    xb = _residual(X0, XM, WS, b_prev, layer, offs_b, b_ok, C, DN_BIAS, dtype)   # (B,)
+    if pid == 0:
+        tl.store(XA + offs_a, xa.to(dtype), mask=a_ok)
+        tl.store(XA + offs_b, xb.to(dtype), mask=b_ok)
+        tl.store(WS + (layer + 1) * C + offs_a, tl.zeros_like(xa), mask=a_ok)
+        tl.store(WS + (layer + 1) * C + offs_b, tl.zeros_like(xb), mask=b_ok)
+    na, nb = _normed(xa, xb, _addr(PTRS, layer, 2, dtype), _addr(PTRS, layer, 3, dtype), offs_a, a_ok,
+                     offs_b, b_ok, eps, C, RMS, LN_BIAS, dtype)
+    y1 = _gemv(w1a, w1b, na, nb)                                             # (PA,) lanes i
+    y2 = _gemv(w2a, w2b, na, nb)                                             # (PA,) lanes i + D/2
+    if QKV_BIAS:
+        bq = _addr(PTRS, layer, 1, dtype)
+        y1 += tl.load(bq + rows1, mask=r_ok, other=0.0).to(tl.float32)
+        y2 += tl.load(bq + rows2, mask=r_ok, other=0.0).to(tl.float32)
+    y1 = y1.to(dtype).to(tl.float32)
+    y2 = y2.to(dtype).to(tl.float32)
+    pos = tl.load(POS).to(tl.int64)
+    N_Q: tl.constexpr = HQ * D
+    N_KV: tl.constexpr = HKV * D
+    if ROPE:  # rotate-half as eager rounds it: x·cos and rotate_half(x)·sin rounded, then their sum
+        lane = rows1 % D                                                     # (PA,) < D / 2
+        turn = r_ok & (rows1 < N_Q + N_KV)                                   # q and k heads only
+        cos = tl.load(COS + pos * stride_rope + lane, mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + pos * stride_rope + lane, mask=turn, other=0.0).to(tl.float32)
+        r1 = (y1 * cos).to(dtype).to(tl.float32) + (-y2 * sin).to(dtype).to(tl.float32)
+        r2 = (y2 * cos).to(dtype).to(tl.float32) + (y1 * sin).to(dtype).to(tl.float32)
+        y1 = r1
+        y2 = r2
+    KC = _addr(PTRS, layer, 12, dtype)
+    VC = _addr(PTRS, layer, 13, dtype)
+    _store_qkv(y1.to(dtype), rows1, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
+    _store_qkv(y2.to(dtype), rows2, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
+
+
+@triton.jit
+def _store_qkv(y, rows, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q: tl.constexpr, N_KV: tl.constexpr,
+               D: tl.constexpr):
+    """QKV rows `rows` (R,): q into QBUF, k and v into the caches at position pos."""
+    tl.store(QBUF + rows, y, mask=r_ok & (rows < N_Q))
+    c = tl.where(rows >= N_Q + N_KV, rows - N_Q - N_KV, tl.maximum(rows - N_Q, 0))  # within k or v
+    at = (c // D) * stride_ch + pos * stride_cn + c % D                      # (R,)
+    tl.store(KC + at, y, mask=r_ok & (rows >= N_Q) & (rows < N_Q + N_KV))
+    tl.store(VC + at, y, mask=r_ok & (rows >= N_Q + N_KV))
+
+
+@triton.jit
+def _phase_attention(PTRS, QBUF, PART, POS, layer, pid, qk_scale, stride_ch, stride_cn,
+                     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, dtype: tl.constexpr):
+    """Phase B: program (g, s) attends kv group g's GP (padded) query heads to key tiles s, s + S, ... of the
+    cache (S shares, from the cache length) and stores its partial (acc, m, l) per head (base-2 logits)."""
+    G: tl.constexpr = HQ // HKV
+    T = tl.load(POS).to(tl.int32) + 1                                        # keys in the cache
+    n_tiles = tl.cdiv(T, BLOCK_N)
+    S = tl.minimum(n_tiles, MAX_S)
+    g = pid // S
+    s = pid % S
+    active = g < HKV
+    mine = tl.where(active, (n_tiles - s + S - 1) // S, 0)                   # this program's tiles
+    j = tl.arange(0, GP)                                                     # (GP,)
+    d = tl.arange(0, D)                                                      # (D,)
+    h = g * G + j
+    h_ok = (j < G) & (j * 0 + g < HKV)                                       # (GP,) (a tensor & a tensor)
+    q = tl.load(QBUF + h[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
+                cache_modifier=".cg").to(tl.float32)                         # (GP, D)
+    KC = _addr(PTRS, layer, 12, dtype) + g.to(tl.int64) * stride_ch
+    VC = _addr(PTRS, layer, 13, dtype) + g.to(tl.int64) * stride_ch
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for it in range(0, mine):
+        n = (s + it * S) * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BLOCK_N,)
+        n_ok = n < T
+        at = n.to(tl.int64)[:, None] * stride_cn + d[None, :]                # (BLOCK_N, D)
+        k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale             # (GP, BLOCK_N), base 2
+        sc = tl.where(n_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)  # (GP, D)
+        m = m_new
+    cell = h * MAX_S + s                                                     # (GP,)
+    tl.store(PART + cell[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
+    tl.store(PART + HQ * MAX_S * D + cell, m, mask=h_ok)
+    tl.store(PART + HQ * MAX_S * (D + 1) + cell, l_sum, mask=h_ok)
+
+
+@triton.jit
+def _phase_out(PTRS, XA, XM, PART, POS, layer, wo, cols, c_ok,
+               D: tl.constexpr, HQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+               MAX_S: tl.constexpr, O_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """Phase C: every head's partials merged (each program merges them all), y rounded, this program's output
+    columns of y W_oᵀ + b_o rounded, plus the residual, into XM."""
+    T = tl.load(POS).to(tl.int32) + 1
+    S = tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    h_ok = h < HQ
+    m = tl.full([HP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([HP], tl.float32)
+    y = tl.zeros([HP, D], tl.float32)
+    for s in range(0, S):
+        cell = h * MAX_S + s
+        ms = tl.load(PART + HQ * MAX_S * D + cell, mask=h_ok, other=0.0, cache_modifier=".cg")
+        ls = tl.load(PART + HQ * MAX_S * (D + 1) + cell, mask=h_ok, other=0.0, cache_modifier=".cg")
+        ps = tl.load(PART + cell[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, ms)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(ms - m_new)
+        l_sum = l_sum * a + ls * b
+        y = y * a[:, None] + ps * b[:, None]
+        m = m_new
+    y = tl.where(h_ok[:, None], y / tl.where(h_ok, l_sum, 1.0)[:, None], 0.0).to(dtype).to(tl.float32)  # (HP, D)
+    o = tl.sum(tl.sum(wo.to(tl.float32) * y[None, :, :], 2), 1)             # (OC,)
+    if O_BIAS:
+        o += tl.load(_addr(PTRS, layer, 5, dtype) + cols, mask=c_ok, other=0.0).to(tl.float32)
+    res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(XM + cols, (o.to(dtype).to(tl.float32) + res).to(dtype), mask=c_ok)
+
+
+@triton.jit
+def _phase_mlp(PTRS, XM, WS, layer, eps, fa, fb, ua, ub, da, db, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok,
+               C: tl.constexpr, I: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
+               SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """Phase D: N₂(x_mid), this program's intermediate columns h, and its share h W_downᵀ added into
+    Σ_down[layer + 1]."""
+    xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    na, nb = _normed(xa, xb, _addr(PTRS, layer, 6, dtype), _addr(PTRS, layer, 7, dtype), offs_a, a_ok,
+                     offs_b, b_ok, eps, C, RMS, LN_BIAS, dtype)
+    y = _gemv(fa, fb, na, nb)                                                # (IB,) gate / fc
+    if FC_BIAS:
+        y += tl.load(_addr(PTRS, layer, 9, dtype) + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    y = y.to(dtype).to(tl.float32)
+    if SWIGLU:
+        up = _gemv(ua, ub, na, nb)
+        if FC_BIAS:
+            up += tl.load(_addr(PTRS, layer, 9, dtype) + I + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        h = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * up
+    else:  # GELU, tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
+        z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+        h = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
+    h = tl.where(i_ok, h, 0.0).to(dtype).to(tl.float32)                      # (IB,)
+    pa = tl.sum(da.to(tl.float32) * h[None, :], 1)                           # (A,)
+    pb = tl.sum(db.to(tl.float32) * h[None, :], 1)                           # (B,)
+    tl.atomic_add(WS + (layer + 1) * C + offs_a, pa, mask=a_ok, sem="relaxed")
+    tl.atomic_add(WS + (layer + 1) * C + offs_b, pb, mask=b_ok, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["layer0", "n_layers"])
+def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR,
+                         layer0, n_layers, eps1, eps2, qk_scale, stride_ch, stride_cn, stride_rope,
+                         C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
+                         HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
+                         I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
+                         SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
+                         O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
+                         PHASE: tl.constexpr):
+    """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
+
+    PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
+    be resident); PHASE 0..3: only that phase (A, B, C, D) of one layer, 4: only the output (one launch each,
+    the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
+    after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums, row 0 zeros; QBUF (HQ·D,);
+    PART (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
+    """
+    dtype: tl.constexpr = X0.dtype.element_ty
+    ALL: tl.constexpr = PHASE < 0
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_a = tl.arange(0, PART_A)
+    offs_b = PART_A + tl.arange(0, PART_B)
+    a_ok = offs_a < C
+    b_ok = offs_b < C
+    # this program's rows and columns in each phase (fixed across layers)
+    PAIRS: tl.constexpr = D // 2 // PA                                       # lane-pair blocks per head
+    rows1 = (pid // PAIRS) * D + (pid % PAIRS) * PA + tl.arange(0, PA)       # (PA,) lanes i of a head
+    rows2 = rows1 + D // 2                                                   # lanes i + D/2
+    r_ok = rows1 < (HQ + 2 * HKV) * D
+    cols = pid * OC + tl.arange(0, OC)                                       # (OC,) phase C's output columns
+    c_ok = cols < C
+    offs_i = pid * IB + tl.arange(0, IB)                                     # (IB,) phase D's h columns
+    i_ok = offs_i < I
+    h3 = tl.arange(0, HP)
+    d3 = tl.arange(0, D)
+    o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
+    o_ok = c_ok[:, None, None] & (h3 < HQ)[None, :, None]
+    epoch = 0
+    for layer in range(layer0, layer0 + n_layers):
+        if ALL or PHASE == 0:
+            wq = _addr(PTRS, layer, 0, dtype)
+            w1a, w1b = _rows2(wq, rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A), (PA, B)
+            w2a, w2b = _rows2(wq, rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+            if ALL:
+                if layer > layer0:
+                    epoch += 1
+                    _grid_sync(BAR, epoch * nprog)                           # the layer before is done
+            _phase_qkv(PTRS, X0, XM, XA, WS, QBUF, POS, COS, SIN, layer, pid, eps1, stride_ch, stride_cn,
+                       stride_rope, w1a, w1b, w2a, w2b, rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok,
+                       C, D, HQ, HKV, RMS, LN_BIAS, ROPE, QKV_BIAS, DN_BIAS, dtype)
+        if ALL or PHASE == 2:
+            wo = tl.load(_addr(PTRS, layer, 4, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
+        if ALL:
+            epoch += 1
+            _grid_sync(BAR, epoch * nprog)                                   # q, k, v written
+        if ALL or PHASE == 1:
+            _phase_attention(PTRS, QBUF, PART, POS, layer, pid, qk_scale, stride_ch, stride_cn,
+                             D, HQ, HKV, GP, BLOCK_N, MAX_S, dtype)
+        if ALL:
+            epoch += 1
+            _grid_sync(BAR, epoch * nprog)                                   # partials written
+        if ALL or PHASE == 2:
+            _phase_out(PTRS, XA, XM, PART, POS, layer, wo, cols, c_ok, D, HQ, HP, BLOCK_N, MAX_S, O_BIAS,
+                       dtype)
+        if ALL or PHASE == 3:
+            wf = _addr(PTRS, layer, 8, dtype)
+            fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)  # (IB, A), (IB, B)
+            ua = fa
+            ub = fb
+            if SWIGLU:
+                ua, ub = _rows2(wf, offs_i + I, i_ok, C, offs_a, a_ok, offs_b, b_ok)
+            wd = _addr(PTRS, layer, 10, dtype) + offs_i[None, :]
+            da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
+            db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
+            if ALL:
+                epoch += 1
+                _grid_sync(BAR, epoch * nprog)                               # x_mid written
+            _phase_mlp(PTRS, XM, WS, layer, eps2, fa, fb, ua, ub, da, db, offs_i, i_ok, offs_a, a_ok, offs_b,
+                       b_ok, C, I, RMS, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+    if ALL or PHASE == 4:
+        last = layer0 + n_layers
+        if ALL:
+            epoch += 1
+            _grid_sync(BAR, epoch * nprog)                                   # the last Σ_down complete
+        if pid == 0:
+            b_prev = _addr(PTRS, last - 1, 11, dtype)
+            xa = _residual(X0, XM, WS, b_prev, last, offs_a, a_ok, C, DN_BIAS, dtype)
+            xb = _residual(X0, XM, WS, b_prev, last, offs_b, b_ok, C, DN_BIAS, dtype)
+            tl.store(OUT + offs_a, xa.to(dtype), mask=a_ok)
+            tl.store(OUT + offs_b, xb.to(dtype), mask=b_ok)
+        if ALL:  # the last program to leave resets the counters for the next launch
+            if tl.atomic_add(BAR + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                tl.atomic_xchg(BAR, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(BAR + 1, 0, sem="relaxed", scope="gpu")
+
+
+_triton.check_decorated(_decode_stack_kernel)
+
+
+def parts(C: int) -> tuple[int, int]:
+    """C as two power-of-two column blocks (a, b): a the largest power of two below C (C / 2 when C is one),
+    b the rest rounded up to a power of two."""
+    a = 1 << (C.bit_length() - 1)
+    if a == C and C > 1:
+        a //= 2
+    return a, triton.next_power_of_2(max(C - a, 1))
+
+
+def _pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+class StackPlan:
+    """What decode_stack needs of a model, built once: the table of each layer's addresses, the shape
+    constants and the step's buffers (fixed addresses, so a CUDA graph can hold them).
+
+    layers: per layer a dict with w_qkv (Nqkv, C), b_qkv, ln1 (weight, bias or None, eps), w_o (C, Hq·D),
+    b_o, ln2, w_fc ((2)I, C), b_fc, w_down (C, I), b_down, k_cache, v_cache ((B', Hkv, max_len, D));
+    absent biases None. n_head, n_kv_head, head_dim; rms, swiglu, rope (bool): the model's kinds.
+    programs: the grid (default the SM count; the interpreter's 4 would leave blocks unassigned, so tests pass
+    what their shape needs).
+    """
+
+    def __init__(self, layers: list[dict], *, n_head: int, n_kv_head: int, head_dim: int, rms: bool,
+                 swiglu: bool, rope: bool, programs: int | None = None):
+        if not layers:
+            raise ValueError("decode_stack: no layers")
+        first = layers[0]
+        w = first["w_qkv"]
+        dtype, device = w.dtype, w.device
+        C = w.shape[1]
+        I = first["w_down"].shape[1]
+        D, HQ, HKV = head_dim, n_head, n_kv_head
+        self.programs = programs or _triton.sm_count(device)
+        why = fits(C, I, D, HQ, HKV, dtype, self.programs)
+        if why:
+            raise ValueError(f"decode_stack: {why}")
+        self.C, self.I, self.D, self.HQ, self.HKV = C, I, D, HQ, HKV
+        self.rms, self.swiglu, self.rope = bool(rms), bool(swiglu), bool(rope)
+        self.dtype, self.device, self.n_layers = dtype, device, len(layers)
+        self.blocks = _blocks(C, I, D, HQ, HKV, self.programs)
+        self.max_splits = min(MAX_SPLITS, self.programs // HKV)  # phase B's HKV x splits programs fit the grid
+        shapes = {"w_qkv": ((HQ + 2 * HKV) * D, C), "w_o": (C, HQ * D), "w_fc": ((2 * I if swiglu else I), C),
+                  "w_down": (C, I)}
+        biases = {"b_qkv": shapes["w_qkv"][0], "b_o": C, "b_fc": shapes["w_fc"][0], "b_down": C}
+        k0 = first["k_cache"]
+        self.eps = (float(first["ln1"][2]), float(first["ln2"][2]))
+        self.has = {b: first[b] is not None for b in biases}
+        self.ln_bias = first["ln1"][1] is not None
+        rows = []
+        for i, lay in enumerate(layers):
+            for name, shape in shapes.items():
+                t = lay[name]
+                if tuple(t.shape) != shape or not t.is_contiguous():
+                    raise ValueError(f"decode_stack: layer {i} {name} must be a contiguous {shape}, got "
+                                     f"{tuple(t.shape)}")
+            for name, n in biases.items():
+                t = lay[name]
+                if (t is not None) != self.has[name] or (t is not None and tuple(t.shape) != (n,)):
+                    raise ValueError(f"decode_stack: layer {i} {name} must be ({n},) in every layer or none")
+            for name in ("ln1", "ln2"):
+                g, b, eps = lay[name]
+                if (tuple(g.shape) != (C,) or (b is not None) != self.ln_bias or (b is not None and tuple(b.shape) != (C,))
+                        or float(eps) != self.eps[name == "ln2"] or (self.rms and b is not None)):
+                    raise ValueError(f"decode_stack: layer {i} {name}: a ({C},) gain, the same bias use and eps "
+                                     "in every layer (RMSNorm: no bias)")
+            kc, vc = lay["k_cache"], lay["v_cache"]
+            if (kc.dim() != 4 or kc.shape != k0.shape or kc.stride() != k0.stride() or vc.shape != kc.shape
+                    or vc.stride() != kc.stride() or kc.shape[1] != HKV or kc.shape[3] != D or kc.stride(3) != 1):
+                raise ValueError(f"decode_stack: layer {i} caches must be (B', {HKV}, max_len, {D}) with unit "
+                                 "stride along D, the same shape and strides in every layer")
+            ln1, ln2 = lay["ln1"], lay["ln2"]
+            ptrs = [lay["w_qkv"], lay["b_qkv"], ln1[0], ln1[1], lay["w_o"], lay["b_o"], ln2[0], ln2[1],
+                    lay["w_fc"], lay["b_fc"], lay["w_down"], lay["b_down"], kc, vc]
+            row = []
+            for t in ptrs:
+                if t is None:
+                    row.append(0)
+                    continue
+                if t.dtype != dtype or t.device != device:
+                    raise ValueError(f"decode_stack: layer {i}: every weight and cache must be {dtype} on {device}")
+                if t.data_ptr() % 16:
+                    raise ValueError(f"decode_stack: layer {i}: a tensor's address is not 16-byte aligned")
+                row.append(t.data_ptr())
+            rows.append(row)
+        self.addresses = rows
+        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device)      # (L, N_PTRS)
+        self.max_len = k0.shape[2]
+        self.stride_ch, self.stride_cn = k0.stride(1), k0.stride(2)
+        L, ws_dtype = self.n_layers, torch.float32
+        self.ws = torch.zeros(L + 1, C, dtype=ws_dtype, device=device)        # row 0 stays zero
+        self.xm = torch.zeros(C, dtype=dtype, device=device)
+        self.xa = torch.zeros(C, dtype=dtype, device=device)
+        self.qbuf = torch.zeros(HQ * D, dtype=dtype, device=device)
+        self.part = torch.zeros(HQ * self.max_splits * (D + 2), dtype=torch.float32, device=device)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=device)
+        self.keep = layers  # the tensors whose addresses the table holds stay alive with the plan
+
+    def same_tensors(self, layers: list[dict]) -> bool:
+        """Whether `layers` still has the tensors (addresses) this plan was built from."""
+        if len(layers) != self.n_layers:
+            return False
+        for row, lay in zip(self.addresses, layers):
+            ts = [lay["w_qkv"], lay["b_qkv"], lay["ln1"][0], lay["ln1"][1], lay["w_o"], lay["b_o"], lay["ln2"][0],
+                  lay["ln2"][1], lay["w_fc"], lay["b_fc"], lay["w_down"], lay["b_down"], lay["k_cache"],
+                  lay["v_cache"]]
+            if [0 if t is None else t.data_ptr() for t in ts] != row:
+                return False
+        return True
+
+
+def _blocks(C: int, I: int, D: int, HQ: int, HKV: int, programs: int) -> dict:
+    """Each phase's tile: the fewest rows / columns per program (powers of two) whose blocks fit the grid."""
+    pa = 1
+    while (HQ + 2 * HKV) * (D // 2) // pa > programs and pa < D // 2:
+        pa *= 2
+    oc = 1
+    while triton.cdiv(C, oc) > programs:
+        oc *= 2
+    ib = 1
+    while triton.cdiv(I, ib) > programs:
+        ib *= 2
+    return {"PA": pa, "OC": oc, "IB": ib}
+
+
+def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs: int) -> str | None:
+    """Why decode_stack cannot take this shape on `programs` programs, or None."""
+    if dtype not in _triton.SUPPORTED_DTYPES:
+        return f"dtype {dtype}"
+    if not 1 <= C <= MAX_C:
+        return f"width {C} above {MAX_C}"
+    if D & (D - 1) or not 16 <= D <= 128:
+        return f"head dim {D} (a power of two 16..128)"
+    if HKV < 1 or HQ % HKV:
+        return f"{HQ} query heads not a multiple of {HKV} kv heads"
+    if HKV > programs:
+        return f"{HKV} kv heads above {programs} programs"
+    b = _blocks(C, I, D, HQ, HKV, programs)
+    if (HQ + 2 * HKV) * (D // 2) // b["PA"] > programs:
+        return f"{HQ + 2 * HKV} heads of QKV rows above one program per SM"
+    if b["IB"] > 64 or b["OC"] > 64:
+        return f"an intermediate width {I} or width {C} needing more than 64 columns per program"
+    return None
+
+
+def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tuple | None = None, *,
+                 phase_by_phase: bool | None = None) -> torch.Tensor:
+    """x (1, C) the embedded token at position pos ((1,) int tensor, on the device) → (1, C) the residual
+    stream after the plan's last layer (a new tensor); writes the token's k and v into every layer's cache.
+
+    rope: (cos, sin) tables (L, D) in x's dtype, unit stride along D, row p the angles of position p
+    (plan.rope models). phase_by_phase: one launch per phase instead of one for everything (default: in
+    Triton's interpreter only).
+    """
+    if x.dim() != 2 or tuple(x.shape) != (1, plan.C) or x.dtype != plan.dtype or x.device != plan.device \
+            or not x.is_contiguous():
+        raise ValueError(f"decode_stack: x must be a contiguous (1, {plan.C}) {plan.dtype} tensor on {plan.device}")
+    if (not isinstance(pos, torch.Tensor) or pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64)
+            or pos.device != x.device):
+        raise ValueError(f"decode_stack: pos must be a one-element int tensor on {x.device}")
+    if plan.rope != (rope is not None):
+        raise ValueError("decode_stack: rope tables are needed exactly for a RoPE model")
+    if rope is not None:
+        cos, sin = rope
+        if (cos.dim() != 2 or cos.shape[1] != plan.D or cos.dtype != x.dtype or cos.device != x.device
+                or cos.stride(1) != 1 or sin.shape != cos.shape or sin.stride() != cos.stride()
+                or sin.dtype != x.dtype):
+            raise ValueError(f"decode_stack: rope must be (cos, sin), each (L, {plan.D}) {x.dtype} with unit "
+                             "stride along D")
+    _triton.check_device(x.device, "decode_stack")
+    if phase_by_phase is None:
+        phase_by_phase = _triton.INTERPRET
+    out = _triton.empty((1, plan.C), x.dtype, x.device)
+    cos, sin = rope if rope is not None else (x, x)
+    pa, pb = parts(plan.C)
+    consts = dict(C=plan.C, PART_A=pa, PART_B=pb, D=plan.D, HQ=plan.HQ, HKV=plan.HKV,
+                  GP=_pow2_at_least(plan.HQ // plan.HKV), HP=_pow2_at_least(plan.HQ), I=plan.I,
+                  BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
+                  ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
+                  FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
+    qk_scale = _triton.LOG2E / math.sqrt(plan.D)
+    args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar)
+    scal = (plan.eps[0], plan.eps[1], qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
+    grid = (plan.programs,)
+    with _triton.device_guard(x):
+        if not phase_by_phase:
+            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, PHASE=-1, num_warps=WARPS,
+                                       num_stages=1)
+            return out
+        for layer in range(plan.n_layers):
+            for phase in range(4):
+                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, PHASE=phase, num_warps=WARPS,
+                                           num_stages=1)
+        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, PHASE=4, num_warps=WARPS,
+                                   num_stages=1)
+    return out
+
+
+__all__ = ["StackPlan", "decode_stack", "fits", "parts", "MAX_C", "MAX_SPLITS"]

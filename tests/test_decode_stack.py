@@ -1,0 +1,198 @@
+"""kernels/decode_stack.py: every layer of a one-sequence decode step in one launch, against float64 references.
+
+The criterion is the fused decode tests' (tests/error_budget.py): logits and the caches written are within 2x the
+error of the model's own step in the same dtype, plus a floor, of the float64 model's. On CUDA the step runs as
+one persistent launch with grid barriers (bf16 included); on a CPU, in Triton's interpreter, each phase is its own
+launch (the programs run one after another there, so no barrier could be passed): the same phase code. The plan's
+buffers and the caches beyond each sequence's length start as NaN, so a missed write or a read of something not
+yet written shows up.
+"""
+import copy
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (triton decorates then)
+
+import pytest  # noqa: E402
+
+import model.fused_decode as fd  # noqa: E402
+from kernels import options  # noqa: E402
+from kernels.decode_stack import StackPlan, decode_stack, fits  # noqa: E402
+from model.fused_decode import fused_decode_step, stack_plan  # noqa: E402
+from model.generation import decode_one_token, prefill  # noqa: E402
+from tests.test_fused_decode import DEVICE, check_step, oracle_step, tiny_gpt  # noqa: E402
+from tests.test_fused_decode_llama import tiny_llama  # noqa: E402
+
+FAMILIES = ["gpt2-mha", "gpt2-gqa-nobias", "llama", "qwen2", "smollm2", "llama-bias"]
+
+
+def family_model(name: str, dtype, block_size: int = 48):
+    if name == "gpt2-mha":
+        return tiny_gpt(True, 0, dtype)
+    if name == "gpt2-gqa-nobias":
+        return tiny_gpt(False, 2, dtype)
+    return tiny_llama(name, dtype, block_size=block_size)
+
+
+class Calls:
+    """Counts decode_stack calls (fused_decode_step's name for it) while passing them on."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        monkeypatch.setattr(fd, "decode_stack", self)
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return decode_stack(*args, **kwargs)
+
+
+def poison(plan: StackPlan) -> None:
+    """Every buffer a step writes before it reads it: NaN (the barrier counters stay zero)."""
+    for t in (plan.ws, plan.xm, plan.xa, plan.qbuf, plan.part):
+        t.fill_(float("nan"))
+
+
+def decode_one_sequence(model, length: int, max_len: int, steps: int, seed: int = 5) -> None:
+    """Prefill one prompt, then decode `steps` steps three ways fed the same tokens: the stack (on a twin whose
+    caches and plan buffers start as NaN), the model's own step in its dtype, the same weights in float64."""
+    twin = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()
+    idx = torch.randint(0, 61, (1, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    lens = torch.tensor([length], device=DEVICE)
+    for m in (model, twin, exact):
+        m.setup_kv_cache(1, max_len)
+    for block in twin.transformer.h:
+        block.attn.kv_cache.k.fill_(float("nan"))
+        block.attn.kv_cache.v.fill_(float("nan"))
+    for m in (model, twin, exact):
+        prefill(m, idx, lens)
+    plan = stack_plan(twin)
+    assert plan is not None
+    poison(plan)
+    pos = lens[:, None].clone()
+    tok = torch.randint(0, 61, (1, 1), generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    for step in range(steps):
+        want = decode_one_token(model, tok, pos)
+        got = fused_decode_step(twin, tok, pos)
+        check_step(got, want, oracle_step(exact, tok, pos), twin, model, exact, pos, f"step {step}")
+        tok = want.argmax(-1, keepdim=True)
+        pos = pos + 1
+
+
+CASES = [(f, torch.float32) for f in FAMILIES] + [("gpt2-mha", torch.float16), ("smollm2", torch.float16)]
+if DEVICE.type == "cuda":
+    CASES += [(f, torch.bfloat16) for f in FAMILIES] + [(f, torch.float16) for f in FAMILIES[1:] if f != "smollm2"]
+
+
+@pytest.mark.parametrize("name,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
+@torch.no_grad()
+def test_stack_step_equals_the_models_step(name, dtype, monkeypatch):
+    """LayerNorm + GELU + biases + learned positions, MHA and GQA; RMSNorm + SwiGLU + RoPE (llama3 scaling),
+    qkv_bias with head_size != C / H and MQA (qwen2), 3 query heads per kv head (smollm2), biases everywhere:
+    three steps from position 9, through the stack (asserted)."""
+    calls = Calls(monkeypatch)
+    decode_one_sequence(family_model(name, dtype), 9, max_len=24, steps=3)
+    assert calls.n == 3
+
+
+@pytest.mark.parametrize("programs", [24, 12])
+@torch.no_grad()
+def test_long_cache_more_key_tiles_than_splits(programs, monkeypatch):
+    """400 cached positions: 13 key tiles of 32 over at most 12 shares per kv group (one share reads two strided
+    tiles). With 12 programs the other phases take wider tiles too (8 lane pairs, 8 columns, 16 columns)."""
+    monkeypatch.setattr(fd, "INTERPRETER_PROGRAMS", programs)
+    calls = Calls(monkeypatch)
+    model = family_model("smollm2", torch.float32, block_size=448)
+    decode_one_sequence(model, 400, max_len=416, steps=2)
+    assert calls.n == 2
+    if programs == 12 and DEVICE.type == "cpu":
+        assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16}
+
+
+@torch.no_grad()
+def test_option_off_and_batches_keep_the_per_layer_launches(monkeypatch):
+    calls = Calls(monkeypatch)
+    model = family_model("llama", torch.float32)
+    model.setup_kv_cache(2, 16)
+    with options.use(decode_stack=False):
+        fused_decode_step(model, torch.tensor([[1]], device=DEVICE), torch.tensor([[0]], device=DEVICE))
+    fused_decode_step(model, torch.tensor([[1], [2]], device=DEVICE), torch.tensor([[0], [3]], device=DEVICE))
+    assert calls.n == 0
+    fused_decode_step(model, torch.tensor([[1]], device=DEVICE), torch.tensor([[0]], device=DEVICE))
+    assert calls.n == 1
+
+
+@torch.no_grad()
+def test_plan_is_kept_and_rebuilt_for_other_tensors():
+    model = family_model("smollm2", torch.float32)
+    model.setup_kv_cache(1, 16)
+    plan = stack_plan(model)
+    assert plan is not None and stack_plan(model) is plan
+    model.setup_kv_cache(1, 32)                                  # new caches: new addresses
+    again = stack_plan(model)
+    assert again is not plan and again.max_len == 32
+    other = family_model("smollm2", torch.float32)               # another model: its own plan
+    other.setup_kv_cache(1, 32)
+    assert stack_plan(other) is not again
+
+
+def test_fits_names_what_does_not_fit():
+    assert fits(576, 1536, 64, 9, 3, torch.bfloat16, 132) is None    # SmolLM2-135M
+    assert fits(768, 3072, 64, 12, 12, torch.bfloat16, 132) is None  # GPT-2 124M
+    assert "width" in fits(896, 4864, 64, 14, 2, torch.bfloat16, 132)  # Qwen2-0.5B
+    assert "head dim" in fits(576, 1536, 48, 12, 3, torch.bfloat16, 132)
+    assert "multiple" in fits(576, 1536, 64, 9, 2, torch.bfloat16, 132)
+    assert "heads" in fits(768, 3072, 64, 12, 12, torch.bfloat16, 8)
+    assert "dtype" in fits(576, 1536, 64, 9, 3, torch.float64, 132)
+
+
+@torch.no_grad()
+def test_bad_input_one_line_each():
+    model = family_model("smollm2", torch.float32)
+    model.setup_kv_cache(1, 16)
+    plan = stack_plan(model)
+    C = model.config.n_embd
+    x = torch.zeros(1, C, device=DEVICE)
+    pos = torch.tensor([3], device=DEVICE)
+    rope = fd.rope_tables(model, 16, torch.float32)
+    for call, match in [
+        (lambda: decode_stack(plan, torch.zeros(2, C, device=DEVICE), pos, rope), "x must be"),
+        (lambda: decode_stack(plan, x.half(), pos, rope), "x must be"),
+        (lambda: decode_stack(plan, x, torch.tensor([3.0], device=DEVICE), rope), "pos must be"),
+        (lambda: decode_stack(plan, x, pos, None), "rope tables"),
+        (lambda: decode_stack(plan, x, pos, (rope[0][:, :4], rope[1][:, :4])), "rope must be"),
+    ]:
+        with pytest.raises(ValueError, match=match) as err:
+            call()
+        assert "\n" not in str(err.value)
+    layers = fd._stack_layers(model)
+    kw = dict(n_head=6, n_kv_head=2, head_dim=16, rms=True, swiglu=True, rope=True, programs=24)
+    bad = [dict(layers[0]), dict(layers[1], w_fc=layers[1]["w_fc"][:-2])]
+    with pytest.raises(ValueError, match="layer 1 w_fc"):
+        StackPlan(bad, **kw)
+    flat = torch.zeros(layers[0]["w_o"].numel() + 1, device=DEVICE)
+    shifted = flat[1:].view_as(layers[0]["w_o"])                 # 4 bytes off a 16-byte boundary
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        StackPlan([dict(layers[0], w_o=shifted)], **kw)
+    with pytest.raises(ValueError, match="caches"):
+        StackPlan([dict(layers[0], k_cache=layers[0]["k_cache"][:, :1])], **kw)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the persistent launch needs a GPU")
+@torch.no_grad()
+def test_one_launch_equals_phase_by_phase_on_the_gpu():
+    """The grid barriers against kernel boundaries: the same phases, so the same output up to the order of the
+    down projection's atomic adds; and the barrier counters are back at zero after each launch."""
+    model = family_model("smollm2", torch.bfloat16)
+    model.setup_kv_cache(1, 64)
+    plan = stack_plan(model)
+    x = torch.randn(1, model.config.n_embd, device=DEVICE).to(torch.bfloat16)
+    rope = fd.rope_tables(model, 64, torch.bfloat16)
+    outs = []
+    for by_phase in (False, True, False):
+        outs.append(decode_stack(plan, x, torch.tensor([7], device=DEVICE), rope, phase_by_phase=by_phase))
+        assert plan.bar.tolist() == [0, 0]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[2].float(), outs[0].float(), rtol=2e-2, atol=2e-2)

@@ -71,11 +71,17 @@ def _ld_acquire(p):
 
 
 @triton.jit
-def _grid_sync(BAR, target):
-    """Wait until every program has arrived (the counter reaches target); this program's earlier writes are
-    visible to every program after its wait, and theirs to this one."""
+def _arrive(BAR):
+    """This program is done with the phase: its writes (every thread's) become visible to any program that
+    sees the counter include this arrival."""
     tl.debug_barrier()                                    # the whole program's writes precede the arrival
     tl.atomic_add(BAR, 1, sem="release", scope="gpu")      # one thread arrives for the program
+
+
+@triton.jit
+def _wait(BAR, target):
+    """Until every program has arrived (the counter reaches target); their writes are visible after it. Loads
+    issued between _arrive and _wait (the next phase's weights) stream in while this program waits."""
     seen = _ld_acquire(BAR)
     while seen < target:
         seen = _ld_acquire(BAR)
@@ -92,32 +98,39 @@ def _rows2(W, rows, ok, stride, offs_a, a_ok, offs_b, b_ok):
 
 
 @triton.jit
+def _vec2(V, offs_a, a_ok, offs_b, b_ok, ON: tl.constexpr):
+    """A (C,) vector over the two column blocks, fp32 (zeros where not ON)."""
+    if ON:
+        va = tl.load(V + offs_a, mask=a_ok, other=0.0).to(tl.float32)
+        vb = tl.load(V + offs_b, mask=b_ok, other=0.0).to(tl.float32)
+    else:
+        va = tl.zeros(offs_a.shape, tl.float32)
+        vb = tl.zeros(offs_b.shape, tl.float32)
+    return va, vb
+
+
+@triton.jit
 def _gemv(wa, wb, xa, xb):
     """Σ_c w[r, c] x[c] over both column blocks, fp32: (R,)."""
     return tl.sum(wa.to(tl.float32) * xa[None, :], 1) + tl.sum(wb.to(tl.float32) * xb[None, :], 1)
 
 
 @triton.jit
-def _residual(X0, XM, WS, B_PREV, layer, offs, ok, C: tl.constexpr, DN_BIAS: tl.constexpr,
-              dtype: tl.constexpr):
+def _residual(X0, XM, WS, bias, layer, offs, ok, C: tl.constexpr, dtype: tl.constexpr):
     """The residual stream entering `layer` at columns offs, fp32 of dtype values: the embedding at layer 0,
-    else x_mid + round(Σ_down[layer] + b_down of layer - 1), rounded as eager adds them."""
+    else x_mid + round(Σ_down[layer] + b_down of layer - 1) (bias: its values there, fp32), rounded as eager."""
     at = offs * 0 + layer                                                    # (R,) (a tensor & a tensor)
     later = at > 0
     x = tl.load(X0 + offs, mask=ok & (at == 0), other=0.0).to(tl.float32)
     x += tl.load(XM + offs, mask=ok & later, other=0.0, cache_modifier=".cg").to(tl.float32)
     s = tl.load(WS + layer * C + offs, mask=ok & later, other=0.0, cache_modifier=".cg")
-    if DN_BIAS:
-        s += tl.load(B_PREV + offs, mask=ok & later, other=0.0).to(tl.float32)
+    s += tl.where(later, bias, 0.0)
     return (s.to(dtype).to(tl.float32) + x).to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _normed(xa, xb, LNW, LNB, offs_a, a_ok, offs_b, b_ok, eps, C: tl.constexpr, RMS: tl.constexpr,
-            LN_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """N(x) over the two blocks, rounded as eager rounds it, fp32: (A,), (B,)."""
-    ga = tl.load(LNW + offs_a, mask=a_ok, other=0.0).to(tl.float32)
-    gb = tl.load(LNW + offs_b, mask=b_ok, other=0.0).to(tl.float32)
+def _normed(xa, xb, ga, gb, ba, bb, a_ok, b_ok, eps, C: tl.constexpr, RMS: tl.constexpr, dtype: tl.constexpr):
+    """N(x) over the two blocks (gain ga/gb, bias ba/bb: zeros without one), rounded as eager, fp32."""
     if RMS:  # eager rounds x / rms to dtype, then the product with the gain
         rstd = 1.0 / tl.sqrt((tl.sum(xa * xa, 0) + tl.sum(xb * xb, 0)) / C + eps)
         na = ((xa * rstd).to(dtype).to(tl.float32) * ga).to(dtype).to(tl.float32)
@@ -127,43 +140,29 @@ def _normed(xa, xb, LNW, LNB, offs_a, a_ok, offs_b, b_ok, eps, C: tl.constexpr, 
         da = tl.where(a_ok, xa - mean, 0.0)
         db = tl.where(b_ok, xb - mean, 0.0)
         rstd = 1.0 / tl.sqrt((tl.sum(da * da, 0) + tl.sum(db * db, 0)) / C + eps)
-        na = da * rstd * ga
-        nb = db * rstd * gb
-        if LN_BIAS:
-            na += tl.load(LNB + offs_a, mask=a_ok, other=0.0).to(tl.float32)
-            nb += tl.load(LNB + offs_b, mask=b_ok, other=0.0).to(tl.float32)
-        na = na.to(dtype).to(tl.float32)
-        nb = nb.to(dtype).to(tl.float32)
+        na = (da * rstd * ga + ba).to(dtype).to(tl.float32)
+        nb = (db * rstd * gb + bb).to(dtype).to(tl.float32)
     return na, nb
 
 
 @triton.jit
-def _phase_qkv(PTRS, X0, XM, XA, WS, QBUF, POS, COS, SIN, layer, pid, eps, stride_ch, stride_cn, stride_rope,
-               w1a, w1b, w2a, w2b, rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok,
-               C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-               RMS: tl.constexpr, LN_BIAS: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
-               DN_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs), RoPE,
-    q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes Σ_down[layer + 1]."""
-    b_prev = _addr(PTRS, tl.maximum(layer - 1, 0), 11, dtype)               # B_DN of the layer before
-    xa = _residual(X0, XM, WS, b_prev, layer, offs_a, a_ok, C, DN_BIAS, dtype)   # (A,)
-    xb = _residual(X0, XM, WS, b_prev, layer, offs_b, b_ok, C, DN_BIAS, dtype)   # (B,)
+def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps, stride_ch, stride_cn, stride_rope,
+               w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2, r_ok,
+               offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+               RMS: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
+    """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs) with their
+    biases bq1/bq2, RoPE, q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes
+    Σ_down[layer + 1]. Every weight arrives prefetched."""
+    xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)           # (A,)
+    xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)           # (B,)
     if pid == 0:
         tl.store(XA + offs_a, xa.to(dtype), mask=a_ok)
         tl.store(XA + offs_b, xb.to(dtype), mask=b_ok)
         tl.store(WS + (layer + 1) * C + offs_a, tl.zeros_like(xa), mask=a_ok)
         tl.store(WS + (layer + 1) * C + offs_b, tl.zeros_like(xb), mask=b_ok)
-    na, nb = _normed(xa, xb, _addr(PTRS, layer, 2, dtype), _addr(PTRS, layer, 3, dtype), offs_a, a_ok,
-                     offs_b, b_ok, eps, C, RMS, LN_BIAS, dtype)
-    y1 = _gemv(w1a, w1b, na, nb)                                             # (PA,) lanes i
-    y2 = _gemv(w2a, w2b, na, nb)                                             # (PA,) lanes i + D/2
-    if QKV_BIAS:
-        bq = _addr(PTRS, layer, 1, dtype)
-        y1 += tl.load(bq + rows1, mask=r_ok, other=0.0).to(tl.float32)
-        y2 += tl.load(bq + rows2, mask=r_ok, other=0.0).to(tl.float32)
-    y1 = y1.to(dtype).to(tl.float32)
-    y2 = y2.to(dtype).to(tl.float32)
-    pos = tl.load(POS).to(tl.int64)
+    na, nb = _normed(xa, xb, g1a, g1b, l1a, l1b, a_ok, b_ok, eps, C, RMS, dtype)
+    y1 = (_gemv(w1a, w1b, na, nb) + bq1).to(dtype).to(tl.float32)            # (PA,) lanes i
+    y2 = (_gemv(w2a, w2b, na, nb) + bq2).to(dtype).to(tl.float32)            # (PA,) lanes i + D/2
     N_Q: tl.constexpr = HQ * D
     N_KV: tl.constexpr = HKV * D
     if ROPE:  # rotate-half as eager rounds it: x·cos and rotate_half(x)·sin rounded, then their sum
@@ -175,8 +174,6 @@ def _phase_qkv(PTRS, X0, XM, XA, WS, QBUF, POS, COS, SIN, layer, pid, eps, strid
         r2 = (y2 * cos).to(dtype).to(tl.float32) + (y1 * sin).to(dtype).to(tl.float32)
         y1 = r1
         y2 = r2
-    KC = _addr(PTRS, layer, 12, dtype)
-    VC = _addr(PTRS, layer, 13, dtype)
     _store_qkv(y1.to(dtype), rows1, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
     _store_qkv(y2.to(dtype), rows2, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
 
@@ -193,36 +190,44 @@ def _store_qkv(y, rows, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q: tl.c
 
 
 @triton.jit
-def _phase_attention(PTRS, QBUF, PART, POS, layer, pid, qk_scale, stride_ch, stride_cn,
+def _kv_tile(KC, VC, n, T, d, stride_cn):
+    """Keys and values n (BLOCK_N,) of one kv head (rows >= T zero), fp32: (BLOCK_N, D) each."""
+    n_ok = n < T
+    at = n.to(tl.int64)[:, None] * stride_cn + d[None, :]
+    k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+    v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn,
                      D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, dtype: tl.constexpr):
+                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr):
     """Phase B: program (g, s) attends kv group g's GP (padded) query heads to key tiles s, s + S, ... of the
-    cache (S shares, from the cache length) and stores its partial (acc, m, l) per head (base-2 logits)."""
+    cache (S shares of the T keys) and stores its partial (acc, m, l) per head (base-2 logits). Each tile's
+    keys and values are loaded one tile ahead."""
     G: tl.constexpr = HQ // HKV
-    T = tl.load(POS).to(tl.int32) + 1                                        # keys in the cache
     n_tiles = tl.cdiv(T, BLOCK_N)
-    S = tl.minimum(n_tiles, MAX_S)
     g = pid // S
     s = pid % S
-    active = g < HKV
-    mine = tl.where(active, (n_tiles - s + S - 1) // S, 0)                   # this program's tiles
+    mine = tl.where(g < HKV, (n_tiles - s + S - 1) // S, 0)                  # this program's tiles
     j = tl.arange(0, GP)                                                     # (GP,)
     d = tl.arange(0, D)                                                      # (D,)
     h = g * G + j
     h_ok = (j < G) & (j * 0 + g < HKV)                                       # (GP,) (a tensor & a tensor)
+    kc = KC + g.to(tl.int64) * stride_ch
+    vc = VC + g.to(tl.int64) * stride_ch
+    n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,) the first tile
+    k, v = _kv_tile(kc, vc, tl.where(mine > 0, n, T), T, d, stride_cn)
     q = tl.load(QBUF + h[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
                 cache_modifier=".cg").to(tl.float32)                         # (GP, D)
-    KC = _addr(PTRS, layer, 12, dtype) + g.to(tl.int64) * stride_ch
-    VC = _addr(PTRS, layer, 13, dtype) + g.to(tl.int64) * stride_ch
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for it in range(0, mine):
-        n = (s + it * S) * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BLOCK_N,)
         n_ok = n < T
-        at = n.to(tl.int64)[:, None] * stride_cn + d[None, :]                # (BLOCK_N, D)
-        k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        nxt = n + S * BLOCK_N
+        k_next, v_next = _kv_tile(kc, vc, tl.where(it + 1 < mine, nxt, T), T, d, stride_cn)
         sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale             # (GP, BLOCK_N), base 2
         sc = tl.where(n_ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
@@ -231,6 +236,9 @@ def _phase_attention(PTRS, QBUF, PART, POS, layer, pid, qk_scale, stride_ch, str
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)  # (GP, D)
         m = m_new
+        k = k_next
+        v = v_next
+        n = nxt
     cell = h * MAX_S + s                                                     # (GP,)
     tl.store(PART + cell[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
     tl.store(PART + HQ * MAX_S * D + cell, m, mask=h_ok)
@@ -238,57 +246,42 @@ def _phase_attention(PTRS, QBUF, PART, POS, layer, pid, qk_scale, stride_ch, str
 
 
 @triton.jit
-def _phase_out(PTRS, XA, XM, PART, POS, layer, wo, cols, c_ok,
-               D: tl.constexpr, HQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-               MAX_S: tl.constexpr, O_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """Phase C: every head's partials merged (each program merges them all), y rounded, this program's output
-    columns of y W_oᵀ + b_o rounded, plus the residual, into XM."""
-    T = tl.load(POS).to(tl.int32) + 1
-    S = tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S)
+def _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.constexpr, HP: tl.constexpr,
+               MAX_S: tl.constexpr, dtype: tl.constexpr):
+    """Phase C: every head's S partials merged (each program merges them all, loaded at once), y rounded, this
+    program's output columns of y W_oᵀ + b_o (wo, bo prefetched) rounded, plus the residual, into XM."""
     h = tl.arange(0, HP)
+    s = tl.arange(0, MAX_S)
     d = tl.arange(0, D)
-    h_ok = h < HQ
-    m = tl.full([HP], float("-inf"), tl.float32)
-    l_sum = tl.zeros([HP], tl.float32)
-    y = tl.zeros([HP, D], tl.float32)
-    for s in range(0, S):
-        cell = h * MAX_S + s
-        ms = tl.load(PART + HQ * MAX_S * D + cell, mask=h_ok, other=0.0, cache_modifier=".cg")
-        ls = tl.load(PART + HQ * MAX_S * (D + 1) + cell, mask=h_ok, other=0.0, cache_modifier=".cg")
-        ps = tl.load(PART + cell[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, ms)
-        a = tl.exp2(m - m_new)
-        b = tl.exp2(ms - m_new)
-        l_sum = l_sum * a + ls * b
-        y = y * a[:, None] + ps * b[:, None]
-        m = m_new
-    y = tl.where(h_ok[:, None], y / tl.where(h_ok, l_sum, 1.0)[:, None], 0.0).to(dtype).to(tl.float32)  # (HP, D)
-    o = tl.sum(tl.sum(wo.to(tl.float32) * y[None, :, :], 2), 1)             # (OC,)
-    if O_BIAS:
-        o += tl.load(_addr(PTRS, layer, 5, dtype) + cols, mask=c_ok, other=0.0).to(tl.float32)
+    ok = (h < HQ)[:, None] & (s < S)[None, :]                                # (HP, MAX_S)
+    cell = h[:, None] * MAX_S + s[None, :]
+    ms = tl.load(PART + HQ * MAX_S * D + cell, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    ls = tl.load(PART + HQ * MAX_S * (D + 1) + cell, mask=ok, other=0.0, cache_modifier=".cg")
+    ps = tl.load(PART + cell[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                 cache_modifier=".cg")                                       # (HP, MAX_S, D)
+    m = tl.max(ms, 1)                                                        # (HP,)
+    m = tl.where(h < HQ, m, 0.0)
+    w = tl.where(ok, tl.exp2(ms - m[:, None]), 0.0)                          # (HP, MAX_S)
+    l_sum = tl.sum(w * ls, 1)
+    y = tl.sum(ps * w[:, :, None], 1)                                        # (HP, D)
+    y = tl.where((h < HQ)[:, None], y / tl.where(h < HQ, l_sum, 1.0)[:, None], 0.0).to(dtype).to(tl.float32)
+    o = tl.sum(tl.sum(wo.to(tl.float32) * y[None, :, :], 2), 1) + bo         # (OC,)
     res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.store(XM + cols, (o.to(dtype).to(tl.float32) + res).to(dtype), mask=c_ok)
 
 
 @triton.jit
-def _phase_mlp(PTRS, XM, WS, layer, eps, fa, fb, ua, ub, da, db, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok,
-               C: tl.constexpr, I: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
-               SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """Phase D: N₂(x_mid), this program's intermediate columns h, and its share h W_downᵀ added into
-    Σ_down[layer + 1]."""
+def _phase_mlp(XM, WS, layer, eps, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+               offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
+               dtype: tl.constexpr):
+    """Phase D: N₂(x_mid), this program's intermediate columns h (fc / gate, up biases bf1, bf2), and its share
+    h W_downᵀ added into Σ_down[layer + 1]. Every weight arrives prefetched."""
     xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    na, nb = _normed(xa, xb, _addr(PTRS, layer, 6, dtype), _addr(PTRS, layer, 7, dtype), offs_a, a_ok,
-                     offs_b, b_ok, eps, C, RMS, LN_BIAS, dtype)
-    y = _gemv(fa, fb, na, nb)                                                # (IB,) gate / fc
-    if FC_BIAS:
-        y += tl.load(_addr(PTRS, layer, 9, dtype) + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-    y = y.to(dtype).to(tl.float32)
+    na, nb = _normed(xa, xb, g2a, g2b, l2a, l2b, a_ok, b_ok, eps, C, RMS, dtype)
+    y = (_gemv(fa, fb, na, nb) + bf1).to(dtype).to(tl.float32)               # (IB,) gate / fc
     if SWIGLU:
-        up = _gemv(ua, ub, na, nb)
-        if FC_BIAS:
-            up += tl.load(_addr(PTRS, layer, 9, dtype) + I + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-        up = up.to(dtype).to(tl.float32)
+        up = (_gemv(ua, ub, na, nb) + bf2).to(dtype).to(tl.float32)
         h = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * up
     else:  # GELU, tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
         z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
@@ -298,6 +291,14 @@ def _phase_mlp(PTRS, XM, WS, layer, eps, fa, fb, ua, ub, da, db, offs_i, i_ok, o
     pb = tl.sum(db.to(tl.float32) * h[None, :], 1)                           # (B,)
     tl.atomic_add(WS + (layer + 1) * C + offs_a, pa, mask=a_ok, sem="relaxed")
     tl.atomic_add(WS + (layer + 1) * C + offs_b, pb, mask=b_ok, sem="relaxed")
+
+
+@triton.jit
+def _bias_rows(B, rows, ok, ON: tl.constexpr):
+    """bias[rows] fp32 (zeros where not ON)."""
+    if ON:
+        return tl.load(B + rows, mask=ok, other=0.0).to(tl.float32)
+    return tl.zeros(rows.shape, tl.float32)
 
 
 @triton.jit(do_not_specialize=["layer0", "n_layers"])
@@ -315,13 +316,17 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
     be resident); PHASE 0..3: only that phase (A, B, C, D) of one layer, 4: only the output (one launch each,
     the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
-    after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums, row 0 zeros; QBUF (HQ·D,);
-    PART (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
+    after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
+    (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
+    At each barrier a program arrives, loads the next phase's weights, then waits.
     """
     dtype: tl.constexpr = X0.dtype.element_ty
     ALL: tl.constexpr = PHASE < 0
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    pos = tl.load(POS).to(tl.int64)                                          # the token's position
+    T = pos.to(tl.int32) + 1                                                 # keys in the cache after it
+    S = tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S)                               # key shares per kv group
     offs_a = tl.arange(0, PART_A)
     offs_b = PART_A + tl.arange(0, PART_B)
     a_ok = offs_a < C
@@ -340,32 +345,45 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
     o_ok = c_ok[:, None, None] & (h3 < HQ)[None, :, None]
     epoch = 0
+    if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
+        layer = layer0
+        w1a, w1b = _rows2(_addr(PTRS, layer, 0, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
+        w2a, w2b = _rows2(_addr(PTRS, layer, 0, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+        g1a, g1b = _vec2(_addr(PTRS, layer, 2, dtype), offs_a, a_ok, offs_b, b_ok, True)
+        l1a, l1b = _vec2(_addr(PTRS, layer, 3, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+        bq1 = _bias_rows(_addr(PTRS, layer, 1, dtype), rows1, r_ok, QKV_BIAS)
+        bq2 = _bias_rows(_addr(PTRS, layer, 1, dtype), rows2, r_ok, QKV_BIAS)
+        bpa, bpb = _vec2(_addr(PTRS, tl.maximum(layer - 1, 0), 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
     for layer in range(layer0, layer0 + n_layers):
+        KC = _addr(PTRS, layer, 12, dtype)
+        VC = _addr(PTRS, layer, 13, dtype)
+        if ALL:
+            if layer > layer0:
+                epoch += 1
+                _wait(BAR, epoch * nprog)                                    # the layer before is done
         if ALL or PHASE == 0:
-            wq = _addr(PTRS, layer, 0, dtype)
-            w1a, w1b = _rows2(wq, rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A), (PA, B)
-            w2a, w2b = _rows2(wq, rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-            if ALL:
-                if layer > layer0:
-                    epoch += 1
-                    _grid_sync(BAR, epoch * nprog)                           # the layer before is done
-            _phase_qkv(PTRS, X0, XM, XA, WS, QBUF, POS, COS, SIN, layer, pid, eps1, stride_ch, stride_cn,
-                       stride_rope, w1a, w1b, w2a, w2b, rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok,
-                       C, D, HQ, HKV, RMS, LN_BIAS, ROPE, QKV_BIAS, DN_BIAS, dtype)
+            _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps1, stride_ch, stride_cn,
+                       stride_rope, w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
+                       r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
+        if ALL:
+            _arrive(BAR)
         if ALL or PHASE == 2:
             wo = tl.load(_addr(PTRS, layer, 4, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
+            bo = _bias_rows(_addr(PTRS, layer, 5, dtype), cols, c_ok, O_BIAS)
         if ALL:
             epoch += 1
-            _grid_sync(BAR, epoch * nprog)                                   # q, k, v written
+            _wait(BAR, epoch * nprog)                                        # q, k, v written
         if ALL or PHASE == 1:
-            _phase_attention(PTRS, QBUF, PART, POS, layer, pid, qk_scale, stride_ch, stride_cn,
-                             D, HQ, HKV, GP, BLOCK_N, MAX_S, dtype)
+            _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
+                             BLOCK_N, MAX_S)
         if ALL:
+            _arrive(BAR)
             epoch += 1
-            _grid_sync(BAR, epoch * nprog)                                   # partials written
+            _wait(BAR, epoch * nprog)                                        # partials written
         if ALL or PHASE == 2:
-            _phase_out(PTRS, XA, XM, PART, POS, layer, wo, cols, c_ok, D, HQ, HP, BLOCK_N, MAX_S, O_BIAS,
-                       dtype)
+            _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
+        if ALL:
+            _arrive(BAR)
         if ALL or PHASE == 3:
             wf = _addr(PTRS, layer, 8, dtype)
             fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)  # (IB, A), (IB, B)
@@ -376,20 +394,35 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             wd = _addr(PTRS, layer, 10, dtype) + offs_i[None, :]
             da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
             db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
+            g2a, g2b = _vec2(_addr(PTRS, layer, 6, dtype), offs_a, a_ok, offs_b, b_ok, True)
+            l2a, l2b = _vec2(_addr(PTRS, layer, 7, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+            bf1 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i, i_ok, FC_BIAS)
+            bf2 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
             if ALL:
                 epoch += 1
-                _grid_sync(BAR, epoch * nprog)                               # x_mid written
-            _phase_mlp(PTRS, XM, WS, layer, eps2, fa, fb, ua, ub, da, db, offs_i, i_ok, offs_a, a_ok, offs_b,
-                       b_ok, C, I, RMS, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+                _wait(BAR, epoch * nprog)                                    # x_mid written
+            _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+                       offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
+        if ALL:
+            _arrive(BAR)
+            # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
+            nl = tl.minimum(layer + 1, layer0 + n_layers - 1)
+            w1a, w1b = _rows2(_addr(PTRS, nl, 0, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+            w2a, w2b = _rows2(_addr(PTRS, nl, 0, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+            g1a, g1b = _vec2(_addr(PTRS, nl, 2, dtype), offs_a, a_ok, offs_b, b_ok, True)
+            l1a, l1b = _vec2(_addr(PTRS, nl, 3, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+            bq1 = _bias_rows(_addr(PTRS, nl, 1, dtype), rows1, r_ok, QKV_BIAS)
+            bq2 = _bias_rows(_addr(PTRS, nl, 1, dtype), rows2, r_ok, QKV_BIAS)
+            bpa, bpb = _vec2(_addr(PTRS, layer, 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
     if ALL or PHASE == 4:
         last = layer0 + n_layers
+        bpa, bpb = _vec2(_addr(PTRS, last - 1, 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
         if ALL:
             epoch += 1
-            _grid_sync(BAR, epoch * nprog)                                   # the last Σ_down complete
+            _wait(BAR, epoch * nprog)                                        # the last Σ_down complete
         if pid == 0:
-            b_prev = _addr(PTRS, last - 1, 11, dtype)
-            xa = _residual(X0, XM, WS, b_prev, last, offs_a, a_ok, C, DN_BIAS, dtype)
-            xb = _residual(X0, XM, WS, b_prev, last, offs_b, b_ok, C, DN_BIAS, dtype)
+            xa = _residual(X0, XM, WS, bpa, last, offs_a, a_ok, C, dtype)
+            xb = _residual(X0, XM, WS, bpb, last, offs_b, b_ok, C, dtype)
             tl.store(OUT + offs_a, xa.to(dtype), mask=a_ok)
             tl.store(OUT + offs_b, xb.to(dtype), mask=b_ok)
         if ALL:  # the last program to leave resets the counters for the next launch
@@ -443,7 +476,8 @@ class StackPlan:
         self.rms, self.swiglu, self.rope = bool(rms), bool(swiglu), bool(rope)
         self.dtype, self.device, self.n_layers = dtype, device, len(layers)
         self.blocks = _blocks(C, I, D, HQ, HKV, self.programs)
-        self.max_splits = min(MAX_SPLITS, self.programs // HKV)  # phase B's HKV x splits programs fit the grid
+        # phase B's HKV x splits programs fit the grid; a power of two (phase C loads every partial as one tile)
+        self.max_splits = min(MAX_SPLITS, 1 << ((self.programs // HKV).bit_length() - 1))
         shapes = {"w_qkv": ((HQ + 2 * HKV) * D, C), "w_o": (C, HQ * D), "w_fc": ((2 * I if swiglu else I), C),
                   "w_down": (C, I)}
         biases = {"b_qkv": shapes["w_qkv"][0], "b_o": C, "b_fc": shapes["w_fc"][0], "b_down": C}

@@ -186,10 +186,10 @@ def test_one_launch_equals_phase_by_phase_on_the_gpu():
     """The grid barriers against kernel boundaries: the same phases, so the same output up to the order of the
     down projection's atomic adds; and the barrier counters are back at zero after each launch."""
     model = family_model("smollm2", torch.bfloat16)
-    model.setup_kv_cache(1, 64)
+    model.setup_kv_cache(1, 48)
     plan = stack_plan(model)
     x = torch.randn(1, model.config.n_embd, device=DEVICE).to(torch.bfloat16)
-    rope = fd.rope_tables(model, 64, torch.bfloat16)
+    rope = fd.rope_tables(model, 48, torch.bfloat16)
     outs = []
     for by_phase in (False, True, False):
         outs.append(decode_stack(plan, x, torch.tensor([7], device=DEVICE), rope, phase_by_phase=by_phase))

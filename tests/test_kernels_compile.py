@@ -17,6 +17,7 @@ paired launches keep under PDL above PDL_FEW_ROWS rows (kernels/ln_linear.py: me
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 H200_SMS = 132
@@ -33,7 +34,7 @@ LLAMA_MODELS = {  # one layer of each, as the paired tiles were chosen for (kern
 # --------------------------------------------------------------------- the child: compile what the path launches
 
 DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_kernel": "Q",
-             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X"}  # the argument whose pointer dtype is the variant's dtype
+             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X", "_decode_stack_kernel": "X0"}  # the argument whose pointer dtype is the variant's dtype
 
 
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
@@ -48,7 +49,7 @@ def _steps(dtype, pdl: bool, batch: int = 1) -> None:
         model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
         model.setup_kv_cache(batch, 64)
         for fused_mlp in (True, False):
-            with options.use(pdl=pdl, decode_fused_mlp=fused_mlp):
+            with options.use(pdl=pdl, decode_fused_mlp=fused_mlp, decode_stack=False):
                 fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
 
 
@@ -68,8 +69,29 @@ def _llama_model_steps() -> None:
             model.setup_kv_cache(batch, 64)
             for pdl in (True, False):
                 for fused_mlp in (True, False):
-                    with options.use(pdl=pdl, decode_fused_mlp=fused_mlp):
+                    with options.use(pdl=pdl, decode_fused_mlp=fused_mlp, decode_stack=False):
                         fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
+
+
+STACK_MODELS = {  # the whole stack in one launch (kernels/decode_stack.py) at batch 1
+    "gpt2": GPT2, "llama": LLAMA, "qwen": dict(LLAMA, qkv_bias=True),
+    "smollm2-135m": dict(LLAMA_MODELS["smollm2-135m"], pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False),
+    "gpt2-124m": dict(n_head=12, n_embd=768),
+}
+
+
+def _stack_steps(dtype) -> None:
+    """fused_decode_step at batch 1 with the stack on, on each of STACK_MODELS (two layers)."""
+    import torch
+
+    from kernels import options
+    from model import GPT, GPTConfig
+    from model.fused_decode import fused_decode_step
+    for kw in STACK_MODELS.values():
+        model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
+        model.setup_kv_cache(1, 64)
+        with options.use(decode_stack=True):
+            fused_decode_step(model, torch.full((1, 1), 3), torch.full((1, 1), 5))
 
 
 def _paired_split_k(dtype, pdl: bool) -> None:
@@ -123,6 +145,7 @@ def compile_decode_launches() -> list[dict]:
     import kernels._triton as kt
     import kernels.decode as decode
     import kernels.decode_mlp as dm
+    import kernels.decode_stack as dstack
     import kernels.ln_linear as ll
     from kernels import options
     from kernels.pdl import triton_has_gdc
@@ -133,13 +156,14 @@ def compile_decode_launches() -> list[dict]:
     ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl
     torch.manual_seed(0)
     kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel,
-               dm._ln_mlp_kernel)
+               dm._ln_mlp_kernel, dstack._decode_stack_kernel)
     with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
         for dtype in (getattr(torch, name) for name in DTYPES):
             for pdl in (True, False):
                 _steps(dtype, pdl)
                 _paired_split_k(dtype, pdl)
             _split_attention(dtype)
+            _stack_steps(dtype)
         _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
         _llama_model_steps()
     records = [describe(c, DTYPE_ARG) for c in compiled]
@@ -148,6 +172,11 @@ def compile_decode_launches() -> list[dict]:
             rec["ptxas"] = ptxas_usage(c)
         if rec["kernel"] == "_ln_mlp_kernel":
             rec["ptxas"] = ptxas_usage(c)
+        if rec["kernel"] == "_decode_stack_kernel":
+            rec["ptxas"] = ptxas_usage(c)
+            ptx = c.asm["ptx"]  # the barrier: a releasing arrival, acquiring polls; other programs' data past L1
+            rec["barrier_ptx"] = dict(release_add=bool(re.search(r"atom\.global\.gpu\.release\.add", ptx)),
+                                      acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx)
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
             rec["ptxas"] = ptxas_usage(c)
@@ -176,6 +205,11 @@ def _tags(rec: dict) -> set[str]:
         tags.update({"rmsnorm" if c["RMS"] else "layernorm", "swiglu" if c["SWIGLU"] else "gelu",
                      "bias" if c["HAS_FC_BIAS"] else "no_bias", "stats_out" if c["STATS_OUT_ON"] else "no_stats_out",
                      f"block_i{c['BLOCK_I']}", f"c{c['PART_A']}+{c['PART_B']}"})
+    elif rec["kernel"] == "_decode_stack_kernel":
+        tags.update({"rmsnorm" if c["RMS"] else "layernorm", "swiglu" if c["SWIGLU"] else "gelu",
+                     "rope" if c["ROPE"] else "no_rope", "qkv_bias" if c["QKV_BIAS"] else "no_qkv_bias",
+                     "bias" if c["O_BIAS"] else "no_bias", f"d{c['D']}", f"c{c['C']}",
+                     "gqa" if c["HKV"] < c["HQ"] else "mha"})
     elif rec["kernel"] == "_embed_kernel":
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
     else:
@@ -229,6 +263,11 @@ MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py),
     "rmsnorm swiglu no_bias stats_out block_i16 c256+256",   # Llama-like
 ]
 MLP_MODEL_MODES = ["rmsnorm swiglu no_bias block_i16 c512+64"]  # bf16, SmolLM2-135M's C = 576
+STACK_MODES = [  # the whole stack in one launch, each dtype: STACK_MODELS
+    "layernorm gelu no_rope bias mha d64 c512", "rmsnorm swiglu rope no_bias no_qkv_bias gqa d128 c512",
+    "rmsnorm swiglu rope no_bias qkv_bias gqa d128 c512", "rmsnorm swiglu rope no_bias gqa d64 c576",
+    "layernorm gelu no_rope bias mha d64 c768",
+]
 
 
 WIDE_PDL_MODES = [  # bf16 at batch 8 with PDL: one-tile launches 64 columns wide (the paired: 32 pairs)
@@ -259,6 +298,7 @@ def required_modes() -> list[set[str]]:
         out += [{"_ln_linear_kernel", ptr, p, *m.split()} for m in LN_LINEAR_MODES for p in ("pdl", "no_pdl")]
         out += [{ptr, *m.split()} for m in OTHER_MODES]
         out += [{"_ln_mlp_kernel", ptr, p, *m.split()} for m in MLP_MODES for p in ("pdl", "no_pdl")]
+        out += [{"_decode_stack_kernel", ptr, *m.split()} for m in STACK_MODES]
     out += [{"bf16", "pdl", *m.split()} for m in WIDE_PDL_MODES]
     out += [{"_ln_linear_kernel", "bf16", *m.split()} for m in LLAMA_MODEL_MODES]
     out += [{"_ln_mlp_kernel", "bf16", p, *m.split()} for m in MLP_MODEL_MODES for p in ("pdl", "no_pdl")]
@@ -296,6 +336,14 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     mlp = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if rec["kernel"] == "_ln_mlp_kernel"]
     assert len(mlp) >= len(MLP_MODES) + len(MLP_MODEL_MODES)
     assert not [m for m in mlp if m[1]["spill_stores"] or m[1]["spill_loads"]], f"MLP launches that spill: {mlp}"
+    # the stack: its barrier's memory orders in the PTX; no spills up to C = 576 (GPT-2 124M's C = 768 spills
+    # 140 B, bench/NOTES.md)
+    stack = [(" ".join(sorted(t)), rec) for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_stack_kernel"]
+    assert len(stack) >= len(STACK_MODES) * len(DTYPES)
+    assert all(all(rec["barrier_ptx"].values()) for _, rec in stack), [rec["barrier_ptx"] for _, rec in stack]
+    spilling = [(tags, rec["ptxas"]) for tags, rec in stack if "c768" not in tags.split()
+                and (rec["ptxas"]["spill_stores"] or rec["ptxas"]["spill_loads"])]
+    assert not spilling, f"stack launches that spill: {spilling}"
 
 
 if __name__ == "__main__":

@@ -71,6 +71,16 @@ def _ld_acquire(p):
 
 
 @triton.jit
+def _stamp(TIMES, pid, layer, k: tl.constexpr, ON: tl.constexpr):
+    """With ON: the GPU's global nanosecond timer into TIMES[pid, layer, k] (the phase timeline)."""
+    if ON:
+        tl.debug_barrier()
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        tl.store(TIMES + (pid * 1024 + layer) * 8 + k, t)
+
+
+@triton.jit
 def _arrive(BAR):
     """This program is done with the phase: its writes (every thread's) become visible to any program that
     sees the counter include this arrival."""
@@ -302,7 +312,7 @@ def _bias_rows(B, rows, ok, ON: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["layer0", "n_layers"])
-def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR,
+def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR, TIMES,
                          layer0, n_layers, eps1, eps2, qk_scale, stride_ch, stride_cn, stride_rope,
                          C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
                          HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
@@ -310,7 +320,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
-                         PHASE: tl.constexpr):
+                         PHASE: tl.constexpr, TIMELINE: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
@@ -318,7 +328,9 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
     after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
     (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
-    At each barrier a program arrives, loads the next phase's weights, then waits.
+    At each barrier a program arrives, loads the next phase's weights, then waits. TIMELINE (PHASE -1 only):
+    TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
+    D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer.
     """
     dtype: tl.constexpr = X0.dtype.element_ty
     ALL: tl.constexpr = PHASE < 0
@@ -361,11 +373,13 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             if layer > layer0:
                 epoch += 1
                 _wait(BAR, epoch * nprog)                                    # the layer before is done
+            _stamp(TIMES, pid, layer, 0, TIMELINE)
         if ALL or PHASE == 0:
             _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps1, stride_ch, stride_cn,
                        stride_rope, w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
                        r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
         if ALL:
+            _stamp(TIMES, pid, layer, 1, TIMELINE)
             _arrive(BAR)
         if ALL or PHASE == 2:
             wo = tl.load(_addr(PTRS, layer, 4, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
@@ -373,16 +387,20 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL:
             epoch += 1
             _wait(BAR, epoch * nprog)                                        # q, k, v written
+            _stamp(TIMES, pid, layer, 2, TIMELINE)
         if ALL or PHASE == 1:
             _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
                              BLOCK_N, MAX_S)
         if ALL:
+            _stamp(TIMES, pid, layer, 3, TIMELINE)
             _arrive(BAR)
             epoch += 1
             _wait(BAR, epoch * nprog)                                        # partials written
+            _stamp(TIMES, pid, layer, 4, TIMELINE)
         if ALL or PHASE == 2:
             _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
         if ALL:
+            _stamp(TIMES, pid, layer, 5, TIMELINE)
             _arrive(BAR)
         if ALL or PHASE == 3:
             wf = _addr(PTRS, layer, 8, dtype)
@@ -401,9 +419,11 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             if ALL:
                 epoch += 1
                 _wait(BAR, epoch * nprog)                                    # x_mid written
+                _stamp(TIMES, pid, layer, 6, TIMELINE)
             _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
                        offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
         if ALL:
+            _stamp(TIMES, pid, layer, 7, TIMELINE)
             _arrive(BAR)
             # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
             nl = tl.minimum(layer + 1, layer0 + n_layers - 1)
@@ -582,13 +602,14 @@ def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs
 
 
 def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tuple | None = None, *,
-                 phase_by_phase: bool | None = None) -> torch.Tensor:
+                 phase_by_phase: bool | None = None, timeline: torch.Tensor | None = None) -> torch.Tensor:
     """x (1, C) the embedded token at position pos ((1,) int tensor, on the device) → (1, C) the residual
     stream after the plan's last layer (a new tensor); writes the token's k and v into every layer's cache.
 
     rope: (cos, sin) tables (L, D) in x's dtype, unit stride along D, row p the angles of position p
     (plan.rope models). phase_by_phase: one launch per phase instead of one for everything (default: in
-    Triton's interpreter only).
+    Triton's interpreter only). timeline: an int64 (programs, 1024, 8) tensor that receives each program's
+    global-timer stamps around every phase and barrier (the one-launch form on a GPU only; bench/stack_timeline.py).
     """
     if x.dim() != 2 or tuple(x.shape) != (1, plan.C) or x.dtype != plan.dtype or x.device != plan.device \
             or not x.is_contiguous():
@@ -608,6 +629,10 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     _triton.check_device(x.device, "decode_stack")
     if phase_by_phase is None:
         phase_by_phase = _triton.INTERPRET
+    if timeline is not None and (phase_by_phase or timeline.dtype != torch.int64 or timeline.device != x.device
+                                 or tuple(timeline.shape) != (plan.programs, 1024, 8) or plan.n_layers > 1024):
+        raise ValueError(f"decode_stack: timeline must be an int64 ({plan.programs}, 1024, 8) tensor on {x.device}, "
+                         "with the one-launch form")
     out = _triton.empty((1, plan.C), x.dtype, x.device)
     cos, sin = rope if rope is not None else (x, x)
     pa, pb = parts(plan.C)
@@ -617,19 +642,23 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
                   FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
-    args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar)
+    args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
+            timeline if timeline is not None else plan.bar)
     scal = (plan.eps[0], plan.eps[1], qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
     grid = (plan.programs,)
     with _triton.device_guard(x):
         if not phase_by_phase:
-            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, PHASE=-1, num_warps=WARPS,
+            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, PHASE=-1,
+                                       TIMELINE=timeline is not None, num_warps=WARPS,
                                        num_stages=1)
             return out
         for layer in range(plan.n_layers):
             for phase in range(4):
-                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, PHASE=phase, num_warps=WARPS,
+                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, PHASE=phase, TIMELINE=False,
+                                           num_warps=WARPS,
                                            num_stages=1)
-        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, PHASE=4, num_warps=WARPS,
+        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, PHASE=4, TIMELINE=False,
+                                   num_warps=WARPS,
                                    num_stages=1)
     return out
 

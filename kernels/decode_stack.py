@@ -39,6 +39,7 @@ aligned. Inference only.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -49,12 +50,25 @@ from . import _triton
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
+MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
 
 # the per-layer address table's columns
 W_QKV, B_QKV, LN1_W, LN1_B, W_O, B_O, LN2_W, LN2_B, W_FC, B_FC, W_DN, B_DN, K_CACHE, V_CACHE = range(14)
 N_PTRS = 14
+
+
+@contextlib.contextmanager
+def early_mlp(on: bool = True):
+    """Inside the block, launches load phase D's weights right after phase A (they stream in during attention,
+    held in registers through phases B and C) instead of after phase C: benchmark A/B runs."""
+    global MLP_EARLY
+    old, MLP_EARLY = MLP_EARLY, bool(on)
+    try:
+        yield
+    finally:
+        MLP_EARLY = old
 
 
 @triton.jit
@@ -201,21 +215,22 @@ def _store_qkv(y, rows, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q: tl.c
 
 @triton.jit
 def _kv_tile(KC, VC, n, T, d, stride_cn):
-    """Keys and values n (BLOCK_N,) of one kv head (rows >= T zero), fp32: (BLOCK_N, D) each."""
+    """Keys and values n (BLOCK_N,) of one kv head (rows >= T zero), in the cache's dtype: (BLOCK_N, D) each."""
     n_ok = n < T
     at = n.to(tl.int64)[:, None] * stride_cn + d[None, :]
-    k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+    k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+    v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
     return k, v
 
 
 @triton.jit
 def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn,
                      D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr):
-    """Phase B: program (g, s) attends kv group g's GP (padded) query heads to key tiles s, s + S, ... of the
-    cache (S shares of the T keys) and stores its partial (acc, m, l) per head (base-2 logits). Each tile's
-    keys and values are loaded one tile ahead."""
+                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, PRECISION: tl.constexpr, dtype: tl.constexpr):
+    """Phase B: program (g, s) attends kv group g's query heads (GP rows, the group's padded to 16 for tl.dot)
+    to key tiles s, s + S, ... of the cache (S shares of the T keys) and stores its partial (acc, m, l) per head
+    (base-2 logits). QKᵀ and PV on the tensor cores (P as the sum of two dtype terms, so PV keeps about fp32's
+    accuracy); each tile's keys and values are loaded one tile ahead."""
     G: tl.constexpr = HQ // HKV
     n_tiles = tl.cdiv(T, BLOCK_N)
     g = pid // S
@@ -230,7 +245,7 @@ def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_
     n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,) the first tile
     k, v = _kv_tile(kc, vc, tl.where(mine > 0, n, T), T, d, stride_cn)
     q = tl.load(QBUF + h[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
-                cache_modifier=".cg").to(tl.float32)                         # (GP, D)
+                cache_modifier=".cg")                                        # (GP, D) dtype
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -238,13 +253,16 @@ def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_
         n_ok = n < T
         nxt = n + S * BLOCK_N
         k_next, v_next = _kv_tile(kc, vc, tl.where(it + 1 < mine, nxt, T), T, d, stride_cn)
-        sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale             # (GP, BLOCK_N), base 2
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale    # (GP, BLOCK_N), base 2
         sc = tl.where(n_ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)  # (GP, D)
+        p_hi = p.to(dtype)                                                   # P as two dtype terms: PV
+        p_lo = (p - p_hi.to(tl.float32)).to(dtype)                           # to ~fp32 accuracy
+        acc = tl.dot(p_hi, v, acc * alpha[:, None], input_precision=PRECISION)  # (GP, D)
+        acc = tl.dot(p_lo, v, acc, input_precision=PRECISION)
         m = m_new
         k = k_next
         v = v_next
@@ -304,6 +322,27 @@ def _phase_mlp(XM, WS, layer, eps, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, b
 
 
 @triton.jit
+def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, I: tl.constexpr,
+                 LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """Phase D's weights for this program's intermediate columns offs_i: fc / gate rows, up rows (SwiGLU; else
+    the fc rows again), down columns (each over the two column blocks), N₂'s gain and bias, the fc biases."""
+    wf = _addr(PTRS, layer, 8, dtype)
+    fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)          # (IB, A), (IB, B)
+    ua = fa
+    ub = fb
+    if SWIGLU:
+        ua, ub = _rows2(wf, offs_i + I, i_ok, C, offs_a, a_ok, offs_b, b_ok)
+    wd = _addr(PTRS, layer, 10, dtype) + offs_i[None, :]
+    da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
+    db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
+    g2a, g2b = _vec2(_addr(PTRS, layer, 6, dtype), offs_a, a_ok, offs_b, b_ok, True)
+    l2a, l2b = _vec2(_addr(PTRS, layer, 7, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+    bf1 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i, i_ok, FC_BIAS)
+    bf2 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
+    return fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2
+
+
+@triton.jit
 def _bias_rows(B, rows, ok, ON: tl.constexpr):
     """bias[rows] fp32 (zeros where not ON)."""
     if ON:
@@ -320,7 +359,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
-                         PHASE: tl.constexpr, TIMELINE: tl.constexpr):
+                         PRECISION: tl.constexpr, MLP_AT: tl.constexpr, PHASE: tl.constexpr,
+                         TIMELINE: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
@@ -328,7 +368,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
     after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
     (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
-    At each barrier a program arrives, loads the next phase's weights, then waits. TIMELINE (PHASE -1 only):
+    At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
+    load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
     D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer.
     """
@@ -384,13 +425,16 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL or PHASE == 2:
             wo = tl.load(_addr(PTRS, layer, 4, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
             bo = _bias_rows(_addr(PTRS, layer, 5, dtype), cols, c_ok, O_BIAS)
+        if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
+            fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
         if ALL:
             epoch += 1
             _wait(BAR, epoch * nprog)                                        # q, k, v written
             _stamp(TIMES, pid, layer, 2, TIMELINE)
         if ALL or PHASE == 1:
             _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
-                             BLOCK_N, MAX_S)
+                             BLOCK_N, MAX_S, PRECISION, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 3, TIMELINE)
             _arrive(BAR)
@@ -403,19 +447,9 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             _stamp(TIMES, pid, layer, 5, TIMELINE)
             _arrive(BAR)
         if ALL or PHASE == 3:
-            wf = _addr(PTRS, layer, 8, dtype)
-            fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)  # (IB, A), (IB, B)
-            ua = fa
-            ub = fb
-            if SWIGLU:
-                ua, ub = _rows2(wf, offs_i + I, i_ok, C, offs_a, a_ok, offs_b, b_ok)
-            wd = _addr(PTRS, layer, 10, dtype) + offs_i[None, :]
-            da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
-            db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
-            g2a, g2b = _vec2(_addr(PTRS, layer, 6, dtype), offs_a, a_ok, offs_b, b_ok, True)
-            l2a, l2b = _vec2(_addr(PTRS, layer, 7, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
-            bf1 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i, i_ok, FC_BIAS)
-            bf2 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
+            if MLP_AT == 3:
+                fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
             if ALL:
                 epoch += 1
                 _wait(BAR, epoch * nprog)                                    # x_mid written
@@ -637,10 +671,12 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     cos, sin = rope if rope is not None else (x, x)
     pa, pb = parts(plan.C)
     consts = dict(C=plan.C, PART_A=pa, PART_B=pb, D=plan.D, HQ=plan.HQ, HKV=plan.HKV,
-                  GP=_pow2_at_least(plan.HQ // plan.HKV), HP=_pow2_at_least(plan.HQ), I=plan.I,
+                  GP=_pow2_at_least(plan.HQ // plan.HKV, 16), HP=_pow2_at_least(plan.HQ), I=plan.I,
                   BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
                   FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
+    _mlp_at = 1 if MLP_EARLY else 3
+    consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
     args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
             timeline if timeline is not None else plan.bar)
@@ -648,16 +684,16 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     grid = (plan.programs,)
     with _triton.device_guard(x):
         if not phase_by_phase:
-            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, PHASE=-1,
+            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, MLP_AT=_mlp_at, PHASE=-1,
                                        TIMELINE=timeline is not None, num_warps=WARPS,
                                        num_stages=1)
             return out
         for layer in range(plan.n_layers):
             for phase in range(4):
-                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, PHASE=phase, TIMELINE=False,
+                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, MLP_AT=3, PHASE=phase, TIMELINE=False,
                                            num_warps=WARPS,
                                            num_stages=1)
-        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, PHASE=4, TIMELINE=False,
+        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, MLP_AT=3, PHASE=4, TIMELINE=False,
                                    num_warps=WARPS,
                                    num_stages=1)
     return out

@@ -15,7 +15,10 @@ decode attention:
                                                          its fusable() takes the shape; option
                                                          decode_fused_mlp)
 
-then the final norm and the LM head (PyTorch: cuBLAS streams the big matrix fastest): about 6 kernels per layer
+One sequence (batch 1) of a model up to STACK_MAX_C wide runs every layer in one persistent launch instead
+(kernels.decode_stack: the same phases separated by grid barriers, option decode_stack; stack_plan holds the
+model's address table and buffers). Either way, then the final norm and the LM head (PyTorch: cuBLAS streams the
+big matrix fastest): about 6 kernels per layer
 instead of the ~16 of the eager model (norms, GEMVs, bias adds, RoPE, cache scatters, activation, residual adds),
 which is what bounds a small model's decode speed (bench/NOTES.md). The blocks covered, by config:
 
@@ -121,6 +124,11 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
 # captured CUDA graph holds their addresses) and again only when its weights or caches are other tensors
 _stack_plans: dict = {}
 INTERPRETER_PROGRAMS = 24  # the interpreter's grid for the stack (programs run one after another there)
+# The widest model that the one-launch stack serves by default, from whole decode steps on an H200
+# (bench/results/generate_smollm2/stack/): SmolLM2-135M (C = 576) 493 against 712 us per step in per-layer
+# launches; GPT-2 124M (C = 768, 16 lane pairs and 32 intermediate columns a program, 204 B of spills) 417
+# against 295, so wider models keep the per-layer launches.
+STACK_MAX_C = 576
 
 
 def _stack_layers(model) -> list[dict]:
@@ -138,13 +146,13 @@ def _stack_layers(model) -> list[dict]:
 
 def stack_plan(model) -> StackPlan | None:
     """The model's plan for kernels.decode_stack (one launch for every layer of a one-sequence step), or None
-    where its shape does not fit (decode_stack.fits) or its norms mix kinds."""
+    where it is wider than STACK_MAX_C, its shape does not fit (decode_stack.fits) or its norms mix kinds."""
     tr, c = model.transformer, model.config
     attn = tr.h[0].attn
     device = model.lm_head.weight.device
     programs = INTERPRETER_PROGRAMS if interpreting() else _triton.sm_count(device)
     kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
-    if len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]:
+    if c.n_embd > STACK_MAX_C or len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]:
         return None
     if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
                   programs):

@@ -138,6 +138,19 @@ def test_plan_is_kept_and_rebuilt_for_other_tensors():
     assert stack_plan(other) is not again
 
 
+@torch.no_grad()
+def test_wider_models_keep_the_per_layer_launches():
+    """Above STACK_MAX_C (GPT-2 124M's 768 measured slower as one launch) the plan is None."""
+    from model import GPT, GPTConfig
+    wide = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=fd.STACK_MAX_C + 64,
+                         attention="naive")).to(DEVICE).eval()
+    wide.setup_kv_cache(1, 16)
+    assert stack_plan(wide) is None
+    narrow = family_model("gpt2-mha", torch.float32)
+    narrow.setup_kv_cache(1, 16)
+    assert stack_plan(narrow) is not None
+
+
 def test_fits_names_what_does_not_fit():
     assert fits(576, 1536, 64, 9, 3, torch.bfloat16, 132) is None    # SmolLM2-135M
     assert fits(768, 3072, 64, 12, 12, torch.bfloat16, 132) is None  # GPT-2 124M

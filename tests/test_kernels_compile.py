@@ -173,8 +173,10 @@ def compile_decode_launches() -> list[dict]:
             rec["ptxas"] = ptxas_usage(c)
         if rec["kernel"] == "_decode_stack_kernel":
             rec["ptxas"] = ptxas_usage(c)
-            ptx = c.asm["ptx"]  # the barrier: a releasing arrival, acquiring polls; other programs' data past L1
-            rec["barrier_ptx"] = dict(release_add=bool(re.search(r"atom\.global\.gpu\.release\.add", ptx)),
+            # the barrier: a releasing arrival (atom, or red where the count is unused: Triton 3.9), acquiring
+            # polls; other programs' data read past L1
+            ptx = c.asm["ptx"]
+            rec["barrier_ptx"] = dict(release_add=bool(re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)),
                                       acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx)
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages

@@ -31,7 +31,9 @@ Supported (checked by fits / StackPlan with a ValueError naming the problem):
              Hkv; each phase's blocks within one program per SM
     models   LayerNorm or RMSNorm (a gain, optional bias), GELU (tanh) or SwiGLU (w_fc rows [gate | up]),
              optional biases on every linear, RoPE (rotate-half tables) or none, GQA
-    devices  CUDA, every program resident at once (one per SM); under Triton's interpreter, where programs
+    devices  CUDA, every program resident at once (one per SM: a GPU shared with other work at the same time,
+             or partitioned below its SM count, cannot pass the barriers; they give up after seconds with a
+             device trap, and decode_stack=False avoids them); under Triton's interpreter, where programs
              run one after another and no barrier could be passed, each phase is its own launch
              (phase_by_phase=True), the same code without the barriers: that is what the CPU tests run.
 Weights are read through 64-bit addresses from the plan's table (no copies); every address must be 16-byte
@@ -60,6 +62,7 @@ WARPS = 8
 MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
+MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a barrier's polls before it gives up (~0.5 µs each)
 
 # the per-layer address table's columns
 W_QKV, B_QKV, LN1_W, LN1_B, W_O, B_O, LN2_W, LN2_B, W_FC, B_FC, W_DN, B_DN, K_CACHE, V_CACHE = range(14)
@@ -110,12 +113,23 @@ def _arrive(BAR):
 
 
 @triton.jit
+def _trap():
+    return tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait(BAR, target):
     """Until every program has arrived (the counter reaches target); their writes are visible after it. Loads
-    issued between _arrive and _wait (the next phase's weights) stream in while this program waits."""
+    issued between _arrive and _wait (the next phase's weights) stream in while this program waits. A wait of
+    more than MAX_POLLS polls (seconds: some program never became resident) ends the kernel with a trap, an
+    error on the host instead of a hang."""
     seen = _ld_acquire(BAR)
+    polls = 0
     while seen < target:
         seen = _ld_acquire(BAR)
+        polls += 1
+        if polls > MAX_POLLS:
+            _trap()
     tl.debug_barrier()
 
 

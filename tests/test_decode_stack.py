@@ -209,3 +209,35 @@ def test_one_launch_equals_phase_by_phase_on_the_gpu():
         assert plan.bar.tolist() == [0, 0]
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[2].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
+
+
+TRAPPED = """
+import torch
+import model.fused_decode as fd
+from kernels.decode_stack import StackPlan, decode_stack
+from tests.test_decode_stack import family_model
+m = family_model("smollm2", torch.bfloat16)
+m.setup_kv_cache(1, 16)
+attn = m.transformer.h[0].attn
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+plan = StackPlan(fd._stack_layers(m), n_head=attn.n_head, n_kv_head=attn.n_kv_head, head_dim=attn.head_dim,
+                 rms=True, swiglu=True, rope=True, programs=64 * sms)   # more programs than can be resident
+decode_stack(plan, torch.zeros(1, m.config.n_embd, device="cuda", dtype=torch.bfloat16),
+             torch.tensor([3], device="cuda"), fd.rope_tables(m, 16, torch.bfloat16))
+torch.cuda.synchronize()
+print("returned")
+"""
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the persistent launch needs a GPU")
+def test_a_grid_that_cannot_be_resident_fails_instead_of_hanging():
+    """Programs that never become resident leave the others waiting at the first barrier: after MAX_POLLS polls
+    the kernel traps, and the host sees a CUDA error (in a child process: the trap ends its CUDA context)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", TRAPPED], cwd=root, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode != 0 and "returned" not in proc.stdout, proc.stdout[-2000:]
+    assert "CUDA" in proc.stderr or "cuda" in proc.stderr, proc.stderr[-2000:]

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from . import _triton
+from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
@@ -64,9 +65,24 @@ MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this m
 BLOCK_N = 32       # keys per tile in phase B
 MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a barrier's polls before it gives up (~0.5 µs each)
 
-# the per-layer address table's columns
-W_QKV, B_QKV, LN1_W, LN1_B, W_O, B_O, LN2_W, LN2_B, W_FC, B_FC, W_DN, B_DN, K_CACHE, V_CACHE = range(14)
-N_PTRS = 14
+# the per-layer address table's columns (TABLE the tensor each holds; absent biases are address 0)
+TABLE = ("w_qkv", "b_qkv", "ln1_w", "ln1_b", "w_o", "b_o", "ln2_w", "ln2_b", "w_fc", "b_fc", "w_down", "b_down",
+         "k_cache", "v_cache")
+W_QKV: tl.constexpr = tl.constexpr(0)
+B_QKV: tl.constexpr = tl.constexpr(1)
+LN1_W: tl.constexpr = tl.constexpr(2)
+LN1_B: tl.constexpr = tl.constexpr(3)
+W_O: tl.constexpr = tl.constexpr(4)
+B_O: tl.constexpr = tl.constexpr(5)
+LN2_W: tl.constexpr = tl.constexpr(6)
+LN2_B: tl.constexpr = tl.constexpr(7)
+W_FC: tl.constexpr = tl.constexpr(8)
+B_FC: tl.constexpr = tl.constexpr(9)
+W_DN: tl.constexpr = tl.constexpr(10)
+B_DN: tl.constexpr = tl.constexpr(11)
+K_CACHE: tl.constexpr = tl.constexpr(12)
+V_CACHE: tl.constexpr = tl.constexpr(13)
+N_PTRS: tl.constexpr = tl.constexpr(len(TABLE))
 
 
 @contextlib.contextmanager
@@ -84,7 +100,7 @@ def early_mlp(on: bool = True):
 @triton.jit
 def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
     """Column j of the address table's row `layer`, as a pointer to dtype (16-byte aligned: the plan checks)."""
-    a = tl.multiple_of(tl.load(PTRS + layer * 14 + j), 16)
+    a = tl.multiple_of(tl.load(PTRS + layer * N_PTRS + j), 16)
     return a.to(tl.pointer_type(dtype))
 
 
@@ -347,19 +363,19 @@ def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.co
                  LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
     """Phase D's weights for this program's intermediate columns offs_i: fc / gate rows, up rows (SwiGLU; else
     the fc rows again), down columns (each over the two column blocks), N₂'s gain and bias, the fc biases."""
-    wf = _addr(PTRS, layer, 8, dtype)
+    wf = _addr(PTRS, layer, W_FC, dtype)
     fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)          # (IB, A), (IB, B)
     ua = fa
     ub = fb
     if SWIGLU:
         ua, ub = _rows2(wf, offs_i + I, i_ok, C, offs_a, a_ok, offs_b, b_ok)
-    wd = _addr(PTRS, layer, 10, dtype) + offs_i[None, :]
+    wd = _addr(PTRS, layer, W_DN, dtype) + offs_i[None, :]
     da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
     db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
-    g2a, g2b = _vec2(_addr(PTRS, layer, 6, dtype), offs_a, a_ok, offs_b, b_ok, True)
-    l2a, l2b = _vec2(_addr(PTRS, layer, 7, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
-    bf1 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i, i_ok, FC_BIAS)
-    bf2 = _bias_rows(_addr(PTRS, layer, 9, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
+    g2a, g2b = _vec2(_addr(PTRS, layer, LN2_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
+    l2a, l2b = _vec2(_addr(PTRS, layer, LN2_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+    bf1 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i, i_ok, FC_BIAS)
+    bf2 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
     return fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2
 
 
@@ -421,16 +437,16 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     epoch = 0
     if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
         layer = layer0
-        w1a, w1b = _rows2(_addr(PTRS, layer, 0, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
-        w2a, w2b = _rows2(_addr(PTRS, layer, 0, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-        g1a, g1b = _vec2(_addr(PTRS, layer, 2, dtype), offs_a, a_ok, offs_b, b_ok, True)
-        l1a, l1b = _vec2(_addr(PTRS, layer, 3, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
-        bq1 = _bias_rows(_addr(PTRS, layer, 1, dtype), rows1, r_ok, QKV_BIAS)
-        bq2 = _bias_rows(_addr(PTRS, layer, 1, dtype), rows2, r_ok, QKV_BIAS)
+        w1a, w1b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
+        w2a, w2b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+        g1a, g1b = _vec2(_addr(PTRS, layer, LN1_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
+        l1a, l1b = _vec2(_addr(PTRS, layer, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+        bq1 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
+        bq2 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
         bpa, bpb = _vec2(_addr(PTRS, tl.maximum(layer - 1, 0), 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
     for layer in range(layer0, layer0 + n_layers):
-        KC = _addr(PTRS, layer, 12, dtype)
-        VC = _addr(PTRS, layer, 13, dtype)
+        KC = _addr(PTRS, layer, K_CACHE, dtype)
+        VC = _addr(PTRS, layer, V_CACHE, dtype)
         if ALL:
             if layer > layer0:
                 epoch += 1
@@ -444,8 +460,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             _stamp(TIMES, pid, layer, 1, TIMELINE)
             _arrive(BAR)
         if ALL or PHASE == 2:
-            wo = tl.load(_addr(PTRS, layer, 4, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
-            bo = _bias_rows(_addr(PTRS, layer, 5, dtype), cols, c_ok, O_BIAS)
+            wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
+            bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
         if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
             fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
                 PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
@@ -482,16 +498,16 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             _arrive(BAR)
             # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
             nl = tl.minimum(layer + 1, layer0 + n_layers - 1)
-            w1a, w1b = _rows2(_addr(PTRS, nl, 0, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-            w2a, w2b = _rows2(_addr(PTRS, nl, 0, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-            g1a, g1b = _vec2(_addr(PTRS, nl, 2, dtype), offs_a, a_ok, offs_b, b_ok, True)
-            l1a, l1b = _vec2(_addr(PTRS, nl, 3, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
-            bq1 = _bias_rows(_addr(PTRS, nl, 1, dtype), rows1, r_ok, QKV_BIAS)
-            bq2 = _bias_rows(_addr(PTRS, nl, 1, dtype), rows2, r_ok, QKV_BIAS)
-            bpa, bpb = _vec2(_addr(PTRS, layer, 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+            w1a, w1b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+            w2a, w2b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+            g1a, g1b = _vec2(_addr(PTRS, nl, LN1_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
+            l1a, l1b = _vec2(_addr(PTRS, nl, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+            bq1 = _bias_rows(_addr(PTRS, nl, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
+            bq2 = _bias_rows(_addr(PTRS, nl, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
+            bpa, bpb = _vec2(_addr(PTRS, layer, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
     if ALL or PHASE == 4:
         last = layer0 + n_layers
-        bpa, bpb = _vec2(_addr(PTRS, last - 1, 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+        bpa, bpb = _vec2(_addr(PTRS, last - 1, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
         if ALL:
             epoch += 1
             _wait(BAR, epoch * nprog)                                        # the last Σ_down complete
@@ -507,15 +523,6 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
 
 
 _triton.check_decorated(_decode_stack_kernel)
-
-
-def parts(C: int) -> tuple[int, int]:
-    """C as two power-of-two column blocks (a, b): a the largest power of two below C (C / 2 when C is one),
-    b the rest rounded up to a power of two."""
-    a = 1 << (C.bit_length() - 1)
-    if a == C and C > 1:
-        a //= 2
-    return a, triton.next_power_of_2(max(C - a, 1))
 
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
@@ -582,11 +589,8 @@ class StackPlan:
                     or vc.stride() != kc.stride() or kc.shape[1] != HKV or kc.shape[3] != D or kc.stride(3) != 1):
                 raise ValueError(f"decode_stack: layer {i} caches must be (B', {HKV}, max_len, {D}) with unit "
                                  "stride along D, the same shape and strides in every layer")
-            ln1, ln2 = lay["ln1"], lay["ln2"]
-            ptrs = [lay["w_qkv"], lay["b_qkv"], ln1[0], ln1[1], lay["w_o"], lay["b_o"], ln2[0], ln2[1],
-                    lay["w_fc"], lay["b_fc"], lay["w_down"], lay["b_down"], kc, vc]
             row = []
-            for t in ptrs:
+            for t in _table_tensors(lay):
                 if t is None:
                     row.append(0)
                     continue
@@ -613,13 +617,15 @@ class StackPlan:
         """Whether `layers` still has the tensors (addresses) this plan was built from."""
         if len(layers) != self.n_layers:
             return False
-        for row, lay in zip(self.addresses, layers):
-            ts = [lay["w_qkv"], lay["b_qkv"], lay["ln1"][0], lay["ln1"][1], lay["w_o"], lay["b_o"], lay["ln2"][0],
-                  lay["ln2"][1], lay["w_fc"], lay["b_fc"], lay["w_down"], lay["b_down"], lay["k_cache"],
-                  lay["v_cache"]]
-            if [0 if t is None else t.data_ptr() for t in ts] != row:
-                return False
-        return True
+        return all([0 if t is None else t.data_ptr() for t in _table_tensors(lay)] == row
+                   for row, lay in zip(self.addresses, layers))
+
+
+def _table_tensors(lay: dict) -> list:
+    """A layer's tensors in the address table's column order (TABLE; None for an absent bias)."""
+    ln1, ln2 = lay["ln1"], lay["ln2"]
+    by_name = dict(lay, ln1_w=ln1[0], ln1_b=ln1[1], ln2_w=ln2[0], ln2_b=ln2[1])
+    return [by_name[name] for name in TABLE]
 
 
 def _blocks(C: int, I: int, D: int, HQ: int, HKV: int, programs: int) -> dict:
@@ -690,7 +696,7 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
                          "with the one-launch form")
     out = _triton.empty((1, plan.C), x.dtype, x.device)
     cos, sin = rope if rope is not None else (x, x)
-    pa, pb = parts(plan.C)
+    pa, pb = _parts(plan.C)
     consts = dict(C=plan.C, PART_A=pa, PART_B=pb, D=plan.D, HQ=plan.HQ, HKV=plan.HKV,
                   GP=_pow2_at_least(plan.HQ // plan.HKV, 16), HP=_pow2_at_least(plan.HQ), I=plan.I,
                   BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
@@ -720,4 +726,4 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     return out
 
 
-__all__ = ["StackPlan", "decode_stack", "fits", "parts", "MAX_C", "MAX_SPLITS"]
+__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "MAX_C", "MAX_SPLITS"]

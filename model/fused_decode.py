@@ -168,8 +168,8 @@ def stack_plan(model) -> StackPlan | None:
     except ValueError:  # a layer unlike the first (shapes, biases, eps): the per-layer launches take it
         return None
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        for k in [k for k, v in _stack_plans.items() if v[0]() is None]:
-            del _stack_plans[k]
+        if hit is None:  # the plan holds the model's weights and caches: it goes with the model
+            weakref.finalize(model, _stack_plans.pop, id(model), None)
         _stack_plans[id(model)] = (weakref.ref(model), plan)
     return plan
 

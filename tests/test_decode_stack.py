@@ -136,6 +136,11 @@ def test_plan_is_kept_and_rebuilt_for_other_tensors():
     other = family_model("smollm2", torch.float32)               # another model: its own plan
     other.setup_kv_cache(1, 32)
     assert stack_plan(other) is not again
+    key = id(other)
+    del other                                                    # the plan (holding its tensors) goes with it
+    import gc
+    gc.collect()
+    assert key not in fd._stack_plans and id(model) in fd._stack_plans
 
 
 @torch.no_grad()

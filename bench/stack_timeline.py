@@ -3,16 +3,16 @@
     python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--out DIR]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
---pos positions; the stack runs once per run with its timeline on: every program with work in a phase stamps
-the GPU's global timer (%globaltimer, nanoseconds, one clock for all SMs) when it has the phase's inputs and at
-the phase's end (A: norm + QKV + RoPE, B: attention shares, M: merge of a head's shares, C: output projection +
-residual, D1: norm + MLP up, D2: MLP down + residual). Per phase, over layers 1..L-2 and the runs (medians):
+--pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
+(%globaltimer, nanoseconds, one clock for all SMs) at the end of each phase (A: norm + QKV + RoPE + cache write,
+B: attention shares, C: merge + output projection + residual, D: MLP with the down projection's atomics) and
+after each barrier's wait. Per phase, averaged over layers 1..L-1 and the runs:
 
-    programs      how many programs have work in the phase
-    handoff µs    from the last program of the phase before ending to the median program having its inputs:
-                  what passing the words on costs
-    work µs       from having its inputs to its end: median over the programs, and the slowest
-    span µs       from the last end of the phase before to this phase's last end (the spans add up to a layer)
+    work µs       the phase's time in a program, from leaving the barrier before it to its end: median over the
+                  programs, and the slowest program
+    barrier µs    from the slowest program's phase end (its arrival follows) to the median program leaving the
+                  wait: what a grid barrier costs beyond the work
+    phase µs      from the median program leaving the barrier before the phase to the median leaving the one after
 
 Then the same launch without the timeline, timed as a CUDA graph of 20 back-to-back launches: µs per launch (the
 stamps themselves add a little). Needs a CUDA GPU. Writes stack_timeline_<model>.md and .json to --out (default
@@ -33,9 +33,9 @@ import torch  # noqa: E402
 
 from bench.generate import build_model  # noqa: E402
 from model.fused_decode import rope_tables, stack_plan  # noqa: E402
-from kernels.decode_stack import N_STAMPS, decode_stack  # noqa: E402
+from kernels.decode_stack import decode_stack, early_mlp  # noqa: E402
 
-PHASES = ["A qkv", "B attention", "M merge", "C out-proj", "D1 mlp up", "D2 mlp down"]
+PHASES = [("A qkv", 0, 1, 2), ("B attention", 2, 3, 4), ("C out-proj", 4, 5, 6), ("D mlp", 6, 7, 0)]
 
 
 def parse_args(argv=None):
@@ -43,37 +43,37 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
     p.add_argument("--pos", type=int, default=255, help="the token's position (cache length - 1), default 255")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--early-mlp", action="store_true", help="phase D's weights loaded after phase A "
+                   "(kernels.decode_stack.early_mlp) instead of after phase C")
     p.add_argument("--out", default=str(ROOT / "bench/results/generate_smollm2/stack"))
     return p.parse_args(argv)
 
 
 def analyse(times: torch.Tensor, n_layers: int) -> list[dict]:
-    """times (runs, programs, n_layers, N_STAMPS) ns, 0 where a program had no work → per phase: programs,
-    handoff, work (median, slowest), span µs."""
+    """times (runs, programs, n_layers, 8) ns → per phase: work (median, slowest), barrier, phase µs."""
     rows = []
-    for p, name in enumerate(PHASES):
-        cols = {k: [] for k in ("programs", "handoff", "work_med", "work_max", "span")}
+    for name, start_k, end_k, next_k in PHASES:
+        work_med, work_max, barrier, phase = [], [], [], []
         for r in range(times.shape[0]):
             for layer in range(1, n_layers - 1):
-                t = times[r, :, layer].double()                              # (programs, N_STAMPS)
-                before = t[:, 2 * p - 1] if p else times[r, :, layer - 1, 2 * len(PHASES) - 1].double()
-                prev_end = before[before > 0].max()
-                active = t[:, 2 * p + 1] > 0
-                got, end = t[active, 2 * p], t[active, 2 * p + 1]
-                cols["programs"].append(int(active.sum()))
-                cols["handoff"].append((got.median() - prev_end).item() / 1e3)
-                cols["work_med"].append((end - got).median().item() / 1e3)
-                cols["work_max"].append((end - got).max().item() / 1e3)
-                cols["span"].append((end.max() - prev_end).item() / 1e3)
-        rows.append(dict(phase=name, programs=statistics.median(cols["programs"]),
-                         handoff_us=statistics.median(cols["handoff"]), work_median_us=statistics.median(cols["work_med"]),
-                         work_slowest_us=statistics.median(cols["work_max"]), span_us=statistics.median(cols["span"])))
+                t = times[r, :, layer].double()                              # (programs, 8)
+                start, end = t[:, start_k], t[:, end_k]
+                nxt = times[r, :, layer + 1, 0].double() if next_k == 0 else t[:, next_k]
+                work = (end - start) / 1e3
+                work_med.append(work.median().item())
+                work_max.append(work.max().item())
+                barrier.append((nxt.median() - end.max()).item() / 1e3)
+                phase.append((nxt.median() - start.median()).item() / 1e3)
+        rows.append(dict(phase=name, work_median_us=statistics.median(work_med),
+                         work_slowest_us=statistics.median(work_max), barrier_us=statistics.median(barrier),
+                         phase_us=statistics.median(phase)))
     return rows
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run(args, argv)
+    with early_mlp(args.early_mlp):
+        return run(args, argv)
 
 
 def run(args, argv) -> int:
@@ -94,12 +94,11 @@ def run(args, argv) -> int:
     rope = rope_tables(model, max_len, dtype) if model.rotary is not None else None
     x = torch.randn(1, model.config.n_embd, device=device).to(dtype)
     pos = torch.tensor([args.pos], device=device)
-    timeline = torch.zeros(plan.programs, 1024, N_STAMPS.value, dtype=torch.int64, device=device)
+    timeline = torch.zeros(plan.programs, 1024, 8, dtype=torch.int64, device=device)
     for _ in range(3):
         decode_stack(plan, x, pos, rope)
     runs = []
     for _ in range(args.runs):
-        timeline.zero_()
         decode_stack(plan, x, pos, rope, timeline=timeline)
         torch.cuda.synchronize()
         runs.append(timeline[:, :plan.n_layers].clone().cpu())
@@ -124,25 +123,26 @@ def run(args, argv) -> int:
         torch.cuda.synchronize()
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
-    meta = dict(model=args.model, pos=args.pos, runs=args.runs, programs=plan.programs, layers=plan.n_layers,
+    meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, runs=args.runs, programs=plan.programs, layers=plan.n_layers,
                 blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python bench/stack_timeline.py " + " ".join(argv or sys.argv[1:]))
     lines = [f"# One-launch decode step timeline: {args.model}, position {args.pos}", "",
              f"`{meta['command']}`", "",
              f"{meta['gpu']}, torch {meta['torch']}; {plan.programs} programs, {plan.n_layers} layers, tiles "
              f"{plan.blocks}, up to {plan.max_splits} key shares per kv group. Medians over layers 1..L-2 and "
-             f"{args.runs} runs (bench/stack_timeline.py explains the columns).", "",
-             "| phase | programs | handoff µs | work µs (median program) | work µs (slowest) | span µs |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"{args.runs} runs (bench/stack_timeline.py explains the columns). Phase D's weights loaded "
+             f"{'after phase A' if args.early_mlp else 'after phase C'}.", "",
+             "| phase | work µs (median program) | work µs (slowest) | barrier µs | phase µs |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['phase']} | {r['programs']:.0f} | {r['handoff_us']:.2f} | {r['work_median_us']:.2f} | "
-                     f"{r['work_slowest_us']:.2f} | {r['span_us']:.2f} |")
-    per_layer = sum(r["span_us"] for r in rows)
+        lines.append(f"| {r['phase']} | {r['work_median_us']:.2f} | {r['work_slowest_us']:.2f} | "
+                     f"{r['barrier_us']:.2f} | {r['phase_us']:.2f} |")
+    per_layer = sum(r["phase_us"] for r in rows)
     lines += ["", f"Per layer {per_layer:.1f} µs; the launch without the timeline: **{launch_us:.1f} µs** "
               f"(CUDA graph of 20 launches, median of 5 replays)."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"stack_timeline_{args.model}"
+    name = f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,
                                                                            launch_us=launch_us), indent=1))

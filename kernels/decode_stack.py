@@ -1,5 +1,4 @@
-"""Every layer of a one-sequence decode step in one persistent launch: the phases hand their outputs on as
-self-validating words, with no grid barrier.
+"""Every layer of a one-sequence decode step in one persistent launch: the phases meet at grid barriers.
 
     plan = StackPlan(layers, ...)                 the layers' weights and caches as a table of addresses
     x_out = decode_stack(plan, x, pos, rope)      x (1, C) the embedded token → the last layer's output (1, C)
@@ -8,48 +7,48 @@ self-validating words, with no grid barrier.
 A decode step of a narrow model at batch 1 is a chain of ~4 small kernels per layer (ln_linear.py,
 decode.py, decode_mlp.py): each pays its launch, its ramp and its memory latency, so a 30-layer model's step
 is bound by ~120 launch boundaries, not by its weights' bytes (bench/NOTES.md). Here one launch of one program
-per SM runs the whole stack, six phases per layer:
+per SM runs the whole stack. Each layer is four phases, separated by grid barriers (an arrival counter in
+global memory, release / acquire at GPU scope) instead of kernel boundaries, and every program loads the
+weights of its next phase before it waits at the barrier, so the weights stream while the slowest program of
+the phase before finishes:
 
-    A   q, k, v = rope(N₁(x) W_qkvᵀ + b)      PA lane pairs (i, i + D/2) of one head a program; k, v also into
-                                            the cache at pos (read by later steps)
-    B   attention of one kv group over one strided share of the cache's key tiles → a partial (acc, m, l)
-                                            per head; share 0 adds the token's own key and value
-    M   one head's partials merged → y       (one program per head)
-    C   x_mid = x + round(y W_oᵀ + b_o)        OC_N output columns a program
-    D1  h = act(N₂(x_mid) W_fcᵀ + b_fc)       IB_N intermediate columns a program
-    D2  x = x_mid + round(h W_downᵀ + b_down)  the same OC_N columns as C (x_mid and x never leave the program)
+    A   x = x_mid + round(Σ_down + b_down)  (the previous layer's MLP sums; the embedding at layer 0)
+        q, k, v = rope(N₁(x) W_qkvᵀ + b)     each program PA lane pairs (i, i + D/2) of one head; k, v into
+                                            the cache at pos, q into a buffer
+    B   attention of one kv group over one strided share of the cache's key tiles → partial (m, l, acc)
+    C   y = merge of the partials (every head); x_mid = x + round(y W_oᵀ + b_o)    OC output columns a program
+    D   h = act(N₂(x_mid) W_fcᵀ + b_fc)       IB intermediate columns a program (h never leaves it), and
+        Σ_down[l + 1] += h W_downᵀ[:, cols] with fp32 atomics
 
-Every value a phase hands on travels as one 64-bit word: the fp32 value in the low half, a flag in the high half
-(the launch's epoch and the layer). A consumer loads the words it needs (volatile loads, which read L2) until
-every one carries the flag it expects; an 8-byte store is seen whole or not at all, so the flag vouches for its
-value and no fence, counter or barrier is needed (the low-latency protocol of NCCL's LL). Each program loads
-its next phase's weights before it polls that phase's inputs, so the weights stream while the producers
-finish. A program polls only in the phases where it has work: every buffer is rewritten only after all its
-readers have finished (each phase needs all of the one before it), so no word is overwritten before it is
-read. The last program to leave a launch advances the epoch (SYNC[0]) for the next.
-
-Rounding follows the eager model in its dtype as ln_linear's does (norm outputs, each linear's output with its
-bias, RoPE's products, SiLU and h, the attention output, each residual add); the attention itself and every
-sum run in fp32. Each phase's arithmetic runs in one program in a fixed order: the output is deterministic.
+and after the last layer x_out = x_mid + round(Σ_down + b_down). Rounding follows the eager model in its dtype
+as ln_linear's does (norm outputs, each linear's output with its bias, RoPE's products, SiLU and h, the
+attention output, each residual add); the attention itself and every sum run in fp32.
 
 Supported (checked by fits / StackPlan with a ValueError naming the problem):
     dtypes   float16, bfloat16, float32 (one for x, weights, caches and RoPE tables)
-    shapes   one sequence (batch 1); C <= MAX_C and the MLP width each held as two power-of-two blocks (576 =
-             512 + 64); head dim a power of two 16..128 with caches (B', Hkv, max_len, D) unit-strided along D;
-             Hq a multiple of Hkv; each phase's rows within one program per SM; at most MAX_LAYERS layers
+    shapes   one sequence (batch 1); C <= MAX_C held as two power-of-two blocks (576 = 512 + 64); head dim a
+             power of two 16..128 with caches (B', Hkv, max_len, D) unit-strided along D; Hq a multiple of
+             Hkv; each phase's blocks within one program per SM
     models   LayerNorm or RMSNorm (a gain, optional bias), GELU (tanh) or SwiGLU (w_fc rows [gate | up]),
              optional biases on every linear, RoPE (rotate-half tables) or none, GQA
-    devices  CUDA, every program resident at once (one per SM: on a GPU shared with other work at the same
-             time, or partitioned below its SM count, a program can wait for one that never runs; it gives up
-             after seconds with a device trap, and decode_stack=False avoids the stack); under Triton's
-             interpreter, where programs run one after another and could not wait for each other, each phase
-             is its own launch (phase_by_phase=True), the same code reading words that are already there:
-             that is what the CPU tests run.
+    devices  CUDA, every program resident at once (one per SM: a GPU shared with other work at the same time,
+             or partitioned below its SM count, cannot pass the barriers; they give up after seconds with a
+             device trap, and decode_stack=False avoids them); under Triton's interpreter, where programs
+             run one after another and no barrier could be passed, each phase is its own launch
+             (phase_by_phase=True), the same code without the barriers: that is what the CPU tests run.
 Weights are read through 64-bit addresses from the plan's table (no copies); every address must be 16-byte
 aligned. Inference only.
+
+Measured on an H200 (bench/results/generate_smollm2/stack/, bf16, batch 1, prompt 128 + 256 new tokens):
+SmolLM2-135M's step 493 µs against 712 in per-layer launches (546 against 378 GB/s of weights); GPT-2 124M's
+417 against 295 (its programs hold 32-row tiles and spill), so model.fused_decode serves widths up to 576 with
+it. The timeline (bench/stack_timeline.py) gives each phase ~3-4 µs, about 1-2 µs of it the barrier: 14 µs a
+layer against ~23 in launches. Loading phase D's weights during attention (early_mlp) spilled and was slower
+(525 against 439 µs a launch).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -57,15 +56,14 @@ import triton
 import triton.language as tl
 
 from . import _triton
-from .decode_mlp import _parts  # a width as two power-of-two blocks
+from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
-MAX_I_TILE = 32768  # phase D2's (OC, I) weight tile, elements
-MAX_LAYERS = 1000  # a flag holds the layer in its low 10 bits
 WARPS = 8
-MAX_SPLITS = 16    # key shares per kv group in phase B (a head's merge reads at most this many partials)
+MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
+MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
-MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a consumer's polls before it gives up (~0.5 µs each)
+MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a barrier's polls before it gives up (~0.5 µs each)
 
 # the per-layer address table's columns (TABLE the tensor each holds; absent biases are address 0)
 TABLE = ("w_qkv", "b_qkv", "ln1_w", "ln1_b", "w_o", "b_o", "ln2_w", "ln2_b", "w_fc", "b_fc", "w_down", "b_down",
@@ -85,7 +83,18 @@ B_DN: tl.constexpr = tl.constexpr(11)
 K_CACHE: tl.constexpr = tl.constexpr(12)
 V_CACHE: tl.constexpr = tl.constexpr(13)
 N_PTRS: tl.constexpr = tl.constexpr(len(TABLE))
-N_STAMPS: tl.constexpr = tl.constexpr(16)  # timeline stamps per layer (k = 2p, 2p + 1 for phase p = 0..5)
+
+
+@contextlib.contextmanager
+def early_mlp(on: bool = True):
+    """Inside the block, launches load phase D's weights right after phase A (they stream in during attention,
+    held in registers through phases B and C) instead of after phase C: benchmark A/B runs."""
+    global MLP_EARLY
+    old, MLP_EARLY = MLP_EARLY, bool(on)
+    try:
+        yield
+    finally:
+        MLP_EARLY = old
 
 
 @triton.jit
@@ -96,13 +105,27 @@ def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _ld_acquire(p):
+    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _stamp(TIMES, pid, layer, k: tl.constexpr, ON: tl.constexpr):
     """With ON: the GPU's global nanosecond timer into TIMES[pid, layer, k] (the phase timeline)."""
     if ON:
         tl.debug_barrier()
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                       pack=1)
-        tl.store(TIMES + (pid * 1024 + layer) * N_STAMPS + k, t)
+        tl.store(TIMES + (pid * 1024 + layer) * 8 + k, t)
+
+
+@triton.jit
+def _arrive(BAR):
+    """This program is done with the phase: its writes (every thread's) become visible to any program that
+    sees the counter include this arrival."""
+    tl.debug_barrier()                                    # the whole program's writes precede the arrival
+    tl.atomic_add(BAR, 1, sem="release", scope="gpu")      # one thread arrives for the program
 
 
 @triton.jit
@@ -110,91 +133,21 @@ def _trap():
     return tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Words that carry their own flag: (flag << 32) | bits(fp32 value)
-
 @triton.jit
-def _put(P, v, ok, flag, RELAXED: tl.constexpr):
-    """fp32 values v into words P (where ok) with this exchange's flag. RELAXED: relaxed GPU-scope stores (what
-    the one-launch form polls on); else plain stores (phase-by-phase launches, ordered by the launches)."""
-    bits = v.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)
-    w = ((bits * 0 + flag) << 32) | bits
-    if RELAXED:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.gpu.global.b64 [$1], $2; }\n\tmov.u32 $0, 0;",
-            "=r,l,l,r", [P, w, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(P, w, mask=ok)
+def _wait(BAR, target):
+    """Until every program has arrived (the counter reaches target); their writes are visible after it. Loads
+    issued between _arrive and _wait (the next phase's weights) stream in while this program waits. A wait of
+    more than MAX_POLLS polls (seconds: some program never became resident) ends the kernel with a trap, an
+    error on the host instead of a hang."""
+    seen = _ld_acquire(BAR)
+    polls = 0
+    while seen < target:
+        seen = _ld_acquire(BAR)
+        polls += 1
+        if polls > MAX_POLLS:
+            _trap()
+    tl.debug_barrier()
 
-
-@triton.jit
-def _look(P, ok, flag):
-    """Words P (where ok), read from L2, and how many of them do not carry flag yet."""
-    w = tl.load(P, mask=ok, other=0, volatile=True)
-    return w, tl.sum(tl.where(ok & ((w >> 32).to(tl.int32) != flag), 1, 0), axis=None)
-
-
-@triton.jit
-def _value(w, ok, flag):
-    """The fp32 values of words w: 0 where not ok, NaN where a word does not carry flag."""
-    v = w.to(tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(ok, tl.where((w >> 32).to(tl.int32) == flag, v, float("nan")), 0.0)
-
-
-@triton.jit
-def _give_up(polls):
-    if polls > MAX_POLLS:  # a producer that never runs (not resident): an error on the host instead of a hang
-        _trap()
-
-
-@triton.jit
-def _poll1(P, ok, flag, WAIT: tl.constexpr):
-    """Values of words P (where ok; 0 elsewhere) once they all carry flag (WAIT), or as they are (NaN where
-    stale: phase-by-phase launches, where they are there already)."""
-    w, stale = _look(P, ok, flag)
-    if WAIT:
-        polls = 0
-        while stale > 0:
-            w, stale = _look(P, ok, flag)
-            polls += 1
-            _give_up(polls)
-    return _value(w, ok, flag)
-
-
-@triton.jit
-def _poll2(P1, ok1, P2, ok2, flag, WAIT: tl.constexpr):
-    """_poll1 of two sets of words at once."""
-    w1, s1 = _look(P1, ok1, flag)
-    w2, s2 = _look(P2, ok2, flag)
-    if WAIT:
-        polls = 0
-        while s1 + s2 > 0:
-            w1, s1 = _look(P1, ok1, flag)
-            w2, s2 = _look(P2, ok2, flag)
-            polls += 1
-            _give_up(polls)
-    return _value(w1, ok1, flag), _value(w2, ok2, flag)
-
-
-@triton.jit
-def _poll3(P1, ok1, P2, ok2, P3, ok3, flag, WAIT: tl.constexpr):
-    """_poll1 of three sets of words at once."""
-    w1, s1 = _look(P1, ok1, flag)
-    w2, s2 = _look(P2, ok2, flag)
-    w3, s3 = _look(P3, ok3, flag)
-    if WAIT:
-        polls = 0
-        while s1 + s2 + s3 > 0:
-            w1, s1 = _look(P1, ok1, flag)
-            w2, s2 = _look(P2, ok2, flag)
-            w3, s3 = _look(P3, ok3, flag)
-            polls += 1
-            _give_up(polls)
-    return _value(w1, ok1, flag), _value(w2, ok2, flag), _value(w3, ok3, flag)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Shared pieces
 
 @triton.jit
 def _rows2(W, rows, ok, stride, offs_a, a_ok, offs_b, b_ok):
@@ -224,6 +177,19 @@ def _gemv(wa, wb, xa, xb):
 
 
 @triton.jit
+def _residual(X0, XM, WS, bias, layer, offs, ok, C: tl.constexpr, dtype: tl.constexpr):
+    """The residual stream entering `layer` at columns offs, fp32 of dtype values: the embedding at layer 0,
+    else x_mid + round(Σ_down[layer] + b_down of layer - 1) (bias: its values there, fp32), rounded as eager."""
+    at = offs * 0 + layer                                                    # (R,) (a tensor & a tensor)
+    later = at > 0
+    x = tl.load(X0 + offs, mask=ok & (at == 0), other=0.0).to(tl.float32)
+    x += tl.load(XM + offs, mask=ok & later, other=0.0, cache_modifier=".cg").to(tl.float32)
+    s = tl.load(WS + layer * C + offs, mask=ok & later, other=0.0, cache_modifier=".cg")
+    s += tl.where(later, bias, 0.0)
+    return (s.to(dtype).to(tl.float32) + x).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _normed(xa, xb, ga, gb, ba, bb, a_ok, b_ok, eps, C: tl.constexpr, RMS: tl.constexpr, dtype: tl.constexpr):
     """N(x) over the two blocks (gain ga/gb, bias ba/bb: zeros without one), rounded as eager, fp32."""
     if RMS:  # eager rounds x / rms to dtype, then the product with the gain
@@ -241,41 +207,20 @@ def _normed(xa, xb, ga, gb, ba, bb, a_ok, b_ok, eps, C: tl.constexpr, RMS: tl.co
 
 
 @triton.jit
-def _bias_rows(B, rows, ok, ON: tl.constexpr):
-    """bias[rows] fp32 (zeros where not ON)."""
-    if ON:
-        return tl.load(B + rows, mask=ok, other=0.0).to(tl.float32)
-    return tl.zeros(rows.shape, tl.float32)
-
-
-@triton.jit
-def _kv_tile(KC, VC, n, T, d, stride_cn):
-    """Keys and values n (BLOCK_N,) of one kv head (rows >= T zero), in the cache's dtype: (BLOCK_N, D) each."""
-    n_ok = n < T
-    at = n.to(tl.int64)[:, None] * stride_cn + d[None, :]
-    k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-    v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-    return k, v
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The phases (each one program's share; every weight arrives prefetched)
-
-@triton.jit
-def _phase_qkv(X0, LR, LQ, KC, VC, COS, SIN, layer, pos, flag, eps, stride_ch, stride_cn, stride_rope,
-               w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, rows1, rows2, r_ok,
+def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps, stride_ch, stride_cn, stride_rope,
+               w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2, r_ok,
                offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-               RMS: tl.constexpr, ROPE: tl.constexpr, WAIT: tl.constexpr, dtype: tl.constexpr, TIMES, pid,
-               TL: tl.constexpr):
-    """Phase A: the residual stream entering `layer` (the embedding at layer 0, else the words of D2), N₁, the
-    QKV rows1/rows2 (lane pairs) with their biases bq1/bq2, RoPE; q, k, v into LQ, k and v also into the
-    layer's cache at pos."""
-    if layer == 0:
-        xa = tl.load(X0 + offs_a, mask=a_ok, other=0.0).to(tl.float32)      # (A,)
-        xb = tl.load(X0 + offs_b, mask=b_ok, other=0.0).to(tl.float32)      # (B,)
-    else:
-        xa, xb = _poll2(LR + offs_a, a_ok, LR + offs_b, b_ok, flag - 1, WAIT)
-    _stamp(TIMES, pid, layer, 0, TL)
+               RMS: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
+    """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs) with their
+    biases bq1/bq2, RoPE, q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes
+    Σ_down[layer + 1]. Every weight arrives prefetched."""
+    xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)           # (A,)
+    xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)           # (B,)
+    if pid == 0:
+        tl.store(XA + offs_a, xa.to(dtype), mask=a_ok)
+        tl.store(XA + offs_b, xb.to(dtype), mask=b_ok)
+        tl.store(WS + (layer + 1) * C + offs_a, tl.zeros_like(xa), mask=a_ok)
+        tl.store(WS + (layer + 1) * C + offs_b, tl.zeros_like(xb), mask=b_ok)
     na, nb = _normed(xa, xb, g1a, g1b, l1a, l1b, a_ok, b_ok, eps, C, RMS, dtype)
     y1 = (_gemv(w1a, w1b, na, nb) + bq1).to(dtype).to(tl.float32)            # (PA,) lanes i
     y2 = (_gemv(w2a, w2b, na, nb) + bq2).to(dtype).to(tl.float32)            # (PA,) lanes i + D/2
@@ -288,18 +233,17 @@ def _phase_qkv(X0, LR, LQ, KC, VC, COS, SIN, layer, pos, flag, eps, stride_ch, s
         sin = tl.load(SIN + pos * stride_rope + lane, mask=turn, other=0.0).to(tl.float32)
         r1 = (y1 * cos).to(dtype).to(tl.float32) + (-y2 * sin).to(dtype).to(tl.float32)
         r2 = (y2 * cos).to(dtype).to(tl.float32) + (y1 * sin).to(dtype).to(tl.float32)
-        y1 = r1.to(dtype).to(tl.float32)
-        y2 = r2.to(dtype).to(tl.float32)
-    _put(LQ + rows1, y1, r_ok, flag, WAIT)
-    _put(LQ + rows2, y2, r_ok, flag, WAIT)
-    _store_kv(y1.to(dtype), rows1, r_ok, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
-    _store_kv(y2.to(dtype), rows2, r_ok, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
+        y1 = r1
+        y2 = r2
+    _store_qkv(y1.to(dtype), rows1, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
+    _store_qkv(y2.to(dtype), rows2, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q, N_KV, D)
 
 
 @triton.jit
-def _store_kv(y, rows, r_ok, KC, VC, pos, stride_ch, stride_cn, N_Q: tl.constexpr, N_KV: tl.constexpr,
-              D: tl.constexpr):
-    """The k and v among QKV rows `rows` (R,) into the caches at position pos (for the steps after this one)."""
+def _store_qkv(y, rows, r_ok, QBUF, KC, VC, pos, stride_ch, stride_cn, N_Q: tl.constexpr, N_KV: tl.constexpr,
+               D: tl.constexpr):
+    """QKV rows `rows` (R,): q into QBUF, k and v into the caches at position pos."""
+    tl.store(QBUF + rows, y, mask=r_ok & (rows < N_Q))
     c = tl.where(rows >= N_Q + N_KV, rows - N_Q - N_KV, tl.maximum(rows - N_Q, 0))  # within k or v
     at = (c // D) * stride_ch + pos * stride_cn + c % D                      # (R,)
     tl.store(KC + at, y, mask=r_ok & (rows >= N_Q) & (rows < N_Q + N_KV))
@@ -307,45 +251,45 @@ def _store_kv(y, rows, r_ok, KC, VC, pos, stride_ch, stride_cn, N_Q: tl.constexp
 
 
 @triton.jit
-def _phase_attention(LQ, LP, KC, VC, pid, Tc, S, flag, qk_scale, stride_ch, stride_cn,
+def _kv_tile(KC, VC, n, T, d, stride_cn):
+    """Keys and values n (BLOCK_N,) of one kv head (rows >= T zero), in the cache's dtype: (BLOCK_N, D) each."""
+    n_ok = n < T
+    at = n.to(tl.int64)[:, None] * stride_cn + d[None, :]
+    k = tl.load(KC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+    v = tl.load(VC + at, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+    return k, v
+
+
+@triton.jit
+def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn,
                      D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, PRECISION: tl.constexpr, WAIT: tl.constexpr,
-                     dtype: tl.constexpr, TIMES, layer, TL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, PRECISION: tl.constexpr, dtype: tl.constexpr):
     """Phase B: program (g, s) attends kv group g's query heads (GP rows, the group's padded to 16 for tl.dot)
-    to key tiles s, s + S, ... of the Tc keys cached before this token (S shares); share 0 also to the token's
-    own key and value (from LQ: the cache's copy is not read in the launch that writes it). Its partial (acc,
-    m, l) per head (base-2 logits) goes to LP. QKᵀ and PV on the tensor cores (P as the sum of two dtype
-    terms, so PV keeps about fp32's accuracy); each tile's keys and values are loaded one tile ahead, the first
-    before q is polled."""
+    to key tiles s, s + S, ... of the cache (S shares of the T keys) and stores its partial (acc, m, l) per head
+    (base-2 logits). QKᵀ and PV on the tensor cores (P as the sum of two dtype terms, so PV keeps about fp32's
+    accuracy); each tile's keys and values are loaded one tile ahead."""
     G: tl.constexpr = HQ // HKV
-    N_Q: tl.constexpr = HQ * D
-    N_KV: tl.constexpr = HKV * D
-    n_tiles = tl.cdiv(Tc, BLOCK_N)
+    n_tiles = tl.cdiv(T, BLOCK_N)
     g = pid // S
     s = pid % S
-    mine = (n_tiles - s + S - 1) // S                                        # this program's tiles
+    mine = tl.where(g < HKV, (n_tiles - s + S - 1) // S, 0)                  # this program's tiles
     j = tl.arange(0, GP)                                                     # (GP,)
     d = tl.arange(0, D)                                                      # (D,)
     h = g * G + j
-    h_ok = j < G
+    h_ok = (j < G) & (j * 0 + g < HKV)                                       # (GP,) (a tensor & a tensor)
     kc = KC + g.to(tl.int64) * stride_ch
     vc = VC + g.to(tl.int64) * stride_ch
     n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,) the first tile
-    k, v = _kv_tile(kc, vc, tl.where(mine > 0, n, Tc), Tc, d, stride_cn)
-    own = (d * 0 + s) == 0                                                   # (D,) share 0 (a tensor & a tensor)
-    q, kn, vn = _poll3(LQ + h[:, None] * D + d[None, :], h_ok[:, None] & (d < D)[None, :],
-                       LQ + N_Q + g * D + d, own, LQ + N_Q + N_KV + g * D + d, own, flag, WAIT)
-    _stamp(TIMES, pid, layer, 2, TL)
-    q = q.to(dtype)                                                          # (GP, D) (dtype values)
-    first = (j * 0 + s) == 0                                                 # (GP,)
-    sn = tl.sum(q.to(tl.float32) * kn[None, :], 1) * qk_scale               # (GP,) the own key's logit
-    m = tl.where(first, sn, float("-inf"))
-    l_sum = tl.where(first, 1.0, 0.0)
-    acc = tl.where(first[:, None], vn[None, :] + tl.zeros([GP, D], tl.float32), 0.0)  # (GP, D)
+    k, v = _kv_tile(kc, vc, tl.where(mine > 0, n, T), T, d, stride_cn)
+    q = tl.load(QBUF + h[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
+                cache_modifier=".cg")                                        # (GP, D) dtype
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
     for it in range(0, mine):
-        n_ok = n < Tc
+        n_ok = n < T
         nxt = n + S * BLOCK_N
-        k_next, v_next = _kv_tile(kc, vc, tl.where(it + 1 < mine, nxt, Tc), Tc, d, stride_cn)
+        k_next, v_next = _kv_tile(kc, vc, tl.where(it + 1 < mine, nxt, T), T, d, stride_cn)
         sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale    # (GP, BLOCK_N), base 2
         sc = tl.where(n_ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
@@ -360,49 +304,45 @@ def _phase_attention(LQ, LP, KC, VC, pid, Tc, S, flag, qk_scale, stride_ch, stri
         k = k_next
         v = v_next
         n = nxt
-    cell = (h * MAX_S + s) * (D + 2)                                         # (GP,) words: acc, m, l
-    _put(LP + cell[:, None] + d[None, :], acc, h_ok[:, None] & (d < D)[None, :], flag, WAIT)
-    _put(LP + cell + D, m, h_ok, flag, WAIT)
-    _put(LP + cell + D + 1, l_sum, h_ok, flag, WAIT)
+    cell = h * MAX_S + s                                                     # (GP,)
+    tl.store(PART + cell[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
+    tl.store(PART + HQ * MAX_S * D + cell, m, mask=h_ok)
+    tl.store(PART + HQ * MAX_S * (D + 1) + cell, l_sum, mask=h_ok)
 
 
 @triton.jit
-def _phase_merge(LP, LY, head, S, flag, D: tl.constexpr, MAX_S: tl.constexpr, WAIT: tl.constexpr,
-                 dtype: tl.constexpr, TIMES, pid, layer, TL: tl.constexpr):
-    """Phase M: head `head`'s S partials merged into its attention output y (D,), rounded, into LY."""
+def _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.constexpr, HP: tl.constexpr,
+               MAX_S: tl.constexpr, dtype: tl.constexpr):
+    """Phase C: every head's S partials merged (each program merges them all, loaded at once), y rounded, this
+    program's output columns of y W_oᵀ + b_o (wo, bo prefetched) rounded, plus the residual, into XM."""
+    h = tl.arange(0, HP)
     s = tl.arange(0, MAX_S)
     d = tl.arange(0, D)
-    ok = s < S
-    cell = (head * MAX_S + s) * (D + 2)                                      # (MAX_S,)
-    acc, ms, ls = _poll3(LP + cell[:, None] + d[None, :], ok[:, None] & (d < D)[None, :], LP + cell + D, ok,
-                         LP + cell + D + 1, ok, flag, WAIT)                  # (MAX_S, D), (MAX_S,) x 2
-    _stamp(TIMES, pid, layer, 4, TL)
-    ms = tl.where(ok, ms, float("-inf"))
-    w = tl.where(ok, tl.exp2(ms - tl.max(ms, 0)), 0.0)                       # (MAX_S,)
-    y = tl.sum(acc * w[:, None], 0) / tl.sum(w * ls, 0)                      # (D,)
-    _put(LY + head * D + d, y.to(dtype).to(tl.float32), d < D, flag, WAIT)
+    ok = (h < HQ)[:, None] & (s < S)[None, :]                                # (HP, MAX_S)
+    cell = h[:, None] * MAX_S + s[None, :]
+    ms = tl.load(PART + HQ * MAX_S * D + cell, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    ls = tl.load(PART + HQ * MAX_S * (D + 1) + cell, mask=ok, other=0.0, cache_modifier=".cg")
+    ps = tl.load(PART + cell[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                 cache_modifier=".cg")                                       # (HP, MAX_S, D)
+    m = tl.max(ms, 1)                                                        # (HP,)
+    m = tl.where(h < HQ, m, 0.0)
+    w = tl.where(ok, tl.exp2(ms - m[:, None]), 0.0)                          # (HP, MAX_S)
+    l_sum = tl.sum(w * ls, 1)
+    y = tl.sum(ps * w[:, :, None], 1)                                        # (HP, D)
+    y = tl.where((h < HQ)[:, None], y / tl.where(h < HQ, l_sum, 1.0)[:, None], 0.0).to(dtype).to(tl.float32)
+    o = tl.sum(tl.sum(wo.to(tl.float32) * y[None, :, :], 2), 1) + bo         # (OC,)
+    res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(XM + cols, (o.to(dtype).to(tl.float32) + res).to(dtype), mask=c_ok)
 
 
 @triton.jit
-def _phase_out(LY, LXM, xres, flag, woa, wob, bo, cols, c_ok, offs_ya, ya_ok, offs_yb, yb_ok,
-               WAIT: tl.constexpr, dtype: tl.constexpr, TIMES, pid, layer, TL: tl.constexpr):
-    """Phase C: every head's y (LY, HQ·D words over two blocks), this program's output columns of y W_oᵀ + b_o
-    rounded, plus the residual xres at those columns: x_mid (OC,) into LXM, and returned."""
-    ya, yb = _poll2(LY + offs_ya, ya_ok, LY + offs_yb, yb_ok, flag, WAIT)
-    _stamp(TIMES, pid, layer, 6, TL)
-    o = _gemv(woa, wob, ya, yb) + bo                                         # (OC,)
-    xmid = (o.to(dtype).to(tl.float32) + xres).to(dtype).to(tl.float32)
-    _put(LXM + cols, xmid, c_ok, flag, WAIT)
-    return xmid
-
-
-@triton.jit
-def _phase_up(LXM, LH, flag, eps, fa, fb, ua, ub, g2a, g2b, l2a, l2b, bf1, bf2, offs_i, i_ok,
-              offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
-              WAIT: tl.constexpr, dtype: tl.constexpr, TIMES, pid, layer, TL: tl.constexpr):
-    """Phase D1: N₂(x_mid), this program's intermediate columns h (fc / gate, up biases bf1, bf2) into LH."""
-    xa, xb = _poll2(LXM + offs_a, a_ok, LXM + offs_b, b_ok, flag, WAIT)
-    _stamp(TIMES, pid, layer, 8, TL)
+def _phase_mlp(XM, WS, layer, eps, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+               offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
+               dtype: tl.constexpr):
+    """Phase D: N₂(x_mid), this program's intermediate columns h (fc / gate, up biases bf1, bf2), and its share
+    h W_downᵀ added into Σ_down[layer + 1]. Every weight arrives prefetched."""
+    xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     na, nb = _normed(xa, xb, g2a, g2b, l2a, l2b, a_ok, b_ok, eps, C, RMS, dtype)
     y = (_gemv(fa, fb, na, nb) + bf1).to(dtype).to(tl.float32)               # (IB,) gate / fc
     if SWIGLU:
@@ -411,99 +351,91 @@ def _phase_up(LXM, LH, flag, eps, fa, fb, ua, ub, g2a, g2b, l2a, l2b, bf1, bf2, 
     else:  # GELU, tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
         z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         h = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
-    _put(LH + offs_i, h.to(dtype).to(tl.float32), i_ok, flag, WAIT)
+    h = tl.where(i_ok, h, 0.0).to(dtype).to(tl.float32)                      # (IB,)
+    pa = tl.sum(da.to(tl.float32) * h[None, :], 1)                           # (A,)
+    pb = tl.sum(db.to(tl.float32) * h[None, :], 1)                           # (B,)
+    tl.atomic_add(WS + (layer + 1) * C + offs_a, pa, mask=a_ok, sem="relaxed")
+    tl.atomic_add(WS + (layer + 1) * C + offs_b, pb, mask=b_ok, sem="relaxed")
 
 
 @triton.jit
-def _phase_down(LH, LR, OUT, xmid, is_last, flag, wda, wdb, bdn, cols, c_ok, offs_ia, ia_ok, offs_ib, ib_ok,
-                WAIT: tl.constexpr, dtype: tl.constexpr, TIMES, pid, layer, TL: tl.constexpr):
-    """Phase D2: every intermediate column h (LH), this program's output columns of h W_downᵀ + b_down rounded,
-    plus x_mid: the residual stream leaving the layer at those columns, into LR (and OUT after the last layer),
-    and returned."""
-    ha, hb = _poll2(LH + offs_ia, ia_ok, LH + offs_ib, ib_ok, flag, WAIT)
-    _stamp(TIMES, pid, layer, 10, TL)
-    dn = _gemv(wda, wdb, ha, hb) + bdn                                       # (OC,)
-    x = (dn.to(dtype).to(tl.float32) + xmid).to(dtype).to(tl.float32)
-    _put(LR + cols, x, c_ok, flag, WAIT)
-    tl.store(OUT + cols, x.to(dtype), mask=c_ok & ((cols * 0 + is_last.to(tl.int32)) != 0))
-    return x
-
-
-@triton.jit
-def _up_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, I: tl.constexpr,
-                LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """Phase D1's weights for this program's intermediate columns offs_i: fc / gate rows, up rows (SwiGLU; else
-    the fc rows again), each over the two column blocks, N₂'s gain and bias, the fc biases."""
+def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, I: tl.constexpr,
+                 LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """Phase D's weights for this program's intermediate columns offs_i: fc / gate rows, up rows (SwiGLU; else
+    the fc rows again), down columns (each over the two column blocks), N₂'s gain and bias, the fc biases."""
     wf = _addr(PTRS, layer, W_FC, dtype)
     fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)          # (IB, A), (IB, B)
     ua = fa
     ub = fb
     if SWIGLU:
         ua, ub = _rows2(wf, offs_i + I, i_ok, C, offs_a, a_ok, offs_b, b_ok)
+    wd = _addr(PTRS, layer, W_DN, dtype) + offs_i[None, :]
+    da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
+    db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
     g2a, g2b = _vec2(_addr(PTRS, layer, LN2_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
     l2a, l2b = _vec2(_addr(PTRS, layer, LN2_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
     bf1 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i, i_ok, FC_BIAS)
     bf2 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
-    return fa, fb, ua, ub, g2a, g2b, l2a, l2b, bf1, bf2
+    return fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2
 
 
-@triton.jit(do_not_specialize=["layer0", "n_layers", "last"])
-def _decode_stack_kernel(PTRS, X0, LQ, LP, LY, LXM, LH, LR, POS, COS, SIN, OUT, SYNC, TIMES,
-                         layer0, n_layers, last, eps1, eps2, qk_scale, stride_ch, stride_cn, stride_rope,
-                         C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, I: tl.constexpr,
-                         I_A: tl.constexpr, I_B: tl.constexpr, Y_A: tl.constexpr, Y_B: tl.constexpr,
-                         D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, PA: tl.constexpr,
-                         OC: tl.constexpr, OC_N: tl.constexpr, IB: tl.constexpr, IB_N: tl.constexpr,
-                         M0: tl.constexpr, BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr,
-                         LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
+@triton.jit
+def _bias_rows(B, rows, ok, ON: tl.constexpr):
+    """bias[rows] fp32 (zeros where not ON)."""
+    if ON:
+        return tl.load(B + rows, mask=ok, other=0.0).to(tl.float32)
+    return tl.zeros(rows.shape, tl.float32)
+
+
+@triton.jit(do_not_specialize=["layer0", "n_layers"])
+def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR, TIMES,
+                         layer0, n_layers, eps1, eps2, qk_scale, stride_ch, stride_cn, stride_rope,
+                         C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
+                         HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
+                         I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
+                         SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
-                         PRECISION: tl.constexpr, PHASE: tl.constexpr, TIMELINE: tl.constexpr):
+                         PRECISION: tl.constexpr, MLP_AT: tl.constexpr, PHASE: tl.constexpr,
+                         TIMELINE: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
-    PHASE -1: every phase of every layer, the programs polling each other's words (all must be resident);
-    PHASE 0..5: only that phase (A, B, M, C, D1, D2) of layer layer0; 6: only the epoch's advance (the launches
-    in order hand the words on). Word buffers (int64, module docstring): LQ ((HQ + 2·HKV)·D,) q, k, v;
-    LP (HQ, MAX_S, D + 2) partials; LY (HQ·D,) attention outputs; LXM (C,) x_mid; LH (I,) h; LR (C,) the
-    residual stream leaving a layer. SYNC (2,) int32: the epoch, then the departures (0 between launches).
-    `last`: the layer after which D2 writes OUT. Roles by program: A those with lane pairs, B the first
-    HKV·S, M programs M0 .. M0 + HQ - 1, C and D2 those with output columns, D1 those with h columns.
-    TIMELINE (PHASE -1 only): TIMES (programs, 1024, N_STAMPS) int64 receives the global timer where a program
-    has its phase p's inputs (k = 2p) and at its end (k = 2p + 1), per layer; programs without work in a phase
-    leave its two stamps as they were.
+    PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
+    be resident); PHASE 0..3: only that phase (A, B, C, D) of one layer, 4: only the output (one launch each,
+    the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
+    after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
+    (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
+    At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
+    load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
+    TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
+    D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer.
     """
     dtype: tl.constexpr = X0.dtype.element_ty
     ALL: tl.constexpr = PHASE < 0
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(POS).to(tl.int64)                                          # the token's position
-    Tc = pos.to(tl.int32)                                                    # keys cached before it
-    S = tl.maximum(tl.minimum(tl.cdiv(Tc, BLOCK_N), MAX_S), 1)               # key shares per kv group
-    base = tl.load(SYNC) * 1024                                              # this launch's flags: base + layer + 1
+    T = pos.to(tl.int32) + 1                                                 # keys in the cache after it
+    S = tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S)                               # key shares per kv group
     offs_a = tl.arange(0, PART_A)
     offs_b = PART_A + tl.arange(0, PART_B)
     a_ok = offs_a < C
     b_ok = offs_b < C
-    offs_ia = tl.arange(0, I_A)
-    offs_ib = I_A + tl.arange(0, I_B)
-    ia_ok = offs_ia < I
-    ib_ok = offs_ib < I
-    offs_ya = tl.arange(0, Y_A)                                              # HQ·D as two blocks
-    offs_yb = Y_A + tl.arange(0, Y_B)
-    ya_ok = offs_ya < HQ * D
-    yb_ok = offs_yb < HQ * D
     # this program's rows and columns in each phase (fixed across layers)
     PAIRS: tl.constexpr = D // 2 // PA                                       # lane-pair blocks per head
-    N_A: tl.constexpr = (HQ + 2 * HKV) * PAIRS                               # programs with lane pairs
     rows1 = (pid // PAIRS) * D + (pid % PAIRS) * PA + tl.arange(0, PA)       # (PA,) lanes i of a head
     rows2 = rows1 + D // 2                                                   # lanes i + D/2
     r_ok = rows1 < (HQ + 2 * HKV) * D
-    cols = pid * OC_N + tl.arange(0, OC)                                     # (OC,) phases C and D2's columns
-    c_ok = (tl.arange(0, OC) < OC_N) & (cols < C)
-    offs_i = pid * IB_N + tl.arange(0, IB)                                   # (IB,) phase D1's h columns
-    i_ok = (tl.arange(0, IB) < IB_N) & (offs_i < I)
-    xres = tl.load(X0 + cols, mask=c_ok, other=0.0).to(tl.float32)           # (OC,) the residual at cols
-    xmid = xres
-    if ALL or PHASE == 0:  # phase A's prefetch for the first layer
+    cols = pid * OC + tl.arange(0, OC)                                       # (OC,) phase C's output columns
+    c_ok = cols < C
+    offs_i = pid * IB + tl.arange(0, IB)                                     # (IB,) phase D's h columns
+    i_ok = offs_i < I
+    h3 = tl.arange(0, HP)
+    d3 = tl.arange(0, D)
+    o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
+    o_ok = c_ok[:, None, None] & (h3 < HQ)[None, :, None]
+    epoch = 0
+    if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
         layer = layer0
         w1a, w1b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
         w2a, w2b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
@@ -511,55 +443,60 @@ def _decode_stack_kernel(PTRS, X0, LQ, LP, LY, LXM, LH, LR, POS, COS, SIN, OUT, 
         l1a, l1b = _vec2(_addr(PTRS, layer, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
         bq1 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
         bq2 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
+        bpa, bpb = _vec2(_addr(PTRS, tl.maximum(layer - 1, 0), 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
     for layer in range(layer0, layer0 + n_layers):
-        flag = base + layer + 1
         KC = _addr(PTRS, layer, K_CACHE, dtype)
         VC = _addr(PTRS, layer, V_CACHE, dtype)
+        if ALL:
+            if layer > layer0:
+                epoch += 1
+                _wait(BAR, epoch * nprog)                                    # the layer before is done
+            _stamp(TIMES, pid, layer, 0, TIMELINE)
         if ALL or PHASE == 0:
-            if pid < N_A:
-                _phase_qkv(X0, LR, LQ, KC, VC, COS, SIN, layer, pos, flag, eps1, stride_ch, stride_cn,
-                           stride_rope, w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, rows1, rows2, r_ok,
-                           offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, ALL, dtype, TIMES, pid,
-                           TIMELINE)
-                _stamp(TIMES, pid, layer, 1, TIMELINE)
-        if ALL or PHASE == 3:  # phase C's weights stream in during attention
-            woa, wob = _rows2(_addr(PTRS, layer, W_O, dtype), cols, c_ok, HQ * D, offs_ya, ya_ok, offs_yb,
-                              yb_ok)                                         # (OC, Y_A), (OC, Y_B)
-            bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
-        if ALL or PHASE == 1:
-            if pid < HKV * S:
-                _phase_attention(LQ, LP, KC, VC, pid, Tc, S, flag, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
-                                 BLOCK_N, MAX_S, PRECISION, ALL, dtype, TIMES, layer, TIMELINE)
-                _stamp(TIMES, pid, layer, 3, TIMELINE)
+            _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps1, stride_ch, stride_cn,
+                       stride_rope, w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
+                       r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 1, TIMELINE)
+            _arrive(BAR)
         if ALL or PHASE == 2:
-            if (pid >= M0) & (pid < M0 + HQ):
-                _phase_merge(LP, LY, pid - M0, S, flag, D, MAX_S, ALL, dtype, TIMES, pid, layer, TIMELINE)
-                _stamp(TIMES, pid, layer, 5, TIMELINE)
-        if ALL or PHASE == 3:
-            if pid * OC_N < C:
-                if not ALL:  # the residual at cols from the words the launch before left
-                    if layer > 0:
-                        xres = _poll1(LR + cols, c_ok, flag - 1, False)
-                xmid = _phase_out(LY, LXM, xres, flag, woa, wob, bo, cols, c_ok, offs_ya, ya_ok, offs_yb, yb_ok,
-                                  ALL, dtype, TIMES, pid, layer, TIMELINE)
-                _stamp(TIMES, pid, layer, 7, TIMELINE)
-        if ALL or PHASE == 4:
-            fa, fb, ua, ub, g2a, g2b, l2a, l2b, bf1, bf2 = _up_weights(
+            wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
+            bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
+        if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
+            fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
                 PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
-            if pid * IB_N < I:
-                _phase_up(LXM, LH, flag, eps2, fa, fb, ua, ub, g2a, g2b, l2a, l2b, bf1, bf2, offs_i, i_ok,
-                          offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, ALL, dtype, TIMES, pid, layer, TIMELINE)
-                _stamp(TIMES, pid, layer, 9, TIMELINE)
-        if ALL or PHASE == 5:
-            wda, wdb = _rows2(_addr(PTRS, layer, W_DN, dtype), cols, c_ok, I, offs_ia, ia_ok, offs_ib, ib_ok)
-            bdn = _bias_rows(_addr(PTRS, layer, B_DN, dtype), cols, c_ok, DN_BIAS)
-            if pid * OC_N < C:
-                if not ALL:  # x_mid at cols from phase C's launch
-                    xmid = _poll1(LXM + cols, c_ok, flag, False)
-                xres = _phase_down(LH, LR, OUT, xmid, layer == last, flag, wda, wdb, bdn, cols, c_ok, offs_ia,
-                                   ia_ok, offs_ib, ib_ok, ALL, dtype, TIMES, pid, layer, TIMELINE)
-                _stamp(TIMES, pid, layer, 11, TIMELINE)
-        if ALL:  # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
+        if ALL:
+            epoch += 1
+            _wait(BAR, epoch * nprog)                                        # q, k, v written
+            _stamp(TIMES, pid, layer, 2, TIMELINE)
+        if ALL or PHASE == 1:
+            _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
+                             BLOCK_N, MAX_S, PRECISION, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 3, TIMELINE)
+            _arrive(BAR)
+            epoch += 1
+            _wait(BAR, epoch * nprog)                                        # partials written
+            _stamp(TIMES, pid, layer, 4, TIMELINE)
+        if ALL or PHASE == 2:
+            _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 5, TIMELINE)
+            _arrive(BAR)
+        if ALL or PHASE == 3:
+            if MLP_AT == 3:
+                fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+            if ALL:
+                epoch += 1
+                _wait(BAR, epoch * nprog)                                    # x_mid written
+                _stamp(TIMES, pid, layer, 6, TIMELINE)
+            _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+                       offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 7, TIMELINE)
+            _arrive(BAR)
+            # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
             nl = tl.minimum(layer + 1, layer0 + n_layers - 1)
             w1a, w1b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)
             w2a, w2b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
@@ -567,10 +504,22 @@ def _decode_stack_kernel(PTRS, X0, LQ, LP, LY, LXM, LH, LR, POS, COS, SIN, OUT, 
             l1a, l1b = _vec2(_addr(PTRS, nl, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
             bq1 = _bias_rows(_addr(PTRS, nl, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
             bq2 = _bias_rows(_addr(PTRS, nl, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
-    if ALL or PHASE == 6:  # the last program to leave advances the epoch (the next launch's flags)
-        if tl.atomic_add(SYNC + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-            tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_add(SYNC, 1, sem="relaxed", scope="gpu")
+            bpa, bpb = _vec2(_addr(PTRS, layer, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+    if ALL or PHASE == 4:
+        last = layer0 + n_layers
+        bpa, bpb = _vec2(_addr(PTRS, last - 1, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+        if ALL:
+            epoch += 1
+            _wait(BAR, epoch * nprog)                                        # the last Σ_down complete
+        if pid == 0:
+            xa = _residual(X0, XM, WS, bpa, last, offs_a, a_ok, C, dtype)
+            xb = _residual(X0, XM, WS, bpb, last, offs_b, b_ok, C, dtype)
+            tl.store(OUT + offs_a, xa.to(dtype), mask=a_ok)
+            tl.store(OUT + offs_b, xb.to(dtype), mask=b_ok)
+        if ALL:  # the last program to leave resets the counters for the next launch
+            if tl.atomic_add(BAR + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                tl.atomic_xchg(BAR, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(BAR + 1, 0, sem="relaxed", scope="gpu")
 
 
 _triton.check_decorated(_decode_stack_kernel)
@@ -582,20 +531,19 @@ def _pow2_at_least(n: int, lo: int = 1) -> int:
 
 class StackPlan:
     """What decode_stack needs of a model, built once: the table of each layer's addresses, the shape
-    constants and the step's word buffers (fixed addresses, so a CUDA graph can hold them).
+    constants and the step's buffers (fixed addresses, so a CUDA graph can hold them).
 
     layers: per layer a dict with w_qkv (Nqkv, C), b_qkv, ln1 (weight, bias or None, eps), w_o (C, Hq·D),
     b_o, ln2, w_fc ((2)I, C), b_fc, w_down (C, I), b_down, k_cache, v_cache ((B', Hkv, max_len, D));
     absent biases None. n_head, n_kv_head, head_dim; rms, swiglu, rope (bool): the model's kinds.
-    programs: the grid (default the SM count; tests pass what their shape needs).
+    programs: the grid (default the SM count; the interpreter's 4 would leave blocks unassigned, so tests pass
+    what their shape needs).
     """
 
     def __init__(self, layers: list[dict], *, n_head: int, n_kv_head: int, head_dim: int, rms: bool,
                  swiglu: bool, rope: bool, programs: int | None = None):
         if not layers:
             raise ValueError("decode_stack: no layers")
-        if len(layers) > MAX_LAYERS:
-            raise ValueError(f"decode_stack: {len(layers)} layers above {MAX_LAYERS}")
         first = layers[0]
         w = first["w_qkv"]
         dtype, device = w.dtype, w.device
@@ -610,8 +558,8 @@ class StackPlan:
         self.rms, self.swiglu, self.rope = bool(rms), bool(swiglu), bool(rope)
         self.dtype, self.device, self.n_layers = dtype, device, len(layers)
         self.blocks = _blocks(C, I, D, HQ, HKV, self.programs)
-        # phase B's HKV x splits programs fit the grid; a power of two (a head's merge loads its partials as one tile)
-        self.max_splits = _max_splits(HKV, self.programs)
+        # phase B's HKV x splits programs fit the grid; a power of two (phase C loads every partial as one tile)
+        self.max_splits = min(MAX_SPLITS, 1 << ((self.programs // HKV).bit_length() - 1))
         shapes = {"w_qkv": ((HQ + 2 * HKV) * D, C), "w_o": (C, HQ * D), "w_fc": ((2 * I if swiglu else I), C),
                   "w_down": (C, I)}
         biases = {"b_qkv": shapes["w_qkv"][0], "b_o": C, "b_fc": shapes["w_fc"][0], "b_down": C}
@@ -656,10 +604,13 @@ class StackPlan:
         self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device)      # (L, N_PTRS)
         self.max_len = k0.shape[2]
         self.stride_ch, self.stride_cn = k0.stride(1), k0.stride(2)
-        words = dict(q=(HQ + 2 * HKV) * D, part=HQ * self.max_splits * (D + 2), y=HQ * D, xmid=C, h=I, x=C)
-        # word buffers (module docstring); flags start at 0, which no launch's flag equals
-        self.words = {k: torch.zeros(n, dtype=torch.int64, device=device) for k, n in words.items()}
-        self.sync = torch.zeros(2, dtype=torch.int32, device=device)          # epoch, departures
+        L, ws_dtype = self.n_layers, torch.float32
+        self.ws = torch.zeros(L + 1, C, dtype=ws_dtype, device=device)        # row 0 stays zero
+        self.xm = torch.zeros(C, dtype=dtype, device=device)
+        self.xa = torch.zeros(C, dtype=dtype, device=device)
+        self.qbuf = torch.zeros(HQ * D, dtype=dtype, device=device)
+        self.part = torch.zeros(HQ * self.max_splits * (D + 2), dtype=torch.float32, device=device)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=device)
         self.keep = layers  # the tensors whose addresses the table holds stay alive with the plan
 
     def same_tensors(self, layers: list[dict]) -> bool:
@@ -677,20 +628,18 @@ def _table_tensors(lay: dict) -> list:
     return [by_name[name] for name in TABLE]
 
 
-def _max_splits(HKV: int, programs: int) -> int:
-    return min(MAX_SPLITS, 1 << (max(programs // HKV, 1).bit_length() - 1))
-
-
 def _blocks(C: int, I: int, D: int, HQ: int, HKV: int, programs: int) -> dict:
-    """Each phase's share of a program: PA lane pairs (a power of two), OC_N output columns (C, D2) and IB_N
-    intermediate columns (D1) spread as evenly as the grid allows, in tiles OC, IB (powers of two); M0 the
-    first of the HQ merging programs (the grid's last, which have the least else to do)."""
+    """Each phase's tile: the fewest rows / columns per program (powers of two) whose blocks fit the grid."""
     pa = 1
     while (HQ + 2 * HKV) * (D // 2) // pa > programs and pa < D // 2:
         pa *= 2
-    oc_n, ib_n = triton.cdiv(C, programs), triton.cdiv(I, programs)
-    return {"PA": pa, "OC": triton.next_power_of_2(oc_n), "OC_N": oc_n, "IB": triton.next_power_of_2(ib_n),
-            "IB_N": ib_n, "M0": max(programs - HQ, 0)}
+    oc = 1
+    while triton.cdiv(C, oc) > programs:
+        oc *= 2
+    ib = 1
+    while triton.cdiv(I, ib) > programs:
+        ib *= 2
+    return {"PA": pa, "OC": oc, "IB": ib}
 
 
 def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs: int) -> str | None:
@@ -703,13 +652,13 @@ def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs
         return f"head dim {D} (a power of two 16..128)"
     if HKV < 1 or HQ % HKV:
         return f"{HQ} query heads not a multiple of {HKV} kv heads"
-    if HKV > programs or HQ > programs:
-        return f"{HQ} query heads above {programs} programs"
+    if HKV > programs:
+        return f"{HKV} kv heads above {programs} programs"
     b = _blocks(C, I, D, HQ, HKV, programs)
     if (HQ + 2 * HKV) * (D // 2) // b["PA"] > programs:
         return f"{HQ + 2 * HKV} heads of QKV rows above one program per SM"
-    if b["IB"] > 64 or b["OC"] > 64 or b["OC"] * sum(_parts(I)) > MAX_I_TILE:
-        return f"an intermediate width {I} or width {C} needing more than one program per SM can hold"
+    if b["IB"] > 64 or b["OC"] > 64:
+        return f"an intermediate width {I} or width {C} needing more than 64 columns per program"
     return None
 
 
@@ -720,8 +669,8 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
 
     rope: (cos, sin) tables (L, D) in x's dtype, unit stride along D, row p the angles of position p
     (plan.rope models). phase_by_phase: one launch per phase instead of one for everything (default: in
-    Triton's interpreter only). timeline: an int64 (programs, 1024, N_STAMPS) tensor that receives each
-    program's global-timer stamps around every phase (the one-launch form on a GPU only; bench/stack_timeline.py).
+    Triton's interpreter only). timeline: an int64 (programs, 1024, 8) tensor that receives each program's
+    global-timer stamps around every phase and barrier (the one-launch form on a GPU only; bench/stack_timeline.py).
     """
     if x.dim() != 2 or tuple(x.shape) != (1, plan.C) or x.dtype != plan.dtype or x.device != plan.device \
             or not x.is_contiguous():
@@ -742,39 +691,39 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     if phase_by_phase is None:
         phase_by_phase = _triton.INTERPRET
     if timeline is not None and (phase_by_phase or timeline.dtype != torch.int64 or timeline.device != x.device
-                                 or tuple(timeline.shape) != (plan.programs, 1024, N_STAMPS.value)):
-        raise ValueError(f"decode_stack: timeline must be an int64 ({plan.programs}, 1024, {N_STAMPS.value}) "
-                         f"tensor on {x.device}, with the one-launch form")
+                                 or tuple(timeline.shape) != (plan.programs, 1024, 8) or plan.n_layers > 1024):
+        raise ValueError(f"decode_stack: timeline must be an int64 ({plan.programs}, 1024, 8) tensor on {x.device}, "
+                         "with the one-launch form")
     out = _triton.empty((1, plan.C), x.dtype, x.device)
     cos, sin = rope if rope is not None else (x, x)
     pa, pb = _parts(plan.C)
-    ia, ib = _parts(plan.I)
-    ya, yb = _parts(plan.HQ * plan.D)
-    consts = dict(C=plan.C, PART_A=pa, PART_B=pb, I=plan.I, I_A=ia, I_B=ib, Y_A=ya, Y_B=yb, D=plan.D, HQ=plan.HQ,
-                  HKV=plan.HKV, GP=_pow2_at_least(plan.HQ // plan.HKV, 16),
+    consts = dict(C=plan.C, PART_A=pa, PART_B=pb, D=plan.D, HQ=plan.HQ, HKV=plan.HKV,
+                  GP=_pow2_at_least(plan.HQ // plan.HKV, 16), HP=_pow2_at_least(plan.HQ), I=plan.I,
                   BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
                   FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
+    _mlp_at = 1 if MLP_EARLY else 3
     consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
-    w = plan.words
-    args = (plan.ptrs, x, w["q"], w["part"], w["y"], w["xmid"], w["h"], w["x"], pos, cos, sin, out, plan.sync,
-            timeline if timeline is not None else plan.sync)
+    args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
+            timeline if timeline is not None else plan.bar)
     scal = (plan.eps[0], plan.eps[1], qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
     grid = (plan.programs,)
-    last = plan.n_layers - 1
     with _triton.device_guard(x):
         if not phase_by_phase:
-            _decode_stack_kernel[grid](*args, 0, plan.n_layers, last, *scal, **consts, PHASE=-1,
-                                       TIMELINE=timeline is not None, num_warps=WARPS, num_stages=1)
+            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, MLP_AT=_mlp_at, PHASE=-1,
+                                       TIMELINE=timeline is not None, num_warps=WARPS,
+                                       num_stages=1)
             return out
         for layer in range(plan.n_layers):
-            for phase in range(6):
-                _decode_stack_kernel[grid](*args, layer, 1, last, *scal, **consts, PHASE=phase, TIMELINE=False,
-                                           num_warps=WARPS, num_stages=1)
-        _decode_stack_kernel[grid](*args, 0, 0, last, *scal, **consts, PHASE=6, TIMELINE=False, num_warps=WARPS,
+            for phase in range(4):
+                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, MLP_AT=3, PHASE=phase, TIMELINE=False,
+                                           num_warps=WARPS,
+                                           num_stages=1)
+        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, MLP_AT=3, PHASE=4, TIMELINE=False,
+                                   num_warps=WARPS,
                                    num_stages=1)
     return out
 
 
-__all__ = ["StackPlan", "decode_stack", "fits", "MAX_C", "MAX_SPLITS", "N_STAMPS"]
+__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "MAX_C", "MAX_SPLITS"]

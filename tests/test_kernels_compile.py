@@ -173,11 +173,11 @@ def compile_decode_launches() -> list[dict]:
             rec["ptxas"] = ptxas_usage(c)
         if rec["kernel"] == "_decode_stack_kernel":
             rec["ptxas"] = ptxas_usage(c)
-            # the words: relaxed GPU-scope stores, volatile (L2) polls; the departure's acq_rel count
+            # the barrier: a releasing arrival (atom, or red where the count is unused: Triton 3.9), acquiring
+            # polls; other programs' data read past L1
             ptx = c.asm["ptx"]
-            rec["words_ptx"] = dict(relaxed_store="st.relaxed.gpu.global.b64" in ptx,
-                                    volatile_load="ld.volatile.global" in ptx,
-                                    departure=bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)))
+            rec["barrier_ptx"] = dict(release_add=bool(re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)),
+                                      acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx)
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
             rec["ptxas"] = ptxas_usage(c)
@@ -336,11 +336,11 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     mlp = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if rec["kernel"] == "_ln_mlp_kernel"]
     assert len(mlp) >= len(MLP_MODES) + len(MLP_MODEL_MODES)
     assert not [m for m in mlp if m[1]["spill_stores"] or m[1]["spill_loads"]], f"MLP launches that spill: {mlp}"
-    # the stack: its words' memory orders in the PTX; no spills (the widths it serves: model.fused_decode's
+    # the stack: its barrier's memory orders in the PTX; no spills (the widths it serves: model.fused_decode's
     # STACK_MAX_C)
     stack = [(" ".join(sorted(t)), rec) for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_stack_kernel"]
     assert len(stack) >= len(STACK_MODES) * len(DTYPES)
-    assert all(all(rec["words_ptx"].values()) for _, rec in stack), [rec["words_ptx"] for _, rec in stack]
+    assert all(all(rec["barrier_ptx"].values()) for _, rec in stack), [rec["barrier_ptx"] for _, rec in stack]
     spilling = [(tags, rec["ptxas"]) for tags, rec in stack if rec["ptxas"]["spill_stores"] or rec["ptxas"]["spill_loads"]]
     assert not spilling, f"stack launches that spill: {spilling}"
 

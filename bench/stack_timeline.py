@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from bench.generate import build_model  # noqa: E402
 from model.fused_decode import rope_tables, stack_plan  # noqa: E402
-from kernels.decode_stack import decode_stack, early_mlp, l2_prefetch  # noqa: E402
+from kernels.decode_stack import decode_stack, early_mlp  # noqa: E402
 
 PHASES = [("A qkv", 0, 1, 2), ("B attention", 2, 3, 4), ("C out-proj", 4, 5, 6), ("D mlp", 6, 7, 0)]
 
@@ -45,8 +45,6 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--early-mlp", action="store_true", help="phase D's weights loaded after phase A "
                    "(kernels.decode_stack.early_mlp) instead of after phase C")
-    p.add_argument("--no-l2-prefetch", action="store_true", help="without the next layer's weights and cache "
-                   "prefetched into L2 (kernels.decode_stack.l2_prefetch)")
     p.add_argument("--out", default=str(ROOT / "bench/results/generate_smollm2/stack"))
     return p.parse_args(argv)
 
@@ -74,7 +72,7 @@ def analyse(times: torch.Tensor, n_layers: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with early_mlp(args.early_mlp), l2_prefetch(not args.no_l2_prefetch):
+    with early_mlp(args.early_mlp):
         return run(args, argv)
 
 
@@ -125,7 +123,7 @@ def run(args, argv) -> int:
         torch.cuda.synchronize()
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
-    meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, l2_prefetch=not args.no_l2_prefetch, runs=args.runs, programs=plan.programs, layers=plan.n_layers,
+    meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, runs=args.runs, programs=plan.programs, layers=plan.n_layers,
                 blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python bench/stack_timeline.py " + " ".join(argv or sys.argv[1:]))
     lines = [f"# One-launch decode step timeline: {args.model}, position {args.pos}", "",
@@ -133,8 +131,7 @@ def run(args, argv) -> int:
              f"{meta['gpu']}, torch {meta['torch']}; {plan.programs} programs, {plan.n_layers} layers, tiles "
              f"{plan.blocks}, up to {plan.max_splits} key shares per kv group. Medians over layers 1..L-2 and "
              f"{args.runs} runs (bench/stack_timeline.py explains the columns). Phase D's weights loaded "
-             f"{'after phase A' if args.early_mlp else 'after phase C'}; the next layer "
-             f"{'not prefetched' if args.no_l2_prefetch else 'prefetched into L2'}.", "",
+             f"{'after phase A' if args.early_mlp else 'after phase C'}.", "",
              "| phase | work µs (median program) | work µs (slowest) | barrier µs | phase µs |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -145,8 +142,7 @@ def run(args, argv) -> int:
               f"(CUDA graph of 20 launches, median of 5 replays)."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
-            f"{'_no_l2_prefetch' if args.no_l2_prefetch else ''}")
+    name = f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,
                                                                            launch_us=launch_us), indent=1))

@@ -61,8 +61,6 @@ from .decode_mlp import _parts  # C as two power-of-two column blocks
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
 MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
-L2_PREFETCH = True  # each layer's weights and cached keys / values are prefetched into L2 a layer ahead (l2_prefetch)
-PF_KV_LINES = 32    # cached keys' / values' 128-byte lines a program prefetches per layer and tensor, at most
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
 MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a barrier's polls before it gives up (~0.5 µs each)
@@ -99,17 +97,6 @@ def early_mlp(on: bool = True):
         MLP_EARLY = old
 
 
-@contextlib.contextmanager
-def l2_prefetch(on: bool = True):
-    """Inside the block, launches prefetch (or not) each next layer's weights and cache into L2: A/B runs."""
-    global L2_PREFETCH
-    old, L2_PREFETCH = L2_PREFETCH, bool(on)
-    try:
-        yield
-    finally:
-        L2_PREFETCH = old
-
-
 @triton.jit
 def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
     """Column j of the address table's row `layer`, as a pointer to dtype (16-byte aligned: the plan checks)."""
@@ -121,56 +108,6 @@ def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
 def _ld_acquire(p):
     return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _to_l2(p, ok):
-    """prefetch.global.L2 of the lines at byte addresses p where ok (no registers wait for it)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; }\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [p, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_matrix(PTRS, layer, j: tl.constexpr, nbytes, pid, nprog, W: tl.constexpr):
-    """This program's share (at most W 128-byte lines) of the nbytes bytes of table column j of `layer`."""
-    lines = tl.cdiv(nbytes, 128)
-    per = tl.cdiv(lines, nprog)
-    k = tl.arange(0, W)
-    i = pid * per + k
-    base = tl.load(PTRS + layer * N_PTRS + j)                                # int64 address
-    _to_l2((base + i.to(tl.int64) * 128).to(tl.pointer_type(tl.int8)), (k < per) & (i < lines))
-
-
-@triton.jit
-def _prefetch_cache(PTRS, layer, j: tl.constexpr, T, pid, nprog, row_bytes: tl.constexpr, stride_ch, stride_cn,
-                    HKV: tl.constexpr, ELEM: tl.constexpr, W: tl.constexpr):
-    """This program's share (at most W lines) of the first T rows of every kv head in table column j's cache."""
-    LPR: tl.constexpr = (row_bytes + 127) // 128                             # lines per key row
-    lines = HKV * T * LPR
-    per = tl.cdiv(lines, nprog)
-    k = tl.arange(0, W)
-    i = pid * per + k
-    h = i // (T * LPR)
-    n = (i // LPR) % T
-    at = (h.to(tl.int64) * stride_ch + n.to(tl.int64) * stride_cn) * ELEM + (i % LPR) * 128
-    base = tl.load(PTRS + layer * N_PTRS + j)
-    _to_l2((base + at).to(tl.pointer_type(tl.int8)), (k < per) & (i < lines))
-
-
-@triton.jit
-def _prefetch_layer(PTRS, layer, T, pid, nprog, stride_ch, stride_cn, C: tl.constexpr, D: tl.constexpr,
-                    HQ: tl.constexpr, HKV: tl.constexpr, I: tl.constexpr, SWIGLU: tl.constexpr,
-                    ELEM: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr, PF_FC: tl.constexpr,
-                    PF_DN: tl.constexpr, PF_KV: tl.constexpr):
-    """Layer `layer`'s four weight matrices and its cached keys and values (the first T rows) into L2, each
-    program a share, so that the phases' loads of them hit L2 instead of waiting for memory."""
-    N_FC: tl.constexpr = 2 * I if SWIGLU else I
-    _prefetch_matrix(PTRS, layer, W_QKV, (HQ + 2 * HKV) * D * C * ELEM, pid, nprog, PF_QKV)
-    _prefetch_matrix(PTRS, layer, W_O, C * HQ * D * ELEM, pid, nprog, PF_O)
-    _prefetch_matrix(PTRS, layer, W_FC, N_FC * C * ELEM, pid, nprog, PF_FC)
-    _prefetch_matrix(PTRS, layer, W_DN, C * I * ELEM, pid, nprog, PF_DN)
-    _prefetch_cache(PTRS, layer, K_CACHE, T, pid, nprog, D * ELEM, stride_ch, stride_cn, HKV, ELEM, PF_KV)
-    _prefetch_cache(PTRS, layer, V_CACHE, T, pid, nprog, D * ELEM, stride_ch, stride_cn, HKV, ELEM, PF_KV)
 
 
 @triton.jit
@@ -460,8 +397,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, MLP_AT: tl.constexpr, PHASE: tl.constexpr,
-                         TIMELINE: tl.constexpr, PF_QKV: tl.constexpr = 0, PF_O: tl.constexpr = 0,
-                         PF_FC: tl.constexpr = 0, PF_DN: tl.constexpr = 0, PF_KV: tl.constexpr = 0):
+                         TIMELINE: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
@@ -499,11 +435,6 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
     o_ok = c_ok[:, None, None] & (h3 < HQ)[None, :, None]
     epoch = 0
-    PREFETCH: tl.constexpr = ALL and PF_QKV > 0
-    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
-    if PREFETCH:  # the first layer into L2 (the layers after it: one layer ahead, below)
-        _prefetch_layer(PTRS, layer0, T, pid, nprog, stride_ch, stride_cn, C, D, HQ, HKV, I, SWIGLU, ELEM, PF_QKV,
-                        PF_O, PF_FC, PF_DN, PF_KV)
     if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
         layer = layer0
         w1a, w1b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
@@ -516,10 +447,6 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     for layer in range(layer0, layer0 + n_layers):
         KC = _addr(PTRS, layer, K_CACHE, dtype)
         VC = _addr(PTRS, layer, V_CACHE, dtype)
-        if PREFETCH:
-            if layer + 1 < layer0 + n_layers:
-                _prefetch_layer(PTRS, layer + 1, T, pid, nprog, stride_ch, stride_cn, C, D, HQ, HKV, I, SWIGLU,
-                                ELEM, PF_QKV, PF_O, PF_FC, PF_DN, PF_KV)
         if ALL:
             if layer > layer0:
                 epoch += 1
@@ -600,16 +527,6 @@ _triton.check_decorated(_decode_stack_kernel)
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(n))
-
-
-def _prefetch_widths(plan: "StackPlan") -> dict:
-    """The L2 prefetch's lines per program (powers of two) for each weight matrix, and the cache's cap."""
-    elem = plan.dtype.itemsize
-    n_fc = 2 * plan.I if plan.swiglu else plan.I
-    sizes = {"PF_QKV": (plan.HQ + 2 * plan.HKV) * plan.D * plan.C, "PF_O": plan.C * plan.HQ * plan.D,
-             "PF_FC": n_fc * plan.C, "PF_DN": plan.C * plan.I}
-    widths = {k: _pow2_at_least(triton.cdiv(triton.cdiv(n * elem, 128), plan.programs)) for k, n in sizes.items()}
-    return dict(widths, PF_KV=PF_KV_LINES)
 
 
 class StackPlan:
@@ -795,8 +712,8 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     with _triton.device_guard(x):
         if not phase_by_phase:
             _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, MLP_AT=_mlp_at, PHASE=-1,
-                                       TIMELINE=timeline is not None, num_warps=WARPS, num_stages=1,
-                                       **(_prefetch_widths(plan) if L2_PREFETCH else {}))
+                                       TIMELINE=timeline is not None, num_warps=WARPS,
+                                       num_stages=1)
             return out
         for layer in range(plan.n_layers):
             for phase in range(4):
@@ -809,4 +726,4 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     return out
 
 
-__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "l2_prefetch", "MAX_C", "MAX_SPLITS"]
+__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "MAX_C", "MAX_SPLITS"]

@@ -176,9 +176,8 @@ def compile_decode_launches() -> list[dict]:
             # the barrier: a releasing arrival (atom, or red where the count is unused: Triton 3.9), acquiring
             # polls; other programs' data read past L1
             ptx = c.asm["ptx"]
-            rec["stack_ptx"] = dict(release_add=bool(re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)),
-                                      acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx,
-                                      l2_prefetch="prefetch.global.L2" in ptx)
+            rec["barrier_ptx"] = dict(release_add=bool(re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)),
+                                      acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx)
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
             rec["ptxas"] = ptxas_usage(c)
@@ -341,7 +340,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     # STACK_MAX_C)
     stack = [(" ".join(sorted(t)), rec) for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_stack_kernel"]
     assert len(stack) >= len(STACK_MODES) * len(DTYPES)
-    assert all(all(rec["stack_ptx"].values()) for _, rec in stack), [rec["stack_ptx"] for _, rec in stack]
+    assert all(all(rec["barrier_ptx"].values()) for _, rec in stack), [rec["barrier_ptx"] for _, rec in stack]
     spilling = [(tags, rec["ptxas"]) for tags, rec in stack if rec["ptxas"]["spill_stores"] or rec["ptxas"]["spill_loads"]]
     assert not spilling, f"stack launches that spill: {spilling}"
 

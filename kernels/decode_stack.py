@@ -207,12 +207,12 @@ def _normed(xa, xb, ga, gb, ba, bb, a_ok, b_ok, eps, C: tl.constexpr, RMS: tl.co
 
 
 @triton.jit
-def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps, stride_ch, stride_cn, stride_rope,
+def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps, stride_ch, stride_cn,
                w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2, r_ok,
                offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                RMS: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
     """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs) with their
-    biases bq1/bq2, RoPE, q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes
+    biases bq1/bq2, RoPE (cos, sin of the lanes: 1 and 0 on v's rows), q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes
     Σ_down[layer + 1]. Every weight arrives prefetched."""
     xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)           # (A,)
     xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)           # (B,)
@@ -227,10 +227,6 @@ def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps, str
     N_Q: tl.constexpr = HQ * D
     N_KV: tl.constexpr = HKV * D
     if ROPE:  # rotate-half as eager rounds it: x·cos and rotate_half(x)·sin rounded, then their sum
-        lane = rows1 % D                                                     # (PA,) < D / 2
-        turn = r_ok & (rows1 < N_Q + N_KV)                                   # q and k heads only
-        cos = tl.load(COS + pos * stride_rope + lane, mask=turn, other=1.0).to(tl.float32)
-        sin = tl.load(SIN + pos * stride_rope + lane, mask=turn, other=0.0).to(tl.float32)
         r1 = (y1 * cos).to(dtype).to(tl.float32) + (-y2 * sin).to(dtype).to(tl.float32)
         r2 = (y2 * cos).to(dtype).to(tl.float32) + (y1 * sin).to(dtype).to(tl.float32)
         y1 = r1
@@ -261,13 +257,29 @@ def _kv_tile(KC, VC, n, T, d, stride_cn):
 
 
 @triton.jit
-def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn,
+def _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D: tl.constexpr, HKV: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Phase B's first key tile of program (g, s) (tile s of kv head g), loaded before the barrier: the keys
+    cached before this token only (the token's own row, written in phase A of this launch, is added after the
+    barrier by _with_own_row)."""
+    g = pid // S
+    s = pid % S
+    n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,)
+    d = tl.arange(0, D)
+    mine = (g < HKV) & (s < tl.cdiv(T, BLOCK_N))
+    off = tl.minimum(g, HKV - 1).to(tl.int64) * stride_ch
+    return _kv_tile(KC + off, VC + off, tl.where(n * 0 + mine.to(tl.int32) > 0, n, T), T - 1, d, stride_cn)
+
+
+@triton.jit
+def _phase_attention(QBUF, PART, KC, VC, k, v, pid, T, S, qk_scale, stride_ch, stride_cn,
                      D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
                      BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, PRECISION: tl.constexpr, dtype: tl.constexpr):
     """Phase B: program (g, s) attends kv group g's query heads (GP rows, the group's padded to 16 for tl.dot)
     to key tiles s, s + S, ... of the cache (S shares of the T keys) and stores its partial (acc, m, l) per head
     (base-2 logits). QKᵀ and PV on the tensor cores (P as the sum of two dtype terms, so PV keeps about fp32's
-    accuracy); each tile's keys and values are loaded one tile ahead."""
+    accuracy); the first tile (k, v) came before the barrier without the token's own row, which is added here;
+    the next tiles are loaded one tile ahead."""
     G: tl.constexpr = HQ // HKV
     n_tiles = tl.cdiv(T, BLOCK_N)
     g = pid // S
@@ -280,7 +292,10 @@ def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_
     kc = KC + g.to(tl.int64) * stride_ch
     vc = VC + g.to(tl.int64) * stride_ch
     n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,) the first tile
-    k, v = _kv_tile(kc, vc, tl.where(mine > 0, n, T), T, d, stride_cn)
+    own = ((n == T - 1) & ((n * 0 + mine) > 0))[:, None]                    # (BLOCK_N, 1) this token's row
+    at = (T - 1).to(tl.int64) * stride_cn + d[None, :]                       # (1, D)
+    k = tl.where(own, tl.load(kc + at, mask=own, other=0.0, cache_modifier=".cg"), k)  # (BLOCK_N, D)
+    v = tl.where(own, tl.load(vc + at, mask=own, other=0.0, cache_modifier=".cg"), v)
     q = tl.load(QBUF + h[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
                 cache_modifier=".cg")                                        # (GP, D) dtype
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -311,7 +326,7 @@ def _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_
 
 
 @triton.jit
-def _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.constexpr, HP: tl.constexpr,
+def _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.constexpr, HP: tl.constexpr,
                MAX_S: tl.constexpr, dtype: tl.constexpr):
     """Phase C: every head's S partials merged (each program merges them all, loaded at once), y rounded, this
     program's output columns of y W_oᵀ + b_o (wo, bo prefetched) rounded, plus the residual, into XM."""
@@ -331,7 +346,6 @@ def _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.cons
     y = tl.sum(ps * w[:, :, None], 1)                                        # (HP, D)
     y = tl.where((h < HQ)[:, None], y / tl.where(h < HQ, l_sum, 1.0)[:, None], 0.0).to(dtype).to(tl.float32)
     o = tl.sum(tl.sum(wo.to(tl.float32) * y[None, :, :], 2), 1) + bo         # (OC,)
-    res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.store(XM + cols, (o.to(dtype).to(tl.float32) + res).to(dtype), mask=c_ok)
 
 
@@ -434,6 +448,14 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     d3 = tl.arange(0, D)
     o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
     o_ok = c_ok[:, None, None] & (h3 < HQ)[None, :, None]
+    if ROPE:  # the token's RoPE angles for this program's lanes, once (q and k heads; v's rows keep 1 and 0)
+        lane = rows1 % D                                                     # (PA,) < D / 2
+        turn = r_ok & (rows1 < (HQ + HKV) * D)
+        cos = tl.load(COS + pos * stride_rope + lane, mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + pos * stride_rope + lane, mask=turn, other=0.0).to(tl.float32)
+    else:
+        cos = tl.full([PA], 1.0, tl.float32)
+        sin = tl.zeros([PA], tl.float32)
     epoch = 0
     if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
         layer = layer0
@@ -453,8 +475,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                 _wait(BAR, epoch * nprog)                                    # the layer before is done
             _stamp(TIMES, pid, layer, 0, TIMELINE)
         if ALL or PHASE == 0:
-            _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, COS, SIN, layer, pid, pos, eps1, stride_ch, stride_cn,
-                       stride_rope, w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
+            _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps1, stride_ch, stride_cn,
+                       w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
                        r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 1, TIMELINE)
@@ -462,6 +484,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL or PHASE == 2:
             wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
             bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
+        if ALL or PHASE == 1:  # attention's first key tile, without the row phase A is writing
+            k0, v0 = _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D, HKV, BLOCK_N)
         if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
             fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
                 PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
@@ -469,8 +493,10 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             epoch += 1
             _wait(BAR, epoch * nprog)                                        # q, k, v written
             _stamp(TIMES, pid, layer, 2, TIMELINE)
+        if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
+            res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
         if ALL or PHASE == 1:
-            _phase_attention(QBUF, PART, KC, VC, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
+            _phase_attention(QBUF, PART, KC, VC, k0, v0, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
                              BLOCK_N, MAX_S, PRECISION, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 3, TIMELINE)
@@ -479,7 +505,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             _wait(BAR, epoch * nprog)                                        # partials written
             _stamp(TIMES, pid, layer, 4, TIMELINE)
         if ALL or PHASE == 2:
-            _phase_out(XA, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
+            _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 5, TIMELINE)
             _arrive(BAR)

@@ -402,15 +402,15 @@ def _bias_rows(B, rows, ok, ON: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["layer0", "n_layers"])
-def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR, TIMES,
-                         layer0, n_layers, eps1, eps2, qk_scale, stride_ch, stride_cn, stride_rope,
+def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR, TIMES, LNF_W, LNF_B,
+                         layer0, n_layers, eps1, eps2, eps_f, qk_scale, stride_ch, stride_cn, stride_rope,
                          C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
                          HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
                          I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr,
                          BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
-                         PRECISION: tl.constexpr, MLP_AT: tl.constexpr, PHASE: tl.constexpr,
+                         PRECISION: tl.constexpr, MLP_AT: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
                          TIMELINE: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
@@ -534,12 +534,16 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     if ALL or PHASE == 4:
         last = layer0 + n_layers
         bpa, bpb = _vec2(_addr(PTRS, last - 1, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+        gfa, gfb = _vec2(LNF_W, offs_a, a_ok, offs_b, b_ok, FINAL)
+        lfa, lfb = _vec2(LNF_B, offs_a, a_ok, offs_b, b_ok, FINAL and LN_BIAS)
         if ALL:
             epoch += 1
             _wait(BAR, epoch * nprog)                                        # the last Σ_down complete
         if pid == 0:
             xa = _residual(X0, XM, WS, bpa, last, offs_a, a_ok, C, dtype)
             xb = _residual(X0, XM, WS, bpb, last, offs_b, b_ok, C, dtype)
+            if FINAL:  # the model's final norm, as eager rounds it
+                xa, xb = _normed(xa, xb, gfa, gfb, lfa, lfb, a_ok, b_ok, eps_f, C, RMS, dtype)
             tl.store(OUT + offs_a, xa.to(dtype), mask=a_ok)
             tl.store(OUT + offs_b, xb.to(dtype), mask=b_ok)
         if ALL:  # the last program to leave resets the counters for the next launch
@@ -689,9 +693,11 @@ def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs
 
 
 def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tuple | None = None, *,
-                 phase_by_phase: bool | None = None, timeline: torch.Tensor | None = None) -> torch.Tensor:
+                 final_norm: tuple | None = None, phase_by_phase: bool | None = None,
+                 timeline: torch.Tensor | None = None) -> torch.Tensor:
     """x (1, C) the embedded token at position pos ((1,) int tensor, on the device) → (1, C) the residual
-    stream after the plan's last layer (a new tensor); writes the token's k and v into every layer's cache.
+    stream after the plan's last layer (a new tensor), or with final_norm (weight, bias or None, eps) of the
+    plan's norm kind that norm of it; writes the token's k and v into every layer's cache.
 
     rope: (cos, sin) tables (L, D) in x's dtype, unit stride along D, row p the angles of position p
     (plan.rope models). phase_by_phase: one launch per phase instead of one for everything (default: in
@@ -713,6 +719,13 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
                 or sin.dtype != x.dtype):
             raise ValueError(f"decode_stack: rope must be (cos, sin), each (L, {plan.D}) {x.dtype} with unit "
                              "stride along D")
+    if final_norm is not None:
+        g, b, _ = final_norm
+        if (tuple(g.shape) != (plan.C,) or g.dtype != x.dtype or g.device != x.device or not g.is_contiguous()
+                or (b is not None) != plan.ln_bias or (b is not None and (b.shape != g.shape or b.dtype != g.dtype
+                                                                           or not b.is_contiguous()))):
+            raise ValueError(f"decode_stack: final_norm must be a contiguous ({plan.C},) {x.dtype} gain with a bias "
+                             "exactly where the layers' norms have one")
     _triton.check_device(x.device, "decode_stack")
     if phase_by_phase is None:
         phase_by_phase = _triton.INTERPRET
@@ -731,9 +744,11 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     _mlp_at = 1 if MLP_EARLY else 3
     consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
+    gf, bf, eps_f = final_norm if final_norm is not None else (x, None, 0.0)
     args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
-            timeline if timeline is not None else plan.bar)
-    scal = (plan.eps[0], plan.eps[1], qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
+            timeline if timeline is not None else plan.bar, gf, bf if bf is not None else gf)
+    consts["FINAL"] = final_norm is not None
+    scal = (plan.eps[0], plan.eps[1], float(eps_f), qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
     grid = (plan.programs,)
     with _triton.device_guard(x):
         if not phase_by_phase:

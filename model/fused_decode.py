@@ -202,9 +202,12 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     rope = None
     if model.rotary is not None:                                # cos, sin (L, D) of positions 0..L-1
         rope = rope_tables(model, tr.h[0].attn.kv_cache.max_len, x.dtype)
-    if plan is not None:  # one sequence: every layer in one persistent launch
-        x = decode_stack(plan, x, p, rope)                      # (1, C)
-        return model.lm_head(tr.ln_f(x)).float()                # (1, V)
+    if plan is not None:  # one sequence: every layer and the final norm in one persistent launch
+        ln_f, rms_f = _norm(tr.ln_f)
+        if rms_f == plan.rms:
+            return model.lm_head(decode_stack(plan, x, p, rope, final_norm=ln_f)).float()  # (1, V)
+        return model.lm_head(tr.ln_f(decode_stack(plan, x, p, rope))).float()
+
     for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
         ln_1, rms_1 = _norm(block.ln_1)

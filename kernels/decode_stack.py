@@ -2,6 +2,7 @@
 
     plan = StackPlan(layers, ...)                 the layers' weights and caches as a table of addresses
     x_out = decode_stack(plan, x, pos, rope)      x (1, C) the embedded token → the last layer's output (1, C)
+    decode_stack(..., final_norm=(w, b, eps))     ... with the model's final norm applied (in the last phase)
     fits(...) -> str | None                       why a model's shape cannot run here (None: it can)
 
 A decode step of a narrow model at batch 1 is a chain of ~4 small kernels per layer (ln_linear.py,
@@ -40,10 +41,11 @@ Weights are read through 64-bit addresses from the plan's table (no copies); eve
 aligned. Inference only.
 
 Measured on an H200 (bench/results/generate_smollm2/stack/, bf16, batch 1, prompt 128 + 256 new tokens):
-SmolLM2-135M's step 493 µs against 712 in per-layer launches (546 against 378 GB/s of weights); GPT-2 124M's
+SmolLM2-135M's step 466 µs against 713 in per-layer launches (577 against 377 GB/s of weights); GPT-2 124M's
 417 against 295 (its programs hold 32-row tiles and spill), so model.fused_decode serves widths up to 576 with
-it. The timeline (bench/stack_timeline.py) gives each phase ~3-4 µs, about 1-2 µs of it the barrier: 14 µs a
-layer against ~23 in launches. Loading phase D's weights during attention (early_mlp) spilled and was slower
+it. The timeline (bench/stack_timeline.py) gives each phase ~3-4 µs, about 1-2 µs of it the barrier: 13.8 µs
+a layer against ~23 in launches. Loads that need nothing from the phase before (the RoPE angles, attention's
+first key tile, phase C's residual) are issued before the barrier. Loading phase D's weights during attention (early_mlp) spilled and was slower
 (525 against 439 µs a launch).
 """
 from __future__ import annotations

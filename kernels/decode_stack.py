@@ -103,7 +103,7 @@ def early_mlp(on: bool = True):
 def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
     """Column j of the address table's row `layer`, as a pointer to dtype (16-byte aligned: the plan checks)."""
     a = tl.multiple_of(tl.load(PTRS + layer * N_PTRS + j), 16)
-    return a.to(tl.pointer_type(dtype))
+    return tl.multiple_of(a.to(tl.pointer_type(dtype)), 16)  # kept on the pointer: loads from it vectorize
 
 
 @triton.jit

@@ -111,6 +111,28 @@ def test_long_cache_more_key_tiles_than_splits(programs, monkeypatch):
         assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16}
 
 
+FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles are the ones the GPU runs
+    "gpt2-124m": dict(n_head=12, n_embd=768),
+    "smollm2-135m": dict(n_head=9, n_kv_head=3, n_embd=576, intermediate_size=1536, pos_emb="rope", norm="rmsnorm",
+                         mlp="swiglu", bias=False),
+}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="full-width models are for the GPU")
+@pytest.mark.parametrize("name", list(FULL_WIDTHS))
+@torch.no_grad()
+def test_full_width_models_through_the_stack(name, monkeypatch):
+    """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16) in
+    bf16: steps through the stack against the float64 model, as the small families."""
+    from model import GPT, GPTConfig
+    calls = Calls(monkeypatch)
+    monkeypatch.setattr(fd, "STACK_MAX_C", 768)  # GPT-2's width through the stack, default or not
+    torch.manual_seed(11)
+    model = GPT(GPTConfig(block_size=96, vocab_size=61, n_layer=2, attention="naive", **FULL_WIDTHS[name]))
+    decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
+    assert calls.n == 2
+
+
 @torch.no_grad()
 def test_option_off_and_batches_keep_the_per_layer_launches(monkeypatch):
     calls = Calls(monkeypatch)
@@ -145,7 +167,7 @@ def test_plan_is_kept_and_rebuilt_for_other_tensors():
 
 @torch.no_grad()
 def test_wider_models_keep_the_per_layer_launches():
-    """Above STACK_MAX_C (GPT-2 124M's 768 measured slower as one launch) the plan is None."""
+    """Above STACK_MAX_C the plan is None."""
     from model import GPT, GPTConfig
     wide = GPT(GPTConfig(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=fd.STACK_MAX_C + 64,
                          attention="naive")).to(DEVICE).eval()

@@ -76,6 +76,7 @@ def _llama_model_steps() -> None:
 STACK_MODELS = {  # the whole stack in one launch (kernels/decode_stack.py) at batch 1
     "gpt2": GPT2, "llama": LLAMA, "qwen": dict(LLAMA, qkv_bias=True),
     "smollm2-135m": dict(LLAMA_MODELS["smollm2-135m"], pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False),
+    "gpt2-124m": dict(n_head=12, n_embd=768),
 }
 
 
@@ -267,6 +268,7 @@ MLP_MODEL_MODES = ["rmsnorm swiglu no_bias block_i16 c512+64"]  # bf16, SmolLM2-
 STACK_MODES = [  # the whole stack in one launch, each dtype: STACK_MODELS
     "layernorm gelu no_rope bias mha d64 c512", "rmsnorm swiglu rope no_bias no_qkv_bias gqa d128 c512",
     "rmsnorm swiglu rope no_bias qkv_bias gqa d128 c512", "rmsnorm swiglu rope no_bias gqa d64 c576",
+    "layernorm gelu no_rope bias mha d64 c768",
 ]
 
 

@@ -41,9 +41,9 @@ Weights are read through 64-bit addresses from the plan's table (no copies); eve
 aligned. Inference only.
 
 Measured on an H200 (bench/results/generate_smollm2/stack/, bf16, batch 1, prompt 128 + 256 new tokens):
-SmolLM2-135M's step 466 µs against 713 in per-layer launches (577 against 377 GB/s of weights); GPT-2 124M's
-417 against 295 (its programs hold 32-row tiles and spill), so model.fused_decode serves widths up to 576 with
-it. The timeline (bench/stack_timeline.py) gives each phase ~3-4 µs, about 1-2 µs of it the barrier: 13.8 µs
+SmolLM2-135M's step 420 µs against 715 in per-layer launches (641 against 377 GB/s of weights); GPT-2 124M's
+255 against 295 (model.fused_decode serves widths up to 576 with it until GPT-2's width has passed its GPU
+test). The timeline (bench/stack_timeline.py) gives each phase ~2-4 µs, 1-2 µs of it the barrier: 12.3 µs
 a layer against ~23 in launches. Loads that need nothing from the phase before (the RoPE angles, attention's
 first key tile, phase C's residual) are issued before the barrier. Loading phase D's weights during attention (early_mlp) spilled and was slower
 (525 against 439 µs a launch).

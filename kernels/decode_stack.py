@@ -45,8 +45,8 @@ SmolLM2-135M's step 420 µs against 715 in per-layer launches (641 against 377 G
 255 against 295 (model.fused_decode serves widths up to 576 with it until GPT-2's width has passed its GPU
 test). The timeline (bench/stack_timeline.py) gives each phase ~2-4 µs, 1-2 µs of it the barrier: 12.3 µs
 a layer against ~23 in launches. Loads that need nothing from the phase before (the RoPE angles, attention's
-first key tile, phase C's residual) are issued before the barrier. Loading phase D's weights during attention (early_mlp) spilled and was slower
-(525 against 439 µs a launch).
+first key tile, phase C's residual) are issued before the barrier. Loading phase D's weights during attention
+(early_mlp) spilled and was slower (525 against 439 µs a launch).
 """
 from __future__ import annotations
 
@@ -214,8 +214,8 @@ def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps, str
                offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                RMS: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
     """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs) with their
-    biases bq1/bq2, RoPE (cos, sin of the lanes: 1 and 0 on v's rows), q into QBUF, k and v into the layer's cache at pos; program 0 also zeroes
-    Σ_down[layer + 1]. Every weight arrives prefetched."""
+    biases bq1/bq2, RoPE (cos, sin of the lanes: 1 and 0 on v's rows), q into QBUF, k and v into the layer's
+    cache at pos; program 0 also zeroes Σ_down[layer + 1]. Every weight arrives prefetched."""
     xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)           # (A,)
     xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)           # (B,)
     if pid == 0:
@@ -263,7 +263,7 @@ def _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D: tl.constexpr, HKV: t
                 BLOCK_N: tl.constexpr):
     """Phase B's first key tile of program (g, s) (tile s of kv head g), loaded before the barrier: the keys
     cached before this token only (the token's own row, written in phase A of this launch, is added after the
-    barrier by _with_own_row)."""
+    barrier by _phase_attention)."""
     g = pid // S
     s = pid % S
     n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,)
@@ -420,7 +420,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     be resident); PHASE 0..3: only that phase (A, B, C, D) of one layer, 4: only the output (one launch each,
     the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
     after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
-    (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch.
+    (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch. FINAL: the output is the
+    final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the last residual stream.
     At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
     load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,

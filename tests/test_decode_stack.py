@@ -205,8 +205,9 @@ def test_bad_input_one_line_each():
         (lambda: decode_stack(plan, x, pos, (rope[0][:, :4], rope[1][:, :4])), "rope must be"),
         (lambda: decode_stack(plan, x, pos, rope, final_norm=(torch.ones(C + 1, device=DEVICE), None, 1e-5)),
          "final_norm must be"),
-        (lambda: decode_stack(plan, x, pos, rope, final_norm=(torch.ones(C, device=DEVICE), torch.zeros(C, device=DEVICE),
-                                                               1e-5)), "final_norm must be"),  # RMSNorm: no bias
+        (lambda: decode_stack(plan, x, pos, rope, final_norm=(torch.ones(C, device=DEVICE),
+                                                               torch.zeros(C, device=DEVICE), 1e-5)),
+         "final_norm must be"),  # RMSNorm: no bias
     ]:
         with pytest.raises(ValueError, match=match) as err:
             call()

@@ -40,13 +40,13 @@ Supported (checked by fits / StackPlan with a ValueError naming the problem):
 Weights are read through 64-bit addresses from the plan's table (no copies); every address must be 16-byte
 aligned. Inference only.
 
-Measured on an H200 (bench/results/generate_smollm2/stack/, bf16, batch 1, prompt 128 + 256 new tokens):
-SmolLM2-135M's step 420 µs against 715 in per-layer launches (641 against 377 GB/s of weights); GPT-2 124M's
-255 against 295 (model.fused_decode serves widths up to 576 with it until GPT-2's width has passed its GPU
-test). The timeline (bench/stack_timeline.py) gives each phase ~2-4 µs, 1-2 µs of it the barrier: 12.3 µs
-a layer against ~23 in launches. Loads that need nothing from the phase before (the RoPE angles, attention's
-first key tile, phase C's residual) are issued before the barrier. Loading phase D's weights during attention
-(early_mlp) spilled and was slower (525 against 439 µs a launch).
+Measured on an H200 (bench/results/generate_smollm2/stack/one_poller/, bf16, batch 1, prompt 128 + 256 new
+tokens): SmolLM2-135M's step 393 µs against 716 in per-layer launches (685 against 376 GB/s of weights);
+GPT-2 124M's 254 against 296. The timeline (bench/stack_timeline.py) gives each phase ~2-3.5 µs, 0.8-2 µs of
+it the barrier: 11.3 µs a layer against ~23 in launches. Loads that need nothing from the phase before (the
+RoPE angles, attention's first key tile, phase C's residual) are issued before the barrier, and only warp 0
+of a program polls a barrier (one launch 350 against 365 µs with every warp polling). Loading phase D's
+weights during attention (early_mlp) spilled and was slower (525 against 439 µs a launch).
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ from .decode_mlp import _parts  # C as two power-of-two column blocks
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
 MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
+ONE_POLLER = True  # only warp 0 of a program polls a barrier's counter (every_warp_polls: all warps)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
 MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a barrier's polls before it gives up (~0.5 µs each)
@@ -99,6 +100,18 @@ def early_mlp(on: bool = True):
         MLP_EARLY = old
 
 
+@contextlib.contextmanager
+def every_warp_polls(on: bool = True):
+    """Inside the block, launches have every warp of a program poll the barrier counter (as before ONE_POLLER):
+    benchmark A/B runs."""
+    global ONE_POLLER
+    old, ONE_POLLER = ONE_POLLER, not on
+    try:
+        yield
+    finally:
+        ONE_POLLER = old
+
+
 @triton.jit
 def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
     """Column j of the address table's row `layer`, as a pointer to dtype (16-byte aligned: the plan checks)."""
@@ -110,6 +123,21 @@ def _addr(PTRS, layer, j: tl.constexpr, dtype: tl.constexpr):
 def _ld_acquire(p):
     return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin_warp0(p, target):
+    """Warp 0 polls the counter at p (acquire loads; a warp's loads of one address coalesce into one request)
+    until it reads at least target, in a loop of its own; the other warps return at once (_wait's CTA barrier
+    then holds them). Returns the polls (0 for the other warps): above MAX_POLLS (seconds: some program never
+    became resident) it gave up."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred w; .reg .u32 t, s; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.ge.u32 w, t, 32; "
+        "@w bra SPIN_DONE_${:uid}; "
+        "SPIN_LOOP_${:uid}: ld.global.acquire.gpu.b32 s, [$1]; setp.ge.s32 w, s, $2; @w bra SPIN_DONE_${:uid}; "
+        f"add.u32 $0, $0, 1; setp.le.u32 w, $0, {MAX_POLLS}; @w bra SPIN_LOOP_${{:uid}}; "
+        "SPIN_DONE_${:uid}: }",
+        "=r,l,r", [p, target], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -136,18 +164,26 @@ def _trap():
 
 
 @triton.jit
-def _wait(BAR, target):
+def _wait(BAR, target, ONE_POLLER: tl.constexpr):
     """Until every program has arrived (the counter reaches target); their writes are visible after it. Loads
     issued between _arrive and _wait (the next phase's weights) stream in while this program waits. A wait of
     more than MAX_POLLS polls (seconds: some program never became resident) ends the kernel with a trap, an
-    error on the host instead of a hang."""
-    seen = _ld_acquire(BAR)
-    polls = 0
-    while seen < target:
-        seen = _ld_acquire(BAR)
-        polls += 1
-        if polls > MAX_POLLS:
+    error on the host instead of a hang.
+
+    ONE_POLLER: only warp 0 polls, and the CTA barrier after its acquire orders the other warps' reads (the
+    cooperative-groups grid sync's pattern): one load of the counter per program and poll instead of one per
+    warp, so the programs' polls and arrivals queue less at the counter's L2 slice. Otherwise every warp polls."""
+    if ONE_POLLER:
+        if _spin_warp0(BAR, target) > MAX_POLLS:
             _trap()
+    else:
+        seen = _ld_acquire(BAR)
+        polls = 0
+        while seen < target:
+            seen = _ld_acquire(BAR)
+            polls += 1
+            if polls > MAX_POLLS:
+                _trap()
     tl.debug_barrier()
 
 
@@ -413,7 +449,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, MLP_AT: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
-                         TIMELINE: tl.constexpr):
+                         TIMELINE: tl.constexpr, ONE_POLLER: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
@@ -425,7 +461,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
     load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
-    D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer.
+    D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
+    the barrier counter (_wait).
     """
     dtype: tl.constexpr = X0.dtype.element_ty
     ALL: tl.constexpr = PHASE < 0
@@ -475,7 +512,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL:
             if layer > layer0:
                 epoch += 1
-                _wait(BAR, epoch * nprog)                                    # the layer before is done
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # the layer before is done
             _stamp(TIMES, pid, layer, 0, TIMELINE)
         if ALL or PHASE == 0:
             _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps1, stride_ch, stride_cn,
@@ -494,7 +531,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                 PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
         if ALL:
             epoch += 1
-            _wait(BAR, epoch * nprog)                                        # q, k, v written
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # q, k, v written
             _stamp(TIMES, pid, layer, 2, TIMELINE)
         if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
             res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
@@ -505,7 +542,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             _stamp(TIMES, pid, layer, 3, TIMELINE)
             _arrive(BAR)
             epoch += 1
-            _wait(BAR, epoch * nprog)                                        # partials written
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # partials written
             _stamp(TIMES, pid, layer, 4, TIMELINE)
         if ALL or PHASE == 2:
             _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
@@ -518,7 +555,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                     PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
             if ALL:
                 epoch += 1
-                _wait(BAR, epoch * nprog)                                    # x_mid written
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # x_mid written
                 _stamp(TIMES, pid, layer, 6, TIMELINE)
             _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
                        offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
@@ -541,7 +578,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         lfa, lfb = _vec2(LNF_B, offs_a, a_ok, offs_b, b_ok, FINAL and LN_BIAS)
         if ALL:
             epoch += 1
-            _wait(BAR, epoch * nprog)                                        # the last Σ_down complete
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # the last Σ_down complete
         if pid == 0:
             xa = _residual(X0, XM, WS, bpa, last, offs_a, a_ok, C, dtype)
             xb = _residual(X0, XM, WS, bpb, last, offs_b, b_ok, C, dtype)
@@ -756,18 +793,18 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     with _triton.device_guard(x):
         if not phase_by_phase:
             _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, MLP_AT=_mlp_at, PHASE=-1,
-                                       TIMELINE=timeline is not None, num_warps=WARPS,
+                                       TIMELINE=timeline is not None, ONE_POLLER=ONE_POLLER, num_warps=WARPS,
                                        num_stages=1)
             return out
         for layer in range(plan.n_layers):
             for phase in range(4):
                 _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, MLP_AT=3, PHASE=phase, TIMELINE=False,
-                                           num_warps=WARPS,
+                                           ONE_POLLER=False, num_warps=WARPS,
                                            num_stages=1)
         _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, MLP_AT=3, PHASE=4, TIMELINE=False,
-                                   num_warps=WARPS,
+                                   ONE_POLLER=False, num_warps=WARPS,
                                    num_stages=1)
     return out
 
 
-__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "MAX_C", "MAX_SPLITS"]
+__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "every_warp_polls", "MAX_C", "MAX_SPLITS"]

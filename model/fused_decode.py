@@ -125,12 +125,11 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
 _stack_plans: dict = {}
 INTERPRETER_PROGRAMS = 24  # the interpreter's grid for the stack (programs run one after another there)
 # The widest model that the one-launch stack serves by default, from whole decode steps on an H200
-# (bench/results/generate_smollm2/stack/vector_loads_48c2d4a/): SmolLM2-135M (C = 576) 420 against 715 us per
-# step in per-layer launches. GPT-2 124M (C = 768: 16 lane pairs and 32 intermediate columns a program, no
-# spills) measured 255 against 295 us as one launch, but its tiles' float64-reference test
-# (tests/test_decode_stack.py: test_full_width_models_through_the_stack) has not yet run on a GPU, so 768 is
-# not served by default yet.
-STACK_MAX_C = 576
+# (bench/results/generate_smollm2/stack/one_poller/): SmolLM2-135M (C = 576) 393 against 716 us per
+# step in per-layer launches; GPT-2 124M (C = 768: 16 lane pairs and 32 intermediate columns a program) 254
+# against 296 us, its tiles checked against the float64 reference on the GPU
+# (tests/test_decode_stack.py: test_full_width_models_through_the_stack).
+STACK_MAX_C = 768
 
 
 def _stack_layers(model) -> list[dict]:

@@ -123,10 +123,10 @@ FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles a
 @torch.no_grad()
 def test_full_width_models_through_the_stack(name, monkeypatch):
     """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16) in
-    bf16: steps through the stack against the float64 model, as the small families."""
+    bf16: steps through the stack (served by default at both widths) against the float64 model, as the small
+    families."""
     from model import GPT, GPTConfig
     calls = Calls(monkeypatch)
-    monkeypatch.setattr(fd, "STACK_MAX_C", 768)  # GPT-2's width through the stack, default or not
     torch.manual_seed(11)
     model = GPT(GPTConfig(block_size=96, vocab_size=61, n_layer=2, attention="naive", **FULL_WIDTHS[name]))
     decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)

@@ -192,7 +192,8 @@ def compile_decode_launches() -> list[dict]:
             # polls; other programs' data read past L1
             ptx = c.asm["ptx"]
             rec["barrier_ptx"] = dict(release_add=bool(re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)),
-                                      acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx)
+                                      acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx,
+                                      warp0_polls=bool(re.search(r"SPIN_LOOP_\w+: ld\.global\.acquire\.gpu", ptx)))
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
             rec["ptxas"] = ptxas_usage(c)
@@ -279,6 +280,7 @@ MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py),
     "rmsnorm swiglu no_bias stats_out block_i16 c256+256",   # Llama-like
 ]
 MLP_MODEL_MODES = ["rmsnorm swiglu no_bias block_i16 c512+64"]  # bf16, SmolLM2-135M's C = 576
+STACK_WIDE_SPILL = 64  # spill bytes per thread allowed to the stack at widths above 576 (GPT-2 124M's 768)
 STACK_MODES = [  # the whole stack in one launch, each dtype: STACK_MODELS
     "layernorm gelu no_rope bias mha d64 c512", "rmsnorm swiglu rope no_bias no_qkv_bias gqa d128 c512",
     "rmsnorm swiglu rope no_bias qkv_bias gqa d128 c512", "rmsnorm swiglu rope no_bias gqa d64 c576",
@@ -352,14 +354,15 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     mlp = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if rec["kernel"] == "_ln_mlp_kernel"]
     assert len(mlp) >= len(MLP_MODES) + len(MLP_MODEL_MODES)
     assert not [m for m in mlp if m[1]["spill_stores"] or m[1]["spill_loads"]], f"MLP launches that spill: {mlp}"
-    # the stack: its barrier's memory orders in the PTX; no spills (the widths it serves: model.fused_decode's
-    # STACK_MAX_C)
+    # the stack: its barrier's memory orders in the PTX; no spills up to SmolLM2's width, and at most
+    # STACK_WIDE_SPILL bytes at GPT-2 124M's (Triton 3.6 at sm_90 spills 40 B there, 3.9 48 B; timed on an H200
+    # with those 40 B: bench/results/generate_smollm2/stack/one_poller/)
     stack = [(" ".join(sorted(t)), rec) for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_stack_kernel"]
     assert len(stack) >= len(STACK_MODES) * len(DTYPES)
     assert all(all(rec["barrier_ptx"].values()) for _, rec in stack), [rec["barrier_ptx"] for _, rec in stack]
-    from model.fused_decode import STACK_MAX_C  # wider ones (GPT-2 124M's) compile, not served by default
-    spilling = [(tags, rec["ptxas"]) for tags, rec in stack if rec["consts"]["C"] <= STACK_MAX_C
-                and (rec["ptxas"]["spill_stores"] or rec["ptxas"]["spill_loads"])]
+    spilling = [(tags, rec["ptxas"]) for tags, rec in stack
+                if max(rec["ptxas"]["spill_stores"], rec["ptxas"]["spill_loads"])
+                > (0 if rec["consts"]["C"] <= 576 else STACK_WIDE_SPILL)]
     assert not spilling, f"stack launches that spill: {spilling}"
 
 

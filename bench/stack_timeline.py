@@ -1,14 +1,12 @@
 """Where the one-launch decode step (kernels/decode_stack.py) spends its time: a phase-by-phase timeline.
 
     python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--out DIR]
-                                   [--fuse-max-keys N] [--every-warp-polls]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
 --pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
 (%globaltimer, nanoseconds, one clock for all SMs) at the end of each phase (A: norm + QKV + RoPE + cache write,
-B: attention shares, C: merge + output projection + residual, D: MLP with the down projection's atomics; with
-at most --fuse-max-keys keys in the cache B is attention and the output projection as one phase, BC, and C is
-empty) and after each barrier's wait. Per phase, averaged over layers 1..L-1 and the runs:
+B: attention shares, C: merge + output projection + residual, D: MLP with the down projection's atomics) and
+after each barrier's wait. Per phase, averaged over layers 1..L-1 and the runs:
 
     work µs       the phase's time in a program, from leaving the barrier before it to its end: median over the
                   programs, and the slowest program
@@ -17,8 +15,8 @@ empty) and after each barrier's wait. Per phase, averaged over layers 1..L-1 and
     phase µs      from the median program leaving the barrier before the phase to the median leaving the one after
 
 Then the same launch without the timeline, timed as a CUDA graph of 20 back-to-back launches: µs per launch (the
-stamps themselves add a little). Needs a CUDA GPU. Writes stack_timeline_<model>_pos<P>[_bc][_every_warp_polls].md
-and .json to --out (default bench/results/generate_smollm2/stack/).
+stamps themselves add a little). Needs a CUDA GPU. Writes stack_timeline_<model>.md and .json to --out (default
+bench/results/generate_smollm2/stack/).
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ import torch  # noqa: E402
 
 from bench.generate import build_model  # noqa: E402
 from model.fused_decode import rope_tables, stack_plan  # noqa: E402
-from kernels.decode_stack import FUSE_MAX_KEYS, decode_stack, every_warp_polls, fused_out_proj  # noqa: E402
+from kernels.decode_stack import decode_stack, early_mlp, every_warp_polls  # noqa: E402
 
 PHASES = [("A qkv", 0, 1, 2), ("B attention", 2, 3, 4), ("C out-proj", 4, 5, 6), ("D mlp", 6, 7, 0)]
 
@@ -45,9 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
     p.add_argument("--pos", type=int, default=255, help="the token's position (cache length - 1), default 255")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--fuse-max-keys", type=int, default=FUSE_MAX_KEYS, help="caches up to this many keys run "
-                   "attention and the output projection as one phase (kernels.decode_stack.fused_out_proj; 0: "
-                   f"never), default {FUSE_MAX_KEYS}")
+    p.add_argument("--early-mlp", action="store_true", help="phase D's weights loaded after phase A "
+                   "(kernels.decode_stack.early_mlp) instead of after phase C")
     p.add_argument("--every-warp-polls", action="store_true", help="every warp of a program polls the barrier "
                    "counter (kernels.decode_stack.every_warp_polls) instead of warp 0 alone")
     p.add_argument("--out", default=str(ROOT / "bench/results/generate_smollm2/stack"))
@@ -77,7 +74,7 @@ def analyse(times: torch.Tensor, n_layers: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with fused_out_proj(args.fuse_max_keys), every_warp_polls(args.every_warp_polls):
+    with early_mlp(args.early_mlp), every_warp_polls(args.every_warp_polls):
         return run(args, argv)
 
 
@@ -128,7 +125,7 @@ def run(args, argv) -> int:
         torch.cuda.synchronize()
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
-    meta = dict(model=args.model, pos=args.pos, fuse_max_keys=args.fuse_max_keys, every_warp_polls=args.every_warp_polls,
+    meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, every_warp_polls=args.every_warp_polls,
                 runs=args.runs, programs=plan.programs, layers=plan.n_layers,
                 blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python bench/stack_timeline.py " + " ".join(argv or sys.argv[1:]))
@@ -136,8 +133,8 @@ def run(args, argv) -> int:
              f"`{meta['command']}`", "",
              f"{meta['gpu']}, torch {meta['torch']}; {plan.programs} programs, {plan.n_layers} layers, tiles "
              f"{plan.blocks}, up to {plan.max_splits} key shares per kv group. Medians over layers 1..L-2 and "
-             f"{args.runs} runs (bench/stack_timeline.py explains the columns). Attention and the output "
-             f"projection {'as one phase (BC: B holds it, C is empty)' if args.pos + 1 <= args.fuse_max_keys and plan.fusable else 'as phases B and C'}; "
+             f"{args.runs} runs (bench/stack_timeline.py explains the columns). Phase D's weights loaded "
+             f"{'after phase A' if args.early_mlp else 'after phase C'}; "
              f"{'every warp polls' if args.every_warp_polls else 'warp 0 polls'} a barrier's counter.", "",
              "| phase | work µs (median program) | work µs (slowest) | barrier µs | phase µs |",
              "| --- | ---: | ---: | ---: | ---: |"]
@@ -149,7 +146,7 @@ def run(args, argv) -> int:
               f"(CUDA graph of 20 launches, median of 5 replays)."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (f"stack_timeline_{args.model}_pos{args.pos}{'_bc' if args.pos + 1 <= args.fuse_max_keys else ''}"
+    name = (f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
             f"{'_every_warp_polls' if args.every_warp_polls else ''}")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,

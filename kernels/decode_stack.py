@@ -62,7 +62,7 @@ from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
-FUSE_MAX_KEYS = 512  # caches up to this many keys (with the token's) run attention and W_o as one phase (BC)
+MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
 ONE_POLLER = True  # only warp 0 of a program polls a barrier's counter (every_warp_polls: all warps)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
@@ -89,15 +89,15 @@ N_PTRS: tl.constexpr = tl.constexpr(len(TABLE))
 
 
 @contextlib.contextmanager
-def fused_out_proj(max_keys: int):
-    """Inside the block, launches run attention and the output projection as one phase up to max_keys keys (0:
-    never): benchmark A/B runs and tests of both forms."""
-    global FUSE_MAX_KEYS
-    old, FUSE_MAX_KEYS = FUSE_MAX_KEYS, int(max_keys)
+def early_mlp(on: bool = True):
+    """Inside the block, launches load phase D's weights right after phase A (they stream in during attention,
+    held in registers through phases B and C) instead of after phase C: benchmark A/B runs."""
+    global MLP_EARLY
+    old, MLP_EARLY = MLP_EARLY, bool(on)
     try:
         yield
     finally:
-        FUSE_MAX_KEYS = old
+        MLP_EARLY = old
 
 
 @contextlib.contextmanager
@@ -245,14 +245,13 @@ def _normed(xa, xb, ga, gb, ba, bb, a_ok, b_ok, eps, C: tl.constexpr, RMS: tl.co
 
 
 @triton.jit
-def _phase_qkv(X0, XM, XA, WS, OS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps, stride_ch, stride_cn,
+def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps, stride_ch, stride_cn,
                w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2, r_ok,
                offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                RMS: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
     """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs) with their
     biases bq1/bq2, RoPE (cos, sin of the lanes: 1 and 0 on v's rows), q into QBUF, k and v into the layer's
-    cache at pos; program 0 also zeroes Σ_down[layer + 1] and OS (phase BC's sums). Every weight arrives
-    prefetched."""
+    cache at pos; program 0 also zeroes Σ_down[layer + 1]. Every weight arrives prefetched."""
     xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)           # (A,)
     xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)           # (B,)
     if pid == 0:
@@ -260,8 +259,6 @@ def _phase_qkv(X0, XM, XA, WS, OS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps,
         tl.store(XA + offs_b, xb.to(dtype), mask=b_ok)
         tl.store(WS + (layer + 1) * C + offs_a, tl.zeros_like(xa), mask=a_ok)
         tl.store(WS + (layer + 1) * C + offs_b, tl.zeros_like(xb), mask=b_ok)
-        tl.store(OS + offs_a, tl.zeros_like(xa), mask=a_ok)
-        tl.store(OS + offs_b, tl.zeros_like(xb), mask=b_ok)
     na, nb = _normed(xa, xb, g1a, g1b, l1a, l1b, a_ok, b_ok, eps, C, RMS, dtype)
     y1 = (_gemv(w1a, w1b, na, nb) + bq1).to(dtype).to(tl.float32)            # (PA,) lanes i
     y2 = (_gemv(w2a, w2b, na, nb) + bq2).to(dtype).to(tl.float32)            # (PA,) lanes i + D/2
@@ -298,10 +295,13 @@ def _kv_tile(KC, VC, n, T, d, stride_cn):
 
 
 @triton.jit
-def _first_tile(KC, VC, g, s, T, stride_ch, stride_cn, D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The first key tile of attention share (g, s) (tile s of kv head g), loaded before the barrier: the keys
+def _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D: tl.constexpr, HKV: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Phase B's first key tile of program (g, s) (tile s of kv head g), loaded before the barrier: the keys
     cached before this token only (the token's own row, written in phase A of this launch, is added after the
-    barrier by _attend)."""
+    barrier by _phase_attention)."""
+    g = pid // S
+    s = pid % S
     n = s * BLOCK_N + tl.arange(0, BLOCK_N)                                  # (BLOCK_N,)
     d = tl.arange(0, D)
     mine = (g < HKV) & (s < tl.cdiv(T, BLOCK_N))
@@ -310,17 +310,19 @@ def _first_tile(KC, VC, g, s, T, stride_ch, stride_cn, D: tl.constexpr, HKV: tl.
 
 
 @triton.jit
-def _attend(QBUF, KC, VC, k, v, g, s, S, T, qk_scale, stride_ch, stride_cn, D: tl.constexpr, HQ: tl.constexpr,
-            HKV: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-            dtype: tl.constexpr):
-    """Share (g, s) of attention: kv group g's query heads (GP rows, the group's padded to 16 for tl.dot) over
-    key tiles s, s + S, ... of the cache's T keys, as (acc, m, l) per row (base-2 logits, acc unnormalised), with
-    the rows' heads h and h_ok. QKᵀ and PV on the tensor cores (P as the sum of two dtype terms, so PV keeps
-    about fp32's accuracy); the first tile (k, v) came before the barrier without the token's own row, which is
-    added here; the next tiles are loaded one tile ahead."""
+def _phase_attention(QBUF, PART, KC, VC, k, v, pid, T, S, qk_scale, stride_ch, stride_cn,
+                     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, PRECISION: tl.constexpr, dtype: tl.constexpr):
+    """Phase B: program (g, s) attends kv group g's query heads (GP rows, the group's padded to 16 for tl.dot)
+    to key tiles s, s + S, ... of the cache (S shares of the T keys) and stores its partial (acc, m, l) per head
+    (base-2 logits). QKᵀ and PV on the tensor cores (P as the sum of two dtype terms, so PV keeps about fp32's
+    accuracy); the first tile (k, v) came before the barrier without the token's own row, which is added here;
+    the next tiles are loaded one tile ahead."""
     G: tl.constexpr = HQ // HKV
     n_tiles = tl.cdiv(T, BLOCK_N)
-    mine = tl.where(g < HKV, (n_tiles - s + S - 1) // S, 0)                  # this share's tiles
+    g = pid // S
+    s = pid % S
+    mine = tl.where(g < HKV, (n_tiles - s + S - 1) // S, 0)                  # this program's tiles
     j = tl.arange(0, GP)                                                     # (GP,)
     d = tl.arange(0, D)                                                      # (D,)
     h = g * G + j
@@ -355,42 +357,10 @@ def _attend(QBUF, KC, VC, k, v, g, s, S, T, qk_scale, stride_ch, stride_cn, D: t
         k = k_next
         v = v_next
         n = nxt
-    return acc, m, l_sum, h, h_ok
-
-
-@triton.jit
-def _phase_attention(QBUF, PART, KC, VC, k, v, pid, T, S, qk_scale, stride_ch, stride_cn,
-                     D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, PRECISION: tl.constexpr, dtype: tl.constexpr):
-    """Phase B: program (g, s) attends kv group g's query heads to key tiles s, s + S, ... of the cache (S
-    shares of the T keys, _attend) and stores its partial (acc, m, l) per head."""
-    s = pid % S
-    acc, m, l_sum, h, h_ok = _attend(QBUF, KC, VC, k, v, pid // S, s, S, T, qk_scale, stride_ch, stride_cn, D, HQ,
-                                     HKV, GP, BLOCK_N, PRECISION, dtype)
-    d = tl.arange(0, D)
     cell = h * MAX_S + s                                                     # (GP,)
     tl.store(PART + cell[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
     tl.store(PART + HQ * MAX_S * D + cell, m, mask=h_ok)
     tl.store(PART + HQ * MAX_S * (D + 1) + cell, l_sum, mask=h_ok)
-
-
-@triton.jit
-def _phase_attend_out(QBUF, OS, KC, VC, k, v, wo, g, cols, c_ok, T, qk_scale, stride_ch, stride_cn,
-                      D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, G2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, dtype: tl.constexpr):
-    """Phase BC (a cache of at most the launch's fuse_max_t keys): this program attends kv group g's query heads
-    over the whole cache (_attend, one share), rounds their outputs y as eager does, and adds its output
-    columns' share of y W_oᵀ (wo (OF, G2, D): W_o[cols] over the group's heads, G2 the group padded to a power
-    of two) into OS (C,) fp32 with atomics; phase D adds b_o and the residual."""
-    acc, m, l_sum, h, h_ok = _attend(QBUF, KC, VC, k, v, g, 0, 1, T, qk_scale, stride_ch, stride_cn, D, HQ, HKV,
-                                     GP, BLOCK_N, PRECISION, dtype)
-    y = tl.where(h_ok[:, None], acc / tl.where(h_ok, l_sum, 1.0)[:, None], 0.0)  # (GP, D)
-    y = y.to(dtype).to(tl.float32)
-    j2 = tl.arange(0, G2)
-    jp = tl.arange(0, GP)
-    y2 = tl.sum(tl.where(jp[None, :, None] == j2[:, None, None], y[None, :, :], 0.0), 1)  # (G2, D) rows < G2
-    o = tl.sum(tl.sum(wo.to(tl.float32) * y2[None, :, :], 2), 1)             # (OF,)
-    tl.atomic_add(OS + cols, o, mask=c_ok, sem="relaxed")
 
 
 @triton.jit
@@ -418,29 +388,13 @@ def _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.con
 
 
 @triton.jit
-def _x_mid(OS, XA, bo, offs, ok, dtype: tl.constexpr):
-    """x_mid at columns offs after phase BC: round(round(Σ_o + b_o) + x), fp32 of dtype values (bo: b_o there)."""
-    o = tl.load(OS + offs, mask=ok, other=0.0, cache_modifier=".cg") + bo
-    x = tl.load(XA + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return (o.to(dtype).to(tl.float32) + x).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _phase_mlp(XM, XA, OS, WS, layer, pid, fuse, eps, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, boa, bob,
-               i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
+def _phase_mlp(XM, WS, layer, eps, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+               offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
                dtype: tl.constexpr):
-    """Phase D: x_mid (from XM, or after phase BC from its sums OS, b_o (boa, bob) and the residual XA, program
-    0 then storing it into XM), N₂(x_mid), this program's intermediate columns h (fc / gate, up biases bf1,
-    bf2), and its share h W_downᵀ added into Σ_down[layer + 1]. Every weight arrives prefetched."""
-    if fuse:
-        xa = _x_mid(OS, XA, boa, offs_a, a_ok, dtype)                       # (A,)
-        xb = _x_mid(OS, XA, bob, offs_b, b_ok, dtype)                       # (B,)
-        if pid == 0:
-            tl.store(XM + offs_a, xa.to(dtype), mask=a_ok)
-            tl.store(XM + offs_b, xb.to(dtype), mask=b_ok)
-    else:
-        xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    """Phase D: N₂(x_mid), this program's intermediate columns h (fc / gate, up biases bf1, bf2), and its share
+    h W_downᵀ added into Σ_down[layer + 1]. Every weight arrives prefetched."""
+    xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     na, nb = _normed(xa, xb, g2a, g2b, l2a, l2b, a_ok, b_ok, eps, C, RMS, dtype)
     y = (_gemv(fa, fb, na, nb) + bf1).to(dtype).to(tl.float32)               # (IB,) gate / fc
     if SWIGLU:
@@ -457,12 +411,10 @@ def _phase_mlp(XM, XA, OS, WS, layer, pid, fuse, eps, fa, fb, ua, ub, da, db, g2
 
 
 @triton.jit
-def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, oa_ok, ob_ok, C: tl.constexpr, I: tl.constexpr,
-                 LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, O_BIAS: tl.constexpr,
-                 dtype: tl.constexpr):
+def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, I: tl.constexpr,
+                 LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
     """Phase D's weights for this program's intermediate columns offs_i: fc / gate rows, up rows (SwiGLU; else
-    the fc rows again), down columns (each over the two column blocks), N₂'s gain and bias, the fc biases, and
-    b_o over both column blocks where oa_ok / ob_ok (after phase BC; all False otherwise)."""
+    the fc rows again), down columns (each over the two column blocks), N₂'s gain and bias, the fc biases."""
     wf = _addr(PTRS, layer, W_FC, dtype)
     fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)          # (IB, A), (IB, B)
     ua = fa
@@ -476,8 +428,7 @@ def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, oa_ok, o
     l2a, l2b = _vec2(_addr(PTRS, layer, LN2_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
     bf1 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i, i_ok, FC_BIAS)
     bf2 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i + I, i_ok, FC_BIAS and SWIGLU)
-    boa, bob = _vec2(_addr(PTRS, layer, B_O, dtype), offs_a, oa_ok, offs_b, ob_ok, O_BIAS)
-    return fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, boa, bob
+    return fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2
 
 
 @triton.jit
@@ -489,33 +440,29 @@ def _bias_rows(B, rows, ok, ON: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["layer0", "n_layers"])
-def _decode_stack_kernel(PTRS, X0, XM, XA, WS, OS, QBUF, PART, POS, COS, SIN, OUT, BAR, TIMES, LNF_W, LNF_B,
-                         layer0, n_layers, eps1, eps2, eps_f, qk_scale, stride_ch, stride_cn, stride_rope, fuse_max_t,
+def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, BAR, TIMES, LNF_W, LNF_B,
+                         layer0, n_layers, eps1, eps2, eps_f, qk_scale, stride_ch, stride_cn, stride_rope,
                          C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
-                         HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, G2: tl.constexpr, HP: tl.constexpr,
-                         I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr, OF: tl.constexpr,
+                         HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
+                         I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr,
                          BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
-                         PRECISION: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
+                         PRECISION: tl.constexpr, MLP_AT: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
                          TIMELINE: tl.constexpr, ONE_POLLER: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
     be resident); PHASE 0..3: only that phase (A, B, C, D) of one layer, 4: only the output (one launch each,
     the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
-    after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; OS (C,) fp32 output
-    projection sums (phase BC); QBUF (HQ·D,); PART (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before
-    and after a launch. FINAL: the output is the final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the
-    last residual stream. At each barrier a program arrives, loads the next phase's weights, then waits.
-
-    A cache of at most fuse_max_t keys (with this token's) runs phases B and C as one, BC (_phase_attend_out):
-    program (g, b) for kv group g < HKV and W_o's column block b of OF columns attends the group over the whole
-    cache and adds its columns' share of y W_oᵀ into OS; phase D then makes x_mid (and program 0 stores it into
-    XM). One barrier a layer fewer; the attention of a group runs once per column block. Under PHASE >= 0, PHASE
-    1 is then BC and PHASE 2 does nothing. TIMELINE (PHASE -1 only): TIMES (programs, 1024, 8) int64 receives
-    the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C, D; BC: 3 = 4 = 5) and after each wait
-    (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls the barrier counter (_wait).
+    after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
+    (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch. FINAL: the output is the
+    final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the last residual stream.
+    At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
+    load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
+    TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
+    D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
+    the barrier counter (_wait).
     """
     dtype: tl.constexpr = X0.dtype.element_ty
     ALL: tl.constexpr = PHASE < 0
@@ -524,7 +471,6 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, OS, QBUF, PART, POS, COS, SIN, OU
     pos = tl.load(POS).to(tl.int64)                                          # the token's position
     T = pos.to(tl.int32) + 1                                                 # keys in the cache after it
     S = tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S)                               # key shares per kv group
-    fuse = T <= fuse_max_t                                                   # phases B and C as one (BC)
     offs_a = tl.arange(0, PART_A)
     offs_b = PART_A + tl.arange(0, PART_B)
     a_ok = offs_a < C
@@ -542,17 +488,6 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, OS, QBUF, PART, POS, COS, SIN, OU
     d3 = tl.arange(0, D)
     o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
     o_ok = c_ok[:, None, None] & (h3 < HQ)[None, :, None]
-    # phase BC: kv group g_f, W_o's output columns cols_f over the group's heads (G2 rows, padded to a power of two)
-    G: tl.constexpr = HQ // HKV
-    NB: tl.constexpr = (C + OF - 1) // OF                                    # column blocks of W_o
-    g_f = pid // NB
-    cols_f = (pid % NB) * OF + tl.arange(0, OF)                              # (OF,)
-    cf_ok = (cols_f < C) & ((cols_f * 0 + g_f) < HKV)
-    j2 = tl.arange(0, G2)
-    of_at = cols_f[:, None, None] * (HQ * D) + (g_f * G + j2)[None, :, None] * D + d3[None, None, :]  # (OF, G2, D)
-    of_ok = cf_ok[:, None, None] & (j2 < G)[None, :, None]
-    fuse_a = (offs_a * 0 + fuse.to(tl.int32)) > 0                           # (A,) fuse as a tensor
-    fuse_b = (offs_b * 0 + fuse.to(tl.int32)) > 0
     if ROPE:  # the token's RoPE angles for this program's lanes, once (q and k heads; v's rows keep 1 and 0)
         lane = rows1 % D                                                     # (PA,) < D / 2
         turn = r_ok & (rows1 < (HQ + HKV) * D)
@@ -580,63 +515,50 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, OS, QBUF, PART, POS, COS, SIN, OU
                 _wait(BAR, epoch * nprog, ONE_POLLER)                        # the layer before is done
             _stamp(TIMES, pid, layer, 0, TIMELINE)
         if ALL or PHASE == 0:
-            _phase_qkv(X0, XM, XA, WS, OS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps1, stride_ch, stride_cn,
+            _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps1, stride_ch, stride_cn,
                        w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
                        r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 1, TIMELINE)
             _arrive(BAR)
-        if fuse:
-            if ALL or PHASE == 1:  # BC: the first key tile and this program's W_o block load before the barrier
-                k0, v0 = _first_tile(KC, VC, g_f, 0, T, stride_ch, stride_cn, D, HKV, BLOCK_N)
-                wof = tl.load(_addr(PTRS, layer, W_O, dtype) + of_at, mask=of_ok, other=0.0)  # (OF, G2, D)
-                if ALL:
-                    epoch += 1
-                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # q, k, v written
-                    _stamp(TIMES, pid, layer, 2, TIMELINE)
-                _phase_attend_out(QBUF, OS, KC, VC, k0, v0, wof, g_f, cols_f, cf_ok, T, qk_scale, stride_ch,
-                                  stride_cn, D, HQ, HKV, GP, G2, BLOCK_N, PRECISION, dtype)
-                if ALL:
-                    _stamp(TIMES, pid, layer, 3, TIMELINE)
-                    _stamp(TIMES, pid, layer, 4, TIMELINE)
-                    _stamp(TIMES, pid, layer, 5, TIMELINE)
-                    _arrive(BAR)
-        else:
-            if ALL or PHASE == 2:
-                wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
-                bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
-            if ALL or PHASE == 1:  # attention's first key tile, without the row phase A is writing
-                k0, v0 = _first_tile(KC, VC, pid // S, pid % S, T, stride_ch, stride_cn, D, HKV, BLOCK_N)
-            if ALL:
-                epoch += 1
-                _wait(BAR, epoch * nprog, ONE_POLLER)                        # q, k, v written
-                _stamp(TIMES, pid, layer, 2, TIMELINE)
-            if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
-                res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
-            if ALL or PHASE == 1:
-                _phase_attention(QBUF, PART, KC, VC, k0, v0, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV,
-                                 GP, BLOCK_N, MAX_S, PRECISION, dtype)
-            if ALL:
-                _stamp(TIMES, pid, layer, 3, TIMELINE)
-                _arrive(BAR)
-                epoch += 1
-                _wait(BAR, epoch * nprog, ONE_POLLER)                        # partials written
-                _stamp(TIMES, pid, layer, 4, TIMELINE)
-            if ALL or PHASE == 2:
-                _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
-            if ALL:
-                _stamp(TIMES, pid, layer, 5, TIMELINE)
-                _arrive(BAR)
+        if ALL or PHASE == 2:
+            wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
+            bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
+        if ALL or PHASE == 1:  # attention's first key tile, without the row phase A is writing
+            k0, v0 = _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D, HKV, BLOCK_N)
+        if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
+            fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+        if ALL:
+            epoch += 1
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # q, k, v written
+            _stamp(TIMES, pid, layer, 2, TIMELINE)
+        if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
+            res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
+        if ALL or PHASE == 1:
+            _phase_attention(QBUF, PART, KC, VC, k0, v0, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
+                             BLOCK_N, MAX_S, PRECISION, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 3, TIMELINE)
+            _arrive(BAR)
+            epoch += 1
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # partials written
+            _stamp(TIMES, pid, layer, 4, TIMELINE)
+        if ALL or PHASE == 2:
+            _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 5, TIMELINE)
+            _arrive(BAR)
         if ALL or PHASE == 3:
-            fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, boa, bob = _mlp_weights(
-                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, a_ok & fuse_a, b_ok & fuse_b, C, I, LN_BIAS,
-                SWIGLU, FC_BIAS, O_BIAS, dtype)
+            if MLP_AT == 3:
+                fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
             if ALL:
                 epoch += 1
-                _wait(BAR, epoch * nprog, ONE_POLLER)                        # x_mid (or Σ_o) written
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # x_mid written
                 _stamp(TIMES, pid, layer, 6, TIMELINE)
-            _phase_mlp(XM, XA, OS, WS, layer, pid, fuse, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2,
-                       boa, bob, i_ok, offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
+            _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+                       offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 7, TIMELINE)
             _arrive(BAR)
@@ -754,9 +676,6 @@ class StackPlan:
         self.stride_ch, self.stride_cn = k0.stride(1), k0.stride(2)
         L, ws_dtype = self.n_layers, torch.float32
         self.ws = torch.zeros(L + 1, C, dtype=ws_dtype, device=device)        # row 0 stays zero
-        self.os = torch.zeros(C, dtype=torch.float32, device=device)
-        # phase BC (attention and W_o as one phase) needs a program per kv group and W_o column block
-        self.fusable = HKV * triton.cdiv(C, self.blocks["OF"]) <= self.programs
         self.xm = torch.zeros(C, dtype=dtype, device=device)
         self.xa = torch.zeros(C, dtype=dtype, device=device)
         self.qbuf = torch.zeros(HQ * D, dtype=dtype, device=device)
@@ -790,10 +709,7 @@ def _blocks(C: int, I: int, D: int, HQ: int, HKV: int, programs: int) -> dict:
     ib = 1
     while triton.cdiv(I, ib) > programs:
         ib *= 2
-    of = 1  # phase BC: W_o's columns a program, for every kv group
-    while HKV * triton.cdiv(C, of) > programs and of < 128:
-        of *= 2
-    return {"PA": pa, "OC": oc, "IB": ib, "OF": of}
+    return {"PA": pa, "OC": oc, "IB": ib}
 
 
 def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs: int) -> str | None:
@@ -861,32 +777,31 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     cos, sin = rope if rope is not None else (x, x)
     pa, pb = _parts(plan.C)
     consts = dict(C=plan.C, PART_A=pa, PART_B=pb, D=plan.D, HQ=plan.HQ, HKV=plan.HKV,
-                  GP=_pow2_at_least(plan.HQ // plan.HKV, 16), G2=_pow2_at_least(plan.HQ // plan.HKV),
-                  HP=_pow2_at_least(plan.HQ), I=plan.I,
+                  GP=_pow2_at_least(plan.HQ // plan.HKV, 16), HP=_pow2_at_least(plan.HQ), I=plan.I,
                   BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
                   FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
+    _mlp_at = 1 if MLP_EARLY else 3
     consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
     gf, bf, eps_f = final_norm if final_norm is not None else (x, None, 0.0)
-    args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.os, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
+    args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
             timeline if timeline is not None else plan.bar, gf, bf if bf is not None else gf)
     consts["FINAL"] = final_norm is not None
-    scal = (plan.eps[0], plan.eps[1], float(eps_f), qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0),
-            FUSE_MAX_KEYS if plan.fusable else -1)
+    scal = (plan.eps[0], plan.eps[1], float(eps_f), qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
     grid = (plan.programs,)
     with _triton.device_guard(x):
         if not phase_by_phase:
-            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, PHASE=-1,
+            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, MLP_AT=_mlp_at, PHASE=-1,
                                        TIMELINE=timeline is not None, ONE_POLLER=ONE_POLLER, num_warps=WARPS,
                                        num_stages=1)
             return out
         for layer in range(plan.n_layers):
             for phase in range(4):
-                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, PHASE=phase, TIMELINE=False,
+                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, MLP_AT=3, PHASE=phase, TIMELINE=False,
                                            ONE_POLLER=False, num_warps=WARPS,
                                            num_stages=1)
-        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, PHASE=4, TIMELINE=False,
+        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, MLP_AT=3, PHASE=4, TIMELINE=False,
                                    ONE_POLLER=False, num_warps=WARPS,
                                    num_stages=1)
     return out

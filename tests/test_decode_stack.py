@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 import model.fused_decode as fd  # noqa: E402
 from kernels import options  # noqa: E402
-from kernels.decode_stack import StackPlan, decode_stack, fits, fused_out_proj  # noqa: E402
+from kernels.decode_stack import StackPlan, decode_stack, fits  # noqa: E402
 from model.fused_decode import fused_decode_step, stack_plan  # noqa: E402
 from model.generation import decode_one_token, prefill  # noqa: E402
 from tests.test_fused_decode import DEVICE, check_step, oracle_step, tiny_gpt  # noqa: E402
@@ -50,7 +50,7 @@ class Calls:
 
 def poison(plan: StackPlan) -> None:
     """Every buffer a step writes before it reads it: NaN (the barrier counters stay zero)."""
-    for t in (plan.ws, plan.os, plan.xm, plan.xa, plan.qbuf, plan.part):
+    for t in (plan.ws, plan.xm, plan.xa, plan.qbuf, plan.part):
         t.fill_(float("nan"))
 
 
@@ -84,39 +84,31 @@ def decode_one_sequence(model, length: int, max_len: int, steps: int, seed: int 
 CASES = [(f, torch.float32) for f in FAMILIES] + [("gpt2-mha", torch.float16), ("smollm2", torch.float16)]
 if DEVICE.type == "cuda":
     CASES += [(f, torch.bfloat16) for f in FAMILIES] + [(f, torch.float16) for f in FAMILIES[1:] if f != "smollm2"]
-# attention and the output projection as one phase (BC, the default at these lengths) and as two
-FORMS = [(*case, "bc") for case in CASES] + [
-    (*case, "b+c") for case in CASES if DEVICE.type == "cuda" or case in (
-        ("gpt2-mha", torch.float32), ("qwen2", torch.float32), ("smollm2", torch.float16))]
 
 
-@pytest.mark.parametrize("name,dtype,form", FORMS, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("name,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
 @torch.no_grad()
-def test_stack_step_equals_the_models_step(name, dtype, form, monkeypatch):
+def test_stack_step_equals_the_models_step(name, dtype, monkeypatch):
     """LayerNorm + GELU + biases + learned positions, MHA and GQA; RMSNorm + SwiGLU + RoPE (llama3 scaling),
     qkv_bias with head_size != C / H and MQA (qwen2), 3 query heads per kv head (smollm2), biases everywhere:
-    three steps from position 9, through the stack (asserted), with attention and the output projection as one
-    phase (bc) and as two (b+c)."""
+    three steps from position 9, through the stack (asserted)."""
     calls = Calls(monkeypatch)
-    with fused_out_proj(512 if form == "bc" else 0):
-        decode_one_sequence(family_model(name, dtype), 9, max_len=24, steps=3)
+    decode_one_sequence(family_model(name, dtype), 9, max_len=24, steps=3)
     assert calls.n == 3
 
 
-@pytest.mark.parametrize("programs,form", [(24, "b+c"), (12, "b+c"), (12, "bc")])
+@pytest.mark.parametrize("programs", [24, 12])
 @torch.no_grad()
-def test_long_cache_more_key_tiles_than_splits(programs, form, monkeypatch):
+def test_long_cache_more_key_tiles_than_splits(programs, monkeypatch):
     """400 cached positions: 13 key tiles of 32 over at most 12 shares per kv group (one share reads two strided
-    tiles), or (bc) all 13 tiles in each program of the one phase of attention and output projection. With 12
-    programs the other phases take wider tiles too (8 lane pairs, 8 columns, 16 columns; 16 W_o columns in BC)."""
+    tiles). With 12 programs the other phases take wider tiles too (8 lane pairs, 8 columns, 16 columns)."""
     monkeypatch.setattr(fd, "INTERPRETER_PROGRAMS", programs)
     calls = Calls(monkeypatch)
     model = family_model("smollm2", torch.float32, block_size=448)
-    with fused_out_proj(512 if form == "bc" else 0):
-        decode_one_sequence(model, 400, max_len=416, steps=2)
+    decode_one_sequence(model, 400, max_len=416, steps=2)
     assert calls.n == 2
     if programs == 12 and DEVICE.type == "cpu":
-        assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16, "OF": 16}
+        assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16}
 
 
 FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles are the ones the GPU runs
@@ -127,19 +119,17 @@ FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles a
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="full-width models are for the GPU")
-@pytest.mark.parametrize("form", ["bc", "b+c"])
 @pytest.mark.parametrize("name", list(FULL_WIDTHS))
 @torch.no_grad()
-def test_full_width_models_through_the_stack(name, form, monkeypatch):
-    """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program; 1216 W_o columns in BC) and
-    SmolLM2-135M's (4, 8, 16; 16) in bf16: steps through the stack (served by default at both widths) against
-    the float64 model, as the small families, attention and the output projection as one phase and as two."""
+def test_full_width_models_through_the_stack(name, monkeypatch):
+    """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16) in
+    bf16: steps through the stack (served by default at both widths) against the float64 model, as the small
+    families."""
     from model import GPT, GPTConfig
     calls = Calls(monkeypatch)
     torch.manual_seed(11)
     model = GPT(GPTConfig(block_size=96, vocab_size=61, n_layer=2, attention="naive", **FULL_WIDTHS[name]))
-    with fused_out_proj(512 if form == "bc" else 0):
-        decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
+    decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
     assert calls.n == 2
 
 
@@ -237,20 +227,18 @@ def test_bad_input_one_line_each():
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the persistent launch needs a GPU")
 @torch.no_grad()
-@pytest.mark.parametrize("form", ["bc", "b+c"])
-def test_one_launch_equals_phase_by_phase_on_the_gpu(form):
+def test_one_launch_equals_phase_by_phase_on_the_gpu():
     """The grid barriers against kernel boundaries: the same phases, so the same output up to the order of the
-    atomic adds; and the barrier counters are back at zero after each launch."""
+    down projection's atomic adds; and the barrier counters are back at zero after each launch."""
     model = family_model("smollm2", torch.bfloat16)
     model.setup_kv_cache(1, 48)
     plan = stack_plan(model)
     x = torch.randn(1, model.config.n_embd, device=DEVICE).to(torch.bfloat16)
     rope = fd.rope_tables(model, 48, torch.bfloat16)
     outs = []
-    with fused_out_proj(512 if form == "bc" else 0):
-        for by_phase in (False, True, False):
-            outs.append(decode_stack(plan, x, torch.tensor([7], device=DEVICE), rope, phase_by_phase=by_phase))
-            assert plan.bar.tolist() == [0, 0]
+    for by_phase in (False, True, False):
+        outs.append(decode_stack(plan, x, torch.tensor([7], device=DEVICE), rope, phase_by_phase=by_phase))
+        assert plan.bar.tolist() == [0, 0]
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[2].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
 

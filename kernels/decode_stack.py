@@ -446,7 +446,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
                          HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
                          I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr, NBC: tl.constexpr,
-                         BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, SHARES: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
@@ -457,14 +457,11 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     be resident); PHASE 0..3: only that phase (A, B, C, D) of one layer, 4: only the output (one launch each,
     the launches in order make the barriers). Buffers: X0 (C,) the embedding; XM, XA (C,) the residual stream
     after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
-    (HQ, MAX_S, D + 2) fp32 partials (SHARES <= MAX_S of them used a head at most); BAR (5,) int32 zeros before and
-    after a launch: the counts of programs done with phases A, B, C, D (over the layers) and of programs out. FINAL: the output is the
+    (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch. FINAL: the output is the
     final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the last residual stream.
     At each barrier a program arrives, loads the next phase's weights, then waits. NBC > 0 (roles): programs
     0 .. NBC - 1 run phases B and C, the others phase D, whose weights they load right after phase A, so that
-    they stream in during attention and the output projection (every program runs phase A). Only a phase's own
-    programs count at its barrier and only the next phase's wait for it: the MLP programs wait for phase C
-    alone (it follows A and B), the others for the previous layer's D before A. TIMELINE (PHASE -1 only):
+    they stream in during attention and the output projection (every program runs phase A). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
     D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
     the barrier counter (_wait).
@@ -475,7 +472,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     nprog = tl.num_programs(0)
     pos = tl.load(POS).to(tl.int64)                                          # the token's position
     T = pos.to(tl.int32) + 1                                                 # keys in the cache after it
-    S = tl.minimum(tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S), SHARES)           # key shares per kv group
+    S = tl.minimum(tl.cdiv(T, BLOCK_N), MAX_S)                               # key shares per kv group
     offs_a = tl.arange(0, PART_A)
     offs_b = PART_A + tl.arange(0, PART_B)
     a_ok = offs_a < C
@@ -507,10 +504,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     else:
         cos = tl.full([PA], 1.0, tl.float32)
         sin = tl.zeros([PA], tl.float32)
-    # the barriers' counters: BAR[k] counts the programs done with phase k (A, B, C, D) over the launch's layers;
-    # with roles only programs 0 .. NBC - 1 count at B and C, only the others at D
-    P_BC = NBC if ROLES else nprog
-    P_D = nprog - NBC if ROLES else nprog
+    epoch = 0
     if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
         layer = layer0
         w1a, w1b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
@@ -525,7 +519,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         VC = _addr(PTRS, layer, V_CACHE, dtype)
         if ALL:
             if layer > layer0:
-                _wait(BAR + 3, (layer - layer0) * P_D, ONE_POLLER)          # the layer before is done
+                epoch += 1
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # the layer before is done
             _stamp(TIMES, pid, layer, 0, TIMELINE)
         if ALL or PHASE == 0:
             _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps1, stride_ch, stride_cn,
@@ -533,7 +528,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                        r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 1, TIMELINE)
-            _arrive(BAR + 0)
+            _arrive(BAR)
         if bc_role:  # phases B and C (and D, without roles)
             if ALL or PHASE == 2:
                 wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
@@ -541,7 +536,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             if ALL or PHASE == 1:  # attention's first key tile, without the row phase A is writing
                 k0, v0 = _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D, HKV, BLOCK_N)
             if ALL:
-                _wait(BAR + 0, (layer - layer0 + 1) * nprog, ONE_POLLER)    # q, k, v written
+                epoch += 1
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # q, k, v written
                 _stamp(TIMES, pid, layer, 2, TIMELINE)
             if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
                 res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
@@ -550,43 +546,48 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                                  GP, BLOCK_N, MAX_S, PRECISION, dtype)
             if ALL:
                 _stamp(TIMES, pid, layer, 3, TIMELINE)
-                _arrive(BAR + 1)
-                _wait(BAR + 1, (layer - layer0 + 1) * P_BC, ONE_POLLER)     # partials written
+                _arrive(BAR)
+                epoch += 1
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # partials written
                 _stamp(TIMES, pid, layer, 4, TIMELINE)
             if ALL or PHASE == 2:
                 _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
             if ALL:
                 _stamp(TIMES, pid, layer, 5, TIMELINE)
-                _arrive(BAR + 2)
-            if ROLES:  # no phase D here: on to the next layer's wait
-                _stamp(TIMES, pid, layer, 6, TIMELINE)
-                _stamp(TIMES, pid, layer, 7, TIMELINE)
+                _arrive(BAR)
+            if ROLES:  # no phase D here
+                if ALL:
+                    epoch += 1
+                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # x_mid written
+                    _stamp(TIMES, pid, layer, 6, TIMELINE)
             elif ALL or PHASE == 3:
                 fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
                     PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
                 if ALL:
-                    _wait(BAR + 2, (layer - layer0 + 1) * P_BC, ONE_POLLER)  # x_mid written
+                    epoch += 1
+                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # x_mid written
                     _stamp(TIMES, pid, layer, 6, TIMELINE)
                 _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
                            offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
-                if ALL:
-                    _stamp(TIMES, pid, layer, 7, TIMELINE)
-                    _arrive(BAR + 3)
         else:  # roles: phase D's program, its weights loading through phases B and C
             if ALL or PHASE == 3:
                 fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
                     PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
-                if ALL:  # no wait for phases A and B: C's barrier orders everything before it
-                    for k in tl.static_range(2, 6):
+                if ALL:
+                    for k in tl.static_range(2, 6, 2):  # through the barriers after phases A and B
+                        epoch += 1
+                        _wait(BAR, epoch * nprog, ONE_POLLER)
                         _stamp(TIMES, pid, layer, k, TIMELINE)
-                    _wait(BAR + 2, (layer - layer0 + 1) * P_BC, ONE_POLLER)  # x_mid written
+                        _stamp(TIMES, pid, layer, k + 1, TIMELINE)
+                        _arrive(BAR)
+                    epoch += 1
+                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # x_mid written
                     _stamp(TIMES, pid, layer, 6, TIMELINE)
                 _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
                            offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
-                if ALL:
-                    _stamp(TIMES, pid, layer, 7, TIMELINE)
-                    _arrive(BAR + 3)
         if ALL:
+            _stamp(TIMES, pid, layer, 7, TIMELINE)
+            _arrive(BAR)
             # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
             nl = tl.minimum(layer + 1, layer0 + n_layers - 1)
             w1a, w1b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)
@@ -602,7 +603,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         gfa, gfb = _vec2(LNF_W, offs_a, a_ok, offs_b, b_ok, FINAL)
         lfa, lfb = _vec2(LNF_B, offs_a, a_ok, offs_b, b_ok, FINAL and LN_BIAS)
         if ALL:
-            _wait(BAR + 3, n_layers * P_D, ONE_POLLER)                       # the last Σ_down complete
+            epoch += 1
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # the last Σ_down complete
         if pid == 0:
             xa = _residual(X0, XM, WS, bpa, last, offs_a, a_ok, C, dtype)
             xb = _residual(X0, XM, WS, bpb, last, offs_b, b_ok, C, dtype)
@@ -611,9 +613,9 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             tl.store(OUT + offs_a, xa.to(dtype), mask=a_ok)
             tl.store(OUT + offs_b, xb.to(dtype), mask=b_ok)
         if ALL:  # the last program to leave resets the counters for the next launch
-            if tl.atomic_add(BAR + 4, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-                for k in tl.static_range(5):
-                    tl.atomic_xchg(BAR + k, 0, sem="relaxed", scope="gpu")
+            if tl.atomic_add(BAR + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                tl.atomic_xchg(BAR, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(BAR + 1, 0, sem="relaxed", scope="gpu")
 
 
 _triton.check_decorated(_decode_stack_kernel)
@@ -656,7 +658,8 @@ class StackPlan:
         self.max_splits = min(MAX_SPLITS, 1 << ((self.programs // HKV).bit_length() - 1))
         # the layout with disjoint roles (phases B and C on programs 0 .. NBC - 1, D on the rest), if any
         self.role_blocks = _roles(C, I, HKV, self.programs, self.blocks)
-        self.role_splits = min(MAX_SPLITS, self.role_blocks["NBC"] // HKV) if self.role_blocks else None
+        self.role_splits = (min(MAX_SPLITS, 1 << ((self.role_blocks["NBC"] // HKV).bit_length() - 1))
+                            if self.role_blocks else None)
         shapes = {"w_qkv": ((HQ + 2 * HKV) * D, C), "w_o": (C, HQ * D), "w_fc": ((2 * I if swiglu else I), C),
                   "w_down": (C, I)}
         biases = {"b_qkv": shapes["w_qkv"][0], "b_o": C, "b_fc": shapes["w_fc"][0], "b_down": C}
@@ -706,9 +709,8 @@ class StackPlan:
         self.xm = torch.zeros(C, dtype=dtype, device=device)
         self.xa = torch.zeros(C, dtype=dtype, device=device)
         self.qbuf = torch.zeros(HQ * D, dtype=dtype, device=device)
-        parts = max(self.max_splits, _pow2_at_least(self.role_splits or 1))  # partials a head: MAX_S of either layout
-        self.part = torch.zeros(HQ * parts * (D + 2), dtype=torch.float32, device=device)
-        self.bar = torch.zeros(5, dtype=torch.int32, device=device)          # phases A-D done, programs out
+        self.part = torch.zeros(HQ * self.max_splits * (D + 2), dtype=torch.float32, device=device)
+        self.bar = torch.zeros(2, dtype=torch.int32, device=device)
         self.keep = layers  # the tensors whose addresses the table holds stay alive with the plan
 
     def same_tensors(self, layers: list[dict]) -> bool:
@@ -824,8 +826,7 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
                   FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"])
     roles = SPLIT_ROLES and plan.role_blocks is not None
-    shares = plan.role_splits if roles else plan.max_splits
-    consts.update(plan.role_blocks if roles else plan.blocks, MAX_S=_pow2_at_least(shares), SHARES=shares)
+    consts.update(plan.role_blocks if roles else plan.blocks, MAX_S=plan.role_splits if roles else plan.max_splits)
     consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
     gf, bf, eps_f = final_norm if final_norm is not None else (x, None, 0.0)

@@ -33,8 +33,7 @@ import torch  # noqa: E402
 
 from bench.generate import build_model  # noqa: E402
 from model.fused_decode import rope_tables, stack_plan  # noqa: E402
-import kernels.decode_stack as ds  # noqa: E402
-from kernels.decode_stack import decode_stack, every_warp_polls, split_roles  # noqa: E402
+from kernels.decode_stack import decode_stack, early_mlp, every_warp_polls  # noqa: E402
 
 PHASES = [("A qkv", 0, 1, 2), ("B attention", 2, 3, 4), ("C out-proj", 4, 5, 6), ("D mlp", 6, 7, 0)]
 
@@ -44,9 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
     p.add_argument("--pos", type=int, default=255, help="the token's position (cache length - 1), default 255")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--shared-roles", action="store_true", help="every program runs every phase "
-                   "(kernels.decode_stack.split_roles off) instead of phases B, C and D on disjoint programs where "
-                   "the shape allows")
+    p.add_argument("--early-mlp", action="store_true", help="phase D's weights loaded after phase A "
+                   "(kernels.decode_stack.early_mlp) instead of after phase C")
     p.add_argument("--every-warp-polls", action="store_true", help="every warp of a program polls the barrier "
                    "counter (kernels.decode_stack.every_warp_polls) instead of warp 0 alone")
     p.add_argument("--out", default=str(ROOT / "bench/results/generate_smollm2/stack"))
@@ -76,7 +74,7 @@ def analyse(times: torch.Tensor, n_layers: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with split_roles(not args.shared_roles), every_warp_polls(args.every_warp_polls):
+    with early_mlp(args.early_mlp), every_warp_polls(args.every_warp_polls):
         return run(args, argv)
 
 
@@ -127,19 +125,16 @@ def run(args, argv) -> int:
         torch.cuda.synchronize()
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
-    roles = ds.SPLIT_ROLES and plan.role_blocks is not None
-    blocks = plan.role_blocks if roles else plan.blocks
-    max_splits = plan.role_splits if roles else plan.max_splits
-    meta = dict(model=args.model, pos=args.pos, shared_roles=args.shared_roles,
-                every_warp_polls=args.every_warp_polls, runs=args.runs, programs=plan.programs, layers=plan.n_layers,
-                blocks=blocks, max_splits=max_splits, gpu=torch.cuda.get_device_name(),
+    meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, every_warp_polls=args.every_warp_polls,
+                runs=args.runs, programs=plan.programs, layers=plan.n_layers,
+                blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python bench/stack_timeline.py " + " ".join(argv or sys.argv[1:]))
     lines = [f"# One-launch decode step timeline: {args.model}, position {args.pos}", "",
              f"`{meta['command']}`", "",
              f"{meta['gpu']}, torch {meta['torch']}; {plan.programs} programs, {plan.n_layers} layers, tiles "
-             f"{blocks}, up to {max_splits} key shares per kv group. Medians over layers 1..L-2 and "
-             f"{args.runs} runs (bench/stack_timeline.py explains the columns). "
-             f"{'Phases B and C on programs 0..NBC-1, D on the rest' if roles else 'Every phase on every program'}; "
+             f"{plan.blocks}, up to {plan.max_splits} key shares per kv group. Medians over layers 1..L-2 and "
+             f"{args.runs} runs (bench/stack_timeline.py explains the columns). Phase D's weights loaded "
+             f"{'after phase A' if args.early_mlp else 'after phase C'}; "
              f"{'every warp polls' if args.every_warp_polls else 'warp 0 polls'} a barrier's counter.", "",
              "| phase | work µs (median program) | work µs (slowest) | barrier µs | phase µs |",
              "| --- | ---: | ---: | ---: | ---: |"]
@@ -151,7 +146,7 @@ def run(args, argv) -> int:
               f"(CUDA graph of 20 launches, median of 5 replays)."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (f"stack_timeline_{args.model}{'_shared_roles' if args.shared_roles else ''}"
+    name = (f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
             f"{'_every_warp_polls' if args.every_warp_polls else ''}")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,

@@ -62,8 +62,7 @@ from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
-SPLIT_ROLES = True  # where a shape allows, phases B, C and phase D run on disjoint programs (split_roles)
-ROLE_MIN_SHARES = 8  # ... if that leaves phase B at least this many key shares per kv group
+MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
 ONE_POLLER = True  # only warp 0 of a program polls a barrier's counter (every_warp_polls: all warps)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
@@ -90,15 +89,15 @@ N_PTRS: tl.constexpr = tl.constexpr(len(TABLE))
 
 
 @contextlib.contextmanager
-def split_roles(on: bool = True):
-    """Inside the block, launches give phases B, C and phase D disjoint programs where the plan has such a layout
-    (on), or run every phase on every program (off): benchmark A/B runs and tests of both layouts."""
-    global SPLIT_ROLES
-    old, SPLIT_ROLES = SPLIT_ROLES, bool(on)
+def early_mlp(on: bool = True):
+    """Inside the block, launches load phase D's weights right after phase A (they stream in during attention,
+    held in registers through phases B and C) instead of after phase C: benchmark A/B runs."""
+    global MLP_EARLY
+    old, MLP_EARLY = MLP_EARLY, bool(on)
     try:
         yield
     finally:
-        SPLIT_ROLES = old
+        MLP_EARLY = old
 
 
 @contextlib.contextmanager
@@ -445,11 +444,11 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          layer0, n_layers, eps1, eps2, eps_f, qk_scale, stride_ch, stride_cn, stride_rope,
                          C: tl.constexpr, PART_A: tl.constexpr, PART_B: tl.constexpr, D: tl.constexpr,
                          HQ: tl.constexpr, HKV: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr,
-                         I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr, NBC: tl.constexpr,
+                         I: tl.constexpr, PA: tl.constexpr, OC: tl.constexpr, IB: tl.constexpr,
                          BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
-                         PRECISION: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
+                         PRECISION: tl.constexpr, MLP_AT: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
                          TIMELINE: tl.constexpr, ONE_POLLER: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
@@ -459,9 +458,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     after attention and entering the layer; WS (L + 1, C) fp32 down-projection sums; QBUF (HQ·D,); PART
     (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch. FINAL: the output is the
     final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the last residual stream.
-    At each barrier a program arrives, loads the next phase's weights, then waits. NBC > 0 (roles): programs
-    0 .. NBC - 1 run phases B and C, the others phase D, whose weights they load right after phase A, so that
-    they stream in during attention and the output projection (every program runs phase A). TIMELINE (PHASE -1 only):
+    At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
+    load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
     D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
     the barrier counter (_wait).
@@ -484,14 +482,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     r_ok = rows1 < (HQ + 2 * HKV) * D
     cols = pid * OC + tl.arange(0, OC)                                       # (OC,) phase C's output columns
     c_ok = cols < C
-    ROLES: tl.constexpr = NBC > 0
-    if ROLES:  # phase D on programs NBC and up
-        offs_i = (pid - NBC) * IB + tl.arange(0, IB)                         # (IB,) phase D's h columns
-        bc_role = pid < NBC
-    else:
-        offs_i = pid * IB + tl.arange(0, IB)
-        bc_role: tl.constexpr = True                                         # every program runs every phase
-    i_ok = (offs_i >= 0) & (offs_i < I)
+    offs_i = pid * IB + tl.arange(0, IB)                                     # (IB,) phase D's h columns
+    i_ok = offs_i < I
     h3 = tl.arange(0, HP)
     d3 = tl.arange(0, D)
     o_at = cols[:, None, None] * (HQ * D) + h3[None, :, None] * D + d3[None, None, :]  # (OC, HP, D)
@@ -529,62 +521,44 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL:
             _stamp(TIMES, pid, layer, 1, TIMELINE)
             _arrive(BAR)
-        if bc_role:  # phases B and C (and D, without roles)
-            if ALL or PHASE == 2:
-                wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
-                bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
-            if ALL or PHASE == 1:  # attention's first key tile, without the row phase A is writing
-                k0, v0 = _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D, HKV, BLOCK_N)
-            if ALL:
-                epoch += 1
-                _wait(BAR, epoch * nprog, ONE_POLLER)                        # q, k, v written
-                _stamp(TIMES, pid, layer, 2, TIMELINE)
-            if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
-                res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
-            if ALL or PHASE == 1:
-                _phase_attention(QBUF, PART, KC, VC, k0, v0, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV,
-                                 GP, BLOCK_N, MAX_S, PRECISION, dtype)
-            if ALL:
-                _stamp(TIMES, pid, layer, 3, TIMELINE)
-                _arrive(BAR)
-                epoch += 1
-                _wait(BAR, epoch * nprog, ONE_POLLER)                        # partials written
-                _stamp(TIMES, pid, layer, 4, TIMELINE)
-            if ALL or PHASE == 2:
-                _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
-            if ALL:
-                _stamp(TIMES, pid, layer, 5, TIMELINE)
-                _arrive(BAR)
-            if ROLES:  # no phase D here
-                if ALL:
-                    epoch += 1
-                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # x_mid written
-                    _stamp(TIMES, pid, layer, 6, TIMELINE)
-            elif ALL or PHASE == 3:
+        if ALL or PHASE == 2:
+            wo = tl.load(_addr(PTRS, layer, W_O, dtype) + o_at, mask=o_ok, other=0.0)  # (OC, HP, D)
+            bo = _bias_rows(_addr(PTRS, layer, B_O, dtype), cols, c_ok, O_BIAS)
+        if ALL or PHASE == 1:  # attention's first key tile, without the row phase A is writing
+            k0, v0 = _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D, HKV, BLOCK_N)
+        if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
+            fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+        if ALL:
+            epoch += 1
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # q, k, v written
+            _stamp(TIMES, pid, layer, 2, TIMELINE)
+        if ALL or PHASE == 2:  # phase C's residual (program 0 wrote it in phase A) loads during attention
+            res = tl.load(XA + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (OC,)
+        if ALL or PHASE == 1:
+            _phase_attention(QBUF, PART, KC, VC, k0, v0, pid, T, S, qk_scale, stride_ch, stride_cn, D, HQ, HKV, GP,
+                             BLOCK_N, MAX_S, PRECISION, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 3, TIMELINE)
+            _arrive(BAR)
+            epoch += 1
+            _wait(BAR, epoch * nprog, ONE_POLLER)                            # partials written
+            _stamp(TIMES, pid, layer, 4, TIMELINE)
+        if ALL or PHASE == 2:
+            _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
+        if ALL:
+            _stamp(TIMES, pid, layer, 5, TIMELINE)
+            _arrive(BAR)
+        if ALL or PHASE == 3:
+            if MLP_AT == 3:
                 fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
                     PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
-                if ALL:
-                    epoch += 1
-                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # x_mid written
-                    _stamp(TIMES, pid, layer, 6, TIMELINE)
-                _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
-                           offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
-        else:  # roles: phase D's program, its weights loading through phases B and C
-            if ALL or PHASE == 3:
-                fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
-                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
-                if ALL:
-                    for k in tl.static_range(2, 6, 2):  # through the barriers after phases A and B
-                        epoch += 1
-                        _wait(BAR, epoch * nprog, ONE_POLLER)
-                        _stamp(TIMES, pid, layer, k, TIMELINE)
-                        _stamp(TIMES, pid, layer, k + 1, TIMELINE)
-                        _arrive(BAR)
-                    epoch += 1
-                    _wait(BAR, epoch * nprog, ONE_POLLER)                    # x_mid written
-                    _stamp(TIMES, pid, layer, 6, TIMELINE)
-                _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
-                           offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
+            if ALL:
+                epoch += 1
+                _wait(BAR, epoch * nprog, ONE_POLLER)                        # x_mid written
+                _stamp(TIMES, pid, layer, 6, TIMELINE)
+            _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
+                       offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 7, TIMELINE)
             _arrive(BAR)
@@ -656,10 +630,6 @@ class StackPlan:
         self.blocks = _blocks(C, I, D, HQ, HKV, self.programs)
         # phase B's HKV x splits programs fit the grid; a power of two (phase C loads every partial as one tile)
         self.max_splits = min(MAX_SPLITS, 1 << ((self.programs // HKV).bit_length() - 1))
-        # the layout with disjoint roles (phases B and C on programs 0 .. NBC - 1, D on the rest), if any
-        self.role_blocks = _roles(C, I, HKV, self.programs, self.blocks)
-        self.role_splits = (min(MAX_SPLITS, 1 << ((self.role_blocks["NBC"] // HKV).bit_length() - 1))
-                            if self.role_blocks else None)
         shapes = {"w_qkv": ((HQ + 2 * HKV) * D, C), "w_o": (C, HQ * D), "w_fc": ((2 * I if swiglu else I), C),
                   "w_down": (C, I)}
         biases = {"b_qkv": shapes["w_qkv"][0], "b_o": C, "b_fc": shapes["w_fc"][0], "b_down": C}
@@ -739,21 +709,7 @@ def _blocks(C: int, I: int, D: int, HQ: int, HKV: int, programs: int) -> dict:
     ib = 1
     while triton.cdiv(I, ib) > programs:
         ib *= 2
-    return {"PA": pa, "OC": oc, "IB": ib, "NBC": 0}
-
-
-def _roles(C: int, I: int, HKV: int, programs: int, blocks: dict) -> dict | None:
-    """The tiles with disjoint roles: phase D's cdiv(I, IB) programs last, phases B and C on the NBC before them
-    (C's columns in the fewest power-of-two blocks that fit), or None where that leaves phase B fewer than
-    ROLE_MIN_SHARES key shares per kv group or C more than 64 columns a program (GPT-2 124M: 96 programs of
-    MLP leave 36, 3 shares for 12 kv heads)."""
-    nbc = programs - triton.cdiv(I, blocks["IB"])
-    if nbc < HKV * ROLE_MIN_SHARES:
-        return None
-    oc = 1
-    while triton.cdiv(C, oc) > nbc:
-        oc *= 2
-    return dict(blocks, OC=oc, NBC=nbc) if oc <= 64 else None
+    return {"PA": pa, "OC": oc, "IB": ib}
 
 
 def fits(C: int, I: int, D: int, HQ: int, HKV: int, dtype: torch.dtype, programs: int) -> str | None:
@@ -822,11 +778,10 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     pa, pb = _parts(plan.C)
     consts = dict(C=plan.C, PART_A=pa, PART_B=pb, D=plan.D, HQ=plan.HQ, HKV=plan.HKV,
                   GP=_pow2_at_least(plan.HQ // plan.HKV, 16), HP=_pow2_at_least(plan.HQ), I=plan.I,
-                  BLOCK_N=BLOCK_N, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
+                  BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
-                  FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"])
-    roles = SPLIT_ROLES and plan.role_blocks is not None
-    consts.update(plan.role_blocks if roles else plan.blocks, MAX_S=plan.role_splits if roles else plan.max_splits)
+                  FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
+    _mlp_at = 1 if MLP_EARLY else 3
     consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
     gf, bf, eps_f = final_norm if final_norm is not None else (x, None, 0.0)
@@ -837,19 +792,19 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     grid = (plan.programs,)
     with _triton.device_guard(x):
         if not phase_by_phase:
-            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, PHASE=-1,
+            _decode_stack_kernel[grid](*args, 0, plan.n_layers, *scal, **consts, MLP_AT=_mlp_at, PHASE=-1,
                                        TIMELINE=timeline is not None, ONE_POLLER=ONE_POLLER, num_warps=WARPS,
                                        num_stages=1)
             return out
         for layer in range(plan.n_layers):
             for phase in range(4):
-                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, PHASE=phase, TIMELINE=False,
+                _decode_stack_kernel[grid](*args, layer, 1, *scal, **consts, MLP_AT=3, PHASE=phase, TIMELINE=False,
                                            ONE_POLLER=False, num_warps=WARPS,
                                            num_stages=1)
-        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, PHASE=4, TIMELINE=False,
+        _decode_stack_kernel[grid](*args, plan.n_layers, 0, *scal, **consts, MLP_AT=3, PHASE=4, TIMELINE=False,
                                    ONE_POLLER=False, num_warps=WARPS,
                                    num_stages=1)
     return out
 
 
-__all__ = ["StackPlan", "decode_stack", "fits", "split_roles", "every_warp_polls", "MAX_C", "MAX_SPLITS"]
+__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "every_warp_polls", "MAX_C", "MAX_SPLITS"]

@@ -17,10 +17,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-import kernels.decode_stack as ds  # noqa: E402
 import model.fused_decode as fd  # noqa: E402
 from kernels import options  # noqa: E402
-from kernels.decode_stack import StackPlan, decode_stack, fits, split_roles  # noqa: E402
+from kernels.decode_stack import StackPlan, decode_stack, fits  # noqa: E402
 from model.fused_decode import fused_decode_step, stack_plan  # noqa: E402
 from model.generation import decode_one_token, prefill  # noqa: E402
 from tests.test_fused_decode import DEVICE, check_step, oracle_step, tiny_gpt  # noqa: E402
@@ -98,27 +97,6 @@ def test_stack_step_equals_the_models_step(name, dtype, monkeypatch):
     assert calls.n == 3
 
 
-ROLE_CASES = [(f, torch.float32) for f in ("gpt2-mha", "qwen2", "smollm2")]
-if DEVICE.type == "cuda":
-    ROLE_CASES += [(f, torch.bfloat16) for f in FAMILIES]
-
-
-@pytest.mark.parametrize("name,dtype", ROLE_CASES, ids=lambda v: str(v).replace("torch.", ""))
-@torch.no_grad()
-def test_split_roles_equal_the_models_step(name, dtype, monkeypatch):
-    """Phases B and C on the first programs, phase D on the others (its weights loading through B and C): the
-    tiny families get that layout once a kv group may have as few key shares as programs allow (the shares'
-    floor lowered to 1); three steps from position 9 against the float64 model, through the roles (asserted)."""
-    monkeypatch.setattr(ds, "ROLE_MIN_SHARES", 1)
-    calls = Calls(monkeypatch)
-    model = family_model(name, dtype)
-    decode_one_sequence(model, 9, max_len=24, steps=3)
-    assert calls.n == 3
-    plan = stack_plan(model)
-    assert plan.role_blocks is not None and plan.role_blocks["NBC"] > 0
-    assert plan.role_blocks["NBC"] + -(-plan.I // plan.role_blocks["IB"]) <= plan.programs
-
-
 @pytest.mark.parametrize("programs", [24, 12])
 @torch.no_grad()
 def test_long_cache_more_key_tiles_than_splits(programs, monkeypatch):
@@ -130,7 +108,7 @@ def test_long_cache_more_key_tiles_than_splits(programs, monkeypatch):
     decode_one_sequence(model, 400, max_len=416, steps=2)
     assert calls.n == 2
     if programs == 12 and DEVICE.type == "cpu":
-        assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16, "NBC": 0}
+        assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16}
 
 
 FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles are the ones the GPU runs
@@ -141,21 +119,17 @@ FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles a
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="full-width models are for the GPU")
-@pytest.mark.parametrize("roles", [True, False], ids=["split-roles", "shared-roles"])
 @pytest.mark.parametrize("name", list(FULL_WIDTHS))
 @torch.no_grad()
-def test_full_width_models_through_the_stack(name, roles, monkeypatch):
-    """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16; with
-    split roles 16 output columns on 36 programs, h on the other 96) in bf16: steps through the stack (served
-    by default at both widths) against the float64 model, as the small families."""
+def test_full_width_models_through_the_stack(name, monkeypatch):
+    """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16) in
+    bf16: steps through the stack (served by default at both widths) against the float64 model, as the small
+    families."""
     from model import GPT, GPTConfig
     calls = Calls(monkeypatch)
     torch.manual_seed(11)
     model = GPT(GPTConfig(block_size=96, vocab_size=61, n_layer=2, attention="naive", **FULL_WIDTHS[name]))
-    with split_roles(roles):
-        decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
-    if name == "smollm2-135m" and stack_plan(model).programs == 132:
-        assert stack_plan(model).role_blocks == {"PA": 4, "OC": 16, "IB": 16, "NBC": 36}
+    decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
     assert calls.n == 2
 
 
@@ -253,16 +227,12 @@ def test_bad_input_one_line_each():
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the persistent launch needs a GPU")
 @torch.no_grad()
-@pytest.mark.parametrize("roles", [False, True], ids=["shared-roles", "split-roles"])
-def test_one_launch_equals_phase_by_phase_on_the_gpu(roles, monkeypatch):
+def test_one_launch_equals_phase_by_phase_on_the_gpu():
     """The grid barriers against kernel boundaries: the same phases, so the same output up to the order of the
-    down projection's atomic adds; and the barrier counters are back at zero after each launch. With split
-    roles the tiny model needs the shares' floor lowered to 1."""
-    monkeypatch.setattr(ds, "ROLE_MIN_SHARES", 1 if roles else ds.ROLE_MIN_SHARES)
+    down projection's atomic adds; and the barrier counters are back at zero after each launch."""
     model = family_model("smollm2", torch.bfloat16)
     model.setup_kv_cache(1, 48)
     plan = stack_plan(model)
-    assert (plan.role_blocks is not None) == roles
     x = torch.randn(1, model.config.n_embd, device=DEVICE).to(torch.bfloat16)
     rope = fd.rope_tables(model, 48, torch.bfloat16)
     outs = []

@@ -16,7 +16,6 @@ paired launches keep under PDL above PDL_FEW_ROWS rows (kernels/ln_linear.py: me
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import sys
@@ -82,30 +81,18 @@ STACK_MODELS = {  # the whole stack in one launch (kernels/decode_stack.py) at b
 
 
 def _stack_steps(dtype) -> None:
-    """fused_decode_step at batch 1 with the stack on, on each of STACK_MODELS (two layers); GPT-2 124M's width
-    through the stack whether or not model.fused_decode serves it by default (STACK_MAX_C)."""
+    """fused_decode_step at batch 1 with the stack on, on each of STACK_MODELS (two layers; GPT-2 124M's width
+    is within model.fused_decode's STACK_MAX_C, and STACK_MODES requires its variant)."""
     import torch
 
     import model.fused_decode as fd
     from kernels import options
     from model import GPT, GPTConfig
-    widest = max(kw["n_embd"] for kw in STACK_MODELS.values())
     for kw in STACK_MODELS.values():
         model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
         model.setup_kv_cache(1, 64)
-        with options.use(decode_stack=True), _stack_width(fd, widest):
+        with options.use(decode_stack=True):
             fd.fused_decode_step(model, torch.full((1, 1), 3), torch.full((1, 1), 5))
-
-
-@contextlib.contextmanager
-def _stack_width(fd, width: int):
-    """model.fused_decode's STACK_MAX_C at least `width` inside the block."""
-    old = fd.STACK_MAX_C
-    fd.STACK_MAX_C = max(old, width)
-    try:
-        yield
-    finally:
-        fd.STACK_MAX_C = old
 
 
 def _paired_split_k(dtype, pdl: bool) -> None:

@@ -42,9 +42,6 @@ class DataConfig:
                               "Hugging Face model's tokenizer.json) or 'model' (the tokenizer of train.init_from)")
         if self.format not in ("bin", "shards"):
             raise ConfigError(f"data.format={self.format!r}: must be 'bin' or 'shards'")
-        if self.format == "shards" and self.tokenizer not in ("char", "gpt2"):
-            raise ConfigError(f"data.tokenizer={self.tokenizer!r}: data.format = 'shards' tokenises with 'char' or "
-                              "'gpt2' (use data.format = 'bin' for a Hugging Face tokenizer)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)")
         for key in ("num_proc", "val_docs", "shard_tokens"):

@@ -42,7 +42,7 @@ from data.errors import DataError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from data.sharded_loader import ShardedData  # noqa: E402
 from data.shards import prepare_shards  # noqa: E402
-from data.tokenizers import TokenizerError  # noqa: E402
+from data.tokenizers import TokenizerError, spec_difference  # noqa: E402
 from model import GPT  # noqa: E402
 from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint, load_checkpoint,  # noqa: E402
                               remove_stale_temp_dirs, save_run_checkpoint)
@@ -223,20 +223,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def tokenizer_difference(saved: dict, current: dict) -> str | None:
-    """How the data's tokenizer spec differs from the checkpoint's, in words; None when they are the same."""
-    if saved == current:
-        return None
-    if saved.get("kind") != current.get("kind"):
-        return f"the checkpoint's tokenizer is {saved.get('kind')!r}, the data's is {current.get('kind')!r}"
-    if saved.get("kind") == "char":
-        old, new = saved.get("chars", ""), current.get("chars", "")
-        gone, added = "".join(sorted(set(old) - set(new))), "".join(sorted(set(new) - set(old)))
-        return (f"the data's alphabet has {len(new)} characters, the checkpoint's {len(old)}"
-                + (f" (gone: {gone!r})" if gone else "") + (f" (new: {added!r})" if added else ""))
-    return f"the checkpoint's tokenizer is {saved}, the data's is {current}"
-
-
 class Trainer:
     """One training run of `cfg` in cfg.train.out_dir (the caller holds the folder's lock on rank 0).
 
@@ -380,7 +366,7 @@ class Trainer:
 
         def prepare_data() -> str:
             if sharded:
-                return prepare_shards(d.dataset, d.tokenizer, shard_tokens=d.shard_tokens, val_docs=d.val_docs,
+                return prepare_shards(d.dataset, tokenizer, shard_tokens=d.shard_tokens, val_docs=d.val_docs,
                                       text_column=d.text_column, num_proc=d.num_proc, cache_dir=d.cache_dir,
                                       verbose=self.master)
             return prepare(d.dataset, tokenizer, val_fraction=d.val_fraction, num_proc=d.num_proc,
@@ -391,7 +377,7 @@ class Trainer:
         self.data = open_train_data(folder, cfg.model.block_size, sharded=sharded, seed=self.t.seed,
                                     device=self.device)
         if ckpt is not None and ckpt.get("tokenizer") is not None:
-            difference = tokenizer_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
+            difference = spec_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
             if difference:
                 raise TrainError(f"--resume: the tokenizer of data.dataset={cfg.data.dataset!r} no longer matches "
                                  f"the checkpoint's: {difference}; the data changed since the run started: "

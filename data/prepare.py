@@ -43,7 +43,7 @@ import numpy as np
 
 from .errors import DataError
 from .sources import shakespeare_files
-from .tokenizers import CharTokenizer, GPT2Tokenizer, hf_tokenizer, tokenizer_from_spec
+from .tokenizers import CharTokenizer, GPT2Tokenizer, fixed_tokenizer, spec_key, tokenizer_from_spec
 
 FORMAT_VERSION = 1
 ID_SCAN_CHUNK = 1 << 24  # tokens per block when a token file is scanned for ids outside the vocabulary
@@ -216,11 +216,11 @@ def prepare(dataset: str, tokenizer: str | dict, *, val_fraction: float = 0.1, n
     """
     if tokenizer == {"kind": "gpt2"}:
         tokenizer = "gpt2"  # the same tokenizer as the name: the same token files
-    fixed = _fixed_tokenizer(tokenizer)
+    fixed = fixed_tokenizer(tokenizer)
     if fixed is None and tokenizer not in ("gpt2", "char"):
         raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2', 'char' or "
                         "'hf:<repo-or-dir>'")
-    tokenizer_id = tokenizer if fixed is None else _spec_id(fixed.spec())
+    tokenizer_id = tokenizer if fixed is None else spec_key(fixed.spec())
     is_hub = dataset.startswith("hf:")
     files = None if is_hub else resolve_files(dataset)
     source_id = dataset if is_hub else _files_digest(files)
@@ -237,20 +237,6 @@ def prepare(dataset: str, tokenizer: str | dict, *, val_fraction: float = 0.1, n
                              out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _fixed_tokenizer(tokenizer: str | dict):
-    """The tokenizer object a spec or an "hf:" name stands for; None for the names "gpt2" and "char"."""
-    if isinstance(tokenizer, dict):
-        return tokenizer_from_spec(tokenizer)
-    if isinstance(tokenizer, str) and tokenizer.startswith("hf:") and len(tokenizer) > 3:
-        return hf_tokenizer(tokenizer[3:])
-    return None
-
-
-def _spec_id(spec: dict) -> str:
-    """What names a fixed tokenizer in the cache key: its kind and a hash of its whole spec."""
-    return f"{spec['kind']}-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _tokenize(dataset: str, files: list[str] | None, tokenizer: str, fixed, val_fraction: float, num_proc: int,

@@ -19,8 +19,12 @@ manifest.json: {"format", "version", "source", "source_digest", "tokenizer" (spe
 xxhash), "shards": [{"split", "file", "tokens", "checksum"}, ...], "documents": {"val", "train"},
 "tokens": {"val", "train"}, "rows"}.
 
-Tokenizers: "gpt2" (vocab 50257, uint16) or "char", whose alphabet is every character of the source: collected
-in a first pass over it (so a hub source is streamed twice), then fixed in the state file and the manifest.
+Tokenizers: "gpt2" (vocab 50257, uint16); "char", whose alphabet is every character of the source: collected
+in a first pass over it (so a hub source is streamed twice), then fixed in the state file and the manifest;
+"hf:<repo-or-dir>", a Hugging Face model's tokenizer.json (documents end with its eos_token; uint32 above 65,536
+ids, e.g. Llama-3's 128,256); or a tokenizer spec (data/tokenizers.py): exactly the tokenizer of a pretrained
+model or a run, which is how train.py prepares a fine-tuning run's shards. A tokenizer without an end-of-text
+token is refused.
 
 Writing: shards are written as they fill, each whole or not at all (temp file, fsync, rename); after each one
 a small state file (.prepare-state.json) records how far the source has been consumed (rows, and how many
@@ -49,7 +53,8 @@ import numpy as np
 
 from .errors import DataError
 from .sources import Source, checksum_algorithm, new_hash
-from .tokenizers import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_spec
+from .tokenizers import (CharTokenizer, GPT2Tokenizer, TokenizerError, fixed_tokenizer, spec_difference, spec_key,
+                         tokenizer_from_spec)
 
 FORMAT = "flashgpt-shards"
 VERSION = 1
@@ -158,7 +163,13 @@ def tokenize_rows(spec_json: str, texts: list[str]) -> tuple[np.ndarray, np.ndar
     the number of ids of each text, 0 for an empty one)."""
     tok = _tokenizer_for(spec_json)
     dtype = shard_dtype(tok.vocab_size)
-    docs = [np.asarray(tok.encode(t) + [tok.eot_token], dtype=dtype) if t else np.zeros(0, dtype) for t in texts]
+    try:
+        encoded = tok.encode_batch(texts)
+    except Exception as e:  # a character outside a fixed alphabet; tokenizers raises a bare Exception
+        raise DataError(f"data.dataset: the {tok.name} tokenizer cannot encode the corpus "
+                        f"({' '.join(str(e).split())[:160]})") from None
+    docs = [np.asarray(ids + [tok.eot_token], dtype=dtype) if t else np.zeros(0, dtype)
+            for t, ids in zip(texts, encoded)]
     lens = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
     return (np.concatenate(docs) if docs else np.zeros(0, dtype)), lens
 
@@ -300,18 +311,29 @@ def _lock(folder: str, verbose: bool):
     return f
 
 
-def prepare_shards(dataset: str, tokenizer: str = "gpt2", *, out: str | None = None,
+def prepare_shards(dataset: str, tokenizer: str | dict = "gpt2", *, out: str | None = None,
                    shard_tokens: int = DEFAULT_SHARD_TOKENS, val_docs: int = DEFAULT_VAL_DOCS,
                    text_column: str = "text", num_proc: int = 1, cache_dir: str = ".cache/data",
                    verbose: bool = True, progress: bool | None = None) -> str:
     """Tokenise `dataset` into shards once; return the prepared folder (see the module docstring).
 
-    `dataset` may also be a prepared folder (holding manifest.json): it is returned as it is, after checking
-    that its tokenizer is `tokenizer`. An unfinished preparation of the same source and settings continues;
-    a folder holding another preparation is refused. progress: the progress bar (default: as verbose).
+    tokenizer: "gpt2", "char", "hf:<repo-or-dir>" or a tokenizer spec. `dataset` may also be a prepared folder
+    (holding manifest.json): it is returned as it is, after checking that its tokenizer is `tokenizer`. An
+    unfinished preparation of the same source and settings continues; a folder holding another preparation is
+    refused. progress: the progress bar (default: as verbose).
     """
-    if tokenizer not in ("gpt2", "char"):
-        raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
+    if tokenizer == {"kind": "gpt2"}:
+        tokenizer = "gpt2"  # the same tokenizer as the name: the same shards
+    fixed = fixed_tokenizer(tokenizer)
+    if fixed is None and tokenizer not in ("gpt2", "char"):
+        raise DataError(f"data.tokenizer: unknown tokenizer {tokenizer!r}; choose 'gpt2', 'char' or "
+                        "'hf:<repo-or-dir>'")
+    if fixed is not None and fixed.eot_token is None:
+        source = getattr(fixed, "source", None)
+        what = f"the tokenizer of {source}" if source else f"the {fixed.name} tokenizer"
+        raise DataError(f"data.format = 'shards' ends every document with an end-of-text token, and {what} has "
+                        "none (no eos_token): use data.format = 'bin'")
+    tokenizer_id = tokenizer if fixed is None else spec_key(fixed.spec())
     for key, value in (("shard_tokens", shard_tokens), ("val_docs", val_docs), ("num_proc", num_proc)):
         if value < 1:
             raise DataError(f"data.{key}={value}: must be at least 1")
@@ -320,15 +342,20 @@ def prepare_shards(dataset: str, tokenizer: str = "gpt2", *, out: str | None = N
     if os.path.isdir(dataset) and os.path.isfile(os.path.join(dataset, MANIFEST)):
         manifest = read_manifest(dataset)
         kind = manifest["tokenizer"].get("kind")
-        if kind != tokenizer:
+        if fixed is not None:
+            difference = spec_difference(manifest["tokenizer"], fixed.spec(), "the shards'", "the model's")
+            if difference:
+                raise DataError(f"the shards in {dataset} were tokenised with another tokenizer than the model's "
+                                f"({difference}): prepare the source again with the model's tokenizer")
+        elif kind != tokenizer:
             raise DataError(f"data.tokenizer = {tokenizer!r}, but the shards in {dataset} were tokenised with "
                             f"{kind!r}: set data.tokenizer = {kind!r}, or prepare the source again")
         return dataset
     source = Source(dataset, text_column)
     algorithm = checksum_algorithm()
     digest = source.digest(algorithm)
-    settings = settings_of(source, tokenizer, shard_tokens, val_docs, digest)
-    folder = out or default_folder(source, tokenizer, shard_tokens, val_docs, digest, cache_dir)
+    settings = settings_of(source, tokenizer_id, shard_tokens, val_docs, digest)
+    folder = out or default_folder(source, tokenizer_id, shard_tokens, val_docs, digest, cache_dir)
     try:
         os.makedirs(folder, exist_ok=True)
         with _lock(folder, verbose):
@@ -339,7 +366,7 @@ def prepare_shards(dataset: str, tokenizer: str = "gpt2", *, out: str | None = N
                                     f"({_difference(manifest.get('settings') or {}, settings)}): choose another "
                                     "--out, or delete it")
                 return folder
-            return _prepare_locked(source, tokenizer, settings, algorithm, folder, num_proc, verbose,
+            return _prepare_locked(source, fixed or tokenizer, settings, algorithm, folder, num_proc, verbose,
                                    verbose if progress is None else progress)
     except OSError as e:  # disk full, read-only folder: what is written stays whole (temp file + rename)
         where = e.filename or folder
@@ -374,8 +401,9 @@ def _read_state(folder: str, settings: dict) -> dict | None:
     return state
 
 
-def _prepare_locked(source: Source, tokenizer: str, settings: dict, algorithm: str, folder: str, num_proc: int,
+def _prepare_locked(source: Source, tokenizer, settings: dict, algorithm: str, folder: str, num_proc: int,
                     verbose: bool, progress: bool) -> str:
+    """tokenizer: "gpt2", "char" (its alphabet read from the source) or a tokenizer object."""
     for name in os.listdir(folder):  # what an interrupted write left
         if name.startswith(TEMP_PREFIX):
             with contextlib.suppress(OSError):
@@ -389,8 +417,10 @@ def _prepare_locked(source: Source, tokenizer: str, settings: dict, algorithm: s
                   f"{state['rows_done']:,} document(s) done)", file=sys.stderr)
     elif tokenizer == "char":
         tok = CharTokenizer(_char_alphabet(source), eot=True)
-    else:
+    elif tokenizer == "gpt2":
         tok = GPT2Tokenizer()
+    else:
+        tok = tokenizer
     writer = _Writer(folder, settings, tok, algorithm, state)
     t0 = time.time()
     manifest = _stream(source, writer, num_proc, progress)
@@ -456,6 +486,12 @@ def _stream(source: Source, writer: _Writer, num_proc: int, progress: bool) -> d
 
 # ------------------------------------------------------------------------------------------------ the CLI
 
+def _tokenizer_name(value: str) -> str:
+    if value in ("gpt2", "char") or (value.startswith("hf:") and len(value) > 3):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: choose gpt2, char or hf:REPO_OR_DIR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data.prepare",
@@ -467,7 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
                "Train on the result with data.format = \"shards\" and the same settings (train.py finds the "
                "folder), or with data.dataset = the folder printed at the end.")
     p.add_argument("source")
-    p.add_argument("--tokenizer", choices=("gpt2", "char"), default="gpt2")
+    p.add_argument("--tokenizer", type=_tokenizer_name, default="gpt2", metavar="{gpt2,char,hf:REPO_OR_DIR}",
+                   help="gpt2 (default); char (the source's alphabet); hf:REPO_OR_DIR, a Hugging Face model's "
+                        "tokenizer.json, from a local folder or a hub id (the local cache first), for the shards "
+                        "of a model fine-tuned with train.init_from")
     p.add_argument("--out", help="output folder (default: <cache-dir>/shards/<name>-<tokenizer>-<hash of source "
                                  "and settings>, where train.py looks)")
     p.add_argument("--cache-dir", default=".cache/data", help="where the default --out lies (data.cache_dir)")

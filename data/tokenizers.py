@@ -293,3 +293,49 @@ def tokenizer_from_spec(spec: dict):
             raise TokenizerError(f"the stored tokenizer {source} is damaged: tokenizer_config is not a dict")
         return HFTokenizer(text, config, spec.get("chat_template"), source, spec.get("generation_eos"))
     raise TokenizerError(f"unknown tokenizer spec kind {kind!r}; expected 'gpt2', 'char' or 'hf'")
+
+
+def fixed_tokenizer(tokenizer: str | dict):
+    """The tokenizer object a spec or an "hf:<repo-or-dir>" name stands for; None for the names "gpt2" and "char"
+    (and any other string: the caller names what it accepts)."""
+    if isinstance(tokenizer, dict):
+        return tokenizer_from_spec(tokenizer)
+    if isinstance(tokenizer, str) and tokenizer.startswith("hf:") and len(tokenizer) > 3:
+        return hf_tokenizer(tokenizer[3:])
+    return None
+
+
+def spec_key(spec: dict) -> str:
+    """What names a fixed tokenizer in a cache folder's name and key: its kind and a hash of its whole spec."""
+    return f"{spec['kind']}-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spec_difference(saved: dict, current: dict, saved_name: str = "the checkpoint's",
+                    current_name: str = "the data's") -> str | None:
+    """How two tokenizer specs differ, in words short enough for one line (never a whole tokenizer.json); None
+    when they are the same tokenizer. Two Hugging Face specs that differ only in where they were read from (a hub
+    id, a local copy of it) are the same tokenizer."""
+    unplaced = [{k: v for k, v in spec.items() if k != "source"} if spec.get("kind") == "hf" else spec
+                for spec in (saved, current)]
+    if unplaced[0] == unplaced[1]:
+        return None
+    kind, other = saved.get("kind"), current.get("kind")
+    if kind != other:
+        return f"{saved_name} tokenizer is {kind!r}, {current_name} is {other!r}"
+    if kind == "char":
+        old, new = saved.get("chars", ""), current.get("chars", "")
+        if old == new:  # the same alphabet: one has the end-of-text id of sharded data, the other not
+            ends = {True: "has an end-of-text id", False: "has none"}
+            return (f"{saved_name} character tokenizer {ends[bool(saved.get('eot'))]}, {current_name} "
+                    f"{ends[bool(current.get('eot'))]}")
+        gone, added = "".join(sorted(set(old) - set(new))), "".join(sorted(set(new) - set(old)))
+        return (f"{current_name} alphabet has {len(new)} characters, {saved_name} {len(old)}"
+                + (f" (gone: {gone!r})" if gone else "") + (f" (new: {added!r})" if added else ""))
+    if kind == "hf":
+        parts = [f"tokenizer.json sha256 {str(saved.get('sha256'))[:12]}… against {str(current.get('sha256'))[:12]}…"]
+        parts = parts if saved.get("sha256") != current.get("sha256") else []
+        parts += [f"{key} differs" for key in ("tokenizer_config", "chat_template", "generation_eos")
+                  if saved.get(key) != current.get(key)]
+        return (f"{saved_name} Hugging Face tokenizer ({saved.get('source')}) and {current_name} "
+                f"({current.get('source')}) differ: " + "; ".join(parts))
+    return f"{saved_name} tokenizer is {saved}, {current_name} is {current}"

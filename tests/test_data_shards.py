@@ -210,6 +210,114 @@ def test_cli_prepares_where_train_looks(tmp_path):
     assert h.returncode == 0 and "--shard-tokens" in h.stdout and "--val-docs" in h.stdout
 
 
+# ------------------------------------------------------------------- a model's own tokenizer (fine-tuning)
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """A Hugging Face tokenizer folder (byte-level BPE trained on the test documents) whose post-processor starts
+    every encoding with a BOS token, as Llama-3's does; documents end with its eos_token."""
+    from tests.hf_models import write_tokenizer
+    return write_tokenizer(tmp_path / "tok", documents(200, seed=20), bos="<|im_start|>")
+
+
+def test_hf_tokenizer_shards_hold_its_encoding_then_its_eos(tmp_path, hf_folder):
+    from data.tokenizers import hf_tokenizer
+    docs = documents(40, seed=21, long_every=13)
+    docs.insert(3, "")
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    folder = prep(src, tmp_path, tokenizer=f"hf:{hf_folder}", num_proc=2)
+    tok = hf_tokenizer(hf_folder)
+    m = read_manifest(folder)
+    ids = [tok.encode(d) + [tok.eot_token] for d in docs if d]
+    assert all(i[0] == tok.bos_token for i in ids) and tok.eot_token == 0  # <|endoftext|>
+    assert split_tokens(folder, "val").tolist() == sum(ids[:3], [])
+    assert split_tokens(folder, "train").tolist() == sum(ids[3:], [])
+    assert m["tokenizer"] == tok.spec() and m["eot_token"] == 0 and m["vocab_size"] == tok.vocab_size == 300
+    # the same ids through the spec the manifest keeps (a run rebuilds it offline), with one process
+    spec = prep(src, tmp_path, "spec", tokenizer=tok.spec())
+    assert shard_bytes(spec) == shard_bytes(folder)
+    # the default folder names the tokenizer by a hash of its spec; the loader reads the shards back
+    cache = str(tmp_path / "cache")
+    default = prepare_shards(src, f"hf:{hf_folder}", shard_tokens=500, val_docs=3, cache_dir=cache, verbose=False)
+    assert os.path.basename(default).startswith("c-hf-")
+    data = ShardedData(default, block_size=16, seed=0)
+    assert data.tokenizer.spec() == tok.spec() and data.meta["eot_token"] == 0
+
+
+def test_interrupted_hf_preparation_continues_to_identical_bytes(tmp_path, monkeypatch, hf_folder):
+    monkeypatch.setattr(shards, "BATCH_ROWS", 4)
+    src = write_jsonl(tmp_path / "c.jsonl", documents(50, seed=22, long_every=11))
+    whole = prep(src, tmp_path, "whole", tokenizer=f"hf:{hf_folder}", val_docs=6)
+    with monkeypatch.context() as mp:
+        interrupt_after(mp, 4)
+        with pytest.raises(KeyboardInterrupt):
+            prep(src, tmp_path, "cut", tokenizer=f"hf:{hf_folder}", val_docs=6)
+    assert prep(src, tmp_path, "cut", tokenizer=f"hf:{hf_folder}", val_docs=6) == str(tmp_path / "cut")
+    assert shard_bytes(str(tmp_path / "cut")) == shard_bytes(whole)
+
+
+def test_a_prepared_folder_is_checked_against_the_models_tokenizer(tmp_path, hf_folder):
+    import shutil
+    from tests.hf_models import write_tokenizer
+    folder = prep(write_jsonl(tmp_path / "c.jsonl", documents(20, seed=23)), tmp_path, tokenizer=f"hf:{hf_folder}")
+    copy = shutil.copytree(hf_folder, tmp_path / "copy")  # the same tokenizer read from elsewhere: accepted
+    assert prepare_shards(folder, f"hf:{copy}", verbose=False) == folder
+    other = write_tokenizer(tmp_path / "other", documents(200, seed=24), vocab_size=280)
+    with pytest.raises(DataError) as e:
+        prepare_shards(folder, f"hf:{other}", verbose=False)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 1000 and "tokenised with another tokenizer than the model's" in msg
+    assert "tokenizer.json sha256" in msg and "other" in msg
+    with pytest.raises(DataError, match=r"data.tokenizer = 'gpt2', but the shards in .* were tokenised with 'hf'"):
+        prepare_shards(folder, "gpt2", verbose=False)
+
+
+def test_a_character_spec_keeps_its_alphabet(tmp_path):
+    """A run's character tokenizer (a spec) prepares shards with exactly its alphabet: a corpus character outside
+    it is one line naming it; a spec without the end-of-text id (a run of token files) is refused before any
+    work."""
+    docs = documents(12, seed=25)
+    alphabet = "".join(sorted(set("".join(docs))))
+    spec = {"kind": "char", "chars": "".join(sorted(alphabet + "z")), "eot": True}  # one more than the corpus has
+    assert "z" not in alphabet
+    folder = prep(write_jsonl(tmp_path / "c.jsonl", docs), tmp_path, tokenizer=spec, val_docs=2)
+    m = read_manifest(folder)
+    assert m["tokenizer"] == spec and m["eot_token"] == len(alphabet) + 1 == m["vocab_size"] - 1
+    assert tokenizer_from_spec(spec).decode(split_tokens(folder, "train").tolist()) == "".join(docs[2:])
+    with pytest.raises(DataError, match=r"the char tokenizer cannot encode the corpus \(character 'é' is not in "):
+        prep(write_jsonl(tmp_path / "d.jsonl", docs), tmp_path, "d", tokenizer={**spec, "chars": "".join(
+            c for c in alphabet if c != "é")})
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(DataError, match=r"ends every document with an end-of-text token, and the char tokenizer "
+                                        r"has none .*data.format = 'bin'"):
+        prep(write_jsonl(tmp_path / "c.jsonl", docs), tmp_path, "e", tokenizer={"kind": "char", "chars": alphabet})
+    assert set(os.listdir(tmp_path)) == before  # refused before any folder was made
+
+
+def test_hf_tokenizer_without_an_eos_token_is_refused(tmp_path):
+    from tests.hf_models import write_tokenizer
+    folder = write_tokenizer(tmp_path / "tok", documents(50, seed=26), eos=None)
+    with pytest.raises(DataError, match=r"and the tokenizer of hf:.*tok has none \(no eos_token\): use data.format = 'bin'"):
+        prep(write_jsonl(tmp_path / "c.jsonl", documents(10)), tmp_path, tokenizer=f"hf:{folder}")
+
+
+def test_cli_takes_a_hugging_face_tokenizer(tmp_path, hf_folder):
+    src = write_jsonl(tmp_path / "c.jsonl", documents(30, seed=27))
+    r = run_prepare(src, "--tokenizer", f"hf:{hf_folder}", "--shard-tokens", "700", "--val-docs", "2",
+                    "--cache-dir", str(tmp_path / "cache"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    folder = r.stdout.strip()
+    assert read_manifest(folder)["tokenizer"]["kind"] == "hf"
+    cfg = load_config(None, [f"--dataset={src}", f"--tokenizer=hf:{hf_folder}", "--format=shards",
+                             "--shard_tokens=700", "--val_docs=2", f"--cache_dir={tmp_path / 'cache'}"])
+    assert cfg.data.tokenizer == f"hf:{hf_folder}"  # the config takes it for shards too
+    bad = run_prepare(src, "--tokenizer", "sentencepiece")
+    assert bad.returncode == 2 and "'sentencepiece': choose gpt2, char or hf:REPO_OR_DIR" in bad.stderr
+    missing = run_prepare(src, "--tokenizer", f"hf:{tmp_path / 'nowhere'}")
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    assert missing.stderr.startswith("error: ")
+
+
 # ------------------------------------------------------------------------------------------ hub datasets
 
 @pytest.fixture

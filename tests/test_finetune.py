@@ -112,6 +112,54 @@ def test_resume_needs_no_pretrained_folder_and_reproduces_the_run(pretrained, tm
     assert r.returncode == 0 and r.stdout.startswith("the king"), r.stderr
 
 
+def test_finetune_on_shards_with_the_models_tokenizer_resumes_without_it(pretrained, tmp_path):
+    """data.format = "shards", as a fine-tuning corpus of many documents is prepared: the shards hold the ids of
+    the model's own tokenizer, each document ended by its eos_token; the loss falls; the run resumes without the
+    pretrained folder (the checkpoint's copy of the tokenizer finds the same shards) to the losses of one run."""
+    import glob
+
+    import numpy as np
+
+    from data.tokenizers import HFTokenizer
+    folder, _, corpus = pretrained
+    with open(corpus) as f:
+        lines = f.read().splitlines()
+    docs = ["\n".join(lines[i:i + 12]) for i in range(0, len(lines), 12)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    shard_args = ["--format=shards", f"--dataset={jsonl}", "--val_docs=5", "--shard_tokens=3000", "--export_hf=false"]
+    # prepared beforehand as `python -m data.prepare --tokenizer hf:<folder>` does: the run finds that folder
+    from data.shards import prepare_shards
+    prepared = prepare_shards(str(jsonl), f"hf:{folder}", shard_tokens=3000, val_docs=5, verbose=False,
+                              cache_dir=str(tmp_path / "a" / "cache"))
+    a = finetune_cfg(pretrained, tmp_path / "a", *shard_args, "--eval_iters=4")
+    train_mod.train(a)
+    tok = HFTokenizer.from_folder(folder, f"hf:{folder}")
+    assert load_checkpoint(os.path.join(a.train.out_dir, "ckpt_0000000.pt"))["tokenizer"] == tok.spec()
+    (manifest_path,) = glob.glob(str(tmp_path / "a" / "cache" / "shards" / "*" / "manifest.json"))
+    assert os.path.dirname(manifest_path) == prepared  # found, not prepared again
+    manifest = json.loads(open(manifest_path).read())
+    assert manifest["tokenizer"] == tok.spec() and manifest["documents"] == {"val": 5, "train": len(docs) - 5}
+    train_ids = np.concatenate([np.fromfile(os.path.join(os.path.dirname(manifest_path), e["file"]),
+                                            dtype=manifest["dtype"]) for e in manifest["shards"]
+                                if e["split"] == "train"])
+    assert train_ids.tolist() == sum((tok.encode(d) + [tok.eot_token] for d in docs[5:]), [])
+    val = rows(a.train.out_dir, "val_loss")
+    assert val[-1][1] < val[0][1] - 0.3
+    b = finetune_cfg(pretrained, tmp_path / "b", *shard_args, "--eval_iters=4", "--max_iters=6",
+                     f"--cache_dir={tmp_path / 'a' / 'cache'}")
+    train_mod.train(b)
+    hidden = folder + ".moved"
+    os.rename(folder, hidden)
+    try:
+        train_mod.train(finetune_cfg(pretrained, tmp_path / "b", *shard_args, "--eval_iters=4",
+                                     f"--cache_dir={tmp_path / 'a' / 'cache'}", "--init_from=resume"))
+    finally:
+        os.rename(hidden, folder)
+    assert rows(a.train.out_dir, "loss") == rows(b.train.out_dir, "loss")
+    assert rows(a.train.out_dir, "val_loss") == rows(b.train.out_dir, "val_loss")
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2", "qwen3"])
 def test_each_family_finetunes(family, pretrained, tmp_path):
     """The other families (llama: above) start from their weights and learn: the loss falls."""

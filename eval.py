@@ -1,6 +1,8 @@
-"""Evaluate a checkpoint on HellaSwag, or on any lm-evaluation-harness task.
+"""Evaluate a checkpoint on HellaSwag, its perplexity on held-out text, or any lm-evaluation-harness task.
 
     python eval.py --ckpt runs/gpt2 --task hellaswag --data hellaswag_val.jsonl
+    python eval.py --ckpt runs/ft --task perplexity --data held_out.jsonl       # or .txt, .parquet, a folder
+    python eval.py --init-from hf:HuggingFaceTB/SmolLM2-135M --task perplexity --data held_out.jsonl
     python eval.py --ckpt runs/gpt2 --task hellaswag --limit 500 --batch-size 64
     python eval.py --ckpt runs/gpt2 --lm-eval hellaswag,arc_easy --limit 200      # needs pip install lm-eval
     python eval.py --init-from gpt2 --task hellaswag --data hellaswag_val.jsonl   # Hugging Face GPT-2 weights
@@ -8,7 +10,9 @@
 HellaSwag is scored as multiple choice by the summed log-likelihood of each ending given its context:
 acc (argmax of the sum) and acc_norm (argmax of the sum divided by the ending's length in characters), as
 lm-evaluation-harness does (evals/hellaswag.py says exactly how). Without --data it reads the dataset's
-validation file from a cache folder, downloading it the first time.
+validation file from a cache folder, downloading it the first time. Perplexity scores every token of every
+document of --data once (token, word and byte perplexity, bits per byte; evals/perplexity.py says exactly how):
+bits per byte compares models with different tokenizers, such as a fine-tuned model and its base.
 
 The results are printed and written as JSON to --out (default: eval_<task>.json next to the checkpoint).
 The model comes from the checkpoint as generate.py loads it (generate.load_model).
@@ -24,14 +28,17 @@ import time
 
 import torch
 
-import kernels
-from data.tokenizers import TokenizerError
-from model.checkpoint import CheckpointError, find_checkpoint
-from model.config import ConfigError
-from model.device import pick_device, pick_dtype
-from training.runfolder import write_text_atomic
+if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter, chosen before kernels load
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TASKS = ("hellaswag",)
+import kernels  # noqa: E402
+from data.tokenizers import TokenizerError  # noqa: E402
+from model.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
+from model.config import ConfigError  # noqa: E402
+from model.device import pick_device, pick_dtype  # noqa: E402
+from training.runfolder import write_text_atomic  # noqa: E402
+
+TASKS = ("hellaswag", "perplexity")
 INSTALL_LM_EVAL = "pip install 'flashgpt[eval]' (or pip install lm-eval)"
 
 
@@ -40,8 +47,8 @@ class EvalError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Evaluate a flashgpt checkpoint (or GPT-2 weights) on HellaSwag or "
-                                            "lm-evaluation-harness tasks.",
+    p = argparse.ArgumentParser(description="Evaluate a flashgpt checkpoint (or Hugging Face weights) on HellaSwag, "
+                                            "by its perplexity on held-out text, or on lm-evaluation-harness tasks.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_argument_group("model")
     src.add_argument("--ckpt", help="checkpoint file, or a run folder (its latest checkpoint)")
@@ -61,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated lm-evaluation-harness task names (needs: " + INSTALL_LM_EVAL + ")")
     run = p.add_argument_group("evaluation")
     run.add_argument("--data", help="--task hellaswag: local data file, JSONL (hellaswag_val.jsonl, or the columns "
-                                    "of the HF dataset Rowan/hellaswag) or Parquet; default: the cached download")
+                                    "of the HF dataset Rowan/hellaswag) or Parquet; default: the cached download. "
+                                    "--task perplexity (required): the text to score, as data.dataset takes it: "
+                                    ".txt files (one document each), .jsonl(.gz) or .parquet rows, a folder or "
+                                    "glob of them, or hf:NAME[:CONFIG]")
+    run.add_argument("--text-column", default="text",
+                     help="--task perplexity: the field of .jsonl/.parquet/hub rows that holds the text")
     run.add_argument("--cache-dir", default=".cache/data",
                      help="--task hellaswag without --data: the download goes to CACHE_DIR/eval/")
     run.add_argument("--limit", type=int, help="evaluate only the first N items (per task for --lm-eval)")
@@ -75,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     if not args.task and not args.lm_eval:
-        raise EvalError("nothing to evaluate: give --task hellaswag or --lm-eval TASKS")
+        raise EvalError("nothing to evaluate: give --task hellaswag, --task perplexity --data FILE or "
+                        "--lm-eval TASKS")
     if not args.ckpt and not args.init_from:
         raise EvalError("no model: give --ckpt RUN_DIR_OR_FILE or --init-from gpt2")
     if args.ckpt and args.init_from:
@@ -87,7 +100,11 @@ def check_args(args) -> None:
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise EvalError(f"--num-fewshot={args.num_fewshot}: must be >= 0")
     if args.lm_eval and args.data:
-        raise EvalError("--data is for --task hellaswag; an lm-eval task reads its own data (see --include-path)")
+        raise EvalError("--data is for --task hellaswag or perplexity; an lm-eval task reads its own data (see "
+                        "--include-path)")
+    if args.task == "perplexity" and not args.data:
+        raise EvalError("--task perplexity needs --data: the text to score (a .txt/.jsonl/.parquet file, a folder "
+                        "or glob of them, or hf:NAME[:CONFIG])")
     if args.task and (args.num_fewshot is not None or args.include_path):
         raise EvalError("--num-fewshot and --include-path are for --lm-eval")
 
@@ -140,6 +157,27 @@ def run_hellaswag(args) -> tuple[dict, str]:
     return result, "hellaswag"
 
 
+def run_perplexity(args) -> tuple[dict, str]:
+    from evals import perplexity
+    docs = perplexity.read_documents(args.data, args.limit, args.text_column)
+    model, tokenizer, setup = load(args)
+    encoded = perplexity.encode_documents(tokenizer, docs, model.config.vocab_size)
+    print(f"perplexity: {len(docs)} documents from {args.data}; {setup['checkpoint']} on {setup['device']} "
+          f"({setup['dtype']}, {setup['attention']} attention, context {model.config.block_size})",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    metrics = perplexity.evaluate(model, tokenizer, encoded, batch_size=args.batch_size,
+                                  progress=not args.no_progress)
+    result = {"task": "perplexity", **metrics, "data": args.data, "limit": args.limit, **setup,
+              "seconds": round(time.perf_counter() - t0, 3)}
+    bpb = metrics["bits_per_byte"]
+    print(f"perplexity ({metrics['documents']} documents, {metrics['tokens']:,} tokens): token perplexity "
+          f"{metrics['token_perplexity']:.4f}, bits per byte {bpb:.4f}" if bpb is not None else
+          f"perplexity ({metrics['documents']} documents, {metrics['tokens']:,} tokens): token perplexity "
+          f"{metrics['token_perplexity']:.4f}")
+    return result, "perplexity"
+
+
 def run_lm_eval(args) -> tuple[dict, str]:
     try:
         import lm_eval
@@ -177,7 +215,8 @@ def run_lm_eval(args) -> tuple[dict, str]:
 
 def run(args) -> int:
     check_args(args)
-    result, name = run_hellaswag(args) if args.task == "hellaswag" else run_lm_eval(args)
+    runner = {"hellaswag": run_hellaswag, "perplexity": run_perplexity}.get(args.task, run_lm_eval)
+    result, name = runner(args)
     path = out_path(args, name)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -192,9 +231,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from evals.hellaswag import EvalDataError
     from evals.lm_eval_adapter import AdapterError
+    from evals.perplexity import PerplexityError
     try:
         return run(args)
-    except (EvalError, EvalDataError, AdapterError, CheckpointError, TokenizerError, ConfigError) as e:
+    except (EvalError, EvalDataError, AdapterError, PerplexityError, CheckpointError, TokenizerError,
+            ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

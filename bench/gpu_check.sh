@@ -11,7 +11,7 @@
 #
 # The steps after the two trainings that everything needs run side by side (a GPU and a many-core host have
 # room for all of them); each step's verdict is printed in a fixed order once they are all done.
-#   SKIP_TESTS=1 CHECK_ARGS="--n_layer=1 --n_embd=32 --block_size=64" bash bench/gpu_check.sh
+#   SKIP_TESTS=1 CHECK_ARGS="--n_layer=1 --n_head=2 --n_embd=32 --block_size=64" bash bench/gpu_check.sh
 #                                           # a dry run of the script itself on a CPU (overrides every train.py)
 #
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
@@ -176,6 +176,21 @@ spawn doc_mask_window_train trained "$PY" train.py $CFG --out_dir="$RUN/docmask"
   --attention_window=96 --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \
   --out_dir="$RUN/llama" --max_iters=200 --eval_interval=100 --max_time=0 --llama_kernels=triton "${XARGS[@]}"
+
+# evaluation of the trained GPT-2-tokenizer run: perplexity on two of the corpus's works, HellaSwag on the fixture
+scored_ppl() { has "$1" "bits per byte"; }
+scored_hellaswag() { has "$1" "acc_norm"; }
+spawn eval_perplexity scored_ppl "$PY" eval.py --ckpt "$RUN/gpt2_copy" --task perplexity --data shakespeare \
+  --limit 2 --out "$RUN/eval_perplexity.json"
+spawn eval_hellaswag scored_hellaswag "$PY" eval.py --ckpt "$RUN/gpt2_copy" --task hellaswag \
+  --data tests/fixtures/hellaswag_mini.jsonl --out "$RUN/eval_hellaswag.json"
+# fine-tuning from Hugging Face weights on shards of the model's own tokenizer: the run exported, then continued
+export_then_finetune_on_shards() {
+  "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_hf" || return 1
+  "$PY" train.py configs/finetune_tiny.toml --init_from="hf:$RUN/gpt2_hf" --out_dir="$RUN/finetune_shards" \
+    --format=shards --val_docs=2 --shard_tokens=200000 --max_iters=40 --eval_interval=20 --export_hf=false
+}
+spawn finetune_hf_on_shards trained export_then_finetune_on_shards
 
 ablated() { ls "$RUN"/ablate/report.md >/dev/null 2>&1 || echo "no report.md"; }
 spawn ablate_quick ablated "$PY" ablate.py --quick --out "$RUN/ablate"

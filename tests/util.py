@@ -52,8 +52,12 @@ def write_corpus(folder, n_lines: int = 400, seed: int = 0) -> str:
 
 
 def run_entry(script: str, *args, stdin: str | None = None, timeout: int = 300, cwd=None):
+    """Run an entry point as a user starts it: offline, without progress bars, and without the TRITON_INTERPRET
+    that tests/conftest.py sets for this process on a CPU (each entry point turns Triton's interpreter on itself
+    where no GPU exists; one that did not would fail here as it fails for users)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                TQDM_DISABLE="1")
+    env.pop("TRITON_INTERPRET", None)
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], input=stdin,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
 

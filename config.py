@@ -28,11 +28,14 @@ class DataConfig:
     dataset: str = "shakespeare"  # "shakespeare" | text file | folder | glob | "hf:NAME[:CONFIG]" | shard folder
     tokenizer: str = "char"       # "char" | "gpt2" | "hf:<repo-or-dir>" | "model" (train.init_from's own tokenizer)
     format: str = "bin"           # "bin": one train.bin/val.bin (data/prepare.py) | "shards": streamed token
-                                  # shards read in order (data/shards.py; dataset may be a prepared folder)
+                                  # shards read in order (data/shards.py; dataset may be a prepared folder) |
+                                  # "chat": conversations in the tokenizer's chat template, the loss on the
+                                  # assistant's turns (data/chat_data.py)
     val_fraction: float = 0.1     # bin: the last tokens of the corpus form the validation split
     val_docs: int = 1000          # shards: the first documents form the validation split
     shard_tokens: int = 100_000_000  # shards: tokens per shard file
     text_column: str = "text"     # shards: the field of .jsonl/.parquet/hub rows that holds the text
+    messages_column: str = "messages"  # chat: the field of rows that holds a conversation's list of messages
     num_proc: int = 2             # tokenisation processes
     cache_dir: str = ".cache/data"
 
@@ -40,8 +43,10 @@ class DataConfig:
         if self.tokenizer not in ("char", "gpt2", "model") and not is_hf_name(self.tokenizer):
             raise ConfigError(f"data.tokenizer={self.tokenizer!r}: must be 'char', 'gpt2', 'hf:<repo-or-dir>' (a "
                               "Hugging Face model's tokenizer.json) or 'model' (the tokenizer of train.init_from)")
-        if self.format not in ("bin", "shards"):
-            raise ConfigError(f"data.format={self.format!r}: must be 'bin' or 'shards'")
+        if self.format not in ("bin", "shards", "chat"):
+            raise ConfigError(f"data.format={self.format!r}: must be 'bin', 'shards' or 'chat'")
+        if not self.messages_column:
+            raise ConfigError("data.messages_column: must not be empty")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)")
         for key in ("num_proc", "val_docs", "shard_tokens"):

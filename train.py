@@ -41,6 +41,7 @@ from data.loader import TokenData  # noqa: E402
 from data.errors import DataError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from data.sharded_loader import ShardedData  # noqa: E402
+from data.chat_data import prepare_chat  # noqa: E402
 from data.shards import prepare_shards  # noqa: E402
 from data.tokenizers import TokenizerError, spec_difference  # noqa: E402
 from model import GPT  # noqa: E402
@@ -362,9 +363,12 @@ class Trainer:
         cfg = self.cfg
         tokenizer = self._data_tokenizer(ckpt)
 
-        d, sharded = cfg.data, cfg.data.format == "shards"
+        d, sharded, chat = cfg.data, cfg.data.format == "shards", cfg.data.format == "chat"
 
         def prepare_data() -> str:
+            if chat:
+                return prepare_chat(d.dataset, tokenizer, val_fraction=d.val_fraction, column=d.messages_column,
+                                    cache_dir=d.cache_dir, verbose=self.master)
             if sharded:
                 return prepare_shards(d.dataset, tokenizer, shard_tokens=d.shard_tokens, val_docs=d.val_docs,
                                       text_column=d.text_column, num_proc=d.num_proc, cache_dir=d.cache_dir,
@@ -375,7 +379,11 @@ class Trainer:
         self._barrier()
         folder = folder or prepare_data()
         self.data = open_train_data(folder, cfg.model.block_size, sharded=sharded, seed=self.t.seed,
-                                    device=self.device)
+                                    device=self.device, chat=chat)
+        if chat and self.master and sum(self.data.dropped.values()):
+            print(f"note: {self.data.dropped['train']} train and {self.data.dropped['val']} val conversations have "
+                  f"no assistant token within block_size={cfg.model.block_size} and are never drawn",
+                  file=sys.stderr)
         if ckpt is not None and ckpt.get("tokenizer") is not None:
             difference = spec_difference(ckpt["tokenizer"], self.data.meta["tokenizer"])
             if difference:

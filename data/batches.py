@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import torch
 
+from .chat_data import ChatData
 from .loader import TokenData
 from .sharded_loader import ShardedData
 
 
 def open_train_data(folder: str, block_size: int, *, sharded: bool, seed: int,
-                    device: torch.device | str) -> TokenData | ShardedData:
-    """The loader of a prepared folder: ShardedData for token shards (data.format = "shards") or TokenData for
-    train.bin / val.bin (data.format = "bin"), its batches in pinned host memory when `device` is a CUDA device."""
+                    device: torch.device | str, chat: bool = False) -> TokenData | ShardedData:
+    """The loader of a prepared folder: ShardedData for token shards (data.format = "shards"), ChatData for
+    conversations ("chat") or TokenData for train.bin / val.bin ("bin"), its batches in pinned host memory when
+    `device` is a CUDA device."""
     pin = torch.device(device).type == "cuda"
     if sharded:
         return ShardedData(folder, block_size, seed=seed, pin_memory=pin)
+    if chat:
+        return ChatData(folder, block_size, seed=seed, pin_memory=pin)
     return TokenData(folder, block_size, seed=seed, pin_memory=pin)
 
 

@@ -31,13 +31,16 @@ class TokenData:
         self.tokenizer = tokenizer_from_spec(self.meta["tokenizer"])
         self.eot_token = self.tokenizer.eot_token  # ends every document (data/prepare.py); None: no documents
         self.splits = {s: self._open(f"{folder}/{s}.bin", s) for s in ("train", "val")}
-        for split, data in self.splits.items():
-            if len(data) <= block_size + 1:
-                raise DataError(f"the {split} split holds {len(data)} tokens, not enough for "
-                                f"block_size={block_size}: use more data or a smaller model.block_size")
+        self._check_sizes()
         # Separate generators, so that evaluating never shifts the training data order.
         self.generators = {name: torch.Generator().manual_seed(seed * 1000 + i)
                            for i, name in enumerate(("train", "val", "train_eval"))}
+
+    def _check_sizes(self) -> None:
+        for split, data in self.splits.items():
+            if len(data) <= self.block_size + 1:
+                raise DataError(f"the {split} split holds {len(data)} tokens, not enough for "
+                                f"block_size={self.block_size}: use more data or a smaller model.block_size")
 
     def _open(self, path: str, split: str) -> np.ndarray:
         if self.meta[f"{split}_tokens"] == 0:  # np.memmap cannot map an empty file

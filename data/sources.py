@@ -109,10 +109,12 @@ def _open_error(path: str, e: OSError) -> DataError:
 
 
 class Source:
-    """One corpus: its files (None for a hub dataset) and the column that holds the text."""
+    """One corpus: its files (None for a hub dataset) and the column that holds the text. values="json": the
+    column's values as they are (a conversation's list of messages, say), not checked to be text; .txt files
+    then hold no such column and are refused."""
 
-    def __init__(self, spec: str, text_column: str = "text"):
-        self.spec, self.text_column = spec, text_column
+    def __init__(self, spec: str, text_column: str = "text", values: str = "text"):
+        self.spec, self.text_column, self.raw = spec, text_column, values == "json"
         self.is_hub = spec.startswith("hf:")
         self.files = None if self.is_hub else local_files(spec)
         self._hub = None        # the streaming dataset, opened by rows()
@@ -160,6 +162,9 @@ class Source:
             path, skip = self.files[i], first_row if i == first_file else 0
             self._next = {"file": i, "row": skip}
             suffix = _suffix(path)
+            if suffix == ".txt" and self.raw:
+                raise DataError(f"data.dataset: {path} is a .txt file; rows with a {self.text_column!r} field "
+                                "come from .jsonl(.gz) or .parquet files")
             reader = (self._txt_rows if suffix == ".txt" else self._parquet_rows if suffix == ".parquet"
                       else self._jsonl_rows)
             for j, text in enumerate(reader(path, skip), start=skip):
@@ -215,6 +220,9 @@ class Source:
                                         f"{', '.join(map(str, row)) or 'none'}); set data.text_column "
                                         "(--text-column) to the field that holds the text")
                     text = row[col]
+                    if self.raw:
+                        yield text
+                        continue
                     if text is not None and not isinstance(text, str):
                         raise DataError(f"data.dataset: {path} line {n}: field {col!r} holds a "
                                         f"{type(text).__name__}, not text")
@@ -235,7 +243,7 @@ class Source:
                             f"{', '.join(names)}); set data.text_column (--text-column) to the one that holds "
                             "the text")
         typ = pf.schema_arrow.field(self.text_column).type
-        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+        if not self.raw and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise DataError(f"data.dataset: {path}: column {self.text_column!r} is {typ}, not text")
         groups, first = [], 0  # row groups from the one holding row `skip`; rows of it to drop
         for g in range(pf.num_row_groups):
@@ -253,7 +261,7 @@ class Source:
                 if drop:
                     texts, drop = texts[drop:], max(0, drop - len(texts))
                 for text in texts:
-                    yield text or ""
+                    yield text if self.raw else text or ""
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"data.dataset: cannot read {path} ({str(e).splitlines()[0]})") from None
 
@@ -283,6 +291,9 @@ class Source:
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r} has no {col!r} column (its columns: "
                                 f"{', '.join(map(str, row))}); set data.text_column (--text-column)")
             text = row[col]
+            if self.raw:
+                yield text
+                continue
             if text is not None and not isinstance(text, str):
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r}: column {col!r} holds "
                                 f"{type(text).__name__}, not text")

@@ -227,6 +227,12 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts)]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` without added special tokens (text that holds them already: a rendered chat
+        template), with each token's (start, end) character offsets into `text`."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 

@@ -160,6 +160,29 @@ def test_finetune_on_shards_with_the_models_tokenizer_resumes_without_it(pretrai
     assert rows(a.train.out_dir, "val_loss") == rows(b.train.out_dir, "val_loss")
 
 
+def test_supervised_finetune_on_conversations_then_chat(pretrained, tmp_path):
+    """data.format = "chat": conversations in the model's chat template, the loss on the assistant's turns; the
+    loss falls, the run's checkpoints hold the template, and generate.py --chat answers from the run alone."""
+    words = ["king", "queen", "night", "crown", "love", "sword"]
+    convs = [[{"role": "user", "content": f"repeat {w}"}, {"role": "assistant", "content": f"{w} {w} {w}"}]
+             for _ in range(20) for w in words]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    cfg = finetune_cfg(pretrained, tmp_path, "--format=chat", f"--dataset={chats}", "--export_hf=false",
+                       "--eval_iters=4", "--max_iters=30", "--lr_decay_iters=30", "--eval_interval=15")
+    summary = train_mod.train(cfg)
+    val = rows(cfg.train.out_dir, "val_loss")
+    assert [i for i, _ in val] == [0, 15, 30] and val[-1][1] < val[0][1] - 1.0
+    # a model that learned the replies: its assistant-token loss ends far below the unigram baseline of the replies
+    assert summary["val_loss"] < summary["unigram_val_loss"]
+    ckpt = load_checkpoint(cfg.train.out_dir)
+    assert ckpt["config"]["data"]["format"] == "chat" and ckpt["tokenizer"]["chat_template"]
+    r = run_entry("generate.py", "--ckpt", cfg.train.out_dir, "--chat", "--prompt", "repeat crown",
+                  "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "crown" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2", "qwen3"])
 def test_each_family_finetunes(family, pretrained, tmp_path):
     """The other families (llama: above) start from their weights and learn: the loss falls."""

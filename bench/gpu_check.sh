@@ -191,6 +191,31 @@ export_then_finetune_on_shards() {
     --format=shards --val_docs=2 --shard_tokens=200000 --max_iters=40 --eval_interval=20 --export_hf=false
 }
 spawn finetune_hf_on_shards trained export_then_finetune_on_shards
+# chat fine-tuning (the loss on the assistant's turns) of the exported run given a chat template, then --chat
+export_then_chat_finetune() {
+  "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_chat_hf" || return 1
+  "$PY" - "$RUN" <<'EOF_CHAT' || return 1
+import json, os, sys
+run = sys.argv[1]
+path = os.path.join(run, "gpt2_chat_hf", "tokenizer_config.json")
+with open(path) as f:
+    config = json.load(f)
+config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}assistant:{% endif %}")
+with open(path, "w") as f:
+    json.dump(config, f)
+with open(os.path.join(run, "chats.jsonl"), "w") as f:
+    for i in range(400):
+        w = ["ROMEO", "JULIET", "king", "night"][i % 4]
+        f.write(json.dumps({"messages": [{"role": "user", "content": f"say {w}"},
+                                         {"role": "assistant", "content": f" {w} {w}"}]}) + "\n")
+EOF_CHAT
+  "$PY" train.py configs/finetune_tiny.toml --init_from="hf:$RUN/gpt2_chat_hf" --out_dir="$RUN/chat" --format=chat \
+    --dataset="$RUN/chats.jsonl" --max_iters=40 --eval_interval=20 --export_hf=false || return 1
+  "$PY" generate.py --ckpt "$RUN/chat" --chat --prompt "say king" --max-new-tokens 8 --temperature 0
+}
+chatted() { has "$1" "^done: " && has "$1" "decode .* tok/s"; }
+spawn chat_finetune_and_answer chatted export_then_chat_finetune
 
 ablated() { ls "$RUN"/ablate/report.md >/dev/null 2>&1 || echo "no report.md"; }
 spawn ablate_quick ablated "$PY" ablate.py --quick --out "$RUN/ablate"

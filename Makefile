@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# The test suite's worker processes (pytest-xdist, each test file on one worker): one per core, at most 4.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 # CUDA machines keep whatever torch the user installed; a CPU-only machine gets the CPU build.
 TORCH_CPU ?= torch==2.13.0
 
@@ -28,7 +30,7 @@ demo: install
 	$(PY) generate.py --ckpt runs/demo --prompt "ROMEO:" --max-new-tokens 120 --num-samples 3
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .cache

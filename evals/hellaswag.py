@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from .scoring import score_continuations
+from .scoring import score_with_progress
 
 HELLASWAG_VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_VAL_ITEMS = 10_042
@@ -229,15 +229,7 @@ def evaluate(model, tokenizer, items: list[Item], *, batch_size: int = 16, autoc
              progress: bool = False) -> dict:
     """acc, acc_norm (with standard errors) and n of `model` on `items` (one process); see the module's doc."""
     requests = encode_requests(items, tokenizer, model.config.block_size)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(requests), desc="hellaswag", unit="ending", dynamic_ncols=True)
-    try:
-        scored = score_continuations(model, requests, batch_size=batch_size, autocast=autocast,
-                                     progress=bar.update if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
+    scored = score_with_progress(model, requests, desc="hellaswag" if progress else None, unit="ending",
+                                 batch_size=batch_size, autocast=autocast)
     tally, _ = tally_items(items, [s.logprob for s in scored])
     return tally.metrics()

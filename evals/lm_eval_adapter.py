@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from .scoring import rolling_windows, score_continuations
+from .scoring import rolling_windows, score_with_progress
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until
 
@@ -100,18 +100,11 @@ class FlashGPTLM:
         return ctx, self.tok_encode(continuation)
 
     def _score(self, pairs, desc: str, disable_tqdm: bool):
-        bar = None
-        if self.progress and not disable_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(pairs), desc=desc, dynamic_ncols=True)
         try:
-            return score_continuations(self.model, pairs, batch_size=self._batch_size, autocast=self.autocast,
-                                       progress=bar.update if bar is not None else None)
+            return score_with_progress(self.model, pairs, desc=desc if self.progress and not disable_tqdm else None,
+                                       batch_size=self._batch_size, autocast=self.autocast)
         except ValueError as e:
             raise AdapterError(str(e)) from None
-        finally:
-            if bar is not None:
-                bar.close()
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self.encode_pair(*r.args) for r in requests]

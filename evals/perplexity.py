@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .scoring import rolling_windows, score_continuations
+from .scoring import rolling_windows, score_with_progress
 
 
 class PerplexityError(ValueError):
@@ -96,16 +96,8 @@ def evaluate(model, tokenizer, docs: list[str] | list[Encoded], *, batch_size: i
     encoded = docs if docs and isinstance(docs[0], Encoded) else \
         encode_documents(tokenizer, docs, model.config.vocab_size)
     windows = [w for e in encoded for w in rolling_windows(e.tokens, e.prefix, block_size)]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(windows), desc="perplexity", unit="window", dynamic_ncols=True)
-    try:
-        scored = score_continuations(model, windows, batch_size=batch_size, autocast=autocast,
-                                     progress=bar.update if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
+    scored = score_with_progress(model, windows, desc="perplexity" if progress else None, unit="window",
+                                 batch_size=batch_size, autocast=autocast)
     nll = -math.fsum(s.logprob for s in scored)
     tokens = sum(len(e.tokens) for e in encoded)
     words, nbytes = sum(e.words for e in encoded), sum(e.bytes for e in encoded)

@@ -1,6 +1,7 @@
 """Log-likelihood of token continuations given token contexts, several per forward pass.
 
     score_continuations(model, [(context_ids, continuation_ids), ...], batch_size=16) -> [Scored, ...]
+    score_with_progress(model, requests, desc="task")    # the same behind a progress bar (desc=None: none)
     rolling_windows(token_ids, prefix_id, block_size) -> [(context_ids, continuation_ids), ...]
 
 A request (context, continuation) is scored as one sequence `context + continuation` through the model; the
@@ -96,6 +97,16 @@ def score_continuations(model, requests: Sequence[tuple[Sequence[int], Sequence[
     finally:
         model.train(was_training)
     return results
+
+
+def score_with_progress(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *, desc: str | None,
+                        unit: str = "request", batch_size: int = 16, autocast=None) -> list[Scored]:
+    """score_continuations behind a tqdm progress bar named `desc` over the requests; desc None: no bar."""
+    if desc is None:
+        return score_continuations(model, requests, batch_size=batch_size, autocast=autocast)
+    from tqdm import tqdm
+    with tqdm(total=len(requests), desc=desc, unit=unit, dynamic_ncols=True) as bar:
+        return score_continuations(model, requests, batch_size=batch_size, autocast=autocast, progress=bar.update)
 
 
 def rolling_windows(tokens: Sequence[int], prefix_id: int, block_size: int) -> list[tuple[list[int], list[int]]]:

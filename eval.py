@@ -144,11 +144,12 @@ def run_hellaswag(args) -> tuple[dict, str]:
     path = args.data or hellaswag.default_data(os.path.join(args.cache_dir, "eval"))
     items = hellaswag.load_items(path, args.limit)
     model, tokenizer, setup = load(args)
+    requests = hellaswag.encode_requests(items, tokenizer, model.config.block_size)  # bad items: before any output
     print(f"hellaswag: {len(items)} items from {path}; {setup['checkpoint']} on {setup['device']} "
           f"({setup['dtype']}, {setup['attention']} attention)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     metrics = hellaswag.evaluate(model, tokenizer, items, batch_size=args.batch_size,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, requests=requests)
     result = {"task": "hellaswag", **metrics,
               "acc_norm_divides_by": "the ending's length in characters (lm-evaluation-harness's acc_norm)",
               "data": path, "limit": args.limit, **setup, "seconds": round(time.perf_counter() - t0, 3)}

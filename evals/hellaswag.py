@@ -226,9 +226,11 @@ def tally_items(items: list[Item], logprobs: list[float]) -> tuple[Tally, list[t
 
 
 def evaluate(model, tokenizer, items: list[Item], *, batch_size: int = 16, autocast=None,
-             progress: bool = False) -> dict:
-    """acc, acc_norm (with standard errors) and n of `model` on `items` (one process); see the module's doc."""
-    requests = encode_requests(items, tokenizer, model.config.block_size)
+             progress: bool = False, requests=None) -> dict:
+    """acc, acc_norm (with standard errors) and n of `model` on `items` (one process); see the module's doc.
+    requests: what encode_requests made of `items` already, if anything."""
+    if requests is None:
+        requests = encode_requests(items, tokenizer, model.config.block_size)
     scored = score_with_progress(model, requests, desc="hellaswag" if progress else None, unit="ending",
                                  batch_size=batch_size, autocast=autocast)
     tally, _ = tally_items(items, [s.logprob for s in scored])

@@ -227,3 +227,13 @@ def test_cli_missing_checkpoint_and_help(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == f"error: checkpoint not found: {tmp_path / 'none'}"
     r = run_entry("eval.py", "--help")
     assert r.returncode == 0 and "--lm-eval" in r.stdout and "--data" in r.stdout
+
+
+def test_cli_items_the_tokenizer_cannot_encode_are_one_line(tmp_path):
+    """Found before anything else is printed: a character model whose alphabet lacks the fixture's capitals."""
+    tok = char_tokenizer_for("abcdefghijklmnopqrstuvwxyz")
+    save_tiny_checkpoint(tmp_path / "run", tiny_gpt(tok.vocab_size), tok.spec())
+    r = run_entry("eval.py", "--ckpt", tmp_path / "run", "--task", "hellaswag", "--data", HELLASWAG_FIXTURE)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {HELLASWAG_FIXTURE} line 1: cannot be encoded with the model's char tokenizer: character 'M' is "
+        "not in this model's alphabet"], r.stderr

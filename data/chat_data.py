@@ -44,7 +44,7 @@ from .chat import ChatTemplateError, render_chat
 from .errors import DataError
 from .loader import TokenData
 from .sources import Source, checksum_algorithm
-from .tokenizers import spec_key, tokenizer_from_spec
+from .tokenizers import spec_key
 
 FORMAT = "flashgpt-chat-1"
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
@@ -177,7 +177,6 @@ class ChatData(TokenData):
         super().__init__(folder, block_size, seed=seed, pin_memory=pin_memory)
         if self.meta.get("format") != FORMAT:
             raise DataError(f"{folder}: not a prepared chat folder (format {self.meta.get('format')!r})")
-        tokenizer_from_spec(self.meta["tokenizer"])
         self.pad = self.eot_token if self.eot_token is not None else 0
         self.masks, self.starts, self.dropped = {}, {}, {}
         for split, data in self.splits.items():
@@ -207,11 +206,11 @@ class ChatData(TokenData):
     def _first_targets(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Each conversation's first target position (target positions index y, one behind x: position p of
         the mask is predicted at window offset p − start − 1)."""
+        never = len(mask) + 10**9  # no target: beyond any window
         ends = np.append(starts[1:], len(mask))
-        pos = np.flatnonzero(mask)
-        at = np.searchsorted(pos, starts)  # the first target at or after each start
-        first = np.where(at < len(pos), pos[np.minimum(at, len(pos) - 1)], len(mask) + 10**9)
-        return np.where(first < ends, first - 1, len(mask) + 10**9)
+        pos = np.append(np.flatnonzero(mask), never)  # target positions, then a sentinel
+        first = pos[np.searchsorted(pos, starts)]  # the first target at or after each start
+        return np.where(first < ends, first - 1, never)
 
     def _windows(self, split: str, starts: list[int]):
         data, mask, T = self.splits[split], self.masks[split], self.block_size

@@ -13,8 +13,10 @@ Tokens: the conversation as the tokenizer's chat template writes it (no generati
 without added special tokens (the template writes its own), then the end-of-text token where the tokenizer has
 one and the text does not already end with it. The mask marks the assistant's turns: the characters from the
 end of the conversation before the turn, rendered with the generation prompt, to the end of the conversation
-through the turn: the reply and the template's end-of-turn marker, which is how the model learns to stop. A
-token is a target when its first character lies in such a span. A template that does not write a shorter
+through the turn: the reply and the template's end-of-turn marker. A token is a target when its first character
+lies in such a span. The end-of-text token after a conversation that ends with the assistant is a target too:
+generation stops at it, also for a model whose own stop tokens do not include the template's end-of-turn
+marker (a base model's). A template that does not write a shorter
 conversation as the start of a longer one cannot be masked this way and is refused, naming the row.
 
 Split: the last val_fraction of the conversations (at least one), whole, form val.
@@ -95,7 +97,7 @@ def encode_conversation(tok, messages: list[dict], where: str = "a conversation"
             mask[j] = 1
     if tok.eot_token is not None and (not ids or ids[-1] != tok.eot_token):
         ids.append(tok.eot_token)
-        mask.append(0)
+        mask.append(int(messages[-1]["role"] == "assistant"))  # the reply ends the conversation: learn to stop
     return ids, mask
 
 

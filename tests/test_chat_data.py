@@ -40,7 +40,7 @@ def tok(tmp_path_factory):
 def test_only_the_assistant_turns_are_targets(tok):
     msgs = conversation(3, turns=2, system=True)
     ids, mask = encode_conversation(tok, msgs)
-    assert len(ids) == len(mask) and ids[-1] == tok.eot_token and mask[-1] == 0
+    assert len(ids) == len(mask) and ids[-1] == tok.eot_token and mask[-1] == 1  # ends with the reply: stop here
     from data.chat import render_chat
     text = render_chat(tok.chat_template, msgs, add_generation_prompt=False)
     assert tok.decode(ids[:-1]) == text  # the template's text, encoded whole
@@ -51,7 +51,12 @@ def test_only_the_assistant_turns_are_targets(tok):
         elif current:
             runs.append(tok.decode(current))
             current = []
-    assert runs == [f"{m['content']}<|im_end|>\n" for m in msgs if m["role"] == "assistant"]
+    runs.append(tok.decode(current))
+    assert runs == [f"{m['content']}<|im_end|>\n" for m in msgs if m["role"] == "assistant"][:-1] + [
+        f"{msgs[-1]['content']}<|im_end|>\n<|endoftext|>"]
+    # a conversation that ends with the user's turn: its end-of-text token is not a target
+    ids, mask = encode_conversation(tok, msgs + [{"role": "user", "content": "thanks"}])
+    assert ids[-1] == tok.eot_token and mask[-1] == 0
 
 
 def test_sharegpt_rows_are_the_same_conversation(tmp_path, tok):

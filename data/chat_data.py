@@ -117,9 +117,9 @@ def prepare_chat(dataset: str, tokenizer: str | dict, *, val_fraction: float = 0
     """Tokenise the conversations of `dataset` once (see the module's doc); return the folder."""
     tok = _fixed(tokenizer)
     source = Source(dataset, column, values="json")
-    digest = source.digest(checksum_algorithm())
-    key = hashlib.sha256(json.dumps([FORMAT, digest, spec_key(tok.spec()), val_fraction, column]).encode())
-    out = os.path.join(cache_dir, "chat", f"{source.label}-{spec_key(tok.spec())}-{key.hexdigest()[:16]}")
+    digest, tok_key = source.digest(checksum_algorithm()), spec_key(tok.spec())
+    key = hashlib.sha256(json.dumps([FORMAT, digest, tok_key, val_fraction, column]).encode())
+    out = os.path.join(cache_dir, "chat", f"{source.label}-{tok_key}-{key.hexdigest()[:16]}")
     if os.path.isfile(os.path.join(out, "meta.json")):
         return out
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)

@@ -37,6 +37,7 @@ class Encoded:
     tokens: list[int]    # the scored ids
     words: int           # whitespace-separated words of the scored text
     bytes: int           # UTF-8 bytes of the scored text
+    conditioned_on: str  # what `prefix` is, in words
 
 
 def read_documents(source: str, limit: int | None = None, text_column: str = "text") -> list[str]:
@@ -63,13 +64,14 @@ def encode(tokenizer, text: str) -> Encoded | None:
     ids = list(tokenizer.encode(text))
     bos = getattr(tokenizer, "bos_token", None)
     if bos is not None and len(ids) > 1 and ids[0] == bos:
-        return Encoded(bos, ids[1:], len(text.split()), len(text.encode("utf-8")))
+        return Encoded(bos, ids[1:], len(text.split()), len(text.encode("utf-8")), "the BOS token")
     if tokenizer.eot_token is not None:
-        return Encoded(tokenizer.eot_token, ids, len(text.split()), len(text.encode("utf-8")))
+        return Encoded(tokenizer.eot_token, ids, len(text.split()), len(text.encode("utf-8")),
+                       "the end-of-text token")
     if len(ids) < 2:
         return None
     scored = tokenizer.decode(ids[1:])  # the character tokenizer: the text less its first character
-    return Encoded(ids[0], ids[1:], len(scored.split()), len(scored.encode("utf-8")))
+    return Encoded(ids[0], ids[1:], len(scored.split()), len(scored.encode("utf-8")), "nothing (not scored)")
 
 
 def encode_documents(tokenizer, docs: list[str], vocab_size: int) -> list[Encoded]:
@@ -101,7 +103,6 @@ def evaluate(model, tokenizer, docs: list[str] | list[Encoded], *, batch_size: i
     nll = -math.fsum(s.logprob for s in scored)
     tokens = sum(len(e.tokens) for e in encoded)
     words, nbytes = sum(e.words for e in encoded), sum(e.bytes for e in encoded)
-    first = {"bos": "the BOS token", "eot": "the end-of-text token", "none": "nothing (not scored)"}
 
     def per(n: int) -> float | None:
         return nll / n if n else None
@@ -112,10 +113,4 @@ def evaluate(model, tokenizer, docs: list[str] | list[Encoded], *, batch_size: i
             "byte_perplexity": math.exp(per(nbytes)) if nbytes else None,
             "bits_per_byte": per(nbytes) / math.log(2) if nbytes else None,
             "context": block_size, "windows": len(windows),
-            "first_token_conditioned_on": first[_condition(tokenizer, encoded[0])]}
-
-
-def _condition(tokenizer, e: Encoded) -> str:
-    if getattr(tokenizer, "bos_token", None) is not None and e.prefix == tokenizer.bos_token:
-        return "bos"
-    return "eot" if tokenizer.eot_token is not None and e.prefix == tokenizer.eot_token else "none"
+            "first_token_conditioned_on": encoded[0].conditioned_on}

@@ -110,7 +110,8 @@ def test_cli_writes_its_metrics_and_bad_input_is_one_line(tmp_path):
     folder = str(tmp_path / "run")
     save_tiny_checkpoint(folder, model, tok.spec())
     data = write_jsonl(tmp_path / "held_out.jsonl", docs)
-    r = run_entry("eval.py", "--ckpt", folder, "--task", "perplexity", "--data", data, "--no-progress")
+    r = run_entry("eval.py", "--ckpt", folder, "--task", "perplexity", "--data", data, "--no-progress",
+                  "--device", "cpu", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"perplexity (6 documents, {sum(map(len, docs))} tokens): token perplexity ")
     result = json.loads(open(os.path.join(folder, "eval_perplexity.json")).read())
@@ -133,3 +134,22 @@ def test_cli_writes_its_metrics_and_bad_input_is_one_line(tmp_path):
         assert message in lines[0], lines[0]
     h = run_entry("eval.py", "--help")
     assert h.returncode == 0 and "perplexity" in h.stdout and "--text-column" in h.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,rel", [("float32", 1e-3), ("bfloat16", 2e-2)])
+def test_cli_on_the_gpu_scores_as_the_cpu_does(tmp_path, dtype, rel):
+    """The CLI on CUDA (flash attention, the given dtype) against the CPU's float32 scores."""
+    docs = texts(6, seed=4)
+    tok = CharTokenizer("".join(docs), eot=True)
+    model = tiny_gpt(tok.vocab_size, block_size=32)
+    folder = str(tmp_path / "run")
+    save_tiny_checkpoint(folder, model, tok.spec())
+    data = write_jsonl(tmp_path / "held_out.jsonl", docs)
+    r = run_entry("eval.py", "--ckpt", folder, "--task", "perplexity", "--data", data, "--no-progress",
+                  "--device", "cuda", "--dtype", dtype, "--attention", "flash")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(open(os.path.join(folder, "eval_perplexity.json")).read())
+    want = perplexity.evaluate(model, tok, docs)
+    assert result["tokens"] == want["tokens"]
+    assert result["nll"] == pytest.approx(want["nll"], rel=rel)

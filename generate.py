@@ -5,10 +5,15 @@
     echo "Once upon" | python generate.py --ckpt runs/x/best.pt --prompt-file -
     python generate.py --init-from gpt2 --prompt "Hello"      # Hugging Face GPT-2 weights (needs the hub)
     python generate.py --init-from hf:HuggingFaceTB/SmolLM2-135M-Instruct --chat --prompt "What is 2+2?"
+    python generate.py --init-from hf:HuggingFaceTB/SmolLM2-135M-Instruct --chat    # a conversation on stdin
 
 --init-from hf:<repo-or-dir> loads a Hugging Face model (GPT-2, Llama, Qwen2, Qwen3 families) with its own
 tokenizer.json (training/pretrained.py); --chat wraps each prompt as a user message in the tokenizer's chat template
-(rendered in a Jinja sandbox, data/chat.py) and prints only the reply.
+(rendered in a Jinja sandbox, data/chat.py) and prints only the reply, which ends at the template's end-of-turn
+token (data/conversation.py) as well as at end of text. --chat without --prompt or --prompt-file is a conversation:
+each line on stdin is a user message, answered in the context of the conversation so far (the whole conversation
+is prefilled again each turn; the oldest exchanges are dropped, with a note, when it no longer fits the context);
+/reset starts over, /exit or the end of input ends it.
 
 Context policy: prompt + max-new-tokens must fit in the model's block_size; a longer prompt keeps its last
 block_size − max_new_tokens tokens (a note says so on stderr). max-new-tokens >= block_size is an error; its
@@ -29,6 +34,7 @@ if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter
 import kernels  # noqa: E402
 
 from data.chat import ChatTemplateError, render_chat  # noqa: E402
+from data.conversation import Conversation, ConversationError, end_of_turn_token  # noqa: E402
 from data.tokenizers import HFTokenizer, TokenizerError, tokenizer_from_spec  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.config import ConfigError  # noqa: E402
@@ -73,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--prompt-file", help="read one prompt from a file ('-' = stdin); one final newline is dropped")
     inp.add_argument("--chat", action="store_true",
                      help="each prompt is a user message, written with the tokenizer's chat template (Hugging "
-                          "Face tokenizers that have one); only the reply is printed")
+                          "Face tokenizers that have one); only the reply is printed. Without --prompt or "
+                          "--prompt-file: a conversation, one user message per line on stdin (/reset starts over, "
+                          "/exit or end of input ends it)")
+    inp.add_argument("--system", help="with --chat: a system message before the user's")
     smp = p.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=None,
                      help="tokens to generate per sample (default: 200, at most half the model's context); prompt "
@@ -143,8 +152,8 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def chat_prompts(prompts: list[str], tok) -> list[str]:
-    """Each prompt as a one-message conversation in the tokenizer's chat template, ready for the reply."""
+def check_chat_template(tok) -> str:
+    """The tokenizer's chat template, or a GenerateError saying that it has none."""
     template = tok.chat_template if isinstance(tok, HFTokenizer) else None
     if not template:
         if isinstance(tok, HFTokenizer):
@@ -153,8 +162,16 @@ def chat_prompts(prompts: list[str], tok) -> list[str]:
         else:
             where = f"the {tok.name} tokenizer has no chat template"
         raise GenerateError(f"--chat: {where}; leave out --chat to continue the prompt as plain text")
+    return template
+
+
+def chat_prompts(prompts: list[str], tok, system: str | None = None) -> list[str]:
+    """Each prompt as a one-message conversation in the tokenizer's chat template (after the system message, if
+    any), ready for the reply."""
+    template = check_chat_template(tok)
+    head = [{"role": "system", "content": system}] if system else []
     try:
-        return [render_chat(template, [{"role": "user", "content": text}], bos_token=tok.bos_text,
+        return [render_chat(template, head + [{"role": "user", "content": text}], bos_token=tok.bos_text,
                             eos_token=tok.eos_text) for text in prompts]
     except ChatTemplateError as e:
         raise GenerateError(f"--chat: {e}") from None
@@ -175,6 +192,16 @@ def check_args(args) -> None:
         raise GenerateError(f"--prefill-chunk={args.prefill_chunk}: must be >= 0 (0 = the whole prompt at once)")
     if args.ckpt and args.init_from:
         raise GenerateError("give either --ckpt or --init-from, not both")
+    if args.system is not None and not args.chat:
+        raise GenerateError("--system needs --chat")
+    if is_conversation(args) and args.num_samples > 1:
+        raise GenerateError("--num-samples > 1 needs prompts: a conversation (--chat without --prompt) answers "
+                            "each message once")
+
+
+def is_conversation(args) -> bool:
+    """--chat without prompts: a conversation on stdin."""
+    return args.chat and not args.prompt and not args.prompt_file
 
 
 def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
@@ -190,9 +217,119 @@ def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
     return ids
 
 
+class Printer:
+    """Prints replies (streamed token by token where one sequence is generated) and the stats line of each."""
+
+    def __init__(self, tok, label: str, stream: bool):
+        self.tok, self.label, self.stream = tok, label, stream
+
+    def generate(self, model, batch: list[list[int]], params, gen, opts: dict, shown: list[str],
+                 headers: bool = True):
+        """Generate for `batch` and print each sample after its `shown` text (unstreamed: under a header line
+        naming it, unless headers=False); returns the stats."""
+        tok = self.tok
+        stream = self.stream and len(batch) == 1
+        streamed: list[int] = []  # tokens of sequence 0 so far
+        printed = [""]            # their text as printed so far
+
+        def on_token(step, tokens, done):  # stream the decoded text of a single sequence as it grows
+            if done[0]:
+                return
+            streamed.append(tokens[0])
+            text = tok.decode(streamed)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed[0]):])
+                sys.stdout.flush()
+                printed[0] = text
+
+        if stream:
+            sys.stdout.write(shown[0])
+            sys.stdout.flush()
+        stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None, **opts)
+        if stream:
+            sys.stdout.write(tok.decode(stats.sequences[0])[len(printed[0]):] + "\n")
+        else:
+            per_prompt = len(batch) // len(shown)
+            for i, seq in enumerate(stats.sequences):
+                if headers:
+                    print(f"--- sample {i + 1} (prompt {i // per_prompt + 1}) ---")
+                print(shown[i // per_prompt] + tok.decode(seq))
+        sys.stdout.flush()
+        print(f"[{len(batch)} sequence(s), {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new] "
+              f"time to first token {stats.time_to_first_token * 1e3:.1f} ms, prefill "
+              f"{stats.prefill_tokens_per_s:,.0f} tok/s, decode {stats.decode_tokens_per_s:,.1f} tok/s "
+              f"({self.label})", file=sys.stderr, flush=True)
+        return stats
+
+
+def encode_prompts(args, prompts: list[str], tok, block_size: int) -> tuple[list[list[int]], list[str]]:
+    """The batch of token-id sequences (each prompt num_samples times, fitted to the context) and what is printed
+    before each prompt's samples (the prompt it continues; nothing for a chat reply)."""
+    shown = prompts
+    if args.chat:
+        prompts, shown = chat_prompts(prompts, tok, args.system), [""] * len(prompts)
+    encoded = []
+    for text in prompts:
+        try:
+            ids = tok.encode(text, add_special_tokens=False) if args.chat else tok.encode(text)
+        except TokenizerError as e:
+            raise GenerateError(f"prompt cannot be encoded with this model's tokenizer: {e}") from None
+        if not ids:
+            raise GenerateError("prompt encodes to no tokens")
+        encoded.append(fit_context(ids, args.max_new_tokens, block_size))
+    return [ids for ids in encoded for _ in range(args.num_samples)], shown  # (num prompts * num samples)
+
+
+def start_conversation(tok, system: str | None, max_new: int, block_size: int) -> tuple[Conversation, int]:
+    """The conversation and the room its prompts have (block_size − max_new tokens), or a GenerateError."""
+    check_chat_template(tok)
+    if max_new >= block_size:
+        raise GenerateError(f"--max-new-tokens={max_new} leaves no room for a message in the context of "
+                            f"{block_size} tokens")
+    return Conversation(tok, system=system), block_size - max_new
+
+
+def converse(model, tok, conv: Conversation, room: int, params, gen, opts: dict, printer: Printer) -> int:
+    """A conversation on stdin: each line a user message, each reply printed on its own line. A message that
+    cannot be answered gets an error line and the conversation goes on; the exit status is then 2."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("one message per line; /reset starts over, /exit or Ctrl-D ends", file=sys.stderr)
+    refused = 0
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        user = line.rstrip("\r\n")
+        command = user.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            conv.reset()
+            print("(conversation reset)", file=sys.stderr, flush=True)
+            continue
+        try:
+            ids, dropped = conv.prompt_ids(user, room)
+        except ConversationError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            refused += 1
+            continue
+        if dropped:
+            print(f"note: the {dropped} oldest exchange(s) of the conversation left out to fit the context of "
+                  f"{model.config.block_size} tokens", file=sys.stderr, flush=True)
+        stats = printer.generate(model, [ids], params, gen, opts, [""], headers=False)
+        conv.add_exchange(user, tok.decode(stats.sequences[0]))
+    return 2 if refused else 0
+
+
 def run(args) -> int:
     check_args(args)
-    prompts = read_prompts(args)
+    prompts = [] if is_conversation(args) else read_prompts(args)
     device = pick_device(args.device, what="--device")
     dtype = pick_dtype(args.dtype, device, what="--dtype")
     backend = kernels.resolve_backend(args.attention, device)
@@ -211,65 +348,34 @@ def run(args) -> int:
     model = model.to(device=device, dtype=dtype).eval()
     if args.max_new_tokens is None:
         args.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, model.config.block_size // 2)
-    shown = prompts  # what is printed before each sample: the prompt it continues (nothing for a chat reply)
-    if args.chat:
-        prompts, shown = chat_prompts(prompts, tok), [""] * len(prompts)
-    encoded = []
-    for text in prompts:
-        try:
-            ids = tok.encode(text, add_special_tokens=False) if args.chat else tok.encode(text)
-        except TokenizerError as e:
-            raise GenerateError(f"prompt cannot be encoded with this model's tokenizer: {e}") from None
-        if not ids:
-            raise GenerateError("prompt encodes to no tokens")
-        encoded.append(fit_context(ids, args.max_new_tokens, model.config.block_size))
-    batch = [ids for ids in encoded for _ in range(args.num_samples)]  # (num prompts * num samples) sequences
+    stop = () if args.no_stop else tok.stop_tokens
+    if args.chat and not args.no_stop:  # a reply also ends at the template's end-of-turn token
+        turn_end = end_of_turn_token(tok)
+        stop = tuple(dict.fromkeys(stop + ((turn_end,) if turn_end is not None else ())))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens,
-                            stop_tokens=() if args.no_stop else tok.stop_tokens)
+                            max_new_tokens=args.max_new_tokens, stop_tokens=stop)
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    if is_conversation(args):
+        conv, room = start_conversation(tok, args.system, args.max_new_tokens, model.config.block_size)
+    else:
+        batch, shown = encode_prompts(args, prompts, tok, model.config.block_size)
     cuda_graph = args.cuda_graph and device.type == "cuda"
     try:
         fused = use_fused_decode(model, args.fused, args.compile, check_cache=False)
     except ValueError as e:
         raise GenerateError(str(e)) from None
+    opts = dict(cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk, fused=fused)
     decode_path = {"flash": "split-KV decode kernel", "sdpa": "SDPA over the cache",
                    "naive": "naive attention"}[backend]
     decode_path = f"fused LN/matmul kernels + {decode_path}" if fused else decode_path
     print(f"attention: {backend} (prefill: {backend}, decode: {decode_path}"
           f"{', CUDA graph' if cuda_graph else ''}{', torch.compile' if args.compile else ''}) on {device}, "
           f"{str(dtype).replace('torch.', '')}", file=sys.stderr, flush=True)
-
-    stream = len(batch) == 1 and not args.no_stream
-    streamed: list[int] = []  # tokens of sequence 0 so far
-    printed = [""]            # their text as printed so far
-
-    def on_token(step, tokens, done):  # stream the decoded text of a single sequence as it grows
-        if done[0]:
-            return
-        streamed.append(tokens[0])
-        text = tok.decode(streamed)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed[0]):])
-            sys.stdout.flush()
-            printed[0] = text
-
-    if stream:
-        sys.stdout.write(shown[0])
-        sys.stdout.flush()
-    stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None,
-                     cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk, fused=fused)
-    if stream:
-        sys.stdout.write(tok.decode(stats.sequences[0])[len(printed[0]):] + "\n")
-    else:
-        for i, seq in enumerate(stats.sequences):
-            print(f"--- sample {i + 1} (prompt {i // args.num_samples + 1}) ---")
-            print(shown[i // args.num_samples] + tok.decode(seq))
-    sys.stdout.flush()
-    print(f"[{len(batch)} sequence(s), {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new] "
-          f"time to first token {stats.time_to_first_token * 1e3:.1f} ms, prefill "
-          f"{stats.prefill_tokens_per_s:,.0f} tok/s, decode {stats.decode_tokens_per_s:,.1f} tok/s "
-          f"({backend} attention, {device}, {str(dtype).replace('torch.', '')})", file=sys.stderr)
+    printer = Printer(tok, f"{backend} attention, {device}, {str(dtype).replace('torch.', '')}",
+                      stream=not args.no_stream)
+    if is_conversation(args):
+        return converse(model, tok, conv, room, params, gen, opts, printer)
+    printer.generate(model, batch, params, gen, opts, shown)
     return 0
 
 

@@ -212,9 +212,17 @@ with open(os.path.join(run, "chats.jsonl"), "w") as f:
 EOF_CHAT
   "$PY" train.py configs/finetune_tiny.toml --init_from="hf:$RUN/gpt2_chat_hf" --out_dir="$RUN/chat" --format=chat \
     --dataset="$RUN/chats.jsonl" --max_iters=40 --eval_interval=20 --export_hf=false || return 1
-  "$PY" generate.py --ckpt "$RUN/chat" --chat --prompt "say king" --max-new-tokens 8 --temperature 0
+  "$PY" generate.py --ckpt "$RUN/chat" --chat --prompt "say king" --max-new-tokens 8 --temperature 0 || return 1
+  # a conversation on stdin: three replies (the second in the context of the first, the third after /reset)
+  printf 'say king\nsay night\n/reset\nsay ROMEO\n' \
+    | "$PY" generate.py --ckpt "$RUN/chat" --chat --system "be brief" --max-new-tokens 8 --temperature 0
 }
-chatted() { has "$1" "^done: " && has "$1" "decode .* tok/s"; }
+chatted() {
+  has "$1" "^done: " || return
+  local n
+  n=$(grep -c " new] time to first token .* decode .* tok/s" "$1")
+  [ "$n" -eq 4 ] || echo "$n replies with statistics, expected 4 (one prompt, three turns of a conversation)"
+}
 spawn chat_finetune_and_answer chatted export_then_chat_finetune
 
 ablated() { ls "$RUN"/ablate/report.md >/dev/null 2>&1 || echo "no report.md"; }

@@ -1,6 +1,6 @@
 """Where the one-launch decode step (kernels/decode_stack.py) spends its time: a phase-by-phase timeline.
 
-    python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--out DIR]
+    python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--merged-sums] [--out DIR]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
 --pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from bench.generate import build_model  # noqa: E402
 from model.fused_decode import rope_tables, stack_plan  # noqa: E402
+from kernels import options as kernel_options  # noqa: E402
 from kernels.decode_stack import decode_stack, early_mlp, every_warp_polls  # noqa: E402
 
 PHASES = [("A qkv", 0, 1, 2), ("B attention", 2, 3, 4), ("C out-proj", 4, 5, 6), ("D mlp", 6, 7, 0)]
@@ -47,6 +48,8 @@ def parse_args(argv=None):
                    "(kernels.decode_stack.early_mlp) instead of after phase C")
     p.add_argument("--every-warp-polls", action="store_true", help="every warp of a program polls the barrier "
                    "counter (kernels.decode_stack.every_warp_polls) instead of warp 0 alone")
+    p.add_argument("--merged-sums", action="store_true", help="the kernel option decode_stack_merged_sums on: "
+                   "phases A and D with fewer CTA-wide reductions")
     p.add_argument("--out", default=str(ROOT / "bench/results/generate_smollm2/stack"))
     return p.parse_args(argv)
 
@@ -74,7 +77,8 @@ def analyse(times: torch.Tensor, n_layers: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with early_mlp(args.early_mlp), every_warp_polls(args.every_warp_polls):
+    with early_mlp(args.early_mlp), every_warp_polls(args.every_warp_polls), \
+            kernel_options.use(decode_stack_merged_sums=args.merged_sums):
         return run(args, argv)
 
 
@@ -126,6 +130,7 @@ def run(args, argv) -> int:
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
     meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, every_warp_polls=args.every_warp_polls,
+                merged_sums=args.merged_sums,
                 runs=args.runs, programs=plan.programs, layers=plan.n_layers,
                 blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python bench/stack_timeline.py " + " ".join(argv or sys.argv[1:]))
@@ -135,7 +140,8 @@ def run(args, argv) -> int:
              f"{plan.blocks}, up to {plan.max_splits} key shares per kv group. Medians over layers 1..L-2 and "
              f"{args.runs} runs (bench/stack_timeline.py explains the columns). Phase D's weights loaded "
              f"{'after phase A' if args.early_mlp else 'after phase C'}; "
-             f"{'every warp polls' if args.every_warp_polls else 'warp 0 polls'} a barrier's counter.", "",
+             f"{'every warp polls' if args.every_warp_polls else 'warp 0 polls'} a barrier's counter; "
+             f"decode_stack_merged_sums {'on' if args.merged_sums else 'off'}.", "",
              "| phase | work µs (median program) | work µs (slowest) | barrier µs | phase µs |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -147,7 +153,7 @@ def run(args, argv) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = (f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
-            f"{'_every_warp_polls' if args.every_warp_polls else ''}")
+            f"{'_every_warp_polls' if args.every_warp_polls else ''}{'_merged_sums' if args.merged_sums else ''}")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,
                                                                            launch_us=launch_us), indent=1))

@@ -47,6 +47,19 @@ it the barrier: 11.3 µs a layer against ~23 in launches. Loads that need nothin
 RoPE angles, attention's first key tile, phase C's residual) are issued before the barrier, and only warp 0
 of a program polls a barrier (one launch 350 against 365 µs with every warp polling). Loading phase D's
 weights during attention (early_mlp) spilled and was slower (525 against 439 µs a launch).
+
+Fewer CTA-wide reductions (kernel option decode_stack_merged_sums, off by default; widths up to MERGED_MAX_C):
+each tl.sum across the warps and each layout change is a round trip through shared memory with its bar.syncs,
+and with C as two column blocks every sum over C is two. With the option, phase A holds the width as one
+power-of-two block CW (576 → 1024, masked): the residual and N₁'s sums are one reduction (LayerNorm: Σx and Σx²
+together, var = Σx²/C - mean²), and its two lane halves' QKV rows, (PA, CW) each, one two-operand reduction.
+Phase D takes N₂'s sums over x_mid loaded once more as one block, its gate and up rows (still two column blocks)
+in one two-operand reduction per block with one layout change for both, and its down-projection share as one
+(CW, IB) block: one reduction and one atomic add instead of two. At SmolLM2-135M's shape under Triton 3.6 at
+sm_90 the PTX's bar.sync go from 27 to 12 in phase A and from 20 to 14 in phase D (77 to 55 in the one-launch
+kernel), at 232 registers without spills either way; at GPT-2 124M's width the one-block tiles spill 216 B
+(40 B without), hence MERGED_MAX_C. Phase D's gate and up rows stay two column blocks: as one block they take
+the kernel to 255 registers and 52 B of spills.
 """
 from __future__ import annotations
 
@@ -58,12 +71,14 @@ import triton
 import triton.language as tl
 
 from . import _triton
+from . import options as _options
 from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
 MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
 ONE_POLLER = True  # only warp 0 of a program polls a barrier's counter (every_warp_polls: all warps)
+MERGED_MAX_C = 576  # widest C the option decode_stack_merged_sums applies to (768's one-block tiles spill 216 B)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
 BLOCK_N = 32       # keys per tile in phase B
 MAX_POLLS: tl.constexpr = tl.constexpr(1 << 24)  # a barrier's polls before it gives up (~0.5 µs each)
@@ -197,6 +212,21 @@ def _rows2(W, rows, ok, stride, offs_a, a_ok, offs_b, b_ok):
 
 
 @triton.jit
+def _rows1(W, rows, ok, stride, offs, c_ok):
+    """Weight rows `rows` (R,) over one column block offs (W,): (R, W), masked by ok (R,) and c_ok (W,)."""
+    return tl.load(W + rows.to(tl.int64)[:, None] * stride + offs[None, :], mask=ok[:, None] & c_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _vec1(V, offs, ok, ON: tl.constexpr):
+    """A vector over one column block offs, fp32 (zeros where not ON, and beyond ok)."""
+    if ON:
+        return tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
+    return tl.zeros(offs.shape, tl.float32)
+
+
+@triton.jit
 def _vec2(V, offs_a, a_ok, offs_b, b_ok, ON: tl.constexpr):
     """A (C,) vector over the two column blocks, fp32 (zeros where not ON)."""
     if ON:
@@ -245,23 +275,100 @@ def _normed(xa, xb, ga, gb, ba, bb, a_ok, b_ok, eps, C: tl.constexpr, RMS: tl.co
 
 
 @triton.jit
+def _add2(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
+@triton.jit
+def _stats(x, eps, C: tl.constexpr, RMS: tl.constexpr):
+    """N's (mean, rstd) of x (CW,), zero beyond its C columns, in one CTA-wide reduction: Σx² (RMSNorm: mean
+    0), or Σx and Σx² together (LayerNorm: var = Σx²/C - mean², as ln_linear's row statistics)."""
+    if RMS:
+        mean = 0.0
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / C + eps)
+    else:
+        s1, s2 = tl.reduce((x, x * x), 0, _add2)
+        mean = s1 / C
+        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / C - mean * mean, 0.0) + eps)
+    return mean, rstd
+
+
+@triton.jit
+def _scaled(x, mean, rstd, g, b, RMS: tl.constexpr, dtype: tl.constexpr):
+    """N(x) from its statistics (gain g, bias b: zeros without one, and beyond C), rounded as eager, fp32."""
+    if RMS:
+        return ((x * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
+    return ((x - mean) * rstd * g + b).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gemv_pair(w1, w2, n):
+    """(Σ_c w1[r, c] n[c], Σ_c w2[r, c] n[c]) as one two-operand reduction, fp32: (R,), (R,)."""
+    return tl.reduce((w1.to(tl.float32) * n[None, :], w2.to(tl.float32) * n[None, :]), 1, _add2)
+
+
+@triton.jit
+def _qkv_weights(PTRS, layer, before, rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok,
+                 C: tl.constexpr, LN_BIAS: tl.constexpr, QKV_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
+                 MERGED: tl.constexpr, dtype: tl.constexpr):
+    """Phase A's weights of `layer` (prefetched): the QKV rows1 / rows2 (lane pairs), N₁'s gain and bias, the
+    QKV biases, and layer `before`'s down-projection bias (the residual's). Two column blocks each, or with
+    MERGED the width as one block offs_w (CW,) and scalar zeros in the second block's places."""
+    wq = _addr(PTRS, layer, W_QKV, dtype)
+    if MERGED:
+        w1a = _rows1(wq, rows1, r_ok, C, offs_w, w_ok)                     # (PA, CW)
+        w2a = _rows1(wq, rows2, r_ok, C, offs_w, w_ok)
+        g1a = _vec1(_addr(PTRS, layer, LN1_W, dtype), offs_w, w_ok, True)  # (CW,)
+        l1a = _vec1(_addr(PTRS, layer, LN1_B, dtype), offs_w, w_ok, LN_BIAS)
+        bpa = _vec1(_addr(PTRS, before, B_DN, dtype), offs_w, w_ok, DN_BIAS)
+        w1b = 0.0
+        w2b = 0.0
+        g1b = 0.0
+        l1b = 0.0
+        bpb = 0.0
+    else:
+        w1a, w1b = _rows2(wq, rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)   # (PA, A), (PA, B)
+        w2a, w2b = _rows2(wq, rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
+        g1a, g1b = _vec2(_addr(PTRS, layer, LN1_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
+        l1a, l1b = _vec2(_addr(PTRS, layer, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
+        bpa, bpb = _vec2(_addr(PTRS, before, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+    bq1 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
+    bq2 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
+    return w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb
+
+
+@triton.jit
 def _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps, stride_ch, stride_cn,
                w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2, r_ok,
-               offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-               RMS: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
+               offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
+               HKV: tl.constexpr, RMS: tl.constexpr, ROPE: tl.constexpr, MERGED: tl.constexpr,
+               dtype: tl.constexpr):
     """Phase A: the residual stream (kept in XA by program 0), N₁, the QKV rows1/rows2 (lane pairs) with their
     biases bq1/bq2, RoPE (cos, sin of the lanes: 1 and 0 on v's rows), q into QBUF, k and v into the layer's
-    cache at pos; program 0 also zeroes Σ_down[layer + 1]. Every weight arrives prefetched."""
-    xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)           # (A,)
-    xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)           # (B,)
-    if pid == 0:
-        tl.store(XA + offs_a, xa.to(dtype), mask=a_ok)
-        tl.store(XA + offs_b, xb.to(dtype), mask=b_ok)
-        tl.store(WS + (layer + 1) * C + offs_a, tl.zeros_like(xa), mask=a_ok)
-        tl.store(WS + (layer + 1) * C + offs_b, tl.zeros_like(xb), mask=b_ok)
-    na, nb = _normed(xa, xb, g1a, g1b, l1a, l1b, a_ok, b_ok, eps, C, RMS, dtype)
-    y1 = (_gemv(w1a, w1b, na, nb) + bq1).to(dtype).to(tl.float32)            # (PA,) lanes i
-    y2 = (_gemv(w2a, w2b, na, nb) + bq2).to(dtype).to(tl.float32)            # (PA,) lanes i + D/2
+    cache at pos; program 0 also zeroes Σ_down[layer + 1]. Every weight arrives prefetched (_qkv_weights).
+    MERGED: the width as one block offs_w (w1a, w2a (PA, CW), g1a, l1a, bpa (CW,)), N₁'s sums in one reduction
+    and both lanes' rows in one two-operand reduction."""
+    if MERGED:
+        x = _residual(X0, XM, WS, bpa, layer, offs_w, w_ok, C, dtype)        # (CW,) zeros beyond C
+        if pid == 0:
+            tl.store(XA + offs_w, x.to(dtype), mask=w_ok)
+            tl.store(WS + (layer + 1) * C + offs_w, tl.zeros_like(x), mask=w_ok)
+        mean, rstd = _stats(x, eps, C, RMS)
+        n = _scaled(x, mean, rstd, g1a, l1a, RMS, dtype)                     # (CW,)
+        y1, y2 = _gemv_pair(w1a, w2a, n)                                     # (PA,), (PA,)
+        y1 = (y1 + bq1).to(dtype).to(tl.float32)                             # lanes i
+        y2 = (y2 + bq2).to(dtype).to(tl.float32)                             # lanes i + D/2
+    else:
+        xa = _residual(X0, XM, WS, bpa, layer, offs_a, a_ok, C, dtype)       # (A,)
+        xb = _residual(X0, XM, WS, bpb, layer, offs_b, b_ok, C, dtype)       # (B,)
+        if pid == 0:
+            tl.store(XA + offs_a, xa.to(dtype), mask=a_ok)
+            tl.store(XA + offs_b, xb.to(dtype), mask=b_ok)
+            tl.store(WS + (layer + 1) * C + offs_a, tl.zeros_like(xa), mask=a_ok)
+            tl.store(WS + (layer + 1) * C + offs_b, tl.zeros_like(xb), mask=b_ok)
+        na, nb = _normed(xa, xb, g1a, g1b, l1a, l1b, a_ok, b_ok, eps, C, RMS, dtype)
+        y1 = (_gemv(w1a, w1b, na, nb) + bq1).to(dtype).to(tl.float32)        # (PA,) lanes i
+        y2 = (_gemv(w2a, w2b, na, nb) + bq2).to(dtype).to(tl.float32)        # (PA,) lanes i + D/2
     N_Q: tl.constexpr = HQ * D
     N_KV: tl.constexpr = HKV * D
     if ROPE:  # rotate-half as eager rounds it: x·cos and rotate_half(x)·sin rounded, then their sum
@@ -389,32 +496,57 @@ def _phase_out(res, XM, PART, S, wo, bo, cols, c_ok, D: tl.constexpr, HQ: tl.con
 
 @triton.jit
 def _phase_mlp(XM, WS, layer, eps, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
-               offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
-               dtype: tl.constexpr):
+               offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C: tl.constexpr, RMS: tl.constexpr,
+               SWIGLU: tl.constexpr, MERGED: tl.constexpr, dtype: tl.constexpr):
     """Phase D: N₂(x_mid), this program's intermediate columns h (fc / gate, up biases bf1, bf2), and its share
-    h W_downᵀ added into Σ_down[layer + 1]. Every weight arrives prefetched."""
-    xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    na, nb = _normed(xa, xb, g2a, g2b, l2a, l2b, a_ok, b_ok, eps, C, RMS, dtype)
-    y = (_gemv(fa, fb, na, nb) + bf1).to(dtype).to(tl.float32)               # (IB,) gate / fc
+    h W_downᵀ added into Σ_down[layer + 1]. Every weight arrives prefetched. MERGED: N₂'s sums in one reduction
+    over x_mid loaded as one block offs_w (CW,), the gate and up rows of each column block in one two-operand
+    reduction, and the down projection's share as one (CW,) block (da (CW, IB): one reduction, one atomic add)."""
+    xa = tl.load(XM + offs_a, mask=a_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (A,)
+    xb = tl.load(XM + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (B,)
+    if MERGED:
+        xw = tl.load(XM + offs_w, mask=w_ok, other=0.0, cache_modifier=".cg").to(tl.float32)  # (CW,)
+        mean, rstd = _stats(xw, eps, C, RMS)
+        na = _scaled(xa, mean, rstd, g2a, l2a, RMS, dtype)                   # (A,) zeros beyond C
+        nb = _scaled(xb, mean, rstd, g2b, l2b, RMS, dtype)                   # (B,)
+        if SWIGLU:
+            ya, upa = _gemv_pair(fa, ua, na)                                 # (IB,) each
+            yb, upb = _gemv_pair(fb, ub, nb)
+            y, up = tl.split(tl.join(ya, upa) + tl.join(yb, upb))            # one layout change for both
+            y = (y + bf1).to(dtype).to(tl.float32)                           # gate
+            up = (up + bf2).to(dtype).to(tl.float32)
+        else:
+            y = (_gemv(fa, fb, na, nb) + bf1).to(dtype).to(tl.float32)       # fc
+            up = y
+    else:
+        na, nb = _normed(xa, xb, g2a, g2b, l2a, l2b, a_ok, b_ok, eps, C, RMS, dtype)
+        y = (_gemv(fa, fb, na, nb) + bf1).to(dtype).to(tl.float32)           # (IB,) gate / fc
+        up = y
+        if SWIGLU:
+            up = (_gemv(ua, ub, na, nb) + bf2).to(dtype).to(tl.float32)
     if SWIGLU:
-        up = (_gemv(ua, ub, na, nb) + bf2).to(dtype).to(tl.float32)
         h = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * up
     else:  # GELU, tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
         z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         h = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
     h = tl.where(i_ok, h, 0.0).to(dtype).to(tl.float32)                      # (IB,)
-    pa = tl.sum(da.to(tl.float32) * h[None, :], 1)                           # (A,)
-    pb = tl.sum(db.to(tl.float32) * h[None, :], 1)                           # (B,)
-    tl.atomic_add(WS + (layer + 1) * C + offs_a, pa, mask=a_ok, sem="relaxed")
-    tl.atomic_add(WS + (layer + 1) * C + offs_b, pb, mask=b_ok, sem="relaxed")
+    if MERGED:
+        pw = tl.sum(da.to(tl.float32) * h[None, :], 1)                       # (CW,)
+        tl.atomic_add(WS + (layer + 1) * C + offs_w, pw, mask=w_ok, sem="relaxed")
+    else:
+        pa = tl.sum(da.to(tl.float32) * h[None, :], 1)                       # (A,)
+        pb = tl.sum(db.to(tl.float32) * h[None, :], 1)                       # (B,)
+        tl.atomic_add(WS + (layer + 1) * C + offs_a, pa, mask=a_ok, sem="relaxed")
+        tl.atomic_add(WS + (layer + 1) * C + offs_b, pb, mask=b_ok, sem="relaxed")
 
 
 @triton.jit
-def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.constexpr, I: tl.constexpr,
-                 LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr, dtype: tl.constexpr):
+def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C: tl.constexpr,
+                 I: tl.constexpr, LN_BIAS: tl.constexpr, SWIGLU: tl.constexpr, FC_BIAS: tl.constexpr,
+                 MERGED: tl.constexpr, dtype: tl.constexpr):
     """Phase D's weights for this program's intermediate columns offs_i: fc / gate rows, up rows (SwiGLU; else
-    the fc rows again), down columns (each over the two column blocks), N₂'s gain and bias, the fc biases."""
+    the fc rows again), down columns (each over the two column blocks; with MERGED the down columns as one
+    block offs_w, da (CW, IB), and a scalar zero for db), N₂'s gain and bias, the fc biases."""
     wf = _addr(PTRS, layer, W_FC, dtype)
     fa, fb = _rows2(wf, offs_i, i_ok, C, offs_a, a_ok, offs_b, b_ok)          # (IB, A), (IB, B)
     ua = fa
@@ -422,8 +554,12 @@ def _mlp_weights(PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C: tl.co
     if SWIGLU:
         ua, ub = _rows2(wf, offs_i + I, i_ok, C, offs_a, a_ok, offs_b, b_ok)
     wd = _addr(PTRS, layer, W_DN, dtype) + offs_i[None, :]
-    da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
-    db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
+    if MERGED:  # the down columns as one block over the width
+        da = tl.load(wd + offs_w.to(tl.int64)[:, None] * I, mask=w_ok[:, None] & i_ok[None, :], other=0.0)  # (CW, IB)
+        db = 0.0
+    else:
+        da = tl.load(wd + offs_a.to(tl.int64)[:, None] * I, mask=a_ok[:, None] & i_ok[None, :], other=0.0)
+        db = tl.load(wd + offs_b.to(tl.int64)[:, None] * I, mask=b_ok[:, None] & i_ok[None, :], other=0.0)
     g2a, g2b = _vec2(_addr(PTRS, layer, LN2_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
     l2a, l2b = _vec2(_addr(PTRS, layer, LN2_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
     bf1 = _bias_rows(_addr(PTRS, layer, B_FC, dtype), offs_i, i_ok, FC_BIAS)
@@ -449,7 +585,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
                          SWIGLU: tl.constexpr, ROPE: tl.constexpr, QKV_BIAS: tl.constexpr,
                          O_BIAS: tl.constexpr, FC_BIAS: tl.constexpr, DN_BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, MLP_AT: tl.constexpr, FINAL: tl.constexpr, PHASE: tl.constexpr,
-                         TIMELINE: tl.constexpr, ONE_POLLER: tl.constexpr):
+                         TIMELINE: tl.constexpr, ONE_POLLER: tl.constexpr, CW: tl.constexpr, MERGED: tl.constexpr):
     """grid = (programs,), one per SM: layers layer0 .. layer0 + n_layers - 1 of a one-token decode step.
 
     PHASE -1: every phase of every layer and the output, with grid barriers between phases (all programs must
@@ -462,7 +598,9 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
     D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
-    the barrier counter (_wait).
+    the barrier counter (_wait). MERGED (CW the width's power of two): phases A and D take their norm's sums in
+    one reduction over the width as one block, phase A its QKV rows as one (PA, CW) block per lane half with both
+    halves in one two-operand reduction, phase D its gate and up rows in one (_phase_qkv, _phase_mlp).
     """
     dtype: tl.constexpr = X0.dtype.element_ty
     ALL: tl.constexpr = PHASE < 0
@@ -475,6 +613,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     offs_b = PART_A + tl.arange(0, PART_B)
     a_ok = offs_a < C
     b_ok = offs_b < C
+    offs_w = tl.arange(0, CW)                                                # (CW,) the width as one block
+    w_ok = offs_w < C
     # this program's rows and columns in each phase (fixed across layers)
     PAIRS: tl.constexpr = D // 2 // PA                                       # lane-pair blocks per head
     rows1 = (pid // PAIRS) * D + (pid % PAIRS) * PA + tl.arange(0, PA)       # (PA,) lanes i of a head
@@ -499,13 +639,9 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     epoch = 0
     if ALL or PHASE == 0:  # phase A's prefetch for the first layer: weights, norm, biases, the bias before
         layer = layer0
-        w1a, w1b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)  # (PA, A/B)
-        w2a, w2b = _rows2(_addr(PTRS, layer, W_QKV, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-        g1a, g1b = _vec2(_addr(PTRS, layer, LN1_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
-        l1a, l1b = _vec2(_addr(PTRS, layer, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
-        bq1 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
-        bq2 = _bias_rows(_addr(PTRS, layer, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
-        bpa, bpb = _vec2(_addr(PTRS, tl.maximum(layer - 1, 0), 11, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+        w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb = _qkv_weights(
+            PTRS, layer, tl.maximum(layer - 1, 0), rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok,
+            C, LN_BIAS, QKV_BIAS, DN_BIAS, MERGED, dtype)
     for layer in range(layer0, layer0 + n_layers):
         KC = _addr(PTRS, layer, K_CACHE, dtype)
         VC = _addr(PTRS, layer, V_CACHE, dtype)
@@ -517,7 +653,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL or PHASE == 0:
             _phase_qkv(X0, XM, XA, WS, QBUF, KC, VC, cos, sin, layer, pid, pos, eps1, stride_ch, stride_cn,
                        w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb, rows1, rows2,
-                       r_ok, offs_a, a_ok, offs_b, b_ok, C, D, HQ, HKV, RMS, ROPE, dtype)
+                       r_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C, D, HQ, HKV, RMS, ROPE, MERGED, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 1, TIMELINE)
             _arrive(BAR)
@@ -528,7 +664,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             k0, v0 = _first_tile(KC, VC, pid, T, S, stride_ch, stride_cn, D, HKV, BLOCK_N)
         if MLP_AT == 1:  # the MLP's weights stream in during attention (SMs without work in phase B wait)
             fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
-                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS,
+                MERGED, dtype)
         if ALL:
             epoch += 1
             _wait(BAR, epoch * nprog, ONE_POLLER)                            # q, k, v written
@@ -552,25 +689,22 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL or PHASE == 3:
             if MLP_AT == 3:
                 fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
-                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, C, I, LN_BIAS, SWIGLU, FC_BIAS, dtype)
+                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C, I, LN_BIAS, SWIGLU,
+                    FC_BIAS, MERGED, dtype)
             if ALL:
                 epoch += 1
                 _wait(BAR, epoch * nprog, ONE_POLLER)                        # x_mid written
                 _stamp(TIMES, pid, layer, 6, TIMELINE)
             _phase_mlp(XM, WS, layer, eps2, fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2, i_ok,
-                       offs_a, a_ok, offs_b, b_ok, C, RMS, SWIGLU, dtype)
+                       offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C, RMS, SWIGLU, MERGED, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 7, TIMELINE)
             _arrive(BAR)
             # the next layer's phase A prefetch (the last layer: a harmless reload of its own rows)
             nl = tl.minimum(layer + 1, layer0 + n_layers - 1)
-            w1a, w1b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows1, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-            w2a, w2b = _rows2(_addr(PTRS, nl, W_QKV, dtype), rows2, r_ok, C, offs_a, a_ok, offs_b, b_ok)
-            g1a, g1b = _vec2(_addr(PTRS, nl, LN1_W, dtype), offs_a, a_ok, offs_b, b_ok, True)
-            l1a, l1b = _vec2(_addr(PTRS, nl, LN1_B, dtype), offs_a, a_ok, offs_b, b_ok, LN_BIAS)
-            bq1 = _bias_rows(_addr(PTRS, nl, B_QKV, dtype), rows1, r_ok, QKV_BIAS)
-            bq2 = _bias_rows(_addr(PTRS, nl, B_QKV, dtype), rows2, r_ok, QKV_BIAS)
-            bpa, bpb = _vec2(_addr(PTRS, layer, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
+            w1a, w1b, w2a, w2b, g1a, g1b, l1a, l1b, bq1, bq2, bpa, bpb = _qkv_weights(
+                PTRS, nl, layer, rows1, rows2, r_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok,
+                C, LN_BIAS, QKV_BIAS, DN_BIAS, MERGED, dtype)
     if ALL or PHASE == 4:
         last = layer0 + n_layers
         bpa, bpb = _vec2(_addr(PTRS, last - 1, B_DN, dtype), offs_a, a_ok, offs_b, b_ok, DN_BIAS)
@@ -788,6 +922,9 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     args = (plan.ptrs, x, plan.xm, plan.xa, plan.ws, plan.qbuf, plan.part, pos, cos, sin, out, plan.bar,
             timeline if timeline is not None else plan.bar, gf, bf if bf is not None else gf)
     consts["FINAL"] = final_norm is not None
+    consts["CW"] = triton.next_power_of_2(plan.C)
+    consts["MERGED"] = _options.get().decode_stack_merged_sums and plan.C <= MERGED_MAX_C
+
     scal = (plan.eps[0], plan.eps[1], float(eps_f), qk_scale, plan.stride_ch, plan.stride_cn, cos.stride(0))
     grid = (plan.programs,)
     with _triton.device_guard(x):

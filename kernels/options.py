@@ -108,6 +108,15 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         (kernels/decode_stack.py, grid barriers
                                                                         between the phases) where the shape fits;
                                                                         off: the per-layer launches
+    decode_stack_merged_sums   FLASHGPT_DECODE_STACK_MERGED_SUMS=0|1   False   the stack's phases A and D take
+                                                                        their norm's sums (LayerNorm: Σx and Σx²
+                                                                        together) in one CTA-wide reduction over
+                                                                        the width as one power-of-two block, phase
+                                                                        A its QKV lane pairs as two such blocks in
+                                                                        one two-operand reduction, phase D its
+                                                                        gate and up rows in one per column block
+                                                                        (kernels/decode_stack.py); off: each sum
+                                                                        over two column blocks, each reduced alone
 
 Boolean overrides take 1/0, true/false, yes/no, on/off. Not thread-safe: set options before starting threads
 that launch kernels (autograd's backward threads read the same, process-wide, object).
@@ -151,6 +160,7 @@ class KernelOptions:
     hopper_own_blocks: bool = True
     decode_fused_mlp: bool = True
     decode_stack: bool = True
+    decode_stack_merged_sums: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -192,6 +202,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_fused_mlp": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_stack": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_stack_merged_sums": (lambda v: isinstance(v, bool), "expected True or False"),
 }
 
 
@@ -209,7 +220,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d"
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
-       "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP", "decode_stack": "FLASHGPT_DECODE_STACK"}
+       "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP", "decode_stack": "FLASHGPT_DECODE_STACK",
+       "decode_stack_merged_sums": "FLASHGPT_DECODE_STACK_MERGED_SUMS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 

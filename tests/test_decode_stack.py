@@ -5,7 +5,8 @@ error of the model's own step in the same dtype, plus a floor, of the float64 mo
 one persistent launch with grid barriers (bf16 included); on a CPU, in Triton's interpreter, each phase is its own
 launch (the programs run one after another there, so no barrier could be passed): the same phase code. The plan's
 buffers and the caches beyond each sequence's length start as NaN, so a missed write or a read of something not
-yet written shows up.
+yet written shows up. Each step test runs with the kernel option decode_stack_merged_sums off (the default) and on
+(the norms' sums, the QKV lane halves, gate and up, and the down projection reduced over one block).
 """
 import copy
 import os
@@ -86,26 +87,33 @@ if DEVICE.type == "cuda":
     CASES += [(f, torch.bfloat16) for f in FAMILIES] + [(f, torch.float16) for f in FAMILIES[1:] if f != "smollm2"]
 
 
+MERGED = pytest.mark.parametrize("merged", [False, True], ids=["sums", "merged_sums"])
+
+
+@MERGED
 @pytest.mark.parametrize("name,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
 @torch.no_grad()
-def test_stack_step_equals_the_models_step(name, dtype, monkeypatch):
+def test_stack_step_equals_the_models_step(name, dtype, merged, monkeypatch):
     """LayerNorm + GELU + biases + learned positions, MHA and GQA; RMSNorm + SwiGLU + RoPE (llama3 scaling),
     qkv_bias with head_size != C / H and MQA (qwen2), 3 query heads per kv head (smollm2), biases everywhere:
     three steps from position 9, through the stack (asserted)."""
     calls = Calls(monkeypatch)
-    decode_one_sequence(family_model(name, dtype), 9, max_len=24, steps=3)
+    with options.use(decode_stack_merged_sums=merged):
+        decode_one_sequence(family_model(name, dtype), 9, max_len=24, steps=3)
     assert calls.n == 3
 
 
+@MERGED
 @pytest.mark.parametrize("programs", [24, 12])
 @torch.no_grad()
-def test_long_cache_more_key_tiles_than_splits(programs, monkeypatch):
+def test_long_cache_more_key_tiles_than_splits(programs, merged, monkeypatch):
     """400 cached positions: 13 key tiles of 32 over at most 12 shares per kv group (one share reads two strided
     tiles). With 12 programs the other phases take wider tiles too (8 lane pairs, 8 columns, 16 columns)."""
     monkeypatch.setattr(fd, "INTERPRETER_PROGRAMS", programs)
     calls = Calls(monkeypatch)
     model = family_model("smollm2", torch.float32, block_size=448)
-    decode_one_sequence(model, 400, max_len=416, steps=2)
+    with options.use(decode_stack_merged_sums=merged):
+        decode_one_sequence(model, 400, max_len=416, steps=2)
     assert calls.n == 2
     if programs == 12 and DEVICE.type == "cpu":
         assert stack_plan(model).blocks == {"PA": 8, "OC": 8, "IB": 16}
@@ -119,17 +127,19 @@ FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles a
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="full-width models are for the GPU")
+@MERGED
 @pytest.mark.parametrize("name", list(FULL_WIDTHS))
 @torch.no_grad()
-def test_full_width_models_through_the_stack(name, monkeypatch):
+def test_full_width_models_through_the_stack(name, merged, monkeypatch):
     """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16) in
     bf16: steps through the stack (served by default at both widths) against the float64 model, as the small
-    families."""
+    families; merged sums take effect up to MERGED_MAX_C (SmolLM2's width)."""
     from model import GPT, GPTConfig
     calls = Calls(monkeypatch)
     torch.manual_seed(11)
     model = GPT(GPTConfig(block_size=96, vocab_size=61, n_layer=2, attention="naive", **FULL_WIDTHS[name]))
-    decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
+    with options.use(decode_stack_merged_sums=merged):
+        decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
     assert calls.n == 2
 
 
@@ -226,8 +236,9 @@ def test_bad_input_one_line_each():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the persistent launch needs a GPU")
+@MERGED
 @torch.no_grad()
-def test_one_launch_equals_phase_by_phase_on_the_gpu():
+def test_one_launch_equals_phase_by_phase_on_the_gpu(merged):
     """The grid barriers against kernel boundaries: the same phases, so the same output up to the order of the
     down projection's atomic adds; and the barrier counters are back at zero after each launch."""
     model = family_model("smollm2", torch.bfloat16)
@@ -237,7 +248,8 @@ def test_one_launch_equals_phase_by_phase_on_the_gpu():
     rope = fd.rope_tables(model, 48, torch.bfloat16)
     outs = []
     for by_phase in (False, True, False):
-        outs.append(decode_stack(plan, x, torch.tensor([7], device=DEVICE), rope, phase_by_phase=by_phase))
+        with options.use(decode_stack_merged_sums=merged):
+            outs.append(decode_stack(plan, x, torch.tensor([7], device=DEVICE), rope, phase_by_phase=by_phase))
         assert plan.bar.tolist() == [0, 0]
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[2].float(), outs[0].float(), rtol=2e-2, atol=2e-2)

@@ -82,7 +82,8 @@ STACK_MODELS = {  # the whole stack in one launch (kernels/decode_stack.py) at b
 
 def _stack_steps(dtype) -> None:
     """fused_decode_step at batch 1 with the stack on, on each of STACK_MODELS (two layers; GPT-2 124M's width
-    is within model.fused_decode's STACK_MAX_C, and STACK_MODES requires its variant)."""
+    is within model.fused_decode's STACK_MAX_C, and STACK_MODES requires its variant), with the option
+    decode_stack_merged_sums off and on (on: MERGED up to decode_stack.MERGED_MAX_C)."""
     import torch
 
     import model.fused_decode as fd
@@ -91,8 +92,9 @@ def _stack_steps(dtype) -> None:
     for kw in STACK_MODELS.values():
         model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
         model.setup_kv_cache(1, 64)
-        with options.use(decode_stack=True):
-            fd.fused_decode_step(model, torch.full((1, 1), 3), torch.full((1, 1), 5))
+        for merged in (False, True):
+            with options.use(decode_stack=True, decode_stack_merged_sums=merged):
+                fd.fused_decode_step(model, torch.full((1, 1), 3), torch.full((1, 1), 5))
 
 
 def _paired_split_k(dtype, pdl: bool) -> None:
@@ -213,7 +215,7 @@ def _tags(rec: dict) -> set[str]:
         tags.update({"rmsnorm" if c["RMS"] else "layernorm", "swiglu" if c["SWIGLU"] else "gelu",
                      "rope" if c["ROPE"] else "no_rope", "qkv_bias" if c["QKV_BIAS"] else "no_qkv_bias",
                      "bias" if c["O_BIAS"] else "no_bias", f"d{c['D']}", f"c{c['C']}",
-                     "gqa" if c["HKV"] < c["HQ"] else "mha"})
+                     "gqa" if c["HKV"] < c["HQ"] else "mha", "merged_sums" if c["MERGED"] else "sums"})
     elif rec["kernel"] == "_embed_kernel":
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
     else:
@@ -269,9 +271,12 @@ MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py),
 MLP_MODEL_MODES = ["rmsnorm swiglu no_bias block_i16 c512+64"]  # bf16, SmolLM2-135M's C = 576
 STACK_WIDE_SPILL = 64  # spill bytes per thread allowed to the stack at widths above 576 (GPT-2 124M's 768)
 STACK_MODES = [  # the whole stack in one launch, each dtype: STACK_MODELS
-    "layernorm gelu no_rope bias mha d64 c512", "rmsnorm swiglu rope no_bias no_qkv_bias gqa d128 c512",
-    "rmsnorm swiglu rope no_bias qkv_bias gqa d128 c512", "rmsnorm swiglu rope no_bias gqa d64 c576",
+    "layernorm gelu no_rope bias mha d64 c512 sums", "rmsnorm swiglu rope no_bias no_qkv_bias gqa d128 c512 sums",
+    "rmsnorm swiglu rope no_bias qkv_bias gqa d128 c512 sums", "rmsnorm swiglu rope no_bias gqa d64 c576 sums",
     "layernorm gelu no_rope bias mha d64 c768",
+    # the option decode_stack_merged_sums, up to MERGED_MAX_C
+    "layernorm gelu no_rope bias mha d64 c512 merged_sums",
+    "rmsnorm swiglu rope no_bias qkv_bias gqa d128 c512 merged_sums", "rmsnorm swiglu rope no_bias gqa d64 c576 merged_sums",
 ]
 
 

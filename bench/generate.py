@@ -23,10 +23,10 @@ prefill/decode split and the host loop:
     flashgpt-fused-layers+graph flashgpt-fused+graph with the kernel option decode_stack off: one sequence's step
                      as per-layer launches too, instead of every layer in one persistent launch
                      (kernels/decode_stack.py, which the default uses at batch 1 where its fits() takes the shape)
-    flashgpt-fused-merged+graph flashgpt-fused+graph with the kernel option decode_stack_merged_sums on: the
-                     one-launch stack's phases A and D with fewer CTA-wide reductions (norm sums, QKV lane halves,
-                     gate and up, the down projection each reduced once; kernels/decode_stack.py), up to its
-                     MERGED_MAX_C (SmolLM2-135M's width; GPT-2 124M's step is flashgpt-fused+graph's there)
+    flashgpt-fused-unmerged+graph flashgpt-fused+graph with the kernel option decode_stack_merged_sums off: the
+                     one-launch stack's norm sums, QKV lane halves, gate and up and down projection each reduced
+                     over two column blocks instead of one (kernels/decode_stack.py; the option applies up to
+                     MERGED_MAX_C, SmolLM2-135M's width: GPT-2 124M's step is flashgpt-fused+graph's there)
     flashgpt-fused-mlp2+graph   flashgpt-fused+graph with the kernel option decode_fused_mlp off: each MLP block
                      as two launches (up projection + activation, down projection + residual), never as one
                      (kernels/decode_mlp.py, which the default uses where its fusable() takes the shape)
@@ -161,7 +161,7 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
     (with transformers=True: compiled on a GPU, eager on the CPU)."""
     out = {"flashgpt-fused+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-layers+graph": ("flashgpt", "flash", True, False, True),
-           "flashgpt-fused-merged+graph": ("flashgpt", "flash", True, False, True),
+           "flashgpt-fused-unmerged+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp2+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp1+graph": ("flashgpt", "flash", True, False, True),
            "flashgpt-fused-mlp1w4+graph": ("flashgpt", "flash", True, False, True),
@@ -179,7 +179,7 @@ def variants(device, compile_variant: bool, transformers: bool = False) -> dict:
 
 VARIANT_SETUP = {  # variant -> a context that sets what the variant changes (kernel options, tiles)
     "flashgpt-fused-layers+graph": lambda: kernel_options.use(decode_stack=False),
-    "flashgpt-fused-merged+graph": lambda: kernel_options.use(decode_stack_merged_sums=True),
+    "flashgpt-fused-unmerged+graph": lambda: kernel_options.use(decode_stack_merged_sums=False),
     "flashgpt-fused-mlp2+graph": lambda: kernel_options.use(decode_fused_mlp=False),
     "flashgpt-fused-mlp1+graph": lambda: decode_mlp.forced_tile(16, 8),
     "flashgpt-fused-mlp1w4+graph": lambda: decode_mlp.forced_tile(16, 4),

@@ -1,6 +1,6 @@
 """Where the one-launch decode step (kernels/decode_stack.py) spends its time: a phase-by-phase timeline.
 
-    python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--merged-sums] [--out DIR]
+    python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--no-merged-sums] [--out DIR]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
 --pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
@@ -48,8 +48,8 @@ def parse_args(argv=None):
                    "(kernels.decode_stack.early_mlp) instead of after phase C")
     p.add_argument("--every-warp-polls", action="store_true", help="every warp of a program polls the barrier "
                    "counter (kernels.decode_stack.every_warp_polls) instead of warp 0 alone")
-    p.add_argument("--merged-sums", action="store_true", help="the kernel option decode_stack_merged_sums on: "
-                   "phases A and D with fewer CTA-wide reductions")
+    p.add_argument("--merged-sums", action=argparse.BooleanOptionalAction, default=True,
+                   help="the kernel option decode_stack_merged_sums: phases A and D with fewer CTA-wide reductions")
     p.add_argument("--out", default=str(ROOT / "bench/results/generate_smollm2/stack"))
     return p.parse_args(argv)
 
@@ -153,7 +153,7 @@ def run(args, argv) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = (f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
-            f"{'_every_warp_polls' if args.every_warp_polls else ''}{'_merged_sums' if args.merged_sums else ''}")
+            f"{'_every_warp_polls' if args.every_warp_polls else ''}{'' if args.merged_sums else '_unmerged_sums'}")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,
                                                                            launch_us=launch_us), indent=1))

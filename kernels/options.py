@@ -108,7 +108,7 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         (kernels/decode_stack.py, grid barriers
                                                                         between the phases) where the shape fits;
                                                                         off: the per-layer launches
-    decode_stack_merged_sums   FLASHGPT_DECODE_STACK_MERGED_SUMS=0|1   False   the stack's phases A and D take
+    decode_stack_merged_sums   FLASHGPT_DECODE_STACK_MERGED_SUMS=0|1   True    the stack's phases A and D take
                                                                         their norm's sums (LayerNorm: Σx and Σx²
                                                                         together) in one CTA-wide reduction over
                                                                         the width as one power-of-two block, phase
@@ -160,7 +160,7 @@ class KernelOptions:
     hopper_own_blocks: bool = True
     decode_fused_mlp: bool = True
     decode_stack: bool = True
-    decode_stack_merged_sums: bool = False
+    decode_stack_merged_sums: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

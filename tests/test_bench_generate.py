@@ -92,13 +92,13 @@ def test_smoke_runs_the_llama_shape_through_the_fused_step_and_transformers(tmp_
     assert "python bench/generate.py --smoke --model smollm2" in md and "rmsnorm" in md
 
 
-def test_merged_sums_variant_runs_the_stack_with_its_option(bench):
-    """flashgpt-fused-merged+graph: the default graph step with the kernel option decode_stack_merged_sums on, for
-    an A/B run against flashgpt-fused+graph."""
+def test_unmerged_sums_variant_runs_the_stack_without_its_option(bench):
+    """flashgpt-fused-unmerged+graph: the default graph step with the kernel option decode_stack_merged_sums off,
+    for an A/B run against flashgpt-fused+graph."""
     from kernels import options
-    assert bench.variants("cuda", False)["flashgpt-fused-merged+graph"] == bench.variants("cuda", False)[
+    assert bench.variants("cuda", False)["flashgpt-fused-unmerged+graph"] == bench.variants("cuda", False)[
         "flashgpt-fused+graph"]
-    assert not options.get().decode_stack_merged_sums
-    with bench.VARIANT_SETUP["flashgpt-fused-merged+graph"]():
-        assert options.get().decode_stack_merged_sums and options.get().decode_stack
-    assert not options.get().decode_stack_merged_sums
+    assert options.get().decode_stack_merged_sums
+    with bench.VARIANT_SETUP["flashgpt-fused-unmerged+graph"]():
+        assert not options.get().decode_stack_merged_sums and options.get().decode_stack
+    assert options.get().decode_stack_merged_sums

@@ -5,7 +5,7 @@ error of the model's own step in the same dtype, plus a floor, of the float64 mo
 one persistent launch with grid barriers (bf16 included); on a CPU, in Triton's interpreter, each phase is its own
 launch (the programs run one after another there, so no barrier could be passed): the same phase code. The plan's
 buffers and the caches beyond each sequence's length start as NaN, so a missed write or a read of something not
-yet written shows up. Each step test runs with the kernel option decode_stack_merged_sums off (the default) and on
+yet written shows up. Each step test runs with the kernel option decode_stack_merged_sums on (the default) and off
 (the norms' sums, the QKV lane halves, gate and up, and the down projection reduced over one block).
 """
 import copy

@@ -14,6 +14,15 @@ first get() of the process (a bad value is a ValueError naming the variable):
     option                     environment override              default
     autotune                   FLASHGPT_AUTOTUNE=0|1             True   autotune tile configs on a GPU; off: each
                                                                         kernel's first (default) config
+    autotune_min_keys          FLASHGPT_AUTOTUNE_MIN_KEYS=<int>  256    the flash kernels autotune only calls whose
+                                                                        key-length bucket is at least this; shorter
+                                                                        ones (a chat turn's prefill) run the first
+                                                                        config: a tuning compiles every config,
+                                                                        seconds, for a kernel of microseconds
+    autotune_cache             FLASHGPT_AUTOTUNE_CACHE=0|1       True   keep the flash autotuners' timings in
+                                                                        Triton's cache folder (TRITON_CACHE_DIR), so
+                                                                        a later process reuses the pick instead of
+                                                                        tuning again (empty the folder to re-tune)
     tma                        FLASHGPT_TMA=0|1                  True   TMA descriptor loads where the kernel's policy
                                                                         uses them (Hopper); off: pointer loads
     tma_min_block_d            FLASHGPT_TMA_MIN_D=<int>          None   descriptors in every flash kernel from this
@@ -138,6 +147,8 @@ DECODE_SPLIT_ORDERS = ("strided", "chunks")
 @dataclass(frozen=True)
 class KernelOptions:
     autotune: bool = True
+    autotune_min_keys: int = 256
+    autotune_cache: bool = True
     tma: bool = True
     tma_min_block_d: int | None = None
     lpt: bool = True
@@ -180,6 +191,8 @@ def _is_int(value) -> bool:
 
 _EXPECTED = {  # option -> (accepts, what it expects)
     "autotune": (lambda v: isinstance(v, bool), "expected True or False"),
+    "autotune_min_keys": (lambda v: _is_int(v) and v >= 0, "expected an int >= 0"),
+    "autotune_cache": (lambda v: isinstance(v, bool), "expected True or False"),
     "tma": (lambda v: isinstance(v, bool), "expected True or False"),
     "tma_min_block_d": (lambda v: v is None or (_is_int(v) and v >= 1), "expected None or an int >= 1"),
     "lpt": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -211,7 +224,8 @@ def _problem(name: str, value) -> str | None:
     return None if accepts(value) else expected
 
 
-ENV = {"autotune": "FLASHGPT_AUTOTUNE", "tma": "FLASHGPT_TMA", "tma_min_block_d": "FLASHGPT_TMA_MIN_D",
+ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_MIN_KEYS",
+       "autotune_cache": "FLASHGPT_AUTOTUNE_CACHE", "tma": "FLASHGPT_TMA", "tma_min_block_d": "FLASHGPT_TMA_MIN_D",
        "lpt": "FLASHGPT_LPT", "fast_launch": "FLASHGPT_FAST_LAUNCH", "backward": "FLASHGPT_BWD",
        "fused_dq": "FLASHGPT_FUSED_DQ", "pdl": "FLASHGPT_PDL", "loss_kernel": "FLASHGPT_CE",
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",

@@ -715,6 +715,24 @@ def test_autotuned_path(request):
 
 
 @cuda_only
+@pytest.mark.autotune
+def test_short_calls_run_the_first_config_and_tunings_are_kept_on_disk(request, monkeypatch):
+    """A call whose key-length bucket is under autotune_min_keys is not tuned (its compiles would cost seconds
+    for a kernel of microseconds); a tuned call's timings land in Triton's cache folder for later processes."""
+    import glob
+
+    import triton
+    monkeypatch.setattr(launch, "_picked", {})
+    g = seeded_generator(request)
+    _check(1, 2, 2, 77, 100, 64, True, torch.bfloat16, g)
+    assert not launch._picked, "a call under 256 keys was tuned"
+    with options.use(autotune_min_keys=0):
+        _check(1, 2, 2, 77, 100, 64, True, torch.bfloat16, g)
+    assert launch._picked and all(key[-2] == 128 for key in launch._picked)  # (..., q bucket, k bucket, device)
+    assert glob.glob(os.path.join(triton.knobs.cache.dir, "*", "_attn_fwd.autotune.json"))
+
+
+@cuda_only
 def test_peak_memory_is_linear(request):
     """N = 16384: an N x N fp32 score matrix per head would be 1 GiB; fwd+bwd stays near the inputs' size."""
     g = seeded_generator(request)

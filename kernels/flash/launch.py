@@ -239,7 +239,8 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
     compiled kernel or None: see _run) of a launch with a fixed config, None after the autotuner's first run for
     its key."""
     cfgs = GPU_CONFIGS[config_key(name, dtype, kwargs["BLOCK_D"])]
-    if name in forced or _triton.INTERPRET or not _autotune_enabled() or len(cfgs) == 1:
+    short = args[-1] < _options.get().autotune_min_keys  # the key-length bucket (the last arg)
+    if name in forced or _triton.INTERPRET or not _autotune_enabled() or len(cfgs) == 1 or short:
         if name in forced:
             cfg = forced[name]
         elif _triton.INTERPRET:
@@ -259,6 +260,7 @@ def _launch(name: str, grid_axis0_len: int, heads: int, batch: int, dtype, args,
             if _uses_descriptors(kwargs):
                 triton.set_allocator(_tma_scratch)
             tuner = TUNERS[config_key(name, dtype, kwargs["BLOCK_D"])]
+            tuner.cache_results = _options.get().autotune_cache  # timings kept in Triton's cache folder
             tuner[grid](*args, **kwargs)
             best = tuner.best_config
             _picked[tkey] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)

@@ -103,13 +103,19 @@ def test_limit_and_text_column(tmp_path):
         perplexity.read_documents(str(tmp_path / "b.jsonl"))
 
 
-def test_cli_writes_its_metrics_and_bad_input_is_one_line(tmp_path):
-    docs = texts(6, seed=3)
+def char_run(tmp_path, seed: int):
+    """Six held-out documents, a character model's run folder (random weights) and the documents as JSONL:
+    (docs, tokenizer, model, folder, data path)."""
+    docs = texts(6, seed=seed)
     tok = CharTokenizer("".join(docs), eot=True)
     model = tiny_gpt(tok.vocab_size, block_size=32)
     folder = str(tmp_path / "run")
     save_tiny_checkpoint(folder, model, tok.spec())
-    data = write_jsonl(tmp_path / "held_out.jsonl", docs)
+    return docs, tok, model, folder, write_jsonl(tmp_path / "held_out.jsonl", docs)
+
+
+def test_cli_writes_its_metrics_and_bad_input_is_one_line(tmp_path):
+    docs, tok, model, folder, data = char_run(tmp_path, seed=3)
     r = run_entry("eval.py", "--ckpt", folder, "--task", "perplexity", "--data", data, "--no-progress",
                   "--device", "cpu", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
@@ -140,12 +146,7 @@ def test_cli_writes_its_metrics_and_bad_input_is_one_line(tmp_path):
 @pytest.mark.parametrize("dtype,rel", [("float32", 1e-3), ("bfloat16", 2e-2)])
 def test_cli_on_the_gpu_scores_as_the_cpu_does(tmp_path, dtype, rel):
     """The CLI on CUDA (flash attention, the given dtype) against the CPU's float32 scores."""
-    docs = texts(6, seed=4)
-    tok = CharTokenizer("".join(docs), eot=True)
-    model = tiny_gpt(tok.vocab_size, block_size=32)
-    folder = str(tmp_path / "run")
-    save_tiny_checkpoint(folder, model, tok.spec())
-    data = write_jsonl(tmp_path / "held_out.jsonl", docs)
+    docs, tok, model, folder, data = char_run(tmp_path, seed=4)
     r = run_entry("eval.py", "--ckpt", folder, "--task", "perplexity", "--data", data, "--no-progress",
                   "--device", "cuda", "--dtype", dtype, "--attention", "flash")
     assert r.returncode == 0, r.stderr

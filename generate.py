@@ -33,7 +33,6 @@ if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter
 
 import kernels  # noqa: E402
 
-from data.chat import ChatTemplateError, render_chat  # noqa: E402
 from data.conversation import Conversation, ConversationError, end_of_turn_token  # noqa: E402
 from data.tokenizers import HFTokenizer, TokenizerError, tokenizer_from_spec  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -165,18 +164,6 @@ def check_chat_template(tok) -> str:
     return template
 
 
-def chat_prompts(prompts: list[str], tok, system: str | None = None) -> list[str]:
-    """Each prompt as a one-message conversation in the tokenizer's chat template (after the system message, if
-    any), ready for the reply."""
-    template = check_chat_template(tok)
-    head = [{"role": "system", "content": system}] if system else []
-    try:
-        return [render_chat(template, head + [{"role": "user", "content": text}], bos_token=tok.bos_text,
-                            eos_token=tok.eos_text) for text in prompts]
-    except ChatTemplateError as e:
-        raise GenerateError(f"--chat: {e}") from None
-
-
 def check_args(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise GenerateError(f"--temperature={args.temperature}: must be a finite number >= 0 (0 = greedy)")
@@ -265,13 +252,16 @@ class Printer:
 def encode_prompts(args, prompts: list[str], tok, block_size: int) -> tuple[list[list[int]], list[str]]:
     """The batch of token-id sequences (each prompt num_samples times, fitted to the context) and what is printed
     before each prompt's samples (the prompt it continues; nothing for a chat reply)."""
-    shown = prompts
-    if args.chat:
-        prompts, shown = chat_prompts(prompts, tok, args.system), [""] * len(prompts)
+    shown = [""] * len(prompts) if args.chat else prompts
+    if args.chat:  # each prompt a one-message conversation (after the system message, if any)
+        check_chat_template(tok)
+        conv = Conversation(tok, system=args.system)
     encoded = []
     for text in prompts:
         try:
-            ids = tok.encode(text, add_special_tokens=False) if args.chat else tok.encode(text)
+            ids = conv.encode(conv.messages(text)) if args.chat else tok.encode(text)
+        except ConversationError as e:
+            raise GenerateError(f"--chat: {e}") from None
         except TokenizerError as e:
             raise GenerateError(f"prompt cannot be encoded with this model's tokenizer: {e}") from None
         if not ids:

@@ -279,18 +279,30 @@ def start_conversation(tok, system: str | None, max_new: int, block_size: int) -
     return Conversation(tok, system=system), block_size - max_new
 
 
+def read_line(stream, answered: int) -> str:
+    """One line of a text stream ("" at its end), decoded line by line as UTF-8 where the stream has bytes
+    underneath, so that the lines before a bad one are answered first."""
+    raw = getattr(stream, "buffer", None)
+    if raw is None:
+        return stream.readline()
+    try:
+        return raw.readline().decode("utf-8")
+    except UnicodeDecodeError:
+        raise GenerateError(f"standard input is not UTF-8 text (after {answered} answered message(s))") from None
+
+
 def converse(model, tok, conv: Conversation, room: int, params, gen, opts: dict, printer: Printer) -> int:
     """A conversation on stdin: each line a user message, each reply printed on its own line. A message that
     cannot be answered gets an error line and the conversation goes on; the exit status is then 2."""
     interactive = sys.stdin.isatty()
     if interactive:
         print("one message per line; /reset starts over, /exit or Ctrl-D ends", file=sys.stderr)
-    refused = 0
+    refused = turns = 0
     while True:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        line = read_line(sys.stdin, turns)
         if not line:
             break
         user = line.rstrip("\r\n")
@@ -314,6 +326,7 @@ def converse(model, tok, conv: Conversation, room: int, params, gen, opts: dict,
                   f"{model.config.block_size} tokens", file=sys.stderr, flush=True)
         stats = printer.generate(model, [ids], params, gen, opts, [""], headers=False)
         conv.add_exchange(user, tok.decode(stats.sequences[0]))
+        turns += 1
     return 2 if refused else 0
 
 

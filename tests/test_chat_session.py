@@ -155,3 +155,18 @@ def test_one_prompt_with_a_system_message(folder, monkeypatch):
     tok = HFTokenizer.from_folder(folder)
     system = {"role": "system", "content": "be brief"}
     assert rc == 0 and seen == [render(tok, [system, user("a")]), render(tok, [system, user("b c")])]
+
+
+def test_stdin_that_is_not_utf8_is_one_line(folder):
+    """A message in another encoding: the messages before it are answered, then one error line and exit 2."""
+    import os
+    import subprocess
+
+    from tests.util import ROOT
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--init-from", f"hf:{folder}", "--chat",
+                        "--device", "cpu", "--max-new-tokens", "3"], input="hello\ncaf\u00e9\n".encode("latin-1"),
+                       capture_output=True, timeout=300, cwd=ROOT, env=dict(env, PYTHONIOENCODING="utf-8"))
+    lines = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2 and lines[-1] == "error: standard input is not UTF-8 text (after 1 answered message(s))", lines
+    assert sum(" new] time to first token" in line for line in lines) == 1

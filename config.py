@@ -35,7 +35,9 @@ class DataConfig:
     val_docs: int = 1000          # shards: the first documents form the validation split
     shard_tokens: int = 100_000_000  # shards: tokens per shard file
     text_column: str = "text"     # shards: the field of .jsonl/.parquet/hub rows that holds the text
-    messages_column: str = "messages"  # chat: the field of rows that holds a conversation's list of messages
+    # chat: the field of rows that holds a conversation's list of messages (a row without it: its Alpaca or Dolly
+    # instruction fields as one exchange)
+    messages_column: str = "messages"
     num_proc: int = 2             # tokenisation processes
     cache_dir: str = ".cache/data"
 

@@ -7,7 +7,10 @@ the loss taken on the assistant's turns only.
 Source: any corpus data.dataset takes but .txt files (.jsonl(.gz), .parquet, a folder or glob of them, or
 hf:NAME[:CONFIG]), each row holding one conversation in its `column` (data.messages_column): a list of
 {"role": "system" | "user" | "assistant", "content": text} (Hugging Face / OpenAI messages) or ShareGPT's
-{"from": "system" | "human" | "gpt", "value": text}. A conversation needs at least one assistant turn.
+{"from": "system" | "human" | "gpt", "value": text}. A row without that column but with instruction-tuning
+fields is one exchange: Alpaca's instruction / input / output, or Dolly's instruction / context / response (the
+user's message is the instruction, then a blank line and the input or context where there is one; an optional
+"system" field comes first). A conversation needs at least one assistant turn.
 
 Tokens: the conversation as the tokenizer's chat template writes it (no generation prompt), encoded whole
 without added special tokens (the template writes its own), then the end-of-text token where the tokenizer has
@@ -71,6 +74,30 @@ def _messages(value, where: str) -> list[dict]:
     return out
 
 
+INSTRUCTION_FIELDS = (("instruction", "input", "output"), ("instruction", "context", "response"))
+
+
+def conversation_of(row: dict, column: str, where: str) -> list[dict] | None:
+    """A row's conversation: its `column`'s messages, else its instruction-tuning fields as one exchange; None
+    for an empty row. DataError naming the row when it holds neither."""
+    if column in row:
+        value = row[column]
+        return None if value is None or value == "" else _messages(value, where)
+    for ask, extra, answer in INSTRUCTION_FIELDS:
+        if ask in row and answer in row:
+            texts = {k: row.get(k) for k in (ask, extra, answer, "system")}
+            bad = [k for k in (ask, answer) if not isinstance(texts[k], str) or not texts[k].strip()]
+            bad += [k for k in (extra, "system") if texts[k] is not None and not isinstance(texts[k], str)]
+            if bad:
+                raise DataError(f"{where}: field {bad[0]!r} holds {json.dumps(texts[bad[0]], ensure_ascii=False)[:80]},"
+                                f" not text")
+            user = texts[ask] + (f"\n\n{texts[extra]}" if texts[extra] and texts[extra].strip() else "")
+            system = [{"role": "system", "content": texts["system"]}] if texts["system"] else []
+            return system + [{"role": "user", "content": user}, {"role": "assistant", "content": texts[answer]}]
+    raise DataError(f"{where}: no {column!r} field (data.messages_column) and no instruction / output (Alpaca) or "
+                    f"instruction / response (Dolly) fields; its fields: {', '.join(map(str, row)) or 'none'}")
+
+
 def encode_conversation(tok, messages: list[dict], where: str = "a conversation") -> tuple[list[int], list[int]]:
     """(ids, mask) of one conversation (see the module's doc); DataError / ChatTemplateError in one line."""
 
@@ -116,7 +143,7 @@ def prepare_chat(dataset: str, tokenizer: str | dict, *, val_fraction: float = 0
                  cache_dir: str = ".cache/data", verbose: bool = True) -> str:
     """Tokenise the conversations of `dataset` once (see the module's doc); return the folder."""
     tok = _fixed(tokenizer)
-    source = Source(dataset, column, values="json")
+    source = Source(dataset, column, values="row")
     digest, tok_key = source.digest(checksum_algorithm()), spec_key(tok.spec())
     key = hashlib.sha256(json.dumps([FORMAT, digest, tok_key, val_fraction, column]).encode())
     out = os.path.join(cache_dir, "chat", f"{source.label}-{tok_key}-{key.hexdigest()[:16]}")
@@ -125,13 +152,16 @@ def prepare_chat(dataset: str, tokenizer: str | dict, *, val_fraction: float = 0
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     ids, masks = [], []  # per conversation, as arrays: ~2-4 bytes a token rather than a Python int's ~36
     from tqdm import tqdm
-    for n, value in enumerate(tqdm(source.rows(), desc="conversations", unit=" rows", disable=not verbose,
-                                   dynamic_ncols=True), start=1):
-        if value is None or value == "":
-            continue
+    for n, row in enumerate(tqdm(source.rows(), desc="conversations", unit=" rows", disable=not verbose,
+                                 dynamic_ncols=True), start=1):
         where = f"data.dataset: {dataset} row {n}"
+        if row == "":  # a blank line of a .jsonl file
+            continue
+        messages = conversation_of(row, column, where)
+        if messages is None:
+            continue
         try:
-            i, m = encode_conversation(tok, _messages(value, where), where)
+            i, m = encode_conversation(tok, messages, where)
         except ChatTemplateError as e:
             raise DataError(f"{where}: {e}") from None
         ids.append(np.asarray(i, dtype=dtype))

@@ -110,11 +110,13 @@ def _open_error(path: str, e: OSError) -> DataError:
 
 class Source:
     """One corpus: its files (None for a hub dataset) and the column that holds the text. values="json": the
-    column's values as they are (a conversation's list of messages, say), not checked to be text; .txt files
-    then hold no such column and are refused."""
+    column's values as they are (a conversation's list of messages, say), not checked to be text; values="row":
+    each row whole, as a dict of its columns (the caller picks its fields; text_column only names them in
+    errors). With either, .txt files hold no such column and are refused."""
 
     def __init__(self, spec: str, text_column: str = "text", values: str = "text"):
-        self.spec, self.text_column, self.raw = spec, text_column, values == "json"
+        self.spec, self.text_column, self.raw = spec, text_column, values in ("json", "row")
+        self.whole_rows = values == "row"
         self.is_hub = spec.startswith("hf:")
         self.files = None if self.is_hub else local_files(spec)
         self._hub = None        # the streaming dataset, opened by rows()
@@ -215,6 +217,9 @@ class Source:
                         raise DataError(f"data.dataset: {path} line {n} is not JSON ({e.msg}, column {e.colno})") from None
                     if not isinstance(row, dict):
                         raise DataError(f"data.dataset: {path} line {n} is not a JSON object")
+                    if self.whole_rows:
+                        yield row
+                        continue
                     if col not in row:
                         raise DataError(f"data.dataset: {path} line {n} has no {col!r} field (its fields: "
                                         f"{', '.join(map(str, row)) or 'none'}); set data.text_column "
@@ -238,11 +243,11 @@ class Source:
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"data.dataset: cannot read {path} as parquet ({str(e).splitlines()[0]})") from None
         names = pf.schema_arrow.names
-        if self.text_column not in names:
+        if self.text_column not in names and not self.whole_rows:
             raise DataError(f"data.dataset: {path} has no {self.text_column!r} column (its columns: "
                             f"{', '.join(names)}); set data.text_column (--text-column) to the one that holds "
                             "the text")
-        typ = pf.schema_arrow.field(self.text_column).type
+        typ = None if self.whole_rows else pf.schema_arrow.field(self.text_column).type
         if not self.raw and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise DataError(f"data.dataset: {path}: column {self.text_column!r} is {typ}, not text")
         groups, first = [], 0  # row groups from the one holding row `skip`; rows of it to drop
@@ -256,8 +261,9 @@ class Source:
         if not groups:
             return
         try:
-            for batch in pf.iter_batches(batch_size=PARQUET_BATCH, row_groups=groups, columns=[self.text_column]):
-                texts = batch.column(0).to_pylist()
+            columns = None if self.whole_rows else [self.text_column]
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH, row_groups=groups, columns=columns):
+                texts = batch.to_pylist() if self.whole_rows else batch.column(0).to_pylist()  # dicts: whole rows
                 if drop:
                     texts, drop = texts[drop:], max(0, drop - len(texts))
                 for text in texts:
@@ -275,7 +281,7 @@ class Source:
             raise DataError(f"data.dataset: could not load hub dataset {name!r} ({type(e).__name__}: {first}); "
                             "when offline, prepare local files instead (.txt, .jsonl, .parquet)") from None
         columns = ds.column_names
-        if columns is not None and self.text_column not in columns:
+        if columns is not None and self.text_column not in columns and not self.whole_rows:
             raise DataError(f"data.dataset: hub dataset {name!r} has no {self.text_column!r} column (its columns: "
                             f"{', '.join(columns)}); set data.text_column (--text-column) to the one that holds "
                             "the text")
@@ -287,6 +293,9 @@ class Source:
             self._hub.load_state_dict(start["hub"])
         col = self.text_column
         for row in self._hub_iter():
+            if self.whole_rows:
+                yield dict(row)
+                continue
             if col not in row:  # a dataset whose columns were not known in advance
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r} has no {col!r} column (its columns: "
                                 f"{', '.join(map(str, row))}); set data.text_column (--text-column)")

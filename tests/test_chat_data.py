@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from data.chat_data import ChatData, _messages, encode_conversation, prepare_chat
+from data.chat_data import ChatData, _messages, conversation_of, encode_conversation, prepare_chat
 from data.errors import DataError
 from data.tokenizers import HFTokenizer
 from tests.hf_models import write_tokenizer
@@ -65,6 +65,37 @@ def test_sharegpt_rows_are_the_same_conversation(tmp_path, tok):
     assert encode_conversation(tok, msgs) == encode_conversation(tok, _messages(share, "row"))
 
 
+def test_instruction_rows_are_one_exchange(tmp_path, tok):
+    """Alpaca (instruction / input / output) and Dolly (instruction / context / response) rows, from .jsonl and
+    .parquet: the user's message is the instruction, a blank line and the input where there is one; a system
+    field comes first. The prepared folder holds the same tokens as the same conversations as messages."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    alpaca = [{"instruction": f"say {w}", "input": "" if i % 2 else f"twice {i}", "output": f"{w} {w}"}
+              for i, w in enumerate(WORDS[:6])]
+    dolly = [{"instruction": f"name {w}", "context": f"of {i}", "response": w, "category": "qa", "system": "be brief"}
+             for i, w in enumerate(WORDS[:6])]
+    want = [[{"role": "user", "content": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else "")},
+             {"role": "assistant", "content": r["output"]}] for r in alpaca]
+    want += [[{"role": "system", "content": "be brief"},
+              {"role": "user", "content": f"{r['instruction']}\n\n{r['context']}"},
+              {"role": "assistant", "content": r["response"]}] for r in dolly]
+    assert [conversation_of(r, "messages", "row") for r in alpaca + dolly] == want
+    with open(tmp_path / "inst.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in alpaca + dolly)
+    pq.write_table(pa.Table.from_pylist(alpaca), tmp_path / "alpaca.parquet")
+    as_messages = write_jsonl(tmp_path / "m.jsonl", want)
+    kw = dict(val_fraction=0.25, verbose=False)
+    folders = [prepare_chat(src, tok.spec(), cache_dir=str(tmp_path / f"cache{n}"), **kw)
+               for n, src in enumerate([str(tmp_path / "inst.jsonl"), as_messages])]
+    for name in ("train.bin", "train.mask", "val.bin", "val.mask", "train.starts"):
+        a, b = (open(os.path.join(f, name), "rb").read() for f in folders)
+        assert a == b and a, name
+    parquet = prepare_chat(str(tmp_path / "alpaca.parquet"), tok.spec(), cache_dir=str(tmp_path / "cache2"), **kw)
+    jsonl = prepare_chat(write_jsonl(tmp_path / "a.jsonl", want[:6]), tok.spec(), cache_dir=str(tmp_path / "c3"), **kw)
+    assert open(os.path.join(parquet, "train.bin"), "rb").read() == open(os.path.join(jsonl, "train.bin"), "rb").read()
+
+
 def test_prepared_folder_and_its_windows(tmp_path, tok):
     rows = [conversation(i, turns=1 + i % 3, system=i % 2 == 0) for i in range(30)]
     src = write_jsonl(tmp_path / "chats.jsonl", rows)
@@ -118,9 +149,17 @@ def test_conversations_without_a_target_in_the_window_are_never_drawn(tmp_path, 
     ("just text", "row 2: not a conversation"),
     ([{"role": "robot", "content": "hi"}], "row 2: message 0 needs a role"),
     ([{"role": "user", "content": 3}], "row 2: message 0 needs a role"),
+    ({"text": "hi"}, "row 2: no 'messages' field (data.messages_column) and no instruction / output (Alpaca) or "
+                     "instruction / response (Dolly) fields; its fields: text"),
+    ({"instruction": "hi", "output": None}, "row 2: field 'output' holds null, not text"),
+    ({"instruction": "hi", "input": 3, "output": "yo"}, "row 2: field 'input' holds 3, not text"),
 ])
 def test_bad_rows_are_one_line(tmp_path, tok, row, message):
-    src = write_jsonl(tmp_path / "c.jsonl", [conversation(0), row, conversation(1)])
+    rows = [{"messages": conversation(0)}, row if isinstance(row, dict) else {"messages": row},
+            {"messages": conversation(1)}]
+    src = str(tmp_path / "c.jsonl")
+    with open(src, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     with pytest.raises(DataError) as e:
         prepare_chat(src, tok.spec(), cache_dir=str(tmp_path / "cache"), verbose=False)
     assert message in str(e.value) and "\n" not in str(e.value) and "c.jsonl" in str(e.value)

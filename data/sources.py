@@ -109,14 +109,12 @@ def _open_error(path: str, e: OSError) -> DataError:
 
 
 class Source:
-    """One corpus: its files (None for a hub dataset) and the column that holds the text. values="json": the
-    column's values as they are (a conversation's list of messages, say), not checked to be text; values="row":
-    each row whole, as a dict of its columns (the caller picks its fields; text_column only names them in
-    errors). With either, .txt files hold no such column and are refused."""
+    """One corpus: its files (None for a hub dataset) and the column that holds the text. values="row": each
+    row whole, as a dict of its columns, not checked (the caller picks its fields: a conversation's messages,
+    say); .txt files have no rows of fields and are refused."""
 
     def __init__(self, spec: str, text_column: str = "text", values: str = "text"):
-        self.spec, self.text_column, self.raw = spec, text_column, values in ("json", "row")
-        self.whole_rows = values == "row"
+        self.spec, self.text_column, self.whole_rows = spec, text_column, values == "row"
         self.is_hub = spec.startswith("hf:")
         self.files = None if self.is_hub else local_files(spec)
         self._hub = None        # the streaming dataset, opened by rows()
@@ -154,8 +152,9 @@ class Source:
             return {"hub": self._hub.state_dict()} if self._hub is not None else {"hub": None}
         return dict(self._next)
 
-    def rows(self, start: dict | None = None) -> Iterator[str]:
-        """The texts of the rows from `start` (a position(); None: the first row), '' for empty rows."""
+    def rows(self, start: dict | None = None) -> Iterator[str | dict]:
+        """The texts of the rows from `start` (a position(); None: the first row), '' for empty rows; with
+        values="row", each row's dict ('' for a blank line of a .jsonl file)."""
         if self.is_hub:
             yield from self._hub_rows(start)
             return
@@ -164,7 +163,7 @@ class Source:
             path, skip = self.files[i], first_row if i == first_file else 0
             self._next = {"file": i, "row": skip}
             suffix = _suffix(path)
-            if suffix == ".txt" and self.raw:
+            if suffix == ".txt" and self.whole_rows:
                 raise DataError(f"data.dataset: {path} is a .txt file; rows with a {self.text_column!r} field "
                                 "come from .jsonl(.gz) or .parquet files")
             reader = (self._txt_rows if suffix == ".txt" else self._parquet_rows if suffix == ".parquet"
@@ -225,9 +224,6 @@ class Source:
                                         f"{', '.join(map(str, row)) or 'none'}); set data.text_column "
                                         "(--text-column) to the field that holds the text")
                     text = row[col]
-                    if self.raw:
-                        yield text
-                        continue
                     if text is not None and not isinstance(text, str):
                         raise DataError(f"data.dataset: {path} line {n}: field {col!r} holds a "
                                         f"{type(text).__name__}, not text")
@@ -248,7 +244,7 @@ class Source:
                             f"{', '.join(names)}); set data.text_column (--text-column) to the one that holds "
                             "the text")
         typ = None if self.whole_rows else pf.schema_arrow.field(self.text_column).type
-        if not self.raw and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+        if typ is not None and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise DataError(f"data.dataset: {path}: column {self.text_column!r} is {typ}, not text")
         groups, first = [], 0  # row groups from the one holding row `skip`; rows of it to drop
         for g in range(pf.num_row_groups):
@@ -267,7 +263,7 @@ class Source:
                 if drop:
                     texts, drop = texts[drop:], max(0, drop - len(texts))
                 for text in texts:
-                    yield text if self.raw else text or ""
+                    yield text if self.whole_rows else text or ""
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"data.dataset: cannot read {path} ({str(e).splitlines()[0]})") from None
 
@@ -300,9 +296,6 @@ class Source:
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r} has no {col!r} column (its columns: "
                                 f"{', '.join(map(str, row))}); set data.text_column (--text-column)")
             text = row[col]
-            if self.raw:
-                yield text
-                continue
             if text is not None and not isinstance(text, str):
                 raise DataError(f"data.dataset: hub dataset {self.spec[3:]!r}: column {col!r} holds "
                                 f"{type(text).__name__}, not text")

@@ -103,6 +103,7 @@ def _stream_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
+    q = tl.zeros([BLOCK_M, BLOCK_D], Q.dtype.element_ty)                        # the current row's queries
     for x in range(lo, hi):
         b = tl.sum((starts + nblk * ROWS_PER_SEQ <= x).to(tl.int64), 0)         # the sequence of block x
         n = _pick(nblk, idx, b)                                                 # its blocks per row
@@ -115,30 +116,27 @@ def _stream_decode_kernel(
         row_ok = rows < GROUP * N_Q
         h_q = h_kv * GROUP + rows // N_Q
         i_q = rows % N_Q
-        q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn
-                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         row_start = x - j                                                       # the row's first block
-        fresh = ((x == lo) | (j == 0)).to(tl.int32)
-        # a fresh row: no running max, so the update's rescale factor 2^(-inf) zeroes l_i and acc
-        m_i = tl.where(offs_m * 0 + fresh != 0, float("-inf"), m_i)
+        if (x == lo) | (j == 0):  # a fresh row: its queries, and no running max (the rescale 2^(-inf) zeroes
+            q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn  # l_i, acc)
+                        + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K + b * stride_kb + h_kv * stride_kh,
                                       V + b * stride_vb + h_kv * stride_vh, j * BLOCK_N, L, L - N_Q + i_q,
                                       offs_n, offs_d, d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
                                       DOT, PRECISION)
-        last = x + 1 == tl.minimum(hi, row_start + n)                           # the row's last block here
-        whole = (row_start >= lo) & (row_start + n <= hi)
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                      # rows with no key: 0
-        write_out = (offs_m * 0 + (last & whole).to(tl.int32)) != 0             # (BLOCK_M,) scalar flag
-        write_part = (offs_m * 0 + (last & (whole == 0)).to(tl.int32)) != 0
-        out_ok = (row_ok & write_out)[:, None] & d_ok[None, :]
-        tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
-                 + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty), mask=out_ok)
-        slot = 2 * pid + (row_start > lo).to(tl.int64)                          # first row of the range: 2p
-        part = slot * BLOCK_M + offs_m                                          # (BLOCK_M,)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(LSE + part, lse, mask=row_ok & write_part)
-        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=(row_ok & write_part)[:, None] & d_ok[None, :])
+        if x + 1 == tl.minimum(hi, row_start + n):                              # the row's last block here
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                  # rows with no key: 0
+            if (row_start >= lo) & (row_start + n <= hi):                       # the whole row: the output
+                tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
+                         + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty),
+                         mask=row_ok[:, None] & d_ok[None, :])
+            else:                                                               # a part: slot 2p or 2p + 1
+                part = (2 * pid + (row_start > lo).to(tl.int64)) * BLOCK_M + offs_m  # (BLOCK_M,)
+                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+                tl.store(LSE + part, lse, mask=row_ok)
+                tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                         mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["B", "MAX_LEN", "ROWS_PER_SEQ", "PROGRAMS"])

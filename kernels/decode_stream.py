@@ -20,9 +20,8 @@ Here the T = sum over rows of ceil(L_b / BLOCK_N) blocks (at least one per row) 
 ranges [p * T // P, (p + 1) * T // P) on the device, from the lengths of this call, so the plan stays right
 inside a CUDA graph whose lengths change at every replay.
 
-Program p walks its range block by block in ONE loop (so the software pipeline keeps loading across rows):
-at a row's first block (or the range's first) the running max restarts, and at a row's last block in the
-range the row is written:
+Program p walks the rows its range touches (usually one to three), and each row's blocks in the range in an
+inner loop (the split kernel's), then writes the row:
     - the whole row in this range: the output itself (OUT);
     - part of it: a part (the normalised partial output, fp32, and its log-sum-exp) in slot 2p (the range's
       first row) or 2p + 1 (its last row); only these two rows of a range can be partial.
@@ -96,47 +95,52 @@ def _stream_decode_kernel(
     lo = (pid * total // PROGRAMS).to(tl.int32)
     hi = ((pid + 1) * total // PROGRAMS).to(tl.int32)
 
+    if lo >= hi:
+        return  # more programs than blocks: an empty range
+    # the range's stream rows g = b * ROWS_PER_SEQ + (h_kv * ROW_BLOCKS + rb), from the one holding block lo to
+    # the one holding block hi - 1
+    b_lo = tl.sum((starts + nblk * ROWS_PER_SEQ <= lo).to(tl.int64), 0)
+    b_hi = tl.sum((starts + nblk * ROWS_PER_SEQ <= hi - 1).to(tl.int64), 0)
+    g_lo = b_lo * ROWS_PER_SEQ + (lo - _pick(starts, idx, b_lo)) // _pick(nblk, idx, b_lo)
+    g_hi = b_hi * ROWS_PER_SEQ + (hi - 1 - _pick(starts, idx, b_hi)) // _pick(nblk, idx, b_hi)
+
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
-    l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
-    q = tl.zeros([BLOCK_M, BLOCK_D], Q.dtype.element_ty)                        # the current row's queries
-    for x in range(lo, hi):
-        b = tl.sum((starts + nblk * ROWS_PER_SEQ <= x).to(tl.int64), 0)         # the sequence of block x
-        n = _pick(nblk, idx, b)                                                 # its blocks per row
-        local = x - _pick(starts, idx, b)
-        row = local // n                                                        # h_kv * ROW_BLOCKS + rb
-        j = local - row * n                                                     # block within the row
+    for g in range(g_lo, g_hi + 1):
+        b = g // ROWS_PER_SEQ
+        row = g % ROWS_PER_SEQ                                                  # h_kv * ROW_BLOCKS + rb
+        n = _pick(nblk, idx, b)                                                 # the row's key blocks
+        row_start = _pick(starts, idx, b) + row * n                             # its first block in the stream
         L = _pick(lens, idx, b)
         h_kv = row // ROW_BLOCKS
         rows = (row % ROW_BLOCKS) * BLOCK_M + offs_m                            # (BLOCK_M,) rows of the kv head
         row_ok = rows < GROUP * N_Q
         h_q = h_kv * GROUP + rows // N_Q
         i_q = rows % N_Q
-        row_start = x - j                                                       # the row's first block
-        if (x == lo) | (j == 0):  # a fresh row: its queries, and no running max (the rescale 2^(-inf) zeroes
-            q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn  # l_i, acc)
-                        + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K + b * stride_kb + h_kv * stride_kh,
-                                      V + b * stride_vb + h_kv * stride_vh, j * BLOCK_N, L, L - N_Q + i_q,
-                                      offs_n, offs_d, d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                      DOT, PRECISION)
-        if x + 1 == tl.minimum(hi, row_start + n):                              # the row's last block here
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                  # rows with no key: 0
-            if (row_start >= lo) & (row_start + n <= hi):                       # the whole row: the output
-                tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
-                         + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty),
-                         mask=row_ok[:, None] & d_ok[None, :])
-            else:                                                               # a part: slot 2p or 2p + 1
-                part = (2 * pid + (row_start > lo).to(tl.int64)) * BLOCK_M + offs_m  # (BLOCK_M,)
-                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-                tl.store(LSE + part, lse, mask=row_ok)
-                tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                         mask=row_ok[:, None] & d_ok[None, :])
+        q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        Kb = K + b * stride_kb + h_kv * stride_kh
+        Vb = V + b * stride_vb + h_kv * stride_vh
+        j_lo = tl.maximum(lo, row_start) - row_start                            # the row's blocks in the range
+        j_hi = tl.minimum(hi, row_start + n) - row_start
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                      # running max (log2 units)
+        l_i = tl.zeros([BLOCK_M], tl.float32)                                   # running sum of 2^(s - m)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                          # running sum of 2^(s - m) v
+        for start in range(j_lo * BLOCK_N, j_hi * BLOCK_N, BLOCK_N):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, Kb, Vb, start, L, L - N_Q + i_q, offs_n, offs_d,
+                                          d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT,
+                                          PRECISION)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                      # rows with no key: 0
+        if (j_lo == 0) & (j_hi == n):                                           # the whole row: the output
+            tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
+                     + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:                                                                   # a part: slot 2p or 2p + 1
+            part = (2 * pid + (row_start > lo).to(tl.int64)) * BLOCK_M + offs_m  # (BLOCK_M,)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(LSE + part, lse, mask=row_ok)
+            tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["B", "MAX_LEN", "ROWS_PER_SEQ", "PROGRAMS"])

@@ -123,8 +123,8 @@ def _stream_decode_kernel(
                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         Kb = K + b * stride_kb + h_kv * stride_kh
         Vb = V + b * stride_vb + h_kv * stride_vh
-        j_lo = tl.maximum(lo, row_start) - row_start                            # the row's blocks in the range
-        j_hi = tl.minimum(hi, row_start + n) - row_start
+        j_lo = (tl.maximum(lo, row_start) - row_start).to(tl.int32)             # the row's blocks in the range
+        j_hi = (tl.minimum(hi, row_start + n) - row_start).to(tl.int32)         # (int32: a 32-bit inner loop)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                      # running max (log2 units)
         l_i = tl.zeros([BLOCK_M], tl.float32)                                   # running sum of 2^(s - m)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                          # running sum of 2^(s - m) v
@@ -133,7 +133,7 @@ def _stream_decode_kernel(
                                           d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT,
                                           PRECISION)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                      # rows with no key: 0
-        if (j_lo == 0) & (j_hi == n):                                           # the whole row: the output
+        if (j_lo == 0) & (j_hi == n.to(tl.int32)):                                           # the whole row: the output
             tl.store(OUT + b * stride_ob + h_q[:, None] * stride_oh + i_q[:, None] * stride_on
                      + offs_d[None, :] * stride_od, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:                                                                   # a part: slot 2p or 2p + 1

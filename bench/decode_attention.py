@@ -15,9 +15,6 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    key blocks s, s + used, ... (the default order)
     split-nofull   the same under decode_full_grid=False: a full grid of short capacity still split (kernels/decode.py)
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
-    stream         the same under decode_split_order="stream" (kernels/decode_stream.py): every sequence-head's
-                   key blocks end to end in equal ranges over a fixed grid of the tile's resident programs per
-                   SM; stream-1, stream-2, stream-3 with 1, 2, 3 programs per SM (decode_stream_per_sm)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
     copy           a device-to-device copy of the same bytes as K and V's valid prefixes: the bandwidth limit
@@ -72,12 +69,9 @@ SMOKE_TILES = [(16, 4, 1, True), (32, 2, 1, False)]
 SMOKE_SPLITS = (1, 3)
 PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel options a provider runs under
                     "split-chunks": dict(decode_split_order="chunks"),
-                    "split-nofull": dict(decode_full_grid=False),
-                    "stream": dict(decode_split_order="stream"),
-                    **{f"stream-{n}": dict(decode_split_order="stream", decode_stream_per_sm=n) for n in (1, 2, 3)}}
+                    "split-nofull": dict(decode_full_grid=False)}
 # the decode providers are checked again after timing
-DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-fit", "nosplit", "stream",
-                    "stream-1", "stream-2", "stream-3")
+DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-fit", "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -407,7 +401,6 @@ class Run:
             "split-merged": split,  # the same call, under PROVIDER_OPTIONS
             "split-chunks": split,
             "split-nofull": split,
-            **{name: split for name in PROVIDER_OPTIONS if name.startswith("stream")},
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,

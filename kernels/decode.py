@@ -577,11 +577,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
-    if num_splits is None and opts.decode_split_order == "stream" and B <= _stream.STREAM_MAX_BATCH:
-        per_sm = opts.decode_stream_per_sm or programs_per_sm(tile, BLOCK_D, q.element_size(), q.device)
-        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and per_sm == 1 else None
-        return _stream.stream_decode(q, k_cache, v_cache, cache_lens, out, scale=scale, tile=deep or tile,
-                                     block_m=BLOCK_M, programs=per_sm * _triton.sm_count(q.device))
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         length = max_len if longest is None else longest
         if full_grid_unsplit(B * Hkv * row_blocks, length, q.device):
@@ -600,7 +595,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
 
     merge_in_split = num_splits > 1 and opts.decode_merge_in_split
-    strided = num_splits > 1 and opts.decode_split_order != "chunks"  # explicit counts under "stream" too
+    strided = num_splits > 1 and opts.decode_split_order == "strided"
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
     else:
@@ -623,8 +618,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                     dict(num_warps=4, **(dict(launch_pdl=True) if pdl else {})))
     return out
 
-
-from . import decode_stream as _stream  # noqa: E402 - the stream order builds on the kernels and launch above
 
 __all__ = ["decode_attention", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile", "default_tile",
            "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

@@ -74,19 +74,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         at least the SMs runs unsplit up to
                                                                         2,048 keys of capacity (no merge launch;
                                                                         kernels/decode.py)
-    decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks|stream   strided   which key blocks
-                                                                        a split of the split-KV decode reads:
-                                                                        every used-th block from its own index
-                                                                        (at any moment the splits read
-                                                                        neighbouring blocks), or one contiguous
-                                                                        chunk; stream: no per-sequence splits,
-                                                                        every row's blocks end to end in equal
-                                                                        ranges over a fixed grid
-                                                                        (kernels/decode_stream.py; automatic
-                                                                        split counts only)
-    decode_stream_per_sm       FLASHGPT_DECODE_STREAM_PER_SM=<int>   0   programs per SM of the stream order's
-                                                                        grid; 0: as many as the tile's shared
-                                                                        memory lets an SM hold
+    decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
+                                                                        of the split-KV decode reads: every
+                                                                        used-th block from its own index (at any
+                                                                        moment the splits read neighbouring
+                                                                        blocks), or one contiguous chunk
     rope_in_flash              FLASHGPT_ROPE_IN_FLASH=0|1        True   a RoPE model's training/prefill call without
                                                                         a KV cache hands its RoPE tables to the
                                                                         packed flash call, whose backward kernels
@@ -149,7 +141,7 @@ BACKWARDS = ("split", "fused")
 LOSS_KERNELS = ("auto", "triton", "torch")
 LLAMA_KERNELS = ("auto", "triton", "torch")
 HOPPER_FORWARDS = ("auto", "on", "off")
-DECODE_SPLIT_ORDERS = ("strided", "chunks", "stream")
+DECODE_SPLIT_ORDERS = ("strided", "chunks")
 
 
 @dataclass(frozen=True)
@@ -173,7 +165,6 @@ class KernelOptions:
     decode_full_grid: bool = True
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
-    decode_stream_per_sm: int = 0
     hopper_tile_lists: bool = True
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
@@ -218,7 +209,6 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_full_grid": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
-    "decode_stream_per_sm": (lambda v: _is_int(v) and 0 <= v <= 16, "expected an int in 0..16"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
@@ -242,7 +232,6 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
-       "decode_stream_per_sm": "FLASHGPT_DECODE_STREAM_PER_SM",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
        "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP", "decode_stack": "FLASHGPT_DECODE_STACK",

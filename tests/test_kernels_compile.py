@@ -34,8 +34,7 @@ LLAMA_MODELS = {  # one layer of each, as the paired tiles were chosen for (kern
 # --------------------------------------------------------------------- the child: compile what the path launches
 
 DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_kernel": "Q",
-             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X", "_decode_stack_kernel": "X0",
-             "_stream_decode_kernel": "Q", "_stream_merge_kernel": "OUT"}  # the argument whose pointer dtype is the variant's dtype
+             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X", "_decode_stack_kernel": "X0"}  # the argument whose pointer dtype is the variant's dtype
 
 
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
@@ -140,15 +139,6 @@ def _split_attention(dtype) -> None:
         for order in ("strided", "chunks"):
             with options.use(pdl=True, decode_merge_in_split=merge, decode_split_order=order):
                 decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
-    # the stream order (kernels/decode_stream.py): GPT-2's heads at batch 16 with the tile's resident programs per
-    # SM and with one (the four-stage tile), and GQA at head dim 128
-    q, cache = torch.randn(16, 12, 1, 64).to(dtype), torch.randn(16, 12, 1024, 64).to(dtype)
-    for per_sm in (0, 1):
-        with options.use(pdl=True, decode_split_order="stream", decode_stream_per_sm=per_sm):
-            decode_attention(q, cache, cache, torch.full((16,), 1024), check_lens=False)
-    q, cache = torch.randn(2, 4, 1, 128).to(dtype), torch.randn(2, 2, 1024, 128).to(dtype)
-    with options.use(pdl=True, decode_split_order="stream"):
-        decode_attention(q, cache, cache, torch.tensor([600, 1024]), check_lens=False)
 
 
 def compile_decode_launches() -> list[dict]:
@@ -158,7 +148,6 @@ def compile_decode_launches() -> list[dict]:
     import kernels._triton as kt
     import kernels.decode as decode
     import kernels.decode_mlp as dm
-    import kernels.decode_stream as ds
     import kernels.decode_stack as dstack
     import kernels.ln_linear as ll
     from kernels import options
@@ -167,10 +156,10 @@ def compile_decode_launches() -> list[dict]:
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
-    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = ds.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl
+    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl
     torch.manual_seed(0)
     kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel,
-               dm._ln_mlp_kernel, dstack._decode_stack_kernel, ds._stream_decode_kernel, ds._stream_merge_kernel)
+               dm._ln_mlp_kernel, dstack._decode_stack_kernel)
     with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
         for dtype in (getattr(torch, name) for name in DTYPES):
             for pdl in (True, False):
@@ -194,7 +183,7 @@ def compile_decode_launches() -> list[dict]:
             rec["barrier_ptx"] = dict(release_add=bool(re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)),
                                       acquire_load="ld.global.acquire.gpu" in ptx, cg_loads="ld.global.cg" in ptx,
                                       warp0_polls=bool(re.search(r"SPIN_LOOP_\w+: ld\.global\.acquire\.gpu", ptx)))
-        if rec["kernel"] in ("_decode_split_kernel", "_stream_decode_kernel"):
+        if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
             rec["ptxas"] = ptxas_usage(c)
         if rec["consts"].get("MERGE"):  # the counter's release/acquire and the loads of other programs' parts
@@ -272,9 +261,6 @@ OTHER_MODES = [
     "_decode_split_kernel mha d64 split pdl dot merge strided stages4",
     "_decode_split_kernel mha d64 split pdl dot no_merge chunks stages4",
     "_decode_split_kernel mha d64 split pdl dot no_merge strided stages3",
-    # the stream order: the tile's resident programs per SM (three stages) and one per SM (four), GQA at d128
-    "_stream_decode_kernel mha d64 pdl dot stages3", "_stream_decode_kernel mha d64 pdl dot stages4",
-    "_stream_decode_kernel gqa d128 pdl dot", "_stream_merge_kernel d64 pdl", "_stream_merge_kernel d128 pdl",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py), with and without PDL, each dtype
@@ -334,8 +320,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     bf16, GQA, head dims 64 and 128, split and unsplit attention, merged by the merge kernel or inside the split
     kernel (with its acq_rel counter and L1-bypassing loads in the PTX), dot and broadcast-and-sum tiles) compiles
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
-    (the automatic count's four-stage tile at batch 1 included, in both split orders), nor the stream order's
-    kernel (kernels/decode_stream.py); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    (the automatic count's four-stage tile at batch 1 included, in both split orders); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills); the MLP block in one launch (kernels/decode_mlp.py) does not spill."""
     from tests.util import compiled_records
@@ -349,9 +334,8 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     # the split kernel without the merge option (the default path) does not spill; with it, at d128 GQA in the
     # strided order Triton 3.9 spills 4 B (Triton 3.6, the H200's, none)
     attention = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
-                 if rec["kernel"] == "_stream_decode_kernel"
-                 or (rec["kernel"] == "_decode_split_kernel" and "no_merge" in t)]
-    assert len(attention) >= 11 and not [a for a in attention if a[1]["spill_stores"] or a[1]["spill_loads"]], \
+                 if rec["kernel"] == "_decode_split_kernel" and "no_merge" in t]
+    assert len(attention) >= 8 and not [a for a in attention if a[1]["spill_stores"] or a[1]["spill_loads"]], \
         attention
     paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
               if "ptxas" in rec and rec["kernel"] == "_ln_linear_kernel"]

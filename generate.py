@@ -151,8 +151,9 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def check_chat_template(tok) -> str:
-    """The tokenizer's chat template, or a GenerateError saying that it has none."""
+def new_conversation(tok, system: str | None) -> Conversation:
+    """An empty conversation in the tokenizer's chat template, or a GenerateError naming the tokenizer that has
+    none."""
     template = tok.chat_template if isinstance(tok, HFTokenizer) else None
     if not template:
         if isinstance(tok, HFTokenizer):
@@ -161,7 +162,7 @@ def check_chat_template(tok) -> str:
         else:
             where = f"the {tok.name} tokenizer has no chat template"
         raise GenerateError(f"--chat: {where}; leave out --chat to continue the prompt as plain text")
-    return template
+    return Conversation(tok, system=system)
 
 
 def check_args(args) -> None:
@@ -254,8 +255,7 @@ def encode_prompts(args, prompts: list[str], tok, block_size: int) -> tuple[list
     before each prompt's samples (the prompt it continues; nothing for a chat reply)."""
     shown = [""] * len(prompts) if args.chat else prompts
     if args.chat:  # each prompt a one-message conversation (after the system message, if any)
-        check_chat_template(tok)
-        conv = Conversation(tok, system=args.system)
+        conv = new_conversation(tok, args.system)
     encoded = []
     for text in prompts:
         try:
@@ -272,11 +272,11 @@ def encode_prompts(args, prompts: list[str], tok, block_size: int) -> tuple[list
 
 def start_conversation(tok, system: str | None, max_new: int, block_size: int) -> tuple[Conversation, int]:
     """The conversation and the room its prompts have (block_size − max_new tokens), or a GenerateError."""
-    check_chat_template(tok)
+    conv = new_conversation(tok, system)
     if max_new >= block_size:
         raise GenerateError(f"--max-new-tokens={max_new} leaves no room for a message in the context of "
                             f"{block_size} tokens")
-    return Conversation(tok, system=system), block_size - max_new
+    return conv, block_size - max_new
 
 
 def read_line(stream, answered: int) -> str:

@@ -13,7 +13,10 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    program of each (sequence, kv head, row block) merges the parts, no merge launch
     split-chunks   the same under decode_split_order="chunks": split s reads one contiguous chunk instead of
                    key blocks s, s + used, ... (the default order)
-    split-nofull   the same under decode_full_grid=False: a full grid of short capacity still split (kernels/decode.py)
+    split-nofull   the same under decode_full_grid=False: a grid whose unsplit programs fill the GPU split too
+                   (kernels/decode.py), and launched as a PDL dependent
+    split-dep      the same under decode_full_grid_pdl=True: a call whose unsplit programs fill the GPU launched
+                   as a PDL dependent too (its programs resident while the previous call runs)
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
@@ -69,9 +72,10 @@ SMOKE_TILES = [(16, 4, 1, True), (32, 2, 1, False)]
 SMOKE_SPLITS = (1, 3)
 PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel options a provider runs under
                     "split-chunks": dict(decode_split_order="chunks"),
-                    "split-nofull": dict(decode_full_grid=False)}
+                    "split-nofull": dict(decode_full_grid=False),
+                    "split-dep": dict(decode_full_grid_pdl=True)}
 # the decode providers are checked again after timing
-DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-fit", "nosplit")
+DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-fit", "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -401,6 +405,7 @@ class Run:
             "split-merged": split,  # the same call, under PROVIDER_OPTIONS
             "split-chunks": split,
             "split-nofull": split,
+            "split-dep": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,

@@ -62,9 +62,12 @@ and its replays do), and the first call needing a larger buffer must come before
 
 A full grid (kernels.options decode_full_grid, on by default): where the call's (sequence, kv head, row block)
 programs are at least as many as the GPU's SMs (batch 16 of GPT-2's 12 heads on 132 SMs) and the length the
-automatic count is planned for is at most FULL_GRID_UNSPLIT_MAX_LEN, the grid has one split: one launch, no
-merge. On an H200 that was faster than two splits and their merge launch at 1k keys and level at 2k, slower
-from 4k (bench/results/decode_attention/).
+automatic count is planned for is at most the decode_full_grid_max_len option (32,768), the grid has one split:
+one launch, no merge. Such a launch is not a PDL dependent (option decode_full_grid_pdl, off): it starts once
+the kernel before it has ended (it still lets the next kernel start early). On an H200 at batch 16 and a
+capacity of 32k that was 0.97-1.00x SDPA at 1k-32k keys against 0.81-1.01x for two splits and their merge, and
+the launch without PDL made back-to-back unsplit calls 7-11 % faster and GPT-2's decode step 1 % faster
+(bench/results/decode_attention/full_grid_nodep/).
 
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
@@ -93,7 +96,6 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
-FULL_GRID_UNSPLIT_MAX_LEN = 2048  # the same where the unsplit grid already gives every SM a program (see below)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
@@ -398,11 +400,16 @@ def auto_num_splits(n_programs: int, length: int, device: torch.device,
     return _most_even_splits(n_programs, cap, sms)
 
 
+def fills_gpu(n_programs: int, device: torch.device) -> bool:
+    """Whether a call's unsplit programs (sequence, kv head, row block) are at least the GPU's SMs, with the
+    decode_full_grid option on: such a call gets the full-grid plan (the module docstring)."""
+    return _options.get().decode_full_grid and n_programs >= _triton.sm_count(device)
+
+
 def full_grid_unsplit(n_programs: int, length: int, device: torch.device) -> bool:
-    """Whether the automatic plan runs unsplit because the grid is full (the module docstring): the option on,
-    length <= FULL_GRID_UNSPLIT_MAX_LEN and n_programs (sequence, kv head, row block) at least the SMs."""
-    return (_options.get().decode_full_grid and length <= FULL_GRID_UNSPLIT_MAX_LEN
-            and n_programs >= _triton.sm_count(device))
+    """Whether the automatic plan runs unsplit because the grid is full (the module docstring): fills_gpu and
+    length <= the decode_full_grid_max_len option."""
+    return fills_gpu(n_programs, device) and length <= _options.get().decode_full_grid_max_len
 
 
 @functools.lru_cache(maxsize=4096)
@@ -577,6 +584,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
+    full = fills_gpu(B * Hkv * row_blocks, q.device)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         length = max_len if longest is None else longest
         if full_grid_unsplit(B * Hkv * row_blocks, length, q.device):
@@ -592,7 +600,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         min_chunk, unsplit_max = 1, 0
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     pdl = pdl_enabled(q.device)
-    launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **(dict(launch_pdl=True) if pdl else {}))
+    # launched as a PDL dependent (its programs resident before the previous kernel ends) unless its unsplit
+    # programs fill the GPU and the decode_full_grid_pdl option is off; either way it lets the next kernel start
+    dependent = pdl and not (full and not opts.decode_full_grid_pdl)
+    launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages,
+                  **(dict(launch_pdl=True) if dependent else {}))
 
     merge_in_split = num_splits > 1 and opts.decode_merge_in_split
     strided = num_splits > 1 and opts.decode_split_order == "strided"

@@ -71,9 +71,16 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch
     decode_full_grid           FLASHGPT_DECODE_FULL_GRID=0|1     True   a decode call whose unsplit programs are
-                                                                        at least the SMs runs unsplit up to
-                                                                        2,048 keys of capacity (no merge launch;
-                                                                        kernels/decode.py)
+                                                                        at least the SMs runs unsplit where its
+                                                                        grid is planned for at most
+                                                                        decode_full_grid_max_len keys (one
+                                                                        launch, no merge; kernels/decode.py)
+    decode_full_grid_max_len   FLASHGPT_DECODE_FULL_GRID_MAX_LEN=<int>   32768   that length
+    decode_full_grid_pdl       FLASHGPT_DECODE_FULL_GRID_PDL=0|1   False   such a call is launched as a PDL
+                                                                        dependent like the other decode
+                                                                        kernels; off: it starts once the previous
+                                                                        kernel has ended (and still lets the next
+                                                                        one start early)
     decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
                                                                         of the split-KV decode reads: every
                                                                         used-th block from its own index (at any
@@ -163,6 +170,8 @@ class KernelOptions:
     hopper_backward: str = "auto"
     decode_merge_in_split: bool = False
     decode_full_grid: bool = True
+    decode_full_grid_max_len: int = 32768
+    decode_full_grid_pdl: bool = False
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
@@ -207,6 +216,8 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_backward": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_full_grid": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_full_grid_max_len": (lambda v: _is_int(v) and v >= 0, "expected an int >= 0"),
+    "decode_full_grid_pdl": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -231,6 +242,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
+       "decode_full_grid_max_len": "FLASHGPT_DECODE_FULL_GRID_MAX_LEN", "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",

@@ -232,8 +232,8 @@ def test_bench_smoke(tmp_path):
     data = json.loads((tmp_path / "decode_attention_smoke.json").read_text())
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
-        assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-fit",
-                                         "nosplit", "sdpa", "copy"}
+        assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
+                                         "split-fit", "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -524,15 +524,14 @@ def launched(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_full_grid_of_short_capacity_runs_unsplit(dtype, monkeypatch, launched):
     """Unsplit programs at least the SMs (6 sequence-kv-heads on a token GPU of 4 SMs) and a capacity of at
-    most FULL_GRID_UNSPLIT_MAX_LEN (256 here): one launch of one split, within the float64 budget, as close to
+    most decode_full_grid_max_len (256 here): one launch of one split, within the float64 budget, as close to
     the split plan (the option off: a split grid and its merge) as the budget allows. A longer capacity, fewer
     programs than SMs or an explicit split count keep the split plan."""
     import kernels.decode as dec
-    monkeypatch.setattr(dec, "FULL_GRID_UNSPLIT_MAX_LEN", 256)
     monkeypatch.setattr(dec, "SINGLE_SPLIT_MAX_LEN", 64)  # below it every grid has one split anyway
     monkeypatch.setattr(kt, "sm_count", lambda device: 4)
     lens = [3, 170, 250]
-    with options.use(decode_min_keys_per_split=32):
+    with options.use(decode_min_keys_per_split=32, decode_full_grid_max_len=256):
         q, k, v, lens_t = make_case(3, 4, 2, 1, 32, lens, max_len=256, dtype=dtype, seed=11)
         full = check(q, k, v, lens_t, dtype, check_lens=False)
         assert launched == [("_decode_split_kernel", (1, 6, 1))]
@@ -549,3 +548,49 @@ def test_full_grid_of_short_capacity_runs_unsplit(dtype, monkeypatch, launched):
             q, k, v, lens_t = make_case(*case, dtype=dtype, seed=12)
             check(q, k, v, lens_t, dtype, check_lens=False, **kw)
             assert [name for name, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"], case
+
+
+@pytest.mark.parametrize("dependent", [False, True], ids=["not-dependent", "dependent"])
+def test_full_grid_launch_as_pdl_dependent_or_not(dependent, monkeypatch):
+    """With PDL available, a call whose unsplit programs fill the GPU is launched as a PDL dependent only under
+    decode_full_grid_pdl; it signals the next kernel either way (USE_GDC), and a call that does not fill the
+    GPU keeps both. The launches are recorded and then run plainly (the interpreter has no PDL), within the
+    float64 budget; on a GPU, test_full_grid_pdl_or_not_same_result runs the real launches."""
+    import kernels.decode as dec
+    made = []
+    real = dec._launch
+
+    def recording(kernel, grid, tensors, scalars, consts, launch):
+        made.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid, consts["USE_GDC"],
+                     launch.get("launch_pdl", False)))
+        plain = {k: v for k, v in launch.items() if k != "launch_pdl"}
+        return real(kernel, grid, tensors, scalars, dict(consts, USE_GDC=False), plain)
+    monkeypatch.setattr(dec, "_launch", recording)
+    monkeypatch.setattr(dec, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(dec, "SINGLE_SPLIT_MAX_LEN", 64)  # below it every grid has one split anyway
+    monkeypatch.setattr(kt, "sm_count", lambda device: 4)
+    with options.use(decode_full_grid_pdl=dependent, decode_min_keys_per_split=32):
+        q, k, v, lens = make_case(3, 4, 2, 1, 32, [3, 170, 250], max_len=256, dtype=torch.float32, seed=21)
+        check(q, k, v, lens, torch.float32, check_lens=False)  # 6 unsplit programs on 4 SMs: full
+        assert made == [("_decode_split_kernel", (1, 6, 1), True, dependent)]
+        made.clear()
+        q, k, v, lens = make_case(1, 4, 2, 1, 32, [250], max_len=256, dtype=torch.float32, seed=22)
+        check(q, k, v, lens, torch.float32, check_lens=False)  # 2 programs: not full, split and merged
+        assert [(name, gdc, pdl) for name, _, gdc, pdl in made] == [("_decode_split_kernel", True, True),
+                                                                    ("_decode_merge_kernel", True, True)]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="PDL launches exist on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_full_grid_pdl_or_not_same_result(dtype):
+    """On the GPU: GPT-2's batch-16 shape (192 unsplit programs fill any GPU up to 192 SMs) with and without
+    the full grid's PDL launch, back to back in one stream: each within the float64 budget, and equal."""
+    q, k, v, lens = make_case(16, 12, 12, 1, 64, [1 + 97 * i for i in range(16)], max_len=1600, dtype=dtype,
+                              seed=23)
+    outs = []
+    for dependent in (False, True):
+        with options.use(decode_full_grid_pdl=dependent):
+            outs.append(check(q, k, v, lens, dtype, check_lens=False))
+            outs.append(check(q, k, v, lens, dtype, check_lens=False))  # the second call follows the first
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])

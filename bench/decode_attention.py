@@ -17,6 +17,8 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    (kernels/decode.py), and launched as a PDL dependent
     split-dep      the same under decode_full_grid_pdl=True: a call whose unsplit programs fill the GPU launched
                    as a PDL dependent too (its programs resident while the previous call runs)
+    split-noshort  the same under decode_short_splits=False: the grid holds the automatic count only, so a short
+                   sequence at batch 1 gets no more splits than a long one (kernels/decode.py: short_grid_splits)
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
@@ -73,9 +75,11 @@ SMOKE_SPLITS = (1, 3)
 PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel options a provider runs under
                     "split-chunks": dict(decode_split_order="chunks"),
                     "split-nofull": dict(decode_full_grid=False),
-                    "split-dep": dict(decode_full_grid_pdl=True)}
+                    "split-dep": dict(decode_full_grid_pdl=True),
+                    "split-noshort": dict(decode_short_splits=False)}
 # the decode providers are checked again after timing
-DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-fit", "nosplit")
+DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-noshort", "split-fit",
+                    "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -391,10 +395,11 @@ class Run:
     def one_shape(self, shape) -> None:
         torch, dec, Hkv, D = self.torch, self.decode, self.Hkv, self.D
         B, L, n_views = shape.B, shape.L, shape.n_views
-        grid_splits = 1 if dec.full_grid_unsplit(B * Hkv, self.capacity, self.device) else \
+        long_splits = 1 if dec.full_grid_unsplit(B * Hkv, self.capacity, self.device) else \
             dec.auto_num_splits(B * Hkv, self.capacity, self.device)
-        used = dec.plan_splits(L, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, self.default.block_n)[1] \
-            if grid_splits > 1 else 1
+        grid_splits = dec.short_grid_splits(B * Hkv, long_splits, self.capacity, self.device)
+        used = dec.plan_splits(L, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, self.default.block_n,
+                               long_splits)[1] if grid_splits > 1 else 1
         n_el = shape.nbytes // self.elem
         copy_src = torch.empty(n_views * n_el, device=self.device, dtype=self.dtype)  # (views * n_el,)
         copy_dst = torch.empty(n_el, device=self.device, dtype=self.dtype)
@@ -406,6 +411,7 @@ class Run:
             "split-chunks": split,
             "split-nofull": split,
             "split-dep": split,
+            "split-noshort": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,

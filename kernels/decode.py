@@ -96,6 +96,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_ROWS = 64         # query rows (heads of a group x new tokens) per program
 MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
+SHORT_SPLITS_MAX_LEN = 2048  # up to this many keys a sequence may get a split per block (short_grid_splits)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
@@ -159,20 +160,25 @@ def deep_tile(tile: DecodeTile, block_d: int, elem_size: int) -> DecodeTile | No
 
 
 @triton.jit
-def split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N: tl.constexpr):
+def split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N: tl.constexpr):
     """(chunk, used) for a sequence of L valid keys: the keys per split (a multiple of BLOCK_N, at least one
     block) and how many of the NUM_SPLITS splits hold any key (at least 1). Used splits: L <= UNSPLIT_MAX
-    gives one, otherwise min(NUM_SPLITS, L // MIN_CHUNK), at least one. The host's twin: plan_splits."""
-    n = tl.minimum(NUM_SPLITS, L // MIN_CHUNK)
+    gives one; otherwise L // MIN_CHUNK where that is at most NUM_SPLITS, else LONG_SPLITS (<= NUM_SPLITS);
+    at least one. The host's twin: plan_splits."""
+    n = tl.minimum(tl.where(L <= NUM_SPLITS * MIN_CHUNK, NUM_SPLITS, LONG_SPLITS), L // MIN_CHUNK)
     n = tl.where(L <= UNSPLIT_MAX, 1, tl.maximum(n, 1))
     chunk = tl.maximum(tl.cdiv(tl.cdiv(L, n), BLOCK_N), 1) * BLOCK_N
     used = tl.maximum(tl.cdiv(L, chunk), 1)
     return chunk, used
 
 
-def plan_splits(L: int, num_splits: int, min_chunk: int, unsplit_max: int, block_n: int) -> tuple[int, int]:
-    """split_plan on the host (same integer arithmetic): (chunk, used) for L valid keys."""
-    n = 1 if L <= unsplit_max else max(min(num_splits, L // min_chunk), 1)
+def plan_splits(L: int, num_splits: int, min_chunk: int, unsplit_max: int, block_n: int,
+                long_splits: int | None = None) -> tuple[int, int]:
+    """split_plan on the host (same integer arithmetic): (chunk, used) for L valid keys; long_splits None:
+    num_splits."""
+    long_splits = num_splits if long_splits is None else long_splits
+    cap = num_splits if L <= num_splits * min_chunk else long_splits
+    n = 1 if L <= unsplit_max else max(min(cap, L // min_chunk), 1)
     chunk = max(_cdiv(_cdiv(L, n), block_n), 1) * block_n
     return chunk, max(_cdiv(L, chunk), 1)
 
@@ -251,14 +257,14 @@ def _merge_splits(O_PART, LSE, rows, row_ok, used, NUM_SPLITS, HEAD_DIM: tl.cons
     return acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
 
 
-@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
+@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
 def _decode_split_kernel(
         Q, K, V, LENS, O_PART, LSE, OUT, COUNTERS,
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_on, stride_od,
-        qk_scale, H_KV, MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
+        qk_scale, H_KV, MAX_LEN, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
@@ -291,7 +297,7 @@ def _decode_split_kernel(
     h_kv = (tl.program_id(1) % H_KV).to(tl.int64)
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)     # valid cache length
     if SPLIT:
-        chunk, used = split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
+        chunk, used = split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
     else:
         chunk, used = L, 1
     if split >= used:
@@ -348,9 +354,9 @@ def _decode_split_kernel(
                          + offs_d[None, :] * stride_od, merged.to(OUT.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
+@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
 def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stride_on, stride_od,
-                         MAX_LEN, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
+                         MAX_LEN, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
                          N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                          TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
     """grid = (B * Hq * N_Q,): merge one output row's used splits with their log-sum-exps (_merge_splits).
@@ -364,7 +370,7 @@ def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stri
     row = tl.program_id(0).to(tl.int64)
     b, h, i = row // (H_Q * N_Q), (row // N_Q) % H_Q, row % N_Q
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)
-    chunk, used = split_plan(L, NUM_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
+    chunk, used = split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
     if used == 1:
         return
     rows = row + tl.arange(0, 1)                                                # (1,)
@@ -398,6 +404,22 @@ def auto_num_splits(n_programs: int, length: int, device: torch.device,
     cap = max(1, min(length // _options.get().decode_min_keys_per_split, MAX_SPLITS,
                      per_sm * sms // max(n_programs, 1)))
     return _most_even_splits(n_programs, cap, sms)
+
+
+def short_grid_splits(n_programs: int, long_splits: int, length: int, device: torch.device,
+                      per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The grid's splits given the automatic count long_splits: more where that count leaves no SM more than
+    one program (batch 1) and the decode_short_splits option is on, so that a sequence of up to
+    SHORT_SPLITS_MAX_LEN keys gets one split per decode_min_keys_per_split keys (split_plan: LONG_SPLITS
+    beyond that), as long as one round of per_sm resident programs per SM holds them all. At GPT-2's 12 heads
+    on 132 SMs: 16 splits for 2,048 keys (8 of 256 keys each with the 11 of the long plan)."""
+    if not _options.get().decode_short_splits or long_splits <= 1:
+        return long_splits
+    sms = _triton.sm_count(device)
+    short = min(length, SHORT_SPLITS_MAX_LEN) // _options.get().decode_min_keys_per_split
+    if n_programs * long_splits > sms or short <= long_splits or n_programs * short > per_sm * sms:
+        return long_splits
+    return min(short, MAX_SPLITS)
 
 
 def fills_gpu(n_programs: int, device: torch.device) -> bool:
@@ -592,12 +614,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
                                          programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
+        long_splits = num_splits  # what sequences longer than the grid's one-block-per-split plan use
+        num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
+                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
         min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
-        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and num_splits > 1 else None
-        if deep is not None and B * Hkv * row_blocks * num_splits <= _triton.sm_count(q.device):
+        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 else None
+        if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program
     else:  # exactly num_splits chunks per sequence
-        min_chunk, unsplit_max = 1, 0
+        min_chunk, unsplit_max, long_splits = 1, 0, num_splits
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     pdl = pdl_enabled(q.device)
     # launched as a PDL dependent (its programs resident before the previous kernel ends) unless its unsplit
@@ -619,13 +644,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _launch(_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
                 (q, k_cache, v_cache, cache_lens, o_part, lse, out, counters),
                 (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-                 scale * _triton.LOG2E, Hkv, max_len, num_splits, min_chunk, unsplit_max),
+                 scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
                      MERGE_TILE_S=merge_tile_s, STRIDED=strided), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
-                    (Hq, *out.stride(), max_len, num_splits, min_chunk, unsplit_max),
+                    (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max),
                     dict(N_Q=Nq, HEAD_DIM=D, BLOCK_N=tile.block_n, TILE_S=MERGE_TILE, BLOCK_D=BLOCK_D, USE_GDC=pdl),
                     dict(num_warps=4, **(dict(launch_pdl=True) if pdl else {})))
     return out

@@ -81,6 +81,12 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         kernels; off: it starts once the previous
                                                                         kernel has ended (and still lets the next
                                                                         one start early)
+    decode_short_splits        FLASHGPT_DECODE_SHORT_SPLITS=0|1   True   where the automatic split count leaves
+                                                                        no SM more than one program (batch 1),
+                                                                        the grid holds more splits so that a
+                                                                        sequence of up to 2,048 keys gets one per
+                                                                        decode_min_keys_per_split keys
+                                                                        (kernels/decode.py: short_grid_splits)
     decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
                                                                         of the split-KV decode reads: every
                                                                         used-th block from its own index (at any
@@ -172,6 +178,7 @@ class KernelOptions:
     decode_full_grid: bool = True
     decode_full_grid_max_len: int = 32768
     decode_full_grid_pdl: bool = False
+    decode_short_splits: bool = True
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
@@ -218,6 +225,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_full_grid": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_full_grid_max_len": (lambda v: _is_int(v) and v >= 0, "expected an int >= 0"),
     "decode_full_grid_pdl": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_short_splits": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -243,6 +251,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "decode_full_grid_max_len": "FLASHGPT_DECODE_FULL_GRID_MAX_LEN", "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
+       "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",

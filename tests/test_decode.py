@@ -233,7 +233,7 @@ def test_bench_smoke(tmp_path):
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
-                                         "split-fit", "nosplit", "sdpa", "copy"}
+                                         "split-noshort", "split-fit", "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -594,3 +594,64 @@ def test_full_grid_pdl_or_not_same_result(dtype):
             outs.append(check(q, k, v, lens, dtype, check_lens=False))  # the second call follows the first
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
+
+# ------------------------------------------------------------------ more splits for short sequences at batch 1
+
+def test_short_grid_splits_where_the_long_plan_leaves_sms_idle(monkeypatch):
+    """GPT-2's 12 heads at batch 1 on 132 SMs: the automatic count is 11 (one program per SM); the grid holds
+    16 so that 2,048 keys get 16 one-block splits. Not where the long plan already gives an SM two programs,
+    not past one round of resident programs, not with the option off, and never fewer than the long count."""
+    import kernels.decode as dec
+    monkeypatch.setattr(kt, "sm_count", lambda device: 132)
+    assert dec.auto_num_splits(12, 32768, DEVICE, 3) == 11
+    assert dec.short_grid_splits(12, 11, 32768, DEVICE, 3) == 16
+    assert dec.short_grid_splits(12, 11, 2048, DEVICE, 3) == 16
+    assert dec.short_grid_splits(12, 11, 1024, DEVICE, 3) == 11      # 8 blocks: the long count covers them
+    assert dec.short_grid_splits(24, 11, 32768, DEVICE, 3) == 11     # 264 programs: two on some SMs already
+    assert dec.short_grid_splits(12, 11, 32768, DEVICE, 1) == 11     # 192 programs > one round of 132
+    assert dec.short_grid_splits(12, 1, 32768, DEVICE, 3) == 1       # unsplit stays unsplit
+    with options.use(decode_short_splits=False):
+        assert dec.short_grid_splits(12, 11, 32768, DEVICE, 3) == 11
+    with options.use(decode_min_keys_per_split=256):
+        assert dec.short_grid_splits(12, 11, 32768, DEVICE, 3) == 11  # 2,048 keys in 8 splits of 256
+
+
+def test_plan_splits_with_a_long_count():
+    """Up to grid x min_chunk keys a sequence gets L // min_chunk splits (up to the grid); beyond, the long
+    count. Without a long count the plan is the grid's, as before."""
+    from kernels.decode import plan_splits
+    assert plan_splits(2048, 16, 128, 512, 128, 11) == (128, 16)
+    assert plan_splits(2049, 16, 128, 512, 128, 11) == (256, 9)      # 11 splits of 187 keys, in whole blocks
+    assert plan_splits(4096, 16, 128, 512, 128, 11) == (384, 11)
+    assert plan_splits(1024, 16, 128, 512, 128, 11) == (128, 8)
+    assert plan_splits(400, 16, 128, 512, 128, 11) == (512, 1)       # up to 512 keys: unsplit
+    for L in range(513, 40000, 97):
+        assert plan_splits(L, 11, 128, 512, 128) == plan_splits(L, 11, 128, 512, 128, 11)
+        chunk, used = plan_splits(L, 16, 128, 512, 128, 11)
+        assert used * chunk >= L and (used - 1) * chunk < L and used <= (16 if L <= 2048 else 11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_short_grid_plan_on_the_device(dtype, monkeypatch, workspaces):
+    """A grid with more splits than the long count (8 SMs, 2 kv heads, 256-key splits: long count 4, grid 8):
+    the kernels use plan_splits' splits for each length (the parts written exactly there) and the result is
+    within the float64 budget, for lengths below, at and above the short plan's 2,048 keys."""
+    import kernels.decode as dec
+    monkeypatch.setattr(kt, "sm_count", lambda device: 8)
+    lens = [2000, 1100, 3000, 600, 2048]
+    with options.use(decode_min_keys_per_split=256):
+        q, k, v, lens_t = make_case(len(lens), 4, 2, 1, 32, lens, max_len=4096, dtype=dtype, seed=31)
+        with monkeypatch.context() as m:  # one sequence at a time keeps the long plan's one program per SM
+            m.setattr(dec, "auto_num_splits", lambda n, length, device, per_sm=3: 4)
+            for b, L in enumerate(lens):
+                workspaces.clear()
+                check(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens_t[b:b + 1], dtype, check_lens=False)
+                o_part, lse = workspaces[-2:]
+                assert lse.shape[1] == 8, (L, lse.shape)             # the grid: 2,048 // 256 splits
+                block_n = default_tile(32, q.element_size(), 2).block_n
+                used = dec.plan_splits(L, 8, 256, dec.SINGLE_SPLIT_MAX_LEN, block_n, 4)[1]
+                long_used = dec.plan_splits(L, 4, 256, dec.SINGLE_SPLIT_MAX_LEN, block_n)[1]
+                assert used > long_used if L in (2000, 2048) else used == long_used, (L, used, long_used)
+                written = torch.isfinite(lse.view(4, 8))             # (Hq, splits)
+                assert written[:, :used].all() and torch.isnan(lse.view(4, 8)[:, used:]).all(), (L, used, lse)

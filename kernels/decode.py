@@ -257,6 +257,23 @@ def _merge_splits(O_PART, LSE, rows, row_ok, used, NUM_SPLITS, HEAD_DIM: tl.cons
     return acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
 
 
+@triton.jit
+def _split_and_sequence(NUM_SPLITS, LONG_SPLITS):
+    """(split, sequence · H_KV + kv head) of this program of the split kernel's grid (NUM_SPLITS, n, row blocks).
+    Taken in launch order (axis 0 fastest), the first LONG_SPLITS · n programs are splits 0 .. LONG_SPLITS - 1
+    of every (sequence, kv head) and the rest the splits beyond, which only short sequences use (split_plan):
+    so the programs of the long plan start first, one per SM where it planned one, and the extra ones, which
+    exit at once for a long sequence, do not take their places. NUM_SPLITS == LONG_SPLITS: (axis 0, axis 1)."""
+    n = tl.num_programs(1)
+    lin = tl.program_id(1) * NUM_SPLITS + tl.program_id(0)
+    first = LONG_SPLITS * n
+    extra = tl.maximum(NUM_SPLITS - LONG_SPLITS, 1)
+    late = tl.maximum(lin - first, 0)
+    split = tl.where(lin < first, lin % LONG_SPLITS, LONG_SPLITS + late % extra)
+    bh = tl.where(lin < first, lin // LONG_SPLITS, late // extra)
+    return split, bh
+
+
 @triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
 def _decode_split_kernel(
         Q, K, V, LENS, O_PART, LSE, OUT, COUNTERS,
@@ -269,7 +286,8 @@ def _decode_split_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
         STRIDED: tl.constexpr):
-    """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows.
+    """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows
+    (which split of which one: _split_and_sequence, the long plan's programs first).
 
     USE_GDC (launched with programmatic dependent launch, kernels/pdl.py): signal the next kernel, then wait for
     the previous one before reading anything (q, the cache and the lengths may all be its output).
@@ -292,9 +310,9 @@ def _decode_split_kernel(
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    split = tl.program_id(0)
-    b = (tl.program_id(1) // H_KV).to(tl.int64)
-    h_kv = (tl.program_id(1) % H_KV).to(tl.int64)
+    split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS)
+    b = (bh // H_KV).to(tl.int64)
+    h_kv = (bh % H_KV).to(tl.int64)
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)     # valid cache length
     if SPLIT:
         chunk, used = split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
@@ -344,7 +362,7 @@ def _decode_split_kernel(
         tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
         if MERGE:  # the last of the used splits to arrive merges them all
             tl.debug_barrier()  # every thread's part is stored before the release below
-            counter = COUNTERS + tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
+            counter = COUNTERS + bh * tl.num_programs(2) + tl.program_id(2)
             if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed")  # zero for the next launch (kernel end orders it)
                 tl.debug_barrier()  # the acquire above comes before any thread's loads of the other parts

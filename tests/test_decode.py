@@ -17,10 +17,13 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kernels._triton as kt  # noqa: E402
 from kernels import options  # noqa: E402
-from kernels.decode import MAX_SPLITS, auto_num_splits, decode_attention, default_tile  # noqa: E402
+from kernels.decode import (MAX_SPLITS, _split_and_sequence, auto_num_splits, decode_attention,  # noqa: E402
+                            default_tile)
 from kernels.naive import naive_attention  # noqa: E402
 from tests.util import pythonpath  # noqa: E402
 
@@ -655,3 +658,22 @@ def test_short_grid_plan_on_the_device(dtype, monkeypatch, workspaces):
                 assert used > long_used if L in (2000, 2048) else used == long_used, (L, used, long_used)
                 written = torch.isfinite(lse.view(4, 8))             # (Hq, splits)
                 assert written[:, :used].all() and torch.isnan(lse.view(4, 8)[:, used:]).all(), (L, used, lse)
+
+
+@triton.jit
+def _probe_split_and_sequence(OUT, NUM_SPLITS, LONG_SPLITS):
+    split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS)
+    lin = tl.program_id(1) * NUM_SPLITS + tl.program_id(0)  # launch order
+    tl.store(OUT + 2 * lin, split)
+    tl.store(OUT + 2 * lin + 1, bh)
+
+
+def test_split_and_sequence_orders_the_long_plan_first():
+    """The split kernel's program -> (split, sequence-kv-head) map: every pair exactly once, and in launch
+    order the first LONG_SPLITS · n programs are exactly splits 0 .. LONG_SPLITS - 1 (the long plan's)."""
+    for num, long, n in [(16, 11, 12), (8, 4, 3), (5, 5, 7), (1, 1, 4), (9, 1, 2)]:
+        out = torch.full((num * n, 2), -1, dtype=torch.int32, device=DEVICE)
+        _probe_split_and_sequence[(num, n, 1)](out, num, long)
+        pairs = [tuple(p) for p in out.tolist()]
+        assert sorted(pairs) == [(s, b) for s in range(num) for b in range(n)], (num, long, n)
+        assert all(s < long for s, _ in pairs[:long * n]) and all(s >= long for s, _ in pairs[long * n:])

@@ -36,12 +36,17 @@ The grid holds `num_splits` split programs per (sequence, kv head, row block); t
 actually uses, and the chunk of each split, are computed ON THE DEVICE from its own cache_lens[b]
 (split_plan below, the same formula in both kernels), so a launch sized on the host for the longest possible
 cache stays right inside a CUDA graph whose lengths change at every replay:
-    num_splits=None  (auto) the grid from auto_num_splits(rows of work, length, programs_per_sm(tile)):
+    num_splits=None  (auto) the long count from auto_num_splits(rows of work, length, programs_per_sm(tile)):
                      `length` is the longest cache_lens when the host reads them (check_lens=True outside
-                     graph capture), else max_len. On the device a sequence uses
-                     min(grid, L // decode_min_keys_per_split) splits
+                     graph capture), else max_len. The grid holds that count, or more where it leaves no SM
+                     more than one program (short_grid_splits, option decode_short_splits: at batch 1 a
+                     sequence of up to SHORT_SPLITS_MAX_LEN keys then gets a split per
+                     decode_min_keys_per_split keys; 2k keys of GPT-2 1.07x SDPA instead of 0.95-0.97x on an
+                     H200, bench/results/decode_attention/short_splits/). On the device a sequence uses
+                     L // decode_min_keys_per_split splits where that fits the grid, else the long count
                      (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
-                     keys (chunks are rounded up to BLOCK_N; the last split holds the remainder).
+                     keys (chunks are rounded up to BLOCK_N; the last split holds the remainder). The long
+                     count's programs start first (_split_and_sequence).
     num_splits=k     exactly k splits of ceil(L / k) keys each (rounded up to BLOCK_N; the last splits of a
                      short sequence may then be empty)
     num_splits=1     the plain non-split kernel, which writes the output directly (the benchmark's baseline)

@@ -70,7 +70,7 @@ programs are at least as many as the GPU's SMs (batch 16 of GPT-2's 12 heads on 
 automatic count is planned for is at most the decode_full_grid_max_len option (32,768), the grid has one split:
 one launch, no merge. Such a launch is not a PDL dependent (option decode_full_grid_pdl, off): it starts once
 the kernel before it has ended (it still lets the next kernel start early). On an H200 at batch 16 and a
-capacity of 32k that was 0.97-1.00x SDPA at 1k-32k keys against 0.81-1.01x for two splits and their merge, and
+capacity of 32k that was 0.96-1.00x SDPA at 1k-32k keys against 0.81-1.01x for two splits and their merge, and
 the launch without PDL made back-to-back unsplit calls 7-11 % faster and GPT-2's decode step 1 % faster
 (bench/results/decode_attention/full_grid_nodep/).
 
@@ -638,12 +638,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
                                          programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
         long_splits = num_splits  # what sequences longer than the grid's one-block-per-split plan use
-        num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
-                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
         min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
         deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 else None
         if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program
+        num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
+                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
     else:  # exactly num_splits chunks per sequence
         min_chunk, unsplit_max, long_splits = 1, 0, num_splits
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs

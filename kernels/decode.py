@@ -201,24 +201,6 @@ def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok
     k_ok = keys < hi
     kv_ok = k_ok[:, None] & d_ok[None, :]                                       # (BLOCK_N, BLOCK_D)
     k = tl.load(K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
-    p, alpha, l_i, m_new = _softmax_step(q, k, keys, k_ok, q_pos, l_i, m_i, qk_scale, DOT, PRECISION)
-    v = tl.load(V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
-    return _accumulate(acc, p, v, alpha, DOT, PRECISION), l_i, m_new
-
-
-@triton.jit
-def _attend_loaded(acc, l_i, m_i, q, k, v, keys, hi, q_pos, qk_scale, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """_attend_block's step on tiles loaded earlier without the length: k, v (BLOCK_N, BLOCK_D) of keys `keys`,
-    of which those >= hi do not exist (k and v may hold anything there)."""
-    k_ok = keys < hi
-    p, alpha, l_i, m_new = _softmax_step(q, k, keys, k_ok, q_pos, l_i, m_i, qk_scale, DOT, PRECISION)
-    return _accumulate(acc, p, tl.where(k_ok[:, None], v, tl.zeros_like(v)), alpha, DOT, PRECISION), l_i, m_new
-
-
-@triton.jit
-def _softmax_step(q, k, keys, k_ok, q_pos, l_i, m_i, qk_scale, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """The scores of q against the loaded key tile k (BLOCK_N, BLOCK_D; rows without k_ok may hold anything),
-    masked (k_ok, causal), and the online softmax's update: (p, alpha, l_i, m_new)."""
     if DOT:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                  # (BLOCK_M, BLOCK_N)
     else:
@@ -232,17 +214,13 @@ def _softmax_step(q, k, keys, k_ok, q_pos, l_i, m_i, qk_scale, DOT: tl.constexpr
     alpha = tl.exp2(m_i - m_ref)                                                # rescales the old l, acc
     p = tl.exp2(s - m_ref[:, None])                                             # (BLOCK_M, BLOCK_N)
     l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, l_i, m_new
-
-
-@triton.jit
-def _accumulate(acc, p, v, alpha, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc · alpha + p v, v the loaded value tile (BLOCK_N, BLOCK_D), zero in rows that do not exist."""
+    v = tl.load(V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
     if DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)               # (BLOCK_M, BLOCK_D)
     else:
         pv = tl.sum(tl.sum(p, 0)[:, None] * v.to(tl.float32), 0)[None, :]      # (1, BLOCK_D)
-    return acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + pv
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -312,7 +290,7 @@ def _decode_split_kernel(
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr, EARLY: tl.constexpr):
+        STRIDED: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows
     (which split of which one: _split_and_sequence, the long plan's programs first).
 
@@ -329,11 +307,6 @@ def _decode_split_kernel(
     [s * chunk, (s + 1) * chunk); each used split still holds at least one block (used <= blocks), and the
     merge is the same.
 
-    EARLY (STRIDED, or not SPLIT; option decode_first_tile_early): q and the split's first key block are
-    loaded before the length (masked to the cache, and not at all for splits past LONG_SPLITS), so their
-    latency overlaps the length load's instead of following it; that block's keys past the length are masked
-    out of the scores and its values zeroed.
-
     MERGE (with SPLIT): after storing its part, a split program counts itself in COUNTERS (B * H_KV * row
     blocks,) int32, one zero per (sequence, kv head, row block), with an acq_rel atomic; the program that
     counts last (used - 1 before it) resets the counter to 0 and merges the used parts into OUT
@@ -345,25 +318,6 @@ def _decode_split_kernel(
     split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS)
     b = (bh // H_KV).to(tl.int64)
     h_kv = (bh % H_KV).to(tl.int64)
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
-    row_ok = rows < GROUP * N_Q
-    h_q = h_kv * GROUP + rows // N_Q                                            # query head of each row
-    i_q = rows % N_Q                                                            # new token of each row
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    K += b * stride_kb + h_kv * stride_kh
-    V += b * stride_vb + h_kv * stride_vh
-    # q, and with EARLY this split's first key block, are loaded before the length: nothing in them depends on
-    # it, so their latency overlaps the length's instead of following it
-    q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    if EARLY:
-        keys0 = split * BLOCK_N + offs_n                                        # (BLOCK_N,) its first block
-        in0 = (keys0 < MAX_LEN) & (keys0 * 0 + split < LONG_SPLITS)  # the extra short splits load nothing here
-        kv0 = in0[:, None] & d_ok[None, :]                                      # (BLOCK_N, BLOCK_D)
-        k0 = tl.load(K + keys0[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv0, other=0.0)
-        v0 = tl.load(V + keys0[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv0, other=0.0)
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)     # valid cache length
     if SPLIT:
         chunk, used = split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
@@ -371,28 +325,31 @@ def _decode_split_kernel(
         chunk, used = L, 1
     if split >= used:
         return  # nothing of this sequence falls in this split: the merge does not read it
+
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
+    row_ok = rows < GROUP * N_Q
+    h_q = h_kv * GROUP + rows // N_Q                                            # query head of each row
+    i_q = rows % N_Q                                                            # new token of each row
     q_pos = L - N_Q + i_q                                                       # its position in the cache
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    K += b * stride_kb + h_kv * stride_kh
+    V += b * stride_vb + h_kv * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
     if STRIDED:  # blocks split, split + used, ...: at any moment the used splits read neighbouring blocks
-        lo = split * BLOCK_N
-        if EARLY:
-            if split < LONG_SPLITS:  # the first block from the tiles loaded above (the extra splits load theirs
-                # in the loop)
-                acc, l_i, m_i = _attend_loaded(acc, l_i, m_i, q, k0, v0, keys0, L, q_pos, qk_scale, DOT,
-                                               PRECISION)
-                lo += used * BLOCK_N
-        for start in range(lo, L, used * BLOCK_N):
+        for start in range(split * BLOCK_N, L, used * BLOCK_N):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, L, q_pos, offs_n, offs_d, d_ok,
                                           stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
-    else:  # one contiguous chunk (not SPLIT: the whole prefix)
+    else:  # one contiguous chunk
         lo = split * chunk
         hi = tl.minimum(lo + chunk, L)
-        if EARLY:  # not SPLIT: the chunk starts at block 0, loaded above
-            acc, l_i, m_i = _attend_loaded(acc, l_i, m_i, q, k0, v0, keys0, hi, q_pos, qk_scale, DOT, PRECISION)
-            lo += BLOCK_N
         for start in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
                                           stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
@@ -713,8 +670,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided,
-                     EARLY=opts.decode_first_tile_early and (strided or num_splits == 1)), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max),

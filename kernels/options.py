@@ -87,11 +87,6 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         sequence of up to 2,048 keys gets one per
                                                                         decode_min_keys_per_split keys
                                                                         (kernels/decode.py: short_grid_splits)
-    decode_first_tile_early    FLASHGPT_DECODE_FIRST_TILE_EARLY=0|1   True   the split-KV decode kernel loads q and
-                                                                        its split's first key block before the
-                                                                        sequence's length (strided splits and
-                                                                        the unsplit kernel), so the two loads'
-                                                                        latencies overlap
     decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
                                                                         of the split-KV decode reads: every
                                                                         used-th block from its own index (at any
@@ -184,7 +179,6 @@ class KernelOptions:
     decode_full_grid_max_len: int = 32768
     decode_full_grid_pdl: bool = False
     decode_short_splits: bool = True
-    decode_first_tile_early: bool = True
     rope_in_flash: bool = True
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
@@ -232,7 +226,6 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_full_grid_max_len": (lambda v: _is_int(v) and v >= 0, "expected an int >= 0"),
     "decode_full_grid_pdl": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_short_splits": (lambda v: isinstance(v, bool), "expected True or False"),
-    "decode_first_tile_early": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -259,7 +252,6 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "decode_full_grid_max_len": "FLASHGPT_DECODE_FULL_GRID_MAX_LEN", "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
        "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
-       "decode_first_tile_early": "FLASHGPT_DECODE_FIRST_TILE_EARLY",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",

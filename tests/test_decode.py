@@ -236,7 +236,7 @@ def test_bench_smoke(tmp_path):
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
-                                         "split-noshort", "split-late", "split-fit", "nosplit", "sdpa", "copy"}
+                                         "split-noshort", "split-fit", "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -677,19 +677,3 @@ def test_split_and_sequence_orders_the_long_plan_first():
         pairs = [tuple(p) for p in out.tolist()]
         assert sorted(pairs) == [(s, b) for s in range(num) for b in range(n)], (num, long, n)
         assert all(s < long for s, _ in pairs[:long * n]) and all(s >= long for s, _ in pairs[long * n:])
-
-
-@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
-@pytest.mark.parametrize("Nq, Hq", [(1, 4), (4, 6)], ids=["nq1-mha", "nq4-gqa"])
-def test_first_tile_loaded_before_or_after_the_length(early, Nq, Hq, monkeypatch):
-    """decode_first_tile_early on (q and each split's first key block loaded before the length) or off, over
-    strided splits, extra short splits and the unsplit kernel: within the float64 budget; a first block
-    that holds fewer keys than it loads (length 1, 100) or keys no query sees yet (the causal edge)."""
-    monkeypatch.setattr(kt, "sm_count", lambda device: 16)
-    lens = [Nq, 100, 129, 700, 1030]
-    with options.use(decode_first_tile_early=early, decode_min_keys_per_split=64):
-        q, k, v, lens_t = make_case(len(lens), Hq, 2, Nq, 32, lens, max_len=1100, dtype=torch.float32, seed=41)
-        check(q, k, v, lens_t, torch.float32, check_lens=False)  # split grid (auto)
-        check(q, k, v, lens_t, torch.float32, check_lens=False, num_splits=1)  # the unsplit kernel
-        q, k, v, lens_t = make_case(1, Hq, 2, Nq, 32, [1030], max_len=1100, dtype=torch.float32, seed=42)
-        check(q, k, v, lens_t, torch.float32, check_lens=False)  # one sequence: extra short splits

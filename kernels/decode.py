@@ -40,10 +40,12 @@ cache stays right inside a CUDA graph whose lengths change at every replay:
                      `length` is the longest cache_lens when the host reads them (check_lens=True outside
                      graph capture), else max_len. The grid holds that count, or more where it leaves no SM
                      more than one program (short_grid_splits, option decode_short_splits: at batch 1 a
-                     sequence of up to SHORT_SPLITS_MAX_LEN keys then gets a split per
-                     decode_min_keys_per_split keys; 2k keys of GPT-2 1.07x SDPA instead of 0.95-0.97x on an
-                     H200, bench/results/decode_attention/short_splits/). On the device a sequence uses
-                     L // decode_min_keys_per_split splits where that fits the grid, else the long count
+                     sequence of up to SHORT_SPLITS_MAX_LEN keys may then use more splits than the long
+                     count, one block each where its length is a multiple of BLOCK_N; 2k keys of GPT-2
+                     1.07x SDPA instead of 0.95-0.97x on an H200, bench/results/decode_attention/
+                     short_splits/; between multiples the rounding below leaves fewer). On the device a
+                     sequence uses L // decode_min_keys_per_split splits where that fits the grid, else the
+                     long count
                      (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
                      keys (chunks are rounded up to BLOCK_N; the last split holds the remainder). The long
                      count's programs start first (_split_and_sequence).
@@ -433,9 +435,11 @@ def short_grid_splits(n_programs: int, long_splits: int, length: int, device: to
                       per_sm: int = PROGRAMS_PER_SM) -> int:
     """The grid's splits given the automatic count long_splits: more where that count leaves no SM more than
     one program (batch 1) and the decode_short_splits option is on, so that a sequence of up to
-    SHORT_SPLITS_MAX_LEN keys gets one split per decode_min_keys_per_split keys (split_plan: LONG_SPLITS
-    beyond that), as long as one round of per_sm resident programs per SM holds them all. At GPT-2's 12 heads
-    on 132 SMs: 16 splits for 2,048 keys (8 of 256 keys each with the 11 of the long plan)."""
+    SHORT_SPLITS_MAX_LEN keys can use up to one split per decode_min_keys_per_split keys (split_plan: its
+    L // min keys splits, the chunk rounded up to whole blocks; LONG_SPLITS beyond), as long as one round of
+    per_sm resident programs per SM holds them all. At GPT-2's 12 heads on 132 SMs: 16 splits for 2,048 keys
+    (8 of 256 keys each with the 11 of the long plan); 2,000 keys still get 8 (15 splits round up to
+    256-key chunks)."""
     if not _options.get().decode_short_splits or long_splits <= 1:
         return long_splits
     sms = _triton.sm_count(device)

@@ -84,9 +84,10 @@ first get() of the process (a bad value is a ValueError naming the variable):
     decode_short_splits        FLASHGPT_DECODE_SHORT_SPLITS=0|1   True   where the automatic split count leaves
                                                                         no SM more than one program (batch 1),
                                                                         the grid holds more splits so that a
-                                                                        sequence of up to 2,048 keys gets one per
-                                                                        decode_min_keys_per_split keys
-                                                                        (kernels/decode.py: short_grid_splits)
+                                                                        sequence of up to 2,048 keys can use up
+                                                                        to one per decode_min_keys_per_split
+                                                                        keys (kernels/decode.py:
+                                                                        short_grid_splits)
     decode_split_order         FLASHGPT_DECODE_SPLIT_ORDER=strided|chunks   strided   which key blocks a split
                                                                         of the split-KV decode reads: every
                                                                         used-th block from its own index (at any

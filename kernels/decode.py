@@ -440,10 +440,11 @@ def short_grid_splits(n_programs: int, long_splits: int, length: int, device: to
     per_sm resident programs per SM holds them all. At GPT-2's 12 heads on 132 SMs: 16 splits for 2,048 keys
     (8 of 256 keys each with the 11 of the long plan); 2,000 keys still get 8 (15 splits round up to
     256-key chunks)."""
-    if not _options.get().decode_short_splits or long_splits <= 1:
+    opts = _options.get()
+    if not opts.decode_short_splits or long_splits <= 1:
         return long_splits
     sms = _triton.sm_count(device)
-    short = min(length, SHORT_SPLITS_MAX_LEN) // _options.get().decode_min_keys_per_split
+    short = min(length, SHORT_SPLITS_MAX_LEN) // opts.decode_min_keys_per_split
     if n_programs * long_splits > sms or short <= long_splits or n_programs * short > per_sm * sms:
         return long_splits
     return min(short, MAX_SPLITS)
@@ -636,7 +637,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     full = fills_gpu(B * Hkv * row_blocks, q.device)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         length = max_len if longest is None else longest
-        if full_grid_unsplit(B * Hkv * row_blocks, length, q.device):
+        if full and length <= opts.decode_full_grid_max_len:  # full_grid_unsplit, its fills_gpu already known
             num_splits = 1
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,

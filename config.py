@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 
 from model.config import ConfigError, GPTConfig
+from model.lora import LORA_TARGETS, LoRASettings
 
 
 @dataclass
@@ -88,6 +89,11 @@ class TrainConfig:
     init_from: str = "scratch"      # "scratch" | "resume" (continue the run in out_dir exactly) | "hf:<repo-or-dir>"
                                     # (Hugging Face weights) | a run folder (its best.pt) or checkpoint: fine-tune
     export_hf: bool = False         # at the end, export best.pt as a Hugging Face model into <out_dir>/hf
+    lora_rank: int = 0              # > 0: train rank-r LoRA updates of lora_targets only, every pretrained
+                                    # weight frozen (needs init_from; model/lora.py); 0 = train every weight
+    lora_alpha: float = 16.0        # the updates' scale is lora_alpha / lora_rank
+    lora_dropout: float = 0.0       # dropout on the updates' input
+    lora_targets: str = "attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj"  # comma-separated projections of each block
     compile: bool = False           # torch.compile the model (the flash kernel is a custom op: no graph break)
     cuda_graphs: bool = False       # with compile, on one CUDA GPU: replay each micro-batch's compiled forward
                                     # and backward as CUDA graphs (torch.compile mode "reduce-overhead"), so
@@ -146,9 +152,40 @@ class TrainConfig:
                               "'hf:<repo-or-dir>' or a run folder / checkpoint file")
         if self.peak_tflops < 0:
             raise ConfigError(f"train.peak_tflops={self.peak_tflops!r}: must not be negative")
+        self._validate_lora()
         if not self.out_dir:
             raise ConfigError("train.out_dir: must not be empty")
         return self
+
+    def _validate_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"train.lora_rank={self.lora_rank!r}: must be a rank, or 0 (no LoRA: train every "
+                              "weight)")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"train.lora_alpha={self.lora_alpha!r}: must be positive")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"train.lora_dropout={self.lora_dropout!r}: must be in [0, 1)")
+        targets = [t.strip() for t in self.lora_targets.split(",")]
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or len(set(targets)) != len(targets):
+            raise ConfigError(f"train.lora_targets={self.lora_targets!r}: "
+                              + (f"unknown {unknown[0]!r}" if unknown else "a projection named twice")
+                              + f"; choose from {', '.join(LORA_TARGETS)}")
+        if not self.lora_rank:
+            return
+        if self.init_from == "scratch":
+            raise ConfigError(f"train.lora_rank={self.lora_rank}: LoRA adapts pretrained weights; set "
+                              "train.init_from to hf:<repo-or-dir> or a run folder (or lora_rank=0)")
+        if self.parallel == "fsdp":
+            raise ConfigError(f"train.lora_rank={self.lora_rank} with train.parallel=fsdp: not supported (the "
+                              "frozen weights would be sharded with the trained ones); use train.parallel=ddp")
+
+    def lora_settings(self) -> LoRASettings | None:
+        """The LoRA of this run (None: every weight trained)."""
+        if not self.lora_rank:
+            return None
+        return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout,
+                            tuple(t.strip() for t in self.lora_targets.split(",")))
 
 
 @dataclass

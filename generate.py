@@ -40,6 +40,7 @@ from model.config import ConfigError  # noqa: E402
 from model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from model.device import pick_device, pick_dtype  # noqa: E402
 from model.generation import generate, use_fused_decode  # noqa: E402
+from model.lora import inference_weights  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 
 
@@ -118,7 +119,7 @@ def load_model(args, device: torch.device):
         cfg = GPTConfig(**ckpt["config"]["model"])
         cfg.validate()
         model = GPT(cfg)
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(inference_weights(ckpt))  # a LoRA run's updates merged
         tokenizer = tokenizer_from_spec(ckpt["tokenizer"])
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"its {tokenizer.name} tokenizer has {tokenizer.vocab_size} tokens, the model only "

@@ -48,6 +48,7 @@ from model import GPT  # noqa: E402
 from model.checkpoint import (BEST_DIR_PATTERN, CheckpointError, find_checkpoint, load_checkpoint,  # noqa: E402
                               remove_stale_temp_dirs, save_run_checkpoint)
 from model.device import pick_device, pick_dtype  # noqa: E402
+from model.lora import LoRASettings, apply_lora  # noqa: E402
 from model.parallel import (auto_blocks_per_unit, broadcast_parameters, check_parallel, clip_grad_norm,  # noqa: E402
                             compile_blocks, compile_root, enable_activation_checkpointing,
                             end_single_process_group, load_full_optimizer_state, load_sharded_state,
@@ -256,6 +257,8 @@ class Trainer:
         self.last_ckpt: str | None = None  # the last checkpoint written (or resumed from)
         self.finished = False              # resumed a run that had already reached max_iters
         self.init = None                   # pretrained.Pretrained of train.init_from (a fresh fine-tuning run)
+        self.lora: LoRASettings | None = None  # train.lora_*: the trained updates (model/lora.py), or None
+        self.trainable: int | None = None  # with LoRA: the trained parameters
         # A step's loss and grad norm stay on the device until they are needed: the loss of step i is read
         # while step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not
         # wait for the host to launch the next one), at once on log steps, and always before an evaluation or
@@ -415,6 +418,10 @@ class Trainer:
         if self.init is not None:
             model.load_state_dict(self.init.state_for(self.cfg.model))
             self.init.state = {}  # the model holds the weights now
+        self.lora = t.lora_settings()
+        if ckpt is not None:
+            check_resumed_lora(self.lora, ckpt)
+        self.trainable = apply_lora(model, self.lora) if self.lora else None
         from_shards = ckpt is not None and ckpt.get("sharded", False)
         if ckpt is not None and not from_shards:
             self._load_weights(model, lambda: model.load_state_dict(ckpt["model"]), ckpt["path"])
@@ -486,7 +493,10 @@ class Trainer:
             print(f"device {self.device} ({self.dtype}), attention backend: {cfg.model.attention}, "
                   f"loss kernel: {loss_kernel}, world size {self.world}, "
                   + (f"FSDP2 units of {self.fsdp_unit} blocks, " if self.sharded else "")
-                  + f"{self.raw_model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step:,} tokens/step"
+                  + f"{self.raw_model.num_params() / 1e6:.2f}M parameters, "
+                  + (f"LoRA rank {self.lora.rank} on {','.join(self.lora.targets)}: {self.trainable:,} trained "
+                     "(the rest frozen), " if self.lora else "")
+                  + f"{self.tokens_per_step:,} tokens/step"
                   + (f", resuming at step {self.start_iter}" if self.resume else ""))
             print(f"unigram baseline val loss: {self.baseline:.4f} (uniform: {math.log(self.tok_vocab):.4f})")
             path = os.path.join(t.out_dir, "config.toml")
@@ -658,6 +668,8 @@ class Trainer:
                  "config": self.cfg.to_dict(), "tokenizer": self.data.meta["tokenizer"], "iter": self.it,
                  "best_val": self.best_val, "data": self.snapshot["data"], "rng": self.snapshot["rng"],
                  "version": 1}
+        if self.lora:  # the updates are in "model" as <projection>.lora_A / .lora_B (model/lora.py)
+            state["lora"] = self.lora.to_dict()
         path = os.path.join(t.out_dir, f"ckpt_{self.it:07d}.pt")
         try:
             self.last_ckpt = save_run_checkpoint(state, t.out_dir, self.it, t.keep_last, is_best)
@@ -798,6 +810,18 @@ def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world:
         if cfg.train.export_hf and rank == 0:
             summary["export"] = export_best(cfg.train.out_dir)
         return summary
+
+
+def check_resumed_lora(lora: LoRASettings | None, ckpt: dict) -> None:
+    """A resumed run trains the LoRA its checkpoint holds (or none, as it did): another is one ConfigError."""
+    saved = LoRASettings.from_dict(ckpt["lora"]) if ckpt.get("lora") else None
+    if saved == lora:
+        return
+    def name(s):
+        return (f"rank {s.rank}, alpha {s.alpha:g}, dropout {s.dropout:g}, targets {','.join(s.targets)}" if s
+                else "no LoRA (every weight trained)")
+    raise ConfigError(f"--resume: train.lora_* ask for {name(lora)}, the checkpoint {ckpt['path']} holds "
+                      f"{name(saved)}; resume with the run's own settings ({name(saved)})")
 
 
 def export_best(out_dir: str) -> str:

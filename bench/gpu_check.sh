@@ -191,6 +191,16 @@ export_then_finetune_on_shards() {
     --format=shards --val_docs=2 --shard_tokens=200000 --max_iters=40 --eval_interval=20 --export_hf=false
 }
 spawn finetune_hf_on_shards trained export_then_finetune_on_shards
+# LoRA fine-tuning of the exported run, compiled with CUDA graphs; the merged export at its end, then generation
+export_then_lora_finetune() {
+  "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_lora_hf" || return 1
+  "$PY" train.py configs/finetune_tiny.toml --init_from="hf:$RUN/gpt2_lora_hf" --out_dir="$RUN/lora" \
+    --lora_rank=8 --lora_alpha=16 --learning_rate=3e-3 --compile=true --cuda_graphs=true --max_iters=40 \
+    --eval_interval=20 || return 1
+  "$PY" generate.py --ckpt "$RUN/lora" --prompt "ROMEO:" --max-new-tokens 32 --temperature 0
+}
+lora_tuned() { has "$1" "LoRA rank 8" && has "$1" "exported the best checkpoint" && sampled "$1"; }
+spawn lora_finetune_compiled lora_tuned export_then_lora_finetune
 # chat fine-tuning (the loss on the assistant's turns) of the exported run given a chat template, then --chat
 export_then_chat_finetune() {
   "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_chat_hf" || return 1

@@ -152,6 +152,7 @@ def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype
     from data.tokenizers import tokenizer_from_spec
     from data.tokenizer_export import hf_tokenizer_files
     from .checkpoint import load_checkpoint
+    from .lora import inference_weights
     _check_destination(out, force)  # before reading a large checkpoint
     ckpt = load_checkpoint(ckpt_path, map_location="cpu", prefer=prefer)
     try:
@@ -166,7 +167,11 @@ def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype
     if tok.vocab_size > cfg.vocab_size:
         raise ExportError(f"{ckpt['path']}: its tokenizer has {tok.vocab_size} tokens, the model only "
                           f"{cfg.vocab_size}")
-    first = next(iter(ckpt["model"].values()))
+    try:
+        weights = inference_weights(ckpt)  # a LoRA run's updates merged into their weights
+    except ValueError as e:
+        raise ExportError(f"{ckpt['path']}: {e}") from None
+    first = next(iter(weights.values()))
     torch_dtype = first.dtype if dtype == "auto" else DTYPES[dtype]
     bos = getattr(tok, "bos_token", None)
     eos = tok.eot_token
@@ -178,7 +183,7 @@ def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype
         files["generation_config.json"] = _dump({"bos_token_id": bos,
                                                  "eos_token_id": stops if len(stops) > 1 else stops[0]})
     files.update(hf_tokenizer_files(tok, cfg.block_size))
-    tensors = hf_tensors(family, cfg, ckpt["model"], torch_dtype)
+    tensors = hf_tensors(family, cfg, weights, torch_dtype)
     _write_folder(out, files, tensors, force)
     return out
 

@@ -41,6 +41,33 @@ def test_two_ranks_match_one_process(tmp_path):
     assert ckpts == ["best.pt", "ckpt_0000006.pt", "ckpt_0000012.pt"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks: the CPU suite runs this")
+def test_two_ranks_match_one_process_with_lora(tmp_path):
+    """LoRA under DDP: the frozen weights take no part in the gradient all-reduce, the updates match one process."""
+    corpus = write_corpus(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_DATASETS_OFFLINE="1")
+    base = [os.path.join(ROOT, "train.py"), f"--dataset={corpus}", f"--cache_dir={tmp_path}/cache", "--num_proc=1",
+            "--eval_iters=2", "--log_interval=1", "--batch_size=4", "--device=cpu", "--attention=naive",
+            "--warmup_iters=2"]
+    src = subprocess.run([sys.executable, *base, *TINY_MODEL, f"--out_dir={tmp_path}/src", "--max_iters=4",
+                          "--eval_interval=4"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert src.returncode == 0, src.stderr
+    common = [*base, f"--init_from={tmp_path}/src", "--max_iters=8", "--eval_interval=4", "--learning_rate=3e-2",
+              "--lora_rank=4", "--lora_alpha=8"]
+    one = subprocess.run([sys.executable, *common, f"--out_dir={tmp_path}/one", "--grad_accum_steps=4"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          *common, f"--out_dir={tmp_path}/two", "--grad_accum_steps=2"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "world size 2" in two.stdout and "LoRA rank 4" in two.stdout
+    (l1, v1), (l2, v2) = losses(f"{tmp_path}/one"), losses(f"{tmp_path}/two")
+    assert len(l1) == len(l2) == 8 and l1[-1] < l1[0]
+    for a, b in zip(l1 + v1, l2 + v2):
+        assert abs(a - b) < 2e-5, (l1, l2)
+
+
 def test_cpu_training_uses_gloo_on_a_gpu_machine(monkeypatch):
     """train.device = "cpu" under torchrun takes gloo even where CUDA exists (NCCL would bind each rank to a GPU
     the machine may not have: two CPU ranks on a one-GPU machine failed); a CUDA run takes NCCL."""

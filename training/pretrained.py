@@ -75,6 +75,7 @@ def _from_hf(source: str) -> Pretrained:
 def _from_checkpoint(path: str, what: str) -> Pretrained:
     from data.tokenizers import tokenizer_from_spec
     from model.checkpoint import CheckpointError, load_checkpoint
+    from model.lora import inference_weights
     ckpt = load_checkpoint(path, map_location="cpu", prefer="best")
     try:
         cfg = GPTConfig(**ckpt["config"]["model"]).validate()
@@ -85,7 +86,11 @@ def _from_checkpoint(path: str, what: str) -> Pretrained:
         raise CheckpointError(f"{what}: {ckpt['path']} holds no tokenizer spec (not a checkpoint of a training run)")
     tokenizer = tokenizer_from_spec(ckpt["tokenizer"])
     _check_vocab(ckpt["path"], tokenizer, cfg)
-    return Pretrained(path, cfg, dict(ckpt["model"]), tokenizer)
+    try:
+        weights = inference_weights(ckpt)  # a LoRA run's updates merged: the next run starts from its model
+    except ValueError as e:
+        raise CheckpointError(f"{what}: {ckpt['path']}: {e}") from None
+    return Pretrained(path, cfg, dict(weights), tokenizer)
 
 
 def _check_vocab(source: str, tokenizer, cfg: GPTConfig) -> None:

@@ -220,11 +220,13 @@ def test_bad_lora_settings_are_one_line(flag, message):
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_compiled_lora_run_gives_the_eager_losses(pretrained, tmp_path):
-    """train.compile with the LoRA layers in the model: the same losses as eager, to float32 rounding."""
+@pytest.mark.parametrize("flag", ["--compile=true", "--activation_checkpointing=true"])
+def test_compiled_or_checkpointed_lora_run_gives_the_eager_losses(flag, pretrained, tmp_path):
+    """train.compile, or activation checkpointing (the first block's input then needs no gradient: only the
+    updates inside do), with the LoRA layers in the model: the same losses as eager, to float32 rounding."""
     eager = lora_cfg(pretrained, tmp_path / "eager", "--export_hf=false", "--max_iters=4", "--eval_interval=4")
     compiled = lora_cfg(pretrained, tmp_path / "compiled", "--export_hf=false", "--max_iters=4", "--eval_interval=4",
-                        "--compile=true")
+                        flag)
     train_mod.train(eager)
     train_mod.train(compiled)
     want, got = rows(eager.train.out_dir, "loss"), rows(compiled.train.out_dir, "loss")

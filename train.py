@@ -812,16 +812,17 @@ def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world:
         return summary
 
 
+def _describe_lora(s: LoRASettings | None) -> str:
+    return (f"rank {s.rank}, alpha {s.alpha:g}, dropout {s.dropout:g}, targets {','.join(s.targets)}" if s
+            else "no LoRA (every weight trained)")
+
+
 def check_resumed_lora(lora: LoRASettings | None, ckpt: dict) -> None:
     """A resumed run trains the LoRA its checkpoint holds (or none, as it did): another is one ConfigError."""
     saved = LoRASettings.from_dict(ckpt["lora"]) if ckpt.get("lora") else None
-    if saved == lora:
-        return
-    def name(s):
-        return (f"rank {s.rank}, alpha {s.alpha:g}, dropout {s.dropout:g}, targets {','.join(s.targets)}" if s
-                else "no LoRA (every weight trained)")
-    raise ConfigError(f"--resume: train.lora_* ask for {name(lora)}, the checkpoint {ckpt['path']} holds "
-                      f"{name(saved)}; resume with the run's own settings ({name(saved)})")
+    if saved != lora:
+        raise ConfigError(f"--resume: train.lora_* ask for {_describe_lora(lora)}, the checkpoint {ckpt['path']} "
+                          f"holds {_describe_lora(saved)}; resume with the run's own settings")
 
 
 def export_best(out_dir: str) -> str:

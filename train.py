@@ -259,6 +259,7 @@ class Trainer:
         self.init = None                   # pretrained.Pretrained of train.init_from (a fresh fine-tuning run)
         self.lora: LoRASettings | None = None  # train.lora_*: the trained updates (model/lora.py), or None
         self.trainable: int | None = None  # with LoRA: the trained parameters
+        self.lora_base = ""                # with LoRA: train.init_from of the run's start
         # A step's loss and grad norm stay on the device until they are needed: the loss of step i is read
         # while step i + 1 runs (so the host does not wait for the GPU after every step, and the GPU does not
         # wait for the host to launch the next one), at once on log steps, and always before an evaluation or
@@ -422,6 +423,8 @@ class Trainer:
         if ckpt is not None:
             check_resumed_lora(self.lora, ckpt)
         self.trainable = apply_lora(model, self.lora) if self.lora else None
+        # the weights the updates apply to, as the user named them (a PEFT adapter's base model)
+        self.lora_base = (ckpt.get("lora") or {}).get("base", "") if ckpt is not None else t.init_from
         from_shards = ckpt is not None and ckpt.get("sharded", False)
         if ckpt is not None and not from_shards:
             self._load_weights(model, lambda: model.load_state_dict(ckpt["model"]), ckpt["path"])
@@ -669,7 +672,7 @@ class Trainer:
                  "best_val": self.best_val, "data": self.snapshot["data"], "rng": self.snapshot["rng"],
                  "version": 1}
         if self.lora:  # the updates are in "model" as <projection>.lora_A / .lora_B (model/lora.py)
-            state["lora"] = self.lora.to_dict()
+            state["lora"] = {**self.lora.to_dict(), "base": self.lora_base}
         path = os.path.join(t.out_dir, f"ckpt_{self.it:07d}.pt")
         try:
             self.last_ckpt = save_run_checkpoint(state, t.out_dir, self.it, t.keep_last, is_best)
@@ -809,6 +812,8 @@ def _train_holding_the_folder(cfg: RunConfig, rank: int, local_rank: int, world:
         summary = trainer.run()
         if cfg.train.export_hf and rank == 0:
             summary["export"] = export_best(cfg.train.out_dir)
+            if trainer.lora:
+                summary["export_adapter"] = export_best_adapter(cfg.train.out_dir)
         return summary
 
 
@@ -836,6 +841,18 @@ def export_best(out_dir: str) -> str:
         raise TrainError(f"training finished, but the export of its best checkpoint to {target} failed: {e}") \
             from None
     print(f"exported the best checkpoint as a Hugging Face model: {target}")
+    return target
+
+
+def export_best_adapter(out_dir: str) -> str:
+    """Export the LoRA updates of the run's best.pt as a PEFT adapter into <out_dir>/hf_adapter."""
+    from model.lora_export import export_adapter
+    target = os.path.join(out_dir, "hf_adapter")
+    try:
+        export_adapter(out_dir, target, prefer="best", force=True)
+    except CheckpointError as e:
+        raise TrainError(f"training finished, but the export of its LoRA adapter to {target} failed: {e}") from None
+    print(f"exported the best checkpoint's LoRA updates as a PEFT adapter: {target}")
     return target
 
 

@@ -1,6 +1,8 @@
 """A checkpoint of this project → a Hugging Face model folder that transformers (and vLLM, lm-eval, ...) loads.
 
     python -m model.export --ckpt runs/llama_demo --out exported/llama_demo [--best] [--dtype bfloat16] [--force]
+    python -m model.export --ckpt runs/lora_run --adapter --out exported/lora_adapter   # a PEFT adapter instead
+                                                                                       # (model/lora_export.py)
 
 writes into DIR:
     config.json             architectures + model_type and the shape (see hf_family for which architecture)
@@ -14,7 +16,7 @@ writes into DIR:
 
 so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` gives this model's logits and
 `GPT.from_pretrained(DIR)` gives back exactly these weights. max_position_embeddings (n_positions) is the
-checkpoint's block_size. The folder is written whole or not at all: into a temporary folder beside DIR, then
+checkpoint's block_size. A LoRA run exports its merged model (model/lora.py). The folder is written whole or not at all: into a temporary folder beside DIR, then
 renamed; a DIR that exists and is not empty is refused unless --force (then it is replaced). Every failure is
 one line.
 """
@@ -199,8 +201,10 @@ def _check_destination(out: str, force: bool) -> None:
         raise ExportError(f"--out {out} is not empty: choose a new folder, or pass --force to replace its content")
 
 
-def _write_folder(out: str, files: dict[str, str], tensors: dict, force: bool) -> None:
-    """Write the files and model.safetensors into a temporary folder beside `out`, then put it in `out`'s place."""
+def _write_folder(out: str, files: dict[str, str], tensors: dict, force: bool,
+                  weights_file: str = "model.safetensors") -> None:
+    """Write the files and the tensors (as weights_file) into a temporary folder beside `out`, then put it in
+    `out`'s place."""
     from safetensors.torch import save_file
     _check_destination(out, force)
     parent = os.path.dirname(os.path.abspath(out))
@@ -214,7 +218,7 @@ def _write_folder(out: str, files: dict[str, str], tensors: dict, force: bool) -
         for name, text in files.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, os.path.join(tmp, weights_file), metadata={"format": "pt"})
         if os.path.isdir(out):
             old = tempfile.mkdtemp(prefix=".tmp-replaced-", dir=parent)
             os.rename(out, os.path.join(old, "previous"))  # out's content stays whole until the new one is in place
@@ -241,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="dtype of the weights written; auto = the checkpoint's")
     p.add_argument("--force", action="store_true", help="replace the content of a non-empty --out")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its updates as a PEFT adapter (adapter_config.json, "
+                        "adapter_model.safetensors) for the model it started from, instead of the merged model")
     return p
 
 
@@ -248,9 +255,13 @@ def main(argv=None) -> int:
     from data.tokenizers import TokenizerError
     from .checkpoint import CheckpointError
     args = build_parser().parse_args(argv)
+    prefer = "best" if args.best else "latest"
     try:
-        out = export_checkpoint(args.ckpt, args.out, prefer="best" if args.best else "latest", dtype=args.dtype,
-                                force=args.force)
+        if args.adapter:
+            from .lora_export import export_adapter
+            out = export_adapter(args.ckpt, args.out, prefer=prefer, dtype=args.dtype, force=args.force)
+        else:
+            out = export_checkpoint(args.ckpt, args.out, prefer=prefer, dtype=args.dtype, force=args.force)
     except (CheckpointError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ from model.lora import (LORA_TARGETS, LoRALinear, LoRASettings, apply_lora, infe
 from tests.hf_models import tiny_llama, write_tokenizer  # noqa: E402
 from tests.util import ROOT, run_entry, write_corpus  # noqa: E402
 
+import peft  # noqa: E402  (after transformers: a dev dependency, as transformers is)
+
 transformers.logging.set_verbosity_error()
 CONFIG = os.path.join(ROOT, "configs", "finetune_tiny.toml")
 MODEL_VOCAB = 320
@@ -125,7 +127,8 @@ def test_lora_run_learns_keeps_the_base_and_exports_the_merged_model(pretrained,
     run = cfg.train.out_dir
     start = load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
     end = load_checkpoint(os.path.join(run, "ckpt_0000012.pt"))
-    assert end["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": list(LORA_TARGETS)}
+    assert end["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": list(LORA_TARGETS),
+                           "base": f"hf:{pretrained[0]}"}
     lora_keys = [k for k in end["model"] if is_lora_key(k)]
     assert len(lora_keys) == 2 * 2 * len(LORA_TARGETS)  # 2 layers
     for key, t in end["model"].items():
@@ -151,6 +154,14 @@ def test_lora_run_learns_keeps_the_base_and_exports_the_merged_model(pretrained,
         want = wrapped.eval()(idx)[0]
         assert (ours.eval()(idx)[0] - want).abs().max() <= 1e-5
         assert (exported(idx).logits - want).abs().max() <= 1e-4
+    # the PEFT adapter on the pretrained model gives them too
+    adapter = json.loads(open(os.path.join(summary["export_adapter"], "adapter_config.json")).read())
+    assert adapter["base_model_name_or_path"] == pretrained[0] and (adapter["r"], adapter["lora_alpha"]) == (4, 8.0)
+    assert adapter["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    peft_model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(pretrained[0]), summary["export_adapter"]).eval()
+    with torch.no_grad():
+        assert (peft_model(idx).logits - want).abs().max() <= 1e-4
     # generate.py reads the run as the merged model
     r = run_entry("generate.py", "--ckpt", run, "--prompt", "the king", "--max-new-tokens", "5", "--device", "cpu",
                   "--temperature", "0")
@@ -232,3 +243,35 @@ def test_compiled_or_checkpointed_lora_run_gives_the_eager_losses(flag, pretrain
     want, got = rows(eager.train.out_dir, "loss"), rows(compiled.train.out_dir, "loss")
     assert [i for i, _ in got] == [1, 2, 3, 4] and want[-1][1] < want[0][1] - 0.3, want
     assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(want, got)), (want, got)
+
+
+def test_gpt2_adapter_of_some_projections_loads_in_peft(pretrained, tmp_path):
+    """A GPT-2 model (Conv1D layers, attn.c_proj and mlp.c_proj sharing a last name) with updates on two of its
+    projections: PEFT puts them on exactly those modules and gives the run's logits."""
+    import shutil
+    folder = str(tmp_path / "gpt2")
+    os.makedirs(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(pretrained[0], name), folder)
+    tiny_llama(folder, MODEL_VOCAB, "gpt2")
+    cfg = lora_cfg(pretrained, tmp_path, f"--init_from=hf:{folder}", "--lora_targets=mlp.c_proj,attn.c_attn",
+                   "--max_iters=4", "--eval_interval=4")
+    summary = train_mod.train(cfg)
+    adapter = json.loads(open(os.path.join(summary["export_adapter"], "adapter_config.json")).read())
+    assert adapter["target_modules"] == ["attn.c_attn", "mlp.c_proj"] and adapter["fan_in_fan_out"] is True
+    peft_model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(folder), summary["export_adapter"]).eval()
+    wrapped_modules = {n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
+    assert {n.split("transformer.")[-1] for n in wrapped_modules} == {"h.0.attn.c_attn", "h.1.attn.c_attn",
+                                                                      "h.0.mlp.c_proj", "h.1.mlp.c_proj"}
+    best = load_checkpoint(cfg.train.out_dir, prefer="best")
+    ours = GPT(GPTConfig(**best["config"]["model"]))
+    ours.load_state_dict(inference_weights(best))
+    idx = torch.randint(0, MODEL_VOCAB, (2, 32))
+    with torch.no_grad():
+        want = ours.eval()(idx)[0]
+        assert (peft_model(idx).logits - want).abs().max() <= 1e-4
+    # a run without LoRA has no adapter to export: one line
+    r = subprocess.run([sys.executable, "-m", "model.export", "--ckpt", os.path.join(ROOT, "nothing-here"),
+                        "--adapter", "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

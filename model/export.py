@@ -155,7 +155,7 @@ def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype
     from data.tokenizer_export import hf_tokenizer_files
     from .checkpoint import load_checkpoint
     from .lora import inference_weights
-    _check_destination(out, force)  # before reading a large checkpoint
+    check_destination(out, force)  # before reading a large checkpoint
     ckpt = load_checkpoint(ckpt_path, map_location="cpu", prefer=prefer)
     try:
         cfg = GPTConfig(**ckpt["config"]["model"]).validate()
@@ -179,34 +179,34 @@ def export_checkpoint(ckpt_path: str, out: str, *, prefer: str = "latest", dtype
     eos = tok.eot_token
     if family == "gpt2" and tok.name == "gpt2":
         bos = eos
-    files = {"config.json": _dump(hf_config(family, cfg, torch_dtype, bos, eos))}
+    files = {"config.json": json_text(hf_config(family, cfg, torch_dtype, bos, eos))}
     stops = list(tok.stop_tokens)  # eos first, then the ends of the original generation_config.json
     if stops:
-        files["generation_config.json"] = _dump({"bos_token_id": bos,
+        files["generation_config.json"] = json_text({"bos_token_id": bos,
                                                  "eos_token_id": stops if len(stops) > 1 else stops[0]})
     files.update(hf_tokenizer_files(tok, cfg.block_size))
     tensors = hf_tensors(family, cfg, weights, torch_dtype)
-    _write_folder(out, files, tensors, force)
+    write_folder(out, files, tensors, force)
     return out
 
 
-def _dump(obj) -> str:
+def json_text(obj) -> str:
     return json.dumps(obj, indent=2) + "\n"
 
 
-def _check_destination(out: str, force: bool) -> None:
+def check_destination(out: str, force: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ExportError(f"--out {out} is a file, not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ExportError(f"--out {out} is not empty: choose a new folder, or pass --force to replace its content")
 
 
-def _write_folder(out: str, files: dict[str, str], tensors: dict, force: bool,
+def write_folder(out: str, files: dict[str, str], tensors: dict, force: bool,
                   weights_file: str = "model.safetensors") -> None:
     """Write the files and the tensors (as weights_file) into a temporary folder beside `out`, then put it in
     `out`'s place."""
     from safetensors.torch import save_file
-    _check_destination(out, force)
+    check_destination(out, force)
     parent = os.path.dirname(os.path.abspath(out))
     try:
         os.makedirs(parent, exist_ok=True)

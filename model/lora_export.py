@@ -62,8 +62,8 @@ def export_adapter(ckpt_path: str, out: str, prefer: str = "latest", dtype: str 
     (one line)."""
     from .checkpoint import load_checkpoint
     from .config import ConfigError
-    from .export import DTYPES, ExportError, _check_destination, _dump, _write_folder, hf_family
-    _check_destination(out, force)
+    from .export import DTYPES, ExportError, check_destination, json_text, write_folder, hf_family
+    check_destination(out, force)
     ckpt = load_checkpoint(ckpt_path, map_location="cpu", prefer=prefer)
     if not ckpt.get("lora"):
         raise ExportError(f"{ckpt['path']} holds no LoRA updates (a run with train.lora_rank = 0): export the "
@@ -78,7 +78,7 @@ def export_adapter(ckpt_path: str, out: str, prefer: str = "latest", dtype: str 
                           f"({' '.join(str(e).split())[:200]})") from None
     base = ckpt["lora"].get("base", "")
     base = base[len("hf:"):] if base.startswith("hf:") else base
-    _write_folder(out, {"adapter_config.json": _dump(adapter_config(family, settings, base, tensors))}, tensors,
+    write_folder(out, {"adapter_config.json": json_text(adapter_config(family, settings, base, tensors))}, tensors,
                   force, weights_file="adapter_model.safetensors")
     return out
 

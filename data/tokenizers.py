@@ -269,11 +269,13 @@ def _read_json(path: str) -> dict:
 
 def hf_tokenizer(path_or_repo: str) -> HFTokenizer:
     """The tokenizer of a Hugging Face model: a local folder, or a hub repo id (the local cache first, then the
-    hub; see model/hf_files.py). TokenizerError with one line naming what is missing."""
-    from model.hf_files import HFError, resolve_model_dir
+    hub; see model/hf_files.py); of a PEFT adapter, its own or its base model's (model/hf_adapter.py).
+    TokenizerError with one line naming what is missing."""
+    from model.hf_adapter import resolve_model_files
+    from model.hf_files import HFError
     label = f"the tokenizer of {path_or_repo!r}"
     try:
-        folder = resolve_model_dir(path_or_repo, label, need="tokenizer.json")
+        folder = resolve_model_files(path_or_repo, label, need="tokenizer.json").tokenizer_folder
     except HFError as e:
         raise TokenizerError(str(e)) from None
     return HFTokenizer.from_folder(folder, f"hf:{path_or_repo}")

@@ -5,7 +5,8 @@
     model = load_hf_gpt2("gpt2")                            # gpt2, gpt2-medium, gpt2-large, gpt2-xl
     model = from_hf_gpt2(GPT2LMHeadModel_or_its_state_dict) # an in-memory transformers GPT-2 (tests, notebooks)
 
-A model folder holds config.json and model.safetensors (or model.safetensors.index.json and its shards).
+A model folder holds config.json and model.safetensors (or model.safetensors.index.json and its shards); a PEFT
+LoRA adapter (adapter_config.json + adapter_model.safetensors) loads as its base model with the updates merged.
 Supported: GPT-2, Llama (SmolLM2, Llama-3.x with its rope scaling), Qwen2/2.5, Qwen3 — see model/hf_config.py
 for what maps to which GPTConfig field and model/hf_weights.py for the tensor names. Everything that cannot be
 loaded is an HFError with one line.
@@ -18,7 +19,8 @@ import torch
 
 from .config import GPTConfig
 from .hf_config import gpt_config_from_hf
-from .hf_files import HFError, read_config, read_tensors, resolve_model_dir
+from .hf_adapter import read_merged_tensors, resolve_model_files
+from .hf_files import HFError, read_config
 from .hf_weights import state_dict_from_hf
 
 __all__ = ["HFError", "from_pretrained", "from_hf_gpt2", "load_hf_gpt2", "HF_NAMES"]
@@ -28,10 +30,12 @@ GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # n_embd → n_head of the
 
 
 def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None, label: str | None = None):
-    """A Hugging Face model folder or hub id → GPT in eval mode (dtype default float32, device default cpu)."""
-    folder = resolve_model_dir(path_or_repo, label)
-    family, cfg = gpt_config_from_hf(read_config(folder))
-    state = state_dict_from_hf(family, cfg, read_tensors(folder), dtype=dtype or torch.float32, device=device)
+    """A Hugging Face model folder or hub id → GPT in eval mode (dtype default float32, device default cpu). A PEFT
+    LoRA adapter's folder or id gives its base model with the updates merged (model/hf_adapter.py)."""
+    files = resolve_model_files(path_or_repo, label)
+    family, cfg = gpt_config_from_hf(read_config(files.folder))
+    state = state_dict_from_hf(family, cfg, read_merged_tensors(files, family, label), dtype=dtype or torch.float32,
+                               device=device)
     return build(cfg, state, device)
 
 

@@ -17,8 +17,10 @@ import os
 from .checkpoint import CheckpointError
 
 # what a hub snapshot brings down: the model's config and weights, and its tokenizer and generation settings
+# (and a PEFT adapter's config: model/hf_adapter.py)
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "adapter_config.json"]
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -127,7 +129,7 @@ def read_tensors(folder: str) -> dict:
         return _read_sharded(folder, index_path)
     single = os.path.join(folder, SINGLE)
     if os.path.isfile(single):
-        return _load_file(single)
+        return load_safetensors(single)
     others = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if others:
         raise HFError(f"{folder} has {', '.join(others[:3])} but no {SINGLE} and no {INDEX} naming the shards")
@@ -154,7 +156,7 @@ def _read_sharded(folder: str, index_path: str) -> dict:
             raise HFError(f"{index_path} names shard {shard}, which is missing from {folder}")
     tensors: dict = {}
     for shard in shards:
-        for name, t in _load_file(os.path.join(folder, shard)).items():
+        for name, t in load_safetensors(os.path.join(folder, shard)).items():
             if name in tensors:
                 raise HFError(f"tensor {name} is in more than one shard of {folder}")
             tensors[name] = t
@@ -164,7 +166,7 @@ def _read_sharded(folder: str, index_path: str) -> dict:
     return tensors
 
 
-def _load_file(path: str) -> dict:
+def load_safetensors(path: str) -> dict:
     try:
         from safetensors.torch import load_file
     except ImportError:

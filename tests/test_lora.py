@@ -162,6 +162,8 @@ def test_lora_run_learns_keeps_the_base_and_exports_the_merged_model(pretrained,
         transformers.AutoModelForCausalLM.from_pretrained(pretrained[0]), summary["export_adapter"]).eval()
     with torch.no_grad():
         assert (peft_model(idx).logits - want).abs().max() <= 1e-4
+        # and read back here as a model: the adapter on its base, merged (model/hf_adapter.py)
+        assert (GPT.from_pretrained(summary["export_adapter"])(idx)[0] - want).abs().max() <= 1e-5
     # generate.py reads the run as the merged model
     r = run_entry("generate.py", "--ckpt", run, "--prompt", "the king", "--max-new-tokens", "5", "--device", "cpu",
                   "--temperature", "0")

@@ -15,14 +15,13 @@ alpha_pattern, updates of embeddings.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 
 import torch
 
-from .hf_files import HFError, load_safetensors, resolve_model_dir
+from .hf_files import HFError, load_safetensors, read_json_object, resolve_model_dir
 from .hf_weights import PREFIX, normalize_names
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -61,14 +60,7 @@ def resolve_model_files(path_or_repo: str, label: str | None = None,
 
 def read_adapter_config(folder: str, label: str) -> dict:
     """adapter_config.json, checked for what this loader merges (module docstring)."""
-    path = os.path.join(folder, ADAPTER_CONFIG)
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFError(f"cannot read {path} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    if not isinstance(config, dict):
-        raise HFError(f"{path} is not a JSON object")
+    config = read_json_object(os.path.join(folder, ADAPTER_CONFIG))
     kind = config.get("peft_type")
     problem = (f"adapter type {kind!r} (LoRA adapters only)" if kind != "LORA"
                else "DoRA (use_dora)" if config.get("use_dora")

@@ -111,14 +111,19 @@ def read_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise HFError(f"{folder} has no config.json: not a Hugging Face model folder")
+    return read_json_object(path)
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON file holding an object, as a dict; HFError with one line where it cannot be read or is no object."""
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+            value = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFError(f"cannot read {path} ({_one_line(e)})") from None
-    if not isinstance(cfg, dict):
+    if not isinstance(value, dict):
         raise HFError(f"{path} is not a JSON object")
-    return cfg
+    return value
 
 
 def read_tensors(folder: str) -> dict:

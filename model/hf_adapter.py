@@ -19,8 +19,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import torch
-
 from .hf_files import HFError, load_safetensors, read_json_object, resolve_model_dir
 from .hf_weights import PREFIX, normalize_names
 

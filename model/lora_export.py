@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .config import GPTConfig
+from .hf_folder import DTYPES, ExportError, check_destination, hf_family, json_text, write_folder
 from .hf_weights import tensor_rules
 from .lora import LoRASettings
 
@@ -62,7 +63,6 @@ def export_adapter(ckpt_path: str, out: str, prefer: str = "latest", dtype: str 
     (one line)."""
     from .checkpoint import load_checkpoint
     from .config import ConfigError
-    from .export import DTYPES, ExportError, check_destination, json_text, write_folder, hf_family
     check_destination(out, force)
     ckpt = load_checkpoint(ckpt_path, map_location="cpu", prefer=prefer)
     if not ckpt.get("lora"):

@@ -1,0 +1,107 @@
+"""The Hugging Face folders this project writes: which architecture represents a model, and a folder written whole.
+
+    family = hf_family(cfg)          # "gpt2" | "llama" | "qwen2" | "qwen3", or ExportError naming what none represents
+    write_folder(out, {"config.json": json_text(config)}, tensors, force)   # into a temporary folder, then renamed
+
+Used by the model export (model/export.py) and the LoRA adapter export (model/lora_export.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .config import GPTConfig
+from .hf_files import HFError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GPT2LMHeadModel) and Llama-family "
+              "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, Qwen2ForCausalLM with "
+              "qkv_bias, Qwen3ForCausalLM with qk_norm)")
+
+
+class ExportError(HFError):
+    """A checkpoint that cannot be written as a Hugging Face model, or a destination that cannot take it."""
+
+
+def hf_family(cfg: GPTConfig) -> str:
+    """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "qwen2" | "qwen3".
+
+    GPT-2 blocks without biases export as GPT2LMHeadModel with zero biases (the same function; read back, the
+    config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
+    biases on q, k, v only → Qwen2; qk_norm → Qwen3. ExportError names what no architecture represents.
+    """
+    if cfg.attention_window:
+        raise ExportError(f"no Hugging Face architecture of these families represents model.attention_window="
+                          f"{cfg.attention_window} (a sliding window)")
+    blocks = (cfg.pos_emb, cfg.norm, cfg.mlp)
+    if blocks == ("learned", "layernorm", "gelu"):
+        problems = []
+        if cfg.kv_heads != cfg.n_head:
+            problems.append(f"n_kv_head={cfg.n_kv_head} (GPT-2 has no grouped-query attention)")
+        if cfg.head_dim * cfg.n_head != cfg.n_embd:
+            problems.append(f"head_size={cfg.head_size} (GPT-2's heads are n_embd / n_head wide)")
+        if cfg.qk_norm:
+            problems.append("qk_norm (GPT-2 has none)")
+        if problems:
+            raise ExportError("no Hugging Face architecture represents this model: GPT-2 blocks with "
+                              + "; ".join(problems))
+        return "gpt2"
+    if blocks == ("rope", "rmsnorm", "swiglu"):
+        if cfg.qk_norm:
+            if cfg.bias or cfg.qkv_bias:
+                raise ExportError("no Hugging Face architecture represents this model: qk_norm (Qwen3) with "
+                                  f"bias={cfg.bias}, qkv_bias={cfg.qkv_bias} (Qwen3 has no biases on the MLP, "
+                                  "nor on q, k, v without the output projection)")
+            return "qwen3"
+        if cfg.bias:
+            return "llama"
+        return "qwen2" if cfg.qkv_bias else "llama"
+    raise ExportError(f"no Hugging Face architecture represents pos_emb={cfg.pos_emb!r} with norm={cfg.norm!r} and "
+                      f"mlp={cfg.mlp!r}; exportable are {EXPORTABLE}")
+
+
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def check_destination(out: str, force: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out} is a file, not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ExportError(f"--out {out} is not empty: choose a new folder, or pass --force to replace its content")
+
+
+def write_folder(out: str, files: dict[str, str], tensors: dict, force: bool,
+                  weights_file: str = "model.safetensors") -> None:
+    """Write the files and the tensors (as weights_file) into a temporary folder beside `out`, then put it in
+    `out`'s place."""
+    from safetensors.torch import save_file
+    check_destination(out, force)
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+    except OSError as e:
+        raise ExportError(f"cannot write into {parent} ({e.strerror or e})") from None
+    old = None
+    try:
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        save_file(tensors, os.path.join(tmp, weights_file), metadata={"format": "pt"})
+        if os.path.isdir(out):
+            old = tempfile.mkdtemp(prefix=".tmp-replaced-", dir=parent)
+            os.rename(out, os.path.join(old, "previous"))  # out's content stays whole until the new one is in place
+        os.rename(tmp, out)
+    except OSError as e:
+        if old is not None and not os.path.exists(out) and os.path.isdir(os.path.join(old, "previous")):
+            os.rename(os.path.join(old, "previous"), out)  # put the previous export back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"cannot write {out} ({e.strerror or e})") from None
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

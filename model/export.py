@@ -16,9 +16,9 @@ writes into DIR:
 
 so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` gives this model's logits and
 `GPT.from_pretrained(DIR)` gives back exactly these weights. max_position_embeddings (n_positions) is the
-checkpoint's block_size. A LoRA run exports its merged model (model/lora.py). The folder is written whole or not at all: into a temporary folder beside DIR, then
-renamed; a DIR that exists and is not empty is refused unless --force (then it is replaced). Every failure is
-one line.
+checkpoint's block_size. A LoRA run exports its merged model (model/lora.py). The folder is written whole or
+not at all (model/hf_folder.py): into a temporary folder beside DIR, then renamed; a DIR that exists and is not
+empty is refused unless --force (then it is replaced). Every failure is one line.
 """
 from __future__ import annotations
 

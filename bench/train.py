@@ -4,6 +4,7 @@ eager and compiled.
     python bench/train.py [--out DIR] [--steps 20] [--variants flash,sdpa+compile,flash+compile/fused,...]
     python bench/train.py --model configs/smollm2_135m.toml --block 2048 [--llama-kernels triton]
     python bench/train.py --steps 20 --repeats 3 --variants flash+compile --data memory,shards
+    python bench/train.py --model configs/smollm2_135m.toml --block 2048 --lora-rank 16   # LoRA fine-tuning steps
 
 GPT-2 124M's shape (12 layers, 12 heads, 768 wide, block 1024, vocab 50304, no biases), batch 16 x 1024, or
 with --model the [model] section of a training config (e.g. SmolLM2-135M's Llama shape; --block sets its
@@ -73,6 +74,7 @@ import kernels  # noqa: E402
 from bench.report import git_commit  # noqa: E402
 from data.batches import open_train_data, to_device  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from model.lora import LoRASettings, apply_lora  # noqa: E402
 
 KERNELS = ("fwd", "dq", "dkdv")  # --tiles accepts these (the split backward's kernels)
 
@@ -191,16 +193,25 @@ def compile_label(compiled) -> str:
     return {False: "", True: " + compile", "graphs": " + graphs"}[compiled]
 
 
+def build_model(cfg: GPTConfig, lora_rank: int = 0, device: str = "cuda") -> GPT:
+    """The benchmark's model on `device`: every weight trained, or (lora_rank > 0) LoRA updates of rank lora_rank
+    (alpha 2·rank) on every block's four projections with the rest frozen, as train.lora_rank trains them."""
+    model = GPT(cfg).to(device)
+    if lora_rank:
+        apply_lora(model, LoRASettings(lora_rank, 2.0 * lora_rank))
+    return model
+
+
 def make_train_step(attention: str, compiled, batch: int, block: int, tokens: str | None = None,
-                    model_toml: str = "", llama_kernels: str = "torch", data=None):
+                    model_toml: str = "", llama_kernels: str = "torch", data=None, lora_rank: int = 0):
     """The benchmark's model and one optimizer step → (model, step); step() → loss. Each step takes the next batch
     of the loader `data` (loader_batch), or without one the same fixed batch. compiled: False (eager), True
     (torch.compile) or "graphs" (torch.compile's "reduce-overhead" mode: forward and backward replayed as CUDA
     graphs, as train.cuda_graphs runs them)."""
     torch.manual_seed(0)
     cfg = model_config(attention, block, model_toml, llama_kernels)
-    model = GPT(cfg).cuda()
-    opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
+    model = build_model(cfg, lora_rank)
+    opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")  # the trained parameters only
     graphs = compiled == "graphs"
     step_model = (torch.compile(model, mode="reduce-overhead" if graphs else "default") if compiled else model)
     if data is None:
@@ -312,14 +323,15 @@ def flash_tiles() -> dict:
 
 def run_variant(attention: str, compiled, steps: int, warmup: int, batch: int, block: int,
                 tiles: dict | None = None, tokens: str | None = None, model_toml: str = "",
-                llama_kernels: str = "torch", data: str = "random", data_folder: str = "") -> dict:
+                llama_kernels: str = "torch", data: str = "random", data_folder: str = "", lora_rank: int = 0) -> dict:
     """One variant measured in this process; data: "random" (the fixed batch), or "memory" / "shards", the
     loader of the prepared folder data_folder (open_train_data, as train.py opens it)."""
     from kernels.flash import forced_configs
     loader = None if data == "random" else open_train_data(data_folder, block, sharded=data == "shards", seed=0,
                                                            device="cuda")
     with forced_configs(**(tiles or {})):
-        model, step = make_train_step(attention, compiled, batch, block, tokens, model_toml, llama_kernels, loader)
+        model, step = make_train_step(attention, compiled, batch, block, tokens, model_toml, llama_kernels, loader,
+                                      lora_rank)
         t0 = time.perf_counter()
         for _ in range(warmup):
             loss = step()
@@ -382,7 +394,8 @@ def run_isolated(variant: str, data: str, data_folder: str, args) -> dict:
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", variant, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--block", str(args.block),
            "--tiles", args.tiles, "--tokens", args.tokens, "--loss", args.loss, "--model", args.model,
-           "--llama-kernels", args.llama_kernels, "--data", data, "--data-folder", data_folder]
+           "--llama-kernels", args.llama_kernels, "--data", data, "--data-folder", data_folder,
+           "--lora-rank", str(args.lora_rank)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -396,7 +409,8 @@ def run_in_process(variant: str, data: str, data_folder: str, args) -> dict:
     attention, compiled = use_variant(variant)
     try:
         return run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block,
-                           parse_tiles(args.tiles), args.tokens, args.model, args.llama_kernels, data, data_folder)
+                           parse_tiles(args.tiles), args.tokens, args.model, args.llama_kernels, data, data_folder,
+                           args.lora_rank)
     except Exception as e:  # one failure (OOM, compile error) must not hide the other variants
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -448,11 +462,12 @@ def _median_of(runs: list, key: str):
 
 def describe_model(args) -> str:
     """The measured model in words: GPT-2 124M, or the config file's name and shape."""
+    lora = f", LoRA rank {args.lora_rank} (the rest frozen)" if getattr(args, "lora_rank", 0) else ""
     if not getattr(args, "model", ""):
-        return "GPT-2 124M"
+        return "GPT-2 124M" + lora
     c = model_config("sdpa", args.block, args.model, args.llama_kernels)
     return (f"{os.path.basename(args.model)} ({c.n_layer} layers, {c.n_embd} wide, {c.n_head}/{c.n_kv_head or c.n_head} "
-            f"heads, {c.pos_emb}, {c.norm}, {c.mlp}; Llama pieces on {args.llama_kernels})")
+            f"heads, {c.pos_emb}, {c.norm}, {c.mlp}; Llama pieces on {args.llama_kernels}){lora}")
 
 
 def describe_data(args) -> str:
@@ -573,11 +588,17 @@ def main(argv=None) -> int:
                         "memory (the in-memory loader, TokenData), shards (the sharded loader, ShardedData); the "
                         "loaders compared on GPT-2 124M: python bench/train.py --steps 20 --repeats 3 --variants "
                         "flash+compile --data memory,shards")
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="train LoRA updates of rank R (alpha 2R) on every block's projections, the rest frozen "
+                        "(model/lora.py; MFU still counts a full step's 6N FLOPs per token); 0 = every weight")
     p.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)  # run_isolated's child: one JSON line
     p.add_argument("--data-folder", default="", help=argparse.SUPPRESS)  # the worker's prepared loader folder
     args = p.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         print("error: --repeats and --steps must be at least 1", file=sys.stderr)
+        return 2
+    if args.lora_rank < 0:
+        print(f"error: --lora-rank {args.lora_rank}: must be a rank, or 0 (every weight trained)", file=sys.stderr)
         return 2
     if args.tokens and not os.path.isfile(args.tokens):
         print(f"error: --tokens {args.tokens}: no such file", file=sys.stderr)
@@ -603,7 +624,8 @@ def main(argv=None) -> int:
     if args.worker:
         attention, compiled = use_variant(args.worker)
         print(json.dumps(run_variant(attention, compiled, args.steps, args.warmup, args.batch, args.block, tiles,
-                                     args.tokens, args.model, args.llama_kernels, kinds[0], args.data_folder)))
+                                     args.tokens, args.model, args.llama_kernels, kinds[0], args.data_folder,
+                                     args.lora_rank)))
         return 0
     jobs = [(v, d) for v in variants for d in kinds]  # a variant's data kinds measured one after the other
     runs: dict[tuple, list] = {job: [] for job in jobs}

@@ -300,3 +300,20 @@ def test_each_variant_runs_on_each_loader_with_its_folder(tmp_path, monkeypatch)
     assert not any(os.path.exists(f) for _, _, f in calls)
     text = (tmp_path / "train_step.md").read_text()
     assert f"flash + compile: sharded / in-memory loader = **{33.0 / 33.1:.3f}×** tokens/s (target ≥ 0.99×: met)" in text
+
+
+def test_lora_rank_trains_the_updates_only_and_is_named(tmp_path):
+    """--lora-rank R: the model of every variant trains rank-R updates with the rest frozen (its optimizer holds
+    them alone), the table's title says so, and a negative rank is one line."""
+    bt = _bench_train()
+    cfg = bt.model_config("sdpa", 32, "", "torch")
+    cfg.n_layer, cfg.n_head, cfg.n_embd = 2, 2, 64
+    model = bt.build_model(cfg, 4, "cpu")
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trained) == 2 * 4 * 2 and all(n.endswith(("lora_A", "lora_B")) for n in trained)
+    opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cpu")
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
+    assert all(p.requires_grad for p in bt.build_model(cfg, 0, "cpu").parameters())  # rank 0: every weight
+    args = types.SimpleNamespace(model="", lora_rank=16)
+    assert bt.describe_model(args) == "GPT-2 124M, LoRA rank 16 (the rest frozen)"
+    assert bt.main(["--lora-rank", "-1"]) == 2

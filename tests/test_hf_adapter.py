@@ -12,7 +12,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import peft  # noqa: E402  (a dev dependency, as transformers is)
+peft = pytest.importorskip("peft")  # a dev dependency, as transformers is
 
 from model import GPT  # noqa: E402
 from model.hf_files import HFError  # noqa: E402

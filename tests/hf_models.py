@@ -79,3 +79,14 @@ def write_ckpt(path, model, tokenizer_spec: dict) -> str:
     save_checkpoint({"model": model.state_dict(), "config": RunConfig(model=model.config).to_dict(),
                      "tokenizer": tokenizer_spec, "iter": 0}, str(path))
     return str(path)
+
+
+def pretrained_llama(tmp, vocab_size: int, n_lines: int = 600):
+    """(folder of a random Llama + a BPE tokenizer.json trained on a corpus, the transformers model, the corpus
+    path), all under `tmp`: the start of a fine-tuning run."""
+    from tests.util import write_corpus
+    corpus = write_corpus(tmp / "corpus", n_lines=n_lines)
+    with open(corpus) as f:
+        lines = f.read().splitlines()
+    folder = write_tokenizer(tmp / "tiny-llama", lines)
+    return folder, tiny_llama(folder, vocab_size), corpus

@@ -20,7 +20,7 @@ from model.checkpoint import load_checkpoint  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.hf_files import HFError  # noqa: E402
 from model.hf_weights import state_dict_from_hf  # noqa: E402
-from tests.hf_models import tiny_llama, write_tokenizer  # noqa: E402
+from tests.hf_models import pretrained_llama, tiny_llama  # noqa: E402
 from tests.util import ROOT, TINY_MODEL, run_entry, write_corpus  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -31,13 +31,7 @@ MODEL_VOCAB = 320  # above the tokenizer's 300: a padded embedding, as hub model
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """(folder of a random Llama + tokenizer.json, the transformers model, corpus path)."""
-    tmp = tmp_path_factory.mktemp("pretrained")
-    corpus = write_corpus(tmp / "corpus", n_lines=600)
-    with open(corpus) as f:
-        lines = f.read().splitlines()
-    folder = write_tokenizer(tmp / "tiny-llama", lines)
-    hf = tiny_llama(folder, MODEL_VOCAB)
-    return folder, hf, corpus
+    return pretrained_llama(tmp_path_factory.mktemp("pretrained"), MODEL_VOCAB)
 
 
 def finetune_cfg(pretrained, tmp, *extra):

@@ -21,8 +21,8 @@ from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 from model.lora import (LORA_TARGETS, LoRALinear, LoRASettings, apply_lora, inference_weights,  # noqa: E402
                         is_lora_key, merged_state)
-from tests.hf_models import tiny_llama, write_tokenizer  # noqa: E402
-from tests.util import ROOT, run_entry, write_corpus  # noqa: E402
+from tests.hf_models import pretrained_llama, tiny_llama  # noqa: E402
+from tests.util import ROOT, run_entry  # noqa: E402
 
 peft = pytest.importorskip("peft")  # a dev dependency, as transformers is
 
@@ -97,12 +97,7 @@ def test_merged_state_names_a_missing_half():
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """(folder of a random Llama + tokenizer.json, corpus path)."""
-    tmp = tmp_path_factory.mktemp("pretrained")
-    corpus = write_corpus(tmp / "corpus", n_lines=600)
-    with open(corpus) as f:
-        lines = f.read().splitlines()
-    folder = write_tokenizer(tmp / "tiny-llama", lines)
-    tiny_llama(folder, MODEL_VOCAB)
+    folder, _, corpus = pretrained_llama(tmp_path_factory.mktemp("pretrained"), MODEL_VOCAB)
     return folder, corpus
 
 

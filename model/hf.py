@@ -19,11 +19,11 @@ import torch
 
 from .config import GPTConfig
 from .hf_config import gpt_config_from_hf
-from .hf_adapter import read_merged_tensors, resolve_model_files
+from .hf_adapter import ModelFiles, read_merged_tensors, resolve_model_files
 from .hf_files import HFError, read_config
 from .hf_weights import state_dict_from_hf
 
-__all__ = ["HFError", "from_pretrained", "from_hf_gpt2", "load_hf_gpt2", "HF_NAMES"]
+__all__ = ["HFError", "from_pretrained", "from_hf_gpt2", "load_hf_gpt2", "read_weights", "HF_NAMES"]
 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # n_embd → n_head of the published GPT-2 sizes
@@ -32,11 +32,22 @@ GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # n_embd → n_head of the
 def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None, label: str | None = None):
     """A Hugging Face model folder or hub id → GPT in eval mode (dtype default float32, device default cpu). A PEFT
     LoRA adapter's folder or id gives its base model with the updates merged (model/hf_adapter.py)."""
-    files = resolve_model_files(path_or_repo, label)
-    family, cfg = gpt_config_from_hf(read_config(files.folder))
-    state = state_dict_from_hf(family, cfg, read_merged_tensors(files, family, label), dtype=dtype or torch.float32,
-                               device=device)
+    cfg, state = read_weights(resolve_model_files(path_or_repo, label), dtype=dtype or torch.float32, device=device)
     return build(cfg, state, device)
+
+
+def read_weights(files: ModelFiles, label: str | None = None, dtype: torch.dtype = torch.float32,
+                 device=None) -> tuple[GPTConfig, dict]:
+    """(GPTConfig, our state dict in dtype on device) of a model that resolve_model_files found, an adapter's
+    updates merged. An HFError is one line; with a label it starts "cannot load LABEL: "."""
+    try:
+        family, cfg = gpt_config_from_hf(read_config(files.folder))
+        state = state_dict_from_hf(family, cfg, read_merged_tensors(files, family), dtype=dtype, device=device)
+    except HFError as e:
+        if label is None:
+            raise
+        raise HFError(f"cannot load {label}: {e}") from None
+    return cfg, state
 
 
 def build(cfg: GPTConfig, state: dict, device=None):

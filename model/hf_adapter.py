@@ -46,9 +46,12 @@ def resolve_model_files(path_or_repo: str, label: str | None = None,
     folder = resolve_model_dir(path_or_repo, label, need)
     if not is_adapter_folder(folder):
         return ModelFiles(folder, folder)
-    base = read_adapter_config(folder, label).get("base_model_name_or_path")
-    if not isinstance(base, str) or not base:
-        raise HFError(f"cannot load {label}: its {ADAPTER_CONFIG} names no base_model_name_or_path")
+    try:
+        base = read_adapter_config(folder).get("base_model_name_or_path")
+        if not isinstance(base, str) or not base:
+            raise HFError(f"its {ADAPTER_CONFIG} names no base_model_name_or_path")
+    except HFError as e:
+        raise HFError(f"cannot load {label}: {e}") from None
     base_folder = resolve_model_dir(base, f"{label}'s base model {base!r}", need)
     if is_adapter_folder(base_folder):
         raise HFError(f"cannot load {label}: its base model {base!r} is an adapter itself")
@@ -56,8 +59,8 @@ def resolve_model_files(path_or_repo: str, label: str | None = None,
     return ModelFiles(base_folder, folder if own_tokenizer else base_folder, folder)
 
 
-def read_adapter_config(folder: str, label: str) -> dict:
-    """adapter_config.json, checked for what this loader merges (module docstring)."""
+def read_adapter_config(folder: str) -> dict:
+    """adapter_config.json, checked for what this loader merges (module docstring). HFError (one line) otherwise."""
     config = read_json_object(os.path.join(folder, ADAPTER_CONFIG))
     kind = config.get("peft_type")
     problem = (f"adapter type {kind!r} (LoRA adapters only)" if kind != "LORA"
@@ -67,39 +70,39 @@ def read_adapter_config(folder: str, label: str) -> dict:
                else "alpha_pattern" if config.get("alpha_pattern")
                else None)
     if problem:
-        raise HFError(f"cannot load {label}: {problem} is not supported")
+        raise HFError(f"{problem} is not supported")
     alpha, r = config.get("lora_alpha"), config.get("r")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise HFError(f"cannot load {label}: {ADAPTER_CONFIG} has lora_alpha={alpha!r}, expected a number")
+        raise HFError(f"{ADAPTER_CONFIG} has lora_alpha={alpha!r}, expected a number")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise HFError(f"cannot load {label}: {ADAPTER_CONFIG} has r={r!r}, expected a positive rank")
+        raise HFError(f"{ADAPTER_CONFIG} has r={r!r}, expected a positive rank")
     return config
 
 
-def read_merged_tensors(files: ModelFiles, family: str, label: str | None = None) -> dict:
-    """The model's tensors (read_tensors of files.folder), with an adapter's updates merged (float32)."""
+def read_merged_tensors(files: ModelFiles, family: str) -> dict:
+    """The model's tensors (read_tensors of files.folder), with an adapter's updates merged (float32). HFError with
+    one line (the caller names the model)."""
     from .hf_files import read_tensors
     tensors = read_tensors(files.folder)
     if files.adapter is None:
         return tensors
-    label = label or repr(files.adapter)
-    config = read_adapter_config(files.adapter, label)
+    config = read_adapter_config(files.adapter)
     path = os.path.join(files.adapter, ADAPTER_WEIGHTS)
     if not os.path.isfile(path):
-        raise HFError(f"cannot load {label}: {files.adapter} has no {ADAPTER_WEIGHTS}")
-    updates = _updates(load_safetensors(path), label)
+        raise HFError(f"{files.adapter} has no {ADAPTER_WEIGHTS}")
+    updates = _updates(load_safetensors(path))
     tensors = normalize_names(family, tensors)
     for module, (a, b) in updates.items():
         name = module + ".weight"
         name = name if name.startswith((PREFIX[family], "lm_head.")) else PREFIX[family] + name
         w = tensors.get(name)
         if w is None:
-            raise HFError(f"cannot load {label}: it updates {module}, which the base model does not have")
+            raise HFError(f"it updates {module}, which the base model does not have")
         delta = b.float() @ a.float()  # (out, in)
         if family == "gpt2":
             delta = delta.t()  # Conv1D: (in, out)
         if tuple(delta.shape) != tuple(w.shape):
-            raise HFError(f"cannot load {label}: the update of {module} is {tuple(delta.shape)}, its weight "
+            raise HFError(f"the update of {module} is {tuple(delta.shape)}, its weight "
                           f"{tuple(w.shape)}")
         r = a.shape[0]
         scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
@@ -107,7 +110,7 @@ def read_merged_tensors(files: ModelFiles, family: str, label: str | None = None
     return tensors
 
 
-def _updates(adapter: dict, label: str) -> dict:
+def _updates(adapter: dict) -> dict:
     """{module path: (A (r, in), B (out, r))} from an adapter's tensors; anything else is one HFError."""
     halves: dict = {}
     for key, t in adapter.items():
@@ -119,20 +122,20 @@ def _updates(adapter: dict, label: str) -> dict:
                 halves.setdefault(name[:-len(suffix)], {})[half] = t
                 break
         else:
-            raise HFError(f"cannot load {label}: its tensor {key} is not a LoRA update of a linear layer "
+            raise HFError(f"its tensor {key} is not a LoRA update of a linear layer "
                           "(not supported)")
     out = {}
     for module, pair in halves.items():
         if set(pair) != {"lora_A", "lora_B"}:
             missing = ({"lora_A", "lora_B"} - set(pair)).pop()
-            raise HFError(f"cannot load {label}: the update of {module} has no {missing}")
+            raise HFError(f"the update of {module} has no {missing}")
         a, b = pair["lora_A"], pair["lora_B"]
         if a.shape[0] != b.shape[1]:
-            raise HFError(f"cannot load {label}: the update of {module} has lora_A {tuple(a.shape)} and lora_B "
+            raise HFError(f"the update of {module} has lora_A {tuple(a.shape)} and lora_B "
                           f"{tuple(b.shape)}, whose ranks differ")
         out[module] = (a, b)
     if not out:
-        raise HFError(f"cannot load {label}: {ADAPTER_WEIGHTS} holds no updates")
+        raise HFError(f"{ADAPTER_WEIGHTS} holds no updates")
     return out
 
 

@@ -17,8 +17,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import torch
-
 from config import RunConfig, is_hf_name
 from model.config import ConfigError, GPTConfig
 
@@ -55,20 +53,13 @@ def load_pretrained(source: str, what: str = "train.init_from") -> Pretrained:
 
 def _from_hf(source: str) -> Pretrained:
     from data.tokenizers import HFTokenizer
-    from model.hf_adapter import read_merged_tensors, resolve_model_files
-    from model.hf_config import gpt_config_from_hf
-    from model.hf_files import HFError, read_config
-    from model.hf_weights import state_dict_from_hf
+    from model.hf import read_weights
+    from model.hf_adapter import resolve_model_files
     path_or_repo = source[len("hf:"):]
     files = resolve_model_files(path_or_repo, repr(source), need="config.json, *.safetensors and tokenizer.json")
     # first: a missing tokenizer.json fails before the weights
     tokenizer = HFTokenizer.from_folder(files.tokenizer_folder, source)
-    try:
-        family, cfg = gpt_config_from_hf(read_config(files.folder))
-        state = state_dict_from_hf(family, cfg, read_merged_tensors(files, family, repr(source)),
-                                   dtype=torch.float32)
-    except HFError as e:
-        raise HFError(f"cannot load {source!r}: {e}") from None
+    cfg, state = read_weights(files, repr(source))
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["transformer.wte.weight"]
     _check_vocab(source, tokenizer, cfg)

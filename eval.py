@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--best", action="store_true", help="with a run folder: use best.pt instead of the latest")
     src.add_argument("--init-from", metavar="hf:REPO_OR_DIR | gpt2[-medium|-large|-xl]",
                      help="Hugging Face weights instead of a checkpoint, as generate.py takes them: hf:<hub id or "
-                          "local folder> (with the model's tokenizer.json) or a GPT-2 size")
+                          "local folder> (with the model's tokenizer.json; a PEFT LoRA adapter loads as its base model "
+                          "with the updates merged) or a GPT-2 size")
     src.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     src.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: bfloat16 on CUDA, float32 on CPU")

@@ -32,8 +32,8 @@ from .config import ConfigError, GPTConfig
 from .hf_folder import DTYPES, ExportError, check_destination, hf_family, json_text, write_folder
 from .hf_weights import tensor_rules
 
-ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
     """config.json of `family` for GPT(cfg), with transformers' key names (the legacy rope_theta and
     rope_scaling keys, which transformers 4.x and 5.x and vLLM all read)."""
@@ -57,10 +57,14 @@ def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, 
                                "low_freq_factor": cfg.rope_low_freq_factor,
                                "high_freq_factor": cfg.rope_high_freq_factor,
                                "original_max_position_embeddings": cfg.rope_original_max_pos}
+    window = cfg.attention_window or None
     if family == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
-    else:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+    elif family == "mistral":
+        out["sliding_window"] = window
+    else:  # qwen2, qwen3: a window on every layer (max_window_layers 0) or none
+        out.update(use_sliding_window=window is not None, sliding_window=window,
+                   max_window_layers=0 if window else cfg.n_layer)
         if family == "qwen3":
             out["attention_bias"] = False
     return out

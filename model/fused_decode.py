@@ -97,6 +97,8 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     c = model.config
     if c.qk_norm:
         return "qk_norm (a per-head RMSNorm of q and k) is not fused"
+    if c.attention_window:
+        return f"attention_window={c.attention_window}: the decode kernels attend over the whole cache"
     w = model.lm_head.weight
     if w.device.type != "cuda" and not (w.device.type == "cpu" and interpreting()):
         return f"the model is on {w.device} (the fused step runs on CUDA)"

@@ -20,7 +20,7 @@ rope_in_flash): its backward kernels then store the gradients of q and k rotated
 
 Documents packed into a row (forward(..., docs=...), kernels/documents.py) attend within their own document
 only, and their positions (learned or RoPE) start at 0 at every document start. config.attention_window limits
-every token to itself and the attention_window - 1 tokens before it (no KV cache: generation refuses it).
+every token to itself and the attention_window - 1 tokens before it, in training and in the KV cache alike.
 """
 from __future__ import annotations
 
@@ -196,17 +196,16 @@ class GPT(nn.Module):
         return n
 
     def setup_kv_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
-        """Attach a static KVCache of (batch, n_kv_head, max_len, head_dim) to every attention layer."""
+        """Attach a static KVCache of (batch, n_kv_head, max_len, head_dim) to every attention layer (with the
+        model's attention_window)."""
         from .kv_cache import KVCache
-        if self.config.attention_window:
-            raise ValueError(f"model.attention_window={self.config.attention_window}: the KV cache attends over "
-                             "every cached token, so generation cannot run a windowed model")
         if max_len > self.config.block_size:
             raise ValueError(f"cache length {max_len} exceeds block_size={self.config.block_size}")
         p = self.lm_head.weight
         for block in self.transformer.h:
             a = block.attn
-            a.kv_cache = KVCache(batch, a.n_kv_head, max_len, a.head_dim, dtype or p.dtype, device or p.device)
+            a.kv_cache = KVCache(batch, a.n_kv_head, max_len, a.head_dim, dtype or p.dtype, device or p.device,
+                                 window=self.config.attention_window)
 
     def clear_kv_cache(self) -> None:
         for block in self.transformer.h:

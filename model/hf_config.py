@@ -4,26 +4,32 @@ Families and the options they map:
 
     gpt2    GPT2LMHeadModel     learned positions, LayerNorm, GELU (tanh), biases; n_inner → intermediate_size
     llama   LlamaForCausalLM    RoPE (+ llama3 scaling), RMSNorm, SwiGLU, GQA; attention_bias with mlp_bias → bias
+    mistral MistralForCausalLM  as llama without biases, with a sliding window on every layer (sliding_window,
+                                4096 when config.json leaves it out, null for none) → attention_window
     qwen2   Qwen2ForCausalLM    as llama, with biases on q, k, v only (qkv_bias)
     qwen3   Qwen3ForCausalLM    as llama, with RMSNorm on each head's q and k (qk_norm) and its own head_dim
+    (qwen2 and qwen3 with use_sliding_window: a window on every layer → attention_window; on some layers only:
+    refused, attention_window being one window for the whole model)
 
 Both the current `rope_parameters` and the older `rope_theta` + `rope_scaling` keys are read. A key that
 config.json leaves out takes the default of the transformers class it names (e.g. tie_word_embeddings is
 true for GPT-2, false for the others). Options these models cannot reproduce are refused by name: another
-activation, a sliding window, RoPE types other than default and llama3, partial rotary, biases on attention
-without the MLP's.
+activation, a sliding window on some layers only, RoPE types other than default and llama3, partial rotary, biases
+on attention without the MLP's.
 """
 from __future__ import annotations
 
 from .config import ConfigError, GPTConfig
 from .hf_files import HFError
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_type, when architectures is absent
 # transformers' defaults for keys a config.json may leave out, per family
 DEFAULTS = {
     "llama": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=2048, head_dim=None),
+    "mistral": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=None,
+                    sliding_window=4096),
     "qwen2": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None),
     "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
 }
@@ -31,7 +37,7 @@ GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def family_of(hf: dict) -> str:
-    """"gpt2" | "llama" | "qwen2" | "qwen3" from config.json's architectures (or model_type)."""
+    """"gpt2" | "llama" | "mistral" | "qwen2" | "qwen3" from config.json's architectures (or model_type)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     if archs:
@@ -116,16 +122,13 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu: SwiGLU)")
-    attention_bias = bool(hf.get("attention_bias", False)) if family != "qwen2" else False  # qwen2: q, k, v only
+    # qwen2: biases on q, k, v only; mistral: none
+    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3") else False
     mlp_bias = bool(hf.get("mlp_bias", False)) if family == "llama" else False
     if attention_bias != mlp_bias:
         problems.append(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (biases on all projections "
                         "or none)")
-    layer_types = hf.get("layer_types") or []
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-    if "sliding_attention" in layer_types or (window and not layer_types
-                                              and hf.get("max_window_layers", 28) < n_layer):
-        problems.append(f"sliding-window attention (sliding_window={hf.get('sliding_window')})")
+    window = _window(hf, family, n_layer, problems)
     rope = _rope_fields(hf, problems)
     _refuse(family, problems)
     head_dim = hf.get("head_dim", d["head_dim"]) or n_embd // n_head
@@ -135,4 +138,38 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
                      n_embd=n_embd, dropout=0.0, bias=attention_bias, head_size=head_size, pos_emb="rope",
                      norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])), mlp="swiglu",
                      intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-                     tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])), **rope)
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])),
+                     attention_window=window, **rope)
+
+
+def _window(hf: dict, family: str, n_layer: int, problems: list[str]) -> int:
+    """attention_window (0: none) from the family's sliding-window keys, as transformers reads them: Mistral
+    applies sliding_window on every layer (and ignores layer_types); Qwen2/Qwen3 only with use_sliding_window,
+    on the layers that layer_types (or, without it, index >= max_window_layers) marks "sliding_attention";
+    Llama has no window."""
+    if family == "mistral":
+        window = hf.get("sliding_window", DEFAULTS["mistral"]["sliding_window"])
+        if window is None:
+            return 0
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            problems.append(f"sliding_window={window!r} (a positive number of tokens, or null)")
+            return 0
+        return window
+    layer_types = hf.get("layer_types") or []
+    window = hf.get("sliding_window") if family != "llama" and hf.get("use_sliding_window", False) else None
+    if window is None:
+        if "sliding_attention" in layer_types:
+            problems.append("sliding-window attention in layer_types without a sliding_window")
+        return 0
+    if not layer_types:
+        first = hf.get("max_window_layers", 28)  # transformers' default
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+    windowed = sum(t == "sliding_attention" for t in layer_types)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        problems.append(f"sliding_window={window!r} (a positive number of tokens)")
+    elif 0 < windowed < len(layer_types):
+        problems.append(f"sliding-window attention on {windowed} of {len(layer_types)} layers "
+                        f"(sliding_window={window}; one window for every layer or none)")
+    else:
+        return window if windowed else 0
+    return 0

@@ -1,6 +1,6 @@
 """The Hugging Face folders this project writes: which architecture represents a model, and a folder written whole.
 
-    family = hf_family(cfg)          # "gpt2" | "llama" | "qwen2" | "qwen3", or ExportError naming what none represents
+    family = hf_family(cfg)          # "gpt2" | "llama" | "mistral" | "qwen2" | "qwen3", or ExportError naming why none
     write_folder(out, {"config.json": json_text(config)}, tensors, force)   # into a temporary folder, then renamed
 
 Used by the model export (model/export.py) and the LoRA adapter export (model/lora_export.py).
@@ -19,8 +19,8 @@ from .hf_files import HFError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GPT2LMHeadModel) and Llama-family "
-              "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, Qwen2ForCausalLM with "
-              "qkv_bias, Qwen3ForCausalLM with qk_norm)")
+              "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, MistralForCausalLM with "
+              "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm)")
 
 
 class ExportError(HFError):
@@ -28,18 +28,20 @@ class ExportError(HFError):
 
 
 def hf_family(cfg: GPTConfig) -> str:
-    """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "qwen2" | "qwen3".
+    """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "mistral" | "qwen2" |
+    "qwen3".
 
     GPT-2 blocks without biases export as GPT2LMHeadModel with zero biases (the same function; read back, the
     config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
-    biases on q, k, v only → Qwen2; qk_norm → Qwen3. ExportError names what no architecture represents.
+    biases on q, k, v only → Qwen2; qk_norm → Qwen3; none of those and no biases → Llama, or Mistral with a
+    sliding window (attention_window; Qwen2 and Qwen3 carry theirs as use_sliding_window on every layer).
+    ExportError names what no architecture represents.
     """
-    if cfg.attention_window:
-        raise ExportError(f"no Hugging Face architecture of these families represents model.attention_window="
-                          f"{cfg.attention_window} (a sliding window)")
     blocks = (cfg.pos_emb, cfg.norm, cfg.mlp)
     if blocks == ("learned", "layernorm", "gelu"):
         problems = []
+        if cfg.attention_window:
+            problems.append(f"attention_window={cfg.attention_window} (GPT-2 has no sliding window)")
         if cfg.kv_heads != cfg.n_head:
             problems.append(f"n_kv_head={cfg.n_kv_head} (GPT-2 has no grouped-query attention)")
         if cfg.head_dim * cfg.n_head != cfg.n_embd:
@@ -58,8 +60,14 @@ def hf_family(cfg: GPTConfig) -> str:
                                   "nor on q, k, v without the output projection)")
             return "qwen3"
         if cfg.bias:
+            if cfg.attention_window:
+                raise ExportError(f"no Hugging Face architecture represents this model: attention_window="
+                                  f"{cfg.attention_window} with bias=True (Llama, which has biases, has no sliding "
+                                  "window; Mistral, which has one, has no biases)")
             return "llama"
-        return "qwen2" if cfg.qkv_bias else "llama"
+        if cfg.qkv_bias:
+            return "qwen2"
+        return "mistral" if cfg.attention_window else "llama"
     raise ExportError(f"no Hugging Face architecture represents pos_emb={cfg.pos_emb!r} with norm={cfg.norm!r} and "
                       f"mlp={cfg.mlp!r}; exportable are {EXPORTABLE}")
 

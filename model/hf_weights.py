@@ -3,7 +3,7 @@
 A Rule says how one of our parameters is made from Hugging Face tensors: the HF tensors `parts`, concatenated
 along dim 0 in that order, transposed when `transpose` (GPT-2's Conv1D stores (in, out)). The mapping per family:
 
-    ours                              gpt2 (transformer.* prefix)       llama / qwen2 / qwen3 (model.* prefix)
+    ours                              gpt2 (transformer.* prefix)       llama / mistral / qwen2 / qwen3 (model.*)
     transformer.wte.weight            wte.weight                        embed_tokens.weight
     transformer.wpe.weight            wpe.weight                        —
     transformer.h.N.ln_1.*            h.N.ln_1.{weight,bias}            layers.N.input_layernorm.weight
@@ -27,12 +27,11 @@ import torch
 from .config import GPTConfig
 from .hf_files import HFError
 
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # one layout of names: model.layers.N.self_attn.q_proj, ...
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
-DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), "llama": (".rotary_emb.inv_freq",),
-           "qwen2": (".rotary_emb.inv_freq",), "qwen3": (".rotary_emb.inv_freq",)}
-PREFIX = {"gpt2": "transformer.", "llama": "model.", "qwen2": "model.", "qwen3": "model."}
-EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
-             "qwen2": "model.embed_tokens.weight", "qwen3": "model.embed_tokens.weight"}
+DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
+PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}
+EMBEDDING = {"gpt2": "transformer.wte.weight", **{f: "model.embed_tokens.weight" for f in LLAMA_LIKE}}
 
 
 @dataclass(frozen=True)

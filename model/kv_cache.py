@@ -6,6 +6,12 @@
 input_pos holds the positions of the new tokens: (T,) shared by the batch (prefill, or a chunk of it) or
 (B, T) per sequence (decode of prompts of different lengths). The new tokens of sequence b must end at the
 highest position it holds: the cache keeps positions 0..input_pos[b, -1] valid.
+
+window > 0 (a model with attention_window): the token at position p attends to positions p - window + 1 .. p
+only. Prefill chunks run the attention backend with that window; decode steps (up to DECODE_MAX_TOKENS new
+tokens) attend through an explicit mask over the cache, a fixed-shape call that CUDA graphs and torch.compile
+take as they are, in place of the split-KV decode kernel, which has no window. A window that covers the whole
+cache cuts nothing and is dropped.
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ DECODE_MAX_TOKENS = 16  # up to this many new tokens per call go through the spl
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype, device, window: int = 0):
         super().__init__()
         shape = (batch, n_kv_head, max_len, head_dim)
+        self.window = window if 0 < window < max_len else 0
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -40,19 +47,31 @@ class KVCache(nn.Module):
             self.k[:B].scatter_(2, where, k.to(self.k.dtype))
             self.v[:B].scatter_(2, where, v.to(self.v.dtype))
         k_all, v_all = self.k[:B], self.v[:B]  # (B, Hkv, max_len, D)
-        if backend == "flash" and T <= DECODE_MAX_TOKENS and q.dtype == k_all.dtype:
+        decode = T <= DECODE_MAX_TOKENS
+        if backend == "flash" and decode and not self.window and q.dtype == k_all.dtype:
             # (B,) valid lengths, new tokens included. A fresh contiguous tensor: the kernel reads lens[b] at
             # LENS + b, so a stride-0 .expand(B) view would make it read past the end for b > 0.
             lens = (input_pos[-1] + 1).repeat(B) if input_pos.dim() == 1 else input_pos[:, -1] + 1  # (B,)
             # The write above already refused positions outside the cache, so on CUDA the kernel's own check of
             # lens (a GPU→CPU sync per layer and step, which stalls eager decoding) is skipped.
             return _decode_attention(q, k_all, v_all, lens, check_lens=q.device.type != "cuda")
-        if input_pos.dim() == 1:  # prefill chunk: keys 0..end-1, causal mask aligned bottom-right
+        if input_pos.dim() == 1 and not (self.window and decode):
+            # prefill chunk: keys 0..end-1, causal mask (and window) aligned bottom-right
             end = int(input_pos[-1]) + 1
-            return kernels.attention(q, k_all[:, :, :end], v_all[:, :, :end], backend=backend, causal=True)
-        # per-sequence positions without the decode kernel: an explicit mask over the whole cache
-        visible = torch.arange(self.max_len, device=q.device)[None, None, :] <= input_pos[:, :, None]  # (B, T, L)
-        return masked_attention(q, k_all, v_all, visible[:, None], exact=backend == "naive")
+            return kernels.attention(q, k_all[:, :, :end], v_all[:, :, :end], backend=backend, causal=True,
+                                     window=self.window)
+        # per-sequence positions without the decode kernel, or a windowed decode step: an explicit mask over the
+        # whole cache
+        visible = self._visible(input_pos)  # (T, L) or (B, T, L)
+        return masked_attention(q, k_all, v_all, visible if input_pos.dim() == 1 else visible[:, None],
+                                exact=backend == "naive")
+
+    def _visible(self, input_pos: torch.Tensor) -> torch.Tensor:
+        """Which cache positions each new token sees: input_pos (T,) → (T, L), (B, T) → (B, T, L) bool."""
+        j = torch.arange(self.max_len, device=input_pos.device)  # (L,)
+        pos = input_pos[..., None]  # (T, 1) or (B, T, 1)
+        visible = j <= pos
+        return visible & (j > pos - self.window) if self.window else visible
 
 
 @torch.compiler.disable  # a torch.compile'd decode step calls the kernel as is (dynamo need not trace its launch)

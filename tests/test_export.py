@@ -34,6 +34,10 @@ SHAPES = {
                               "LlamaForCausalLM"),
     "qwen2": (dict(LLAMA, qkv_bias=True, tie_embeddings=False), "Qwen2ForCausalLM"),
     "qwen3": (dict(LLAMA, qk_norm=True, head_size=32), "Qwen3ForCausalLM"),
+    # a sliding window: Mistral's sliding_window; Qwen2's and Qwen3's use_sliding_window on every layer
+    "mistral-window": (dict(LLAMA, attention_window=7, tie_embeddings=False), "MistralForCausalLM"),
+    "qwen2-window": (dict(LLAMA, qkv_bias=True, attention_window=9), "Qwen2ForCausalLM"),
+    "qwen3-window": (dict(LLAMA, qk_norm=True, attention_window=5), "Qwen3ForCausalLM"),
 }
 
 
@@ -81,9 +85,9 @@ def test_round_trip_is_bit_identical(name, tmp_path, char_spec):
     assert set(ours) <= set(theirs)
     c, b = model.config, back.config
     assert (b.n_layer, b.n_head, b.kv_heads, b.head_dim, b.mlp_hidden, b.block_size, b.vocab_size, b.norm_eps,
-            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm) == \
+            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm, b.attention_window) == \
         (c.n_layer, c.n_head, c.kv_heads, c.head_dim, c.mlp_hidden, c.block_size, c.vocab_size, c.norm_eps,
-         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm)
+         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm, c.attention_window)
 
 
 TOKENIZER_TEXTS = ["the king and the queen\n", "Thou art fair!  Spaces,\ttabs and é 日本\n"]
@@ -129,6 +133,8 @@ def test_bfloat16_export(tmp_path, char_spec):
     (dict(LLAMA, qk_norm=True, qkv_bias=True), "qk_norm (Qwen3) with bias=False, qkv_bias=True"),
     (dict(n_layer=1, n_head=4, n_kv_head=2, n_embd=32), "GPT-2 blocks with n_kv_head=2"),
     (dict(n_layer=1, n_head=4, n_embd=32, head_size=16), "GPT-2 blocks with head_size=16"),
+    (dict(n_layer=1, n_head=4, n_embd=32, attention_window=8), "GPT-2 blocks with attention_window=8"),
+    (dict(LLAMA, bias=True, attention_window=8), "attention_window=8 with bias=True"),
 ])
 def test_shapes_without_an_architecture_are_refused(fields, needle):
     with pytest.raises(ExportError) as e:

@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,  # noqa: E402
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,  # noqa: E402
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from model import GPT  # noqa: E402
 from model.hf import HFError  # noqa: E402
@@ -38,6 +38,14 @@ FAMILIES = {
     "qwen2-untied": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA, tie_word_embeddings=False,
                                                          rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "qwen3-head-dim-32": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, head_dim=32)),
+    # sliding windows shorter than the 100 tokens compared and than the 9-token prompt plus its 20 new tokens
+    "mistral-window-7": lambda: MistralForCausalLM(MistralConfig(**LLAMA, sliding_window=7)),
+    "mistral-no-window-tied": lambda: MistralForCausalLM(MistralConfig(**LLAMA, sliding_window=None,
+                                                                       tie_word_embeddings=True)),
+    "qwen2-window-every-layer": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA, use_sliding_window=True,
+                                                                     sliding_window=11, max_window_layers=0)),
+    "qwen3-window-every-layer": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, use_sliding_window=True,
+                                                                     sliding_window=5, max_window_layers=0)),
 }
 
 
@@ -81,15 +89,15 @@ def test_same_logits_and_greedy_tokens_as_transformers(family, tmp_path):
 @torch.no_grad()
 def test_transformers_to_ours_to_export_to_transformers(family, tmp_path):
     """The whole chain from a transformers model: saved, loaded here, written as a checkpoint, exported
-    (python -m model.export's export_checkpoint), loaded by transformers again: the same architecture and the
-    original model's logits."""
+    (python -m model.export's export_checkpoint), loaded by transformers again: the same architecture (a Mistral
+    without a window is a Llama) and the original model's logits."""
     from model.export import export_checkpoint
     from tests.hf_models import char_spec, write_ckpt
 
     hf, folder = saved(family, tmp_path / family)
     ckpt = write_ckpt(tmp_path / "ckpt.pt", GPT.from_pretrained(folder), char_spec(VOCAB))
     again = transformers.AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, str(tmp_path / "out"))).eval()
-    assert type(again).__name__ == type(hf).__name__
+    assert type(again).__name__ == ("LlamaForCausalLM" if family == "mistral-no-window-tied" else type(hf).__name__)
     idx = torch.randint(0, VOCAB, (2, 100))
     want = hf(idx).logits
     assert want.abs().max() > 1 and (again(idx).logits - want).abs().max() <= 1e-4
@@ -105,7 +113,30 @@ def test_config_fields_per_family(tmp_path):
     c = GPT.from_pretrained(saved("qwen2-untied", tmp_path / "b")[1]).config
     assert (c.qkv_bias, c.bias, c.tie_embeddings, c.rope_theta, c.rope_scaling) == (True, False, False, 1e6, "")
     c = GPT.from_pretrained(saved("qwen3-head-dim-32", tmp_path / "c")[1]).config
-    assert (c.qk_norm, c.head_size, c.head_dim) == (True, 32, 32)
+    assert (c.qk_norm, c.head_size, c.head_dim, c.attention_window) == (True, 32, 32, 0)
+    c = GPT.from_pretrained(saved("mistral-window-7", tmp_path / "d")[1]).config
+    assert (c.attention_window, c.bias, c.qkv_bias, c.tie_embeddings) == (7, False, False, False)
+    assert GPT.from_pretrained(saved("mistral-no-window-tied", tmp_path / "e")[1]).config.attention_window == 0
+    assert GPT.from_pretrained(saved("qwen2-window-every-layer", tmp_path / "f")[1]).config.attention_window == 11
+    folder = saved("mistral-window-7", tmp_path / "g")[1]
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = {k: v for k, v in json.load(f).items() if k != "sliding_window"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert GPT.from_pretrained(folder).config.attention_window == 4096  # MistralConfig's default when left out
+
+
+@pytest.mark.parametrize("family", ["mistral-window-7", "qwen3-window-every-layer"])
+@torch.no_grad()
+def test_the_sliding_window_is_what_makes_them_agree(family, tmp_path):
+    """The same weights without the window give other logits past the window: the comparisons above see it."""
+    hf, folder = saved(family, tmp_path / "m")
+    idx = torch.randint(0, VOCAB, (1, 100))
+    model = GPT.from_pretrained(folder)
+    assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
+    for block in model.transformer.h:
+        block.attn.window = 0
+    assert (model(idx)[0] - hf(idx).logits).abs().max() > 1e-2
 
 
 @torch.no_grad()
@@ -244,8 +275,8 @@ def one_line_error(folder) -> str:
 
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
     shutil.copytree(llama_dir, tmp_path / "m")
-    edit_config(tmp_path / "m", architectures=["MistralForCausalLM"], model_type="mistral")
-    assert "unsupported architecture 'MistralForCausalLM'" in one_line_error(tmp_path / "m")
+    edit_config(tmp_path / "m", architectures=["GemmaForCausalLM"], model_type="gemma")
+    assert "unsupported architecture 'GemmaForCausalLM'" in one_line_error(tmp_path / "m")
 
 
 @pytest.mark.parametrize("changes, needle", [
@@ -255,6 +286,11 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path):
      "partial_rotary_factor"),
     (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
     (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=8,
+          max_window_layers=1), "sliding-window attention on 1 of 2 layers"),
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True, sliding_window=8,
+          layer_types=["sliding_attention", "full_attention"]), "sliding-window attention on 1 of 2 layers"),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=0), "sliding_window=0"),
     (dict(num_hidden_layers="two"), "integer num_hidden_layers"),
 ])
 def test_unsupported_options_are_named(llama_dir, tmp_path, changes, needle):

@@ -341,6 +341,7 @@ def test_cli_generates_from_a_windowed_model(ckpt):
             "--temperature", "0", "--no-stop")
     assert r.returncode == 0, r.stderr
     assert "[1 sequence(s), 5 prompt tokens, 12 new]" in r.stderr and r.stdout.startswith("the king and the queen")
+    assert "decode: SDPA with the window's mask (8 tokens)" in r.stderr
     r = gen("--ckpt", ckpt / "windowed.pt", "--prompt", "hi", "--fused")
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and "attention_window=8" in lines[0], r.stderr

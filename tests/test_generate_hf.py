@@ -103,10 +103,10 @@ def test_bad_input_is_one_line(llama, tmp_path, capsys, monkeypatch):
     no_tok = shutil.copytree(folder, tmp_path / "no-tok")
     (no_tok / "tokenizer.json").unlink()
     assert "has no tokenizer.json" in cli_error(capsys, "--init-from", f"hf:{no_tok}", "--prompt", "hi")
-    mistral = shutil.copytree(folder, tmp_path / "mistral")
-    hf_config = json.loads((mistral / "config.json").read_text())
-    (mistral / "config.json").write_text(json.dumps(dict(hf_config, architectures=["MistralForCausalLM"])))
-    assert "unsupported architecture 'MistralForCausalLM'" in cli_error(capsys, "--init-from", f"hf:{mistral}",
+    gemma = shutil.copytree(folder, tmp_path / "gemma")
+    hf_config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps(dict(hf_config, architectures=["GemmaForCausalLM"])))
+    assert "unsupported architecture 'GemmaForCausalLM'" in cli_error(capsys, "--init-from", f"hf:{gemma}",
                                                                        "--prompt", "hi")
     assert "--init-from='llama': expected hf:<repo-or-dir>" in cli_error(capsys, "--init-from", "llama",
                                                                           "--prompt", "hi")

@@ -266,13 +266,13 @@ def test_unexportable_shape_is_refused_before_training(tmp_path):
 
 def test_pretrained_folders_that_cannot_be_used(pretrained, tmp_path):
     folder = pretrained[0]
-    bad = shutil.copytree(folder, tmp_path / "mistral")
+    bad = shutil.copytree(folder, tmp_path / "gemma")
     config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps(dict(config, architectures=["MistralForCausalLM"],
-                                                     model_type="mistral")))
+    (bad / "config.json").write_text(json.dumps(dict(config, architectures=["GemmaForCausalLM"],
+                                                     model_type="gemma")))
     with pytest.raises(HFError) as e:
         train_mod.train(finetune_cfg(pretrained, tmp_path / "a", f"--init_from=hf:{bad}"))
-    assert f"cannot load 'hf:{bad}': unsupported architecture 'MistralForCausalLM'" in one_line(e)
+    assert f"cannot load 'hf:{bad}': unsupported architecture 'GemmaForCausalLM'" in one_line(e)
     no_tok = shutil.copytree(folder, tmp_path / "no-tok")
     os.remove(no_tok / "tokenizer.json")
     r = run_entry("train.py", CONFIG, f"--init_from=hf:{no_tok}", f"--out_dir={tmp_path}/b", "--device=cpu")

@@ -22,7 +22,8 @@ from tests.util import run_entry, write_corpus  # noqa: E402
 transformers.logging.set_verbosity_error()
 VOCAB = 320
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_proj", "c_fc"]}
+           "mistral": ["k_proj", "o_proj", "up_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"],
+           "gpt2": ["c_attn", "c_proj", "c_fc"]}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +62,9 @@ def logits_close(ours, theirs, idx, tol=1e-4):
     assert (got - want).abs().max() <= tol, (got - want).abs().max()
 
 
-@pytest.mark.parametrize("family, lora", [("llama", {}), ("qwen2", {"use_rslora": True}),
+@pytest.mark.parametrize("family, lora", [("llama", {}), ("qwen2", {"use_rslora": True}), ("mistral", {}),
                                           ("gpt2", {}), ("llama", {"rank_pattern": {"q_proj": 2}})],
-                         ids=["llama", "qwen2-rslora", "gpt2", "llama-rank-pattern"])
+                         ids=["llama", "qwen2-rslora", "mistral-window", "gpt2", "llama-rank-pattern"])
 def test_adapter_loads_as_its_merged_base(family, lora, tokenizer_folder, tmp_path):
     base = base_model(tmp_path / "base", family, tokenizer_folder)
     idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))

@@ -5,7 +5,8 @@ and checkpoints written before the Llama-family options exist load unchanged. A 
 
     pos_emb = "rope", norm = "rmsnorm", mlp = "swiglu", bias = false   (+ n_kv_head for GQA)
 
-and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true. Every option is one field; validate() names the first
+and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true; SmolLM3 adds nope_interval = 4. Every option is one
+field; validate() names the first
 bad one in one line.
 """
 from __future__ import annotations
@@ -53,6 +54,8 @@ class GPTConfig:
     qkv_bias: bool = False     # biases on the QKV projection even when bias = false (Qwen2)
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
+    nope_interval: int = 0     # RoPE models: every nope_interval-th layer (for 4: the 4th, 8th, ...) has no position
+                               # encoding at all (NoPE, SmolLM3); 0 = RoPE in every layer
     llama_kernels: str = "auto"  # RMSNorm, SwiGLU, RoPE: "triton" | "torch"; "auto" = the llama_kernels option
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
     attention_window: int = 0  # sliding window: each token attends to itself and the window - 1 tokens before it
@@ -66,6 +69,10 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size or self.n_embd // self.n_head
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) rotates q and k: RoPE models, except the NoPE layers of nope_interval."""
+        return self.pos_emb == "rope" and not (self.nope_interval and (layer + 1) % self.nope_interval == 0)
 
     @property
     def mlp_hidden(self) -> int:
@@ -124,6 +131,10 @@ class GPTConfig:
             bad("rope_high_freq_factor", f"must be above rope_low_freq_factor={self.rope_low_freq_factor}")
         if self.rope_original_max_pos <= 0:
             bad("rope_original_max_pos", "must be positive")
+        if self.nope_interval < 0:
+            bad("nope_interval", "must be 0 (RoPE in every layer) or a positive layer interval")
+        if self.nope_interval and self.pos_emb != "rope":
+            bad("nope_interval", "needs pos_emb = 'rope' (it leaves every nope_interval-th layer without RoPE)")
         if self.norm not in NORMS:
             bad("norm", f"must be one of {', '.join(NORMS)}")
         if not (math.isfinite(self.norm_eps) and 0 < self.norm_eps < 1):

@@ -33,12 +33,15 @@ from .hf_folder import DTYPES, ExportError, check_destination, hf_family, json_t
 from .hf_weights import tensor_rules
 
 ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+
+
 def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
     """config.json of `family` for GPT(cfg), with transformers' key names (the legacy rope_theta and
     rope_scaling keys, which transformers 4.x and 5.x and vLLM all read)."""
     common = {"architectures": [ARCHITECTURE[family]], "model_type": family, "vocab_size": cfg.vocab_size,
               "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
+              "pad_token_id": None,  # not a class default that may lie outside this vocabulary (SmolLM3's)
               "torch_dtype": str(dtype).removeprefix("torch.")}
     if family == "gpt2":
         return {**common, "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
@@ -62,6 +65,11 @@ def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, 
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     elif family == "mistral":
         out["sliding_window"] = window
+    elif family == "smollm3":  # the window, if any, on every layer: layer_types written out
+        out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias, no_rope_layer_interval=cfg.nope_interval,
+                   no_rope_layers=[int(cfg.uses_rope(i)) for i in range(cfg.n_layer)],
+                   use_sliding_window=window is not None, sliding_window=window,
+                   layer_types=[("sliding_attention" if window else "full_attention")] * cfg.n_layer)
     else:  # qwen2, qwen3: a window on every layer (max_window_layers 0) or none
         out.update(use_sliding_window=window is not None, sliding_window=window,
                    max_window_layers=0 if window else cfg.n_layer)

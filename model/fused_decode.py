@@ -97,6 +97,8 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     c = model.config
     if c.qk_norm:
         return "qk_norm (a per-head RMSNorm of q and k) is not fused"
+    if c.nope_interval:
+        return f"nope_interval={c.nope_interval}: the fused kernels rotate q and k in every layer"
     if c.attention_window:
         return f"attention_window={c.attention_window}: the decode kernels attend over the whole cache"
     w = model.lm_head.weight

@@ -16,7 +16,8 @@ Attention goes through `kernels.attention_qkvpacked(qkv, ...)` (training, no cac
 `attend` (prefill and decode): "flash" (Triton), "sdpa" (PyTorch) or "naive" (the reference). RoPE models
 rotate q and k inside the packed projection before that call (model/rope.py), except on the flash backend
 without a cache (and without qk_norm), which takes the RoPE tables into its packed call (kernels option
-rope_in_flash): its backward kernels then store the gradients of q and k rotated back.
+rope_in_flash): its backward kernels then store the gradients of q and k rotated back. The NoPE layers of
+config.nope_interval (SmolLM3) rotate nothing.
 
 Documents packed into a row (forward(..., docs=...), kernels/documents.py) attend within their own document
 only, and their positions (learned or RoPE) start at 0 at every document start. config.attention_window limits
@@ -38,8 +39,9 @@ from .shard_adamw import ShardLocalAdamW
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
+        self.use_rope = cfg.uses_rope(layer)  # False in the NoPE layers of config.nope_interval
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         # q for every head, k and v for every kv head, in one matmul
         self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim,
@@ -61,6 +63,7 @@ class CausalSelfAttention(nn.Module):
         """x: (B, T, C) → (B, T, C). rope: (cos, sin) of the tokens' positions, for RoPE models. docs: (B, 2, T)
         int32 bounds of the documents packed in each row (no KV cache): attention stays within each."""
         B, T, C = x.shape
+        rope = rope if self.use_rope else None
         qkv = self.c_attn(x)  # (B, T, (nh + 2·nkv)·hd)
         backend = kernels.resolve_backend(self.backend, x.device)
         # flash rotates q and k in its own packed call, its backward kernels storing d(q), d(k) rotated back
@@ -124,10 +127,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
@@ -150,7 +153,7 @@ class GPT(nn.Module):
         layers = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
         if cfg.pos_emb == "learned":
             layers["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
-        layers.update(drop=nn.Dropout(cfg.dropout), h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+        layers.update(drop=nn.Dropout(cfg.dropout), h=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
                       ln_f=make_norm(cfg))
         self.transformer = nn.ModuleDict(layers)
         self.rotary = RotaryEmbedding(cfg) if cfg.pos_emb == "rope" else None
@@ -179,7 +182,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None) -> "GPT":
-        """A Hugging Face model folder or hub id (GPT-2, Llama, Qwen2, Qwen3 families) → GPT in eval mode, with
+        """A Hugging Face model folder or hub id (GPT-2, Llama, Mistral, Qwen2, Qwen3, SmolLM3
+        families) → GPT in eval mode, with
         the same logits as transformers gives; float32 on the CPU unless dtype/device say otherwise. Raises
         model.hf.HFError with one line on anything it cannot load. See model/hf.py."""
         from .hf import from_pretrained

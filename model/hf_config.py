@@ -8,8 +8,10 @@ Families and the options they map:
                                 4096 when config.json leaves it out, null for none) → attention_window
     qwen2   Qwen2ForCausalLM    as llama, with biases on q, k, v only (qkv_bias)
     qwen3   Qwen3ForCausalLM    as llama, with RMSNorm on each head's q and k (qk_norm) and its own head_dim
-    (qwen2 and qwen3 with use_sliding_window: a window on every layer → attention_window; on some layers only:
-    refused, attention_window being one window for the whole model)
+    smollm3 SmolLM3ForCausalLM  as llama, every no_rope_layer_interval-th layer without RoPE (no_rope_layers, in
+                                that pattern) → nope_interval; rope_theta 2e6 when config.json leaves it out
+    (qwen2, qwen3 and smollm3 with use_sliding_window: a window on every layer → attention_window; on some
+    layers only: refused, attention_window being one window for the whole model)
 
 Both the current `rope_parameters` and the older `rope_theta` + `rope_scaling` keys are read. A key that
 config.json leaves out takes the default of the transformers class it names (e.g. tie_word_embeddings is
@@ -23,7 +25,7 @@ from .config import ConfigError, GPTConfig
 from .hf_files import HFError
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
 MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_type, when architectures is absent
 # transformers' defaults for keys a config.json may leave out, per family
 DEFAULTS = {
@@ -32,12 +34,14 @@ DEFAULTS = {
                     sliding_window=4096),
     "qwen2": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None),
     "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
+    "smollm3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None,
+                    rope_theta=2e6, no_rope_layer_interval=4),
 }
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def family_of(hf: dict) -> str:
-    """"gpt2" | "llama" | "mistral" | "qwen2" | "qwen3" from config.json's architectures (or model_type)."""
+    """"gpt2" | "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" from config.json's architectures (or model_type)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     if archs:
@@ -90,13 +94,13 @@ def _gpt2(hf: dict) -> GPTConfig:
                      tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
 
 
-def _rope_fields(hf: dict, problems: list[str]) -> dict:
+def _rope_fields(hf: dict, problems: list[str], default_theta: float = 10000.0) -> dict:
     """rope_theta and the llama3 scaling fields from rope_parameters (current) or rope_theta + rope_scaling."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         problems.append("per-layer-type rope_parameters")
         return {}
-    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = rp.get("rope_theta", hf.get("rope_theta", default_theta))
     fields = dict(rope_theta=float(theta))
     if float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         problems.append("partial_rotary_factor (RoPE on part of each head)")
@@ -123,13 +127,14 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu: SwiGLU)")
     # qwen2: biases on q, k, v only; mistral: none
-    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3") else False
-    mlp_bias = bool(hf.get("mlp_bias", False)) if family == "llama" else False
+    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3", "smollm3") else False
+    mlp_bias = bool(hf.get("mlp_bias", False)) if family in ("llama", "smollm3") else False
     if attention_bias != mlp_bias:
         problems.append(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (biases on all projections "
                         "or none)")
-    window = _window(hf, family, n_layer, problems)
-    rope = _rope_fields(hf, problems)
+    nope = _nope_interval(hf, n_layer, problems) if family == "smollm3" else 0
+    window = _window(hf, family, n_layer, nope, problems)
+    rope = _rope_fields(hf, problems, d.get("rope_theta", 10000.0))
     _refuse(family, problems)
     head_dim = hf.get("head_dim", d["head_dim"]) or n_embd // n_head
     head_size = head_dim if head_dim * n_head != n_embd else 0
@@ -139,14 +144,38 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
                      norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])), mlp="swiglu",
                      intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
                      tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])),
-                     attention_window=window, **rope)
+                     attention_window=window, nope_interval=nope, **rope)
 
 
-def _window(hf: dict, family: str, n_layer: int, problems: list[str]) -> int:
+def _nope_interval(hf: dict, n_layer: int, problems: list[str]) -> int:
+    """SmolLM3's layers without RoPE as nope_interval: no_rope_layers (1 = RoPE, 0 = none, one per layer) where
+    config.json has it, else every no_rope_layer_interval-th layer. A pattern other than every N-th layer is
+    refused; RoPE in every layer is 0."""
+    interval = hf.get("no_rope_layer_interval", DEFAULTS["smollm3"]["no_rope_layer_interval"])
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            problems.append(f"no_rope_layer_interval={interval!r} (a positive number of layers)")
+            return 0
+        return interval if interval <= n_layer else 0
+    if not isinstance(flags, list) or len(flags) != n_layer or any(f not in (0, 1) for f in flags):
+        problems.append(f"no_rope_layers must be {n_layer} flags of 0 or 1")
+        return 0
+    nope = [i for i, f in enumerate(flags) if not f]
+    if not nope:
+        return 0
+    n = nope[0] + 1  # the first NoPE layer is layer n - 1 in an every-n-th pattern
+    if [int((i + 1) % n != 0) for i in range(n_layer)] != flags:
+        problems.append(f"no_rope_layers={flags} (only every N-th layer without RoPE, as no_rope_layer_interval)")
+        return 0
+    return n
+
+
+def _window(hf: dict, family: str, n_layer: int, nope: int, problems: list[str]) -> int:
     """attention_window (0: none) from the family's sliding-window keys, as transformers reads them: Mistral
-    applies sliding_window on every layer (and ignores layer_types); Qwen2/Qwen3 only with use_sliding_window,
-    on the layers that layer_types (or, without it, index >= max_window_layers) marks "sliding_attention";
-    Llama has no window."""
+    applies sliding_window on every layer (and ignores layer_types); Qwen2/Qwen3/SmolLM3 only with
+    use_sliding_window, on the layers that layer_types marks "sliding_attention" (without it: Qwen's layers from
+    max_window_layers on, SmolLM3's NoPE layers); Llama has no window."""
     if family == "mistral":
         window = hf.get("sliding_window", DEFAULTS["mistral"]["sliding_window"])
         if window is None:
@@ -163,7 +192,8 @@ def _window(hf: dict, family: str, n_layer: int, problems: list[str]) -> int:
         return 0
     if not layer_types:
         first = hf.get("max_window_layers", 28)  # transformers' default
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+        windowed = ((lambda i: nope and (i + 1) % nope == 0) if family == "smollm3" else (lambda i: i >= first))
+        layer_types = ["sliding_attention" if windowed(i) else "full_attention" for i in range(n_layer)]
     windowed = sum(t == "sliding_attention" for t in layer_types)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         problems.append(f"sliding_window={window!r} (a positive number of tokens)")

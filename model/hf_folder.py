@@ -1,6 +1,6 @@
 """The Hugging Face folders this project writes: which architecture represents a model, and a folder written whole.
 
-    family = hf_family(cfg)          # "gpt2" | "llama" | "mistral" | "qwen2" | "qwen3", or ExportError naming why none
+    family = hf_family(cfg)          # "gpt2" | "llama" | ... | "smollm3", or ExportError naming why none
     write_folder(out, {"config.json": json_text(config)}, tensors, force)   # into a temporary folder, then renamed
 
 Used by the model export (model/export.py) and the LoRA adapter export (model/lora_export.py).
@@ -20,7 +20,8 @@ from .hf_files import HFError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GPT2LMHeadModel) and Llama-family "
               "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, MistralForCausalLM with "
-              "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm)")
+              "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, SmolLM3ForCausalLM with "
+              "nope_interval)")
 
 
 class ExportError(HFError):
@@ -29,12 +30,13 @@ class ExportError(HFError):
 
 def hf_family(cfg: GPTConfig) -> str:
     """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "mistral" | "qwen2" |
-    "qwen3".
+    "qwen3" | "smollm3".
 
     GPT-2 blocks without biases export as GPT2LMHeadModel with zero biases (the same function; read back, the
     config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
     biases on q, k, v only → Qwen2; qk_norm → Qwen3; none of those and no biases → Llama, or Mistral with a
-    sliding window (attention_window; Qwen2 and Qwen3 carry theirs as use_sliding_window on every layer).
+    sliding window (attention_window; Qwen2 and Qwen3 carry theirs as use_sliding_window on every layer); NoPE
+    layers (nope_interval) → SmolLM3.
     ExportError names what no architecture represents.
     """
     blocks = (cfg.pos_emb, cfg.norm, cfg.mlp)
@@ -53,6 +55,11 @@ def hf_family(cfg: GPTConfig) -> str:
                               + "; ".join(problems))
         return "gpt2"
     if blocks == ("rope", "rmsnorm", "swiglu"):
+        if cfg.nope_interval:
+            if cfg.qk_norm or (cfg.qkv_bias and not cfg.bias):
+                raise ExportError("no Hugging Face architecture represents this model: nope_interval (SmolLM3) with "
+                                  f"qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} (SmolLM3 has neither)")
+            return "smollm3"
         if cfg.qk_norm:
             if cfg.bias or cfg.qkv_bias:
                 raise ExportError("no Hugging Face architecture represents this model: qk_norm (Qwen3) with "

@@ -3,7 +3,7 @@
 A Rule says how one of our parameters is made from Hugging Face tensors: the HF tensors `parts`, concatenated
 along dim 0 in that order, transposed when `transpose` (GPT-2's Conv1D stores (in, out)). The mapping per family:
 
-    ours                              gpt2 (transformer.* prefix)       llama / mistral / qwen2 / qwen3 (model.*)
+    ours                              gpt2 (transformer.* prefix)       llama-like families (model.* prefix)
     transformer.wte.weight            wte.weight                        embed_tokens.weight
     transformer.wpe.weight            wpe.weight                        —
     transformer.h.N.ln_1.*            h.N.ln_1.{weight,bias}            layers.N.input_layernorm.weight
@@ -27,7 +27,7 @@ import torch
 from .config import GPTConfig
 from .hf_files import HFError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # one layout of names: model.layers.N.self_attn.q_proj, ...
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "smollm3")  # one layout of names: model.layers.N.self_attn.q_proj, ...
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}

@@ -38,6 +38,10 @@ SHAPES = {
     "mistral-window": (dict(LLAMA, attention_window=7, tie_embeddings=False), "MistralForCausalLM"),
     "qwen2-window": (dict(LLAMA, qkv_bias=True, attention_window=9), "Qwen2ForCausalLM"),
     "qwen3-window": (dict(LLAMA, qk_norm=True, attention_window=5), "Qwen3ForCausalLM"),
+    # NoPE layers: SmolLM3's no_rope_layers
+    "smollm3-nope-2": (dict(LLAMA, nope_interval=2, rope_theta=2e6), "SmolLM3ForCausalLM"),
+    "smollm3-nope-1-biases-window": (dict(LLAMA, nope_interval=1, bias=True, attention_window=6, tie_embeddings=False),
+                                     "SmolLM3ForCausalLM"),
 }
 
 
@@ -85,9 +89,9 @@ def test_round_trip_is_bit_identical(name, tmp_path, char_spec):
     assert set(ours) <= set(theirs)
     c, b = model.config, back.config
     assert (b.n_layer, b.n_head, b.kv_heads, b.head_dim, b.mlp_hidden, b.block_size, b.vocab_size, b.norm_eps,
-            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm, b.attention_window) == \
+            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm, b.attention_window, b.nope_interval) == \
         (c.n_layer, c.n_head, c.kv_heads, c.head_dim, c.mlp_hidden, c.block_size, c.vocab_size, c.norm_eps,
-         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm, c.attention_window)
+         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm, c.attention_window, c.nope_interval)
 
 
 TOKENIZER_TEXTS = ["the king and the queen\n", "Thou art fair!  Spaces,\ttabs and é 日本\n"]
@@ -135,6 +139,7 @@ def test_bfloat16_export(tmp_path, char_spec):
     (dict(n_layer=1, n_head=4, n_embd=32, head_size=16), "GPT-2 blocks with head_size=16"),
     (dict(n_layer=1, n_head=4, n_embd=32, attention_window=8), "GPT-2 blocks with attention_window=8"),
     (dict(LLAMA, bias=True, attention_window=8), "attention_window=8 with bias=True"),
+    (dict(LLAMA, nope_interval=2, qk_norm=True), "nope_interval (SmolLM3) with qk_norm=True"),
 ])
 def test_shapes_without_an_architecture_are_refused(fields, needle):
     with pytest.raises(ExportError) as e:

@@ -182,10 +182,11 @@ def test_supervised_finetune_on_conversations_then_chat(pretrained, tmp_path):
     assert r.stdout.startswith("crown crown crown<|im_end|>\n<|endoftext|>"), r.stdout  # the turn, end of text
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2", "qwen3", "smollm3"])
 def test_each_family_finetunes(family, pretrained, tmp_path):
     """The other families (llama: above) start from their weights and learn: the loss falls. Mistral's sliding
-    window (8 tokens, in a 32-token context) trains as attention_window and exports as sliding_window again."""
+    window (8 tokens, in a 32-token context) trains as attention_window and exports as sliding_window again;
+    SmolLM3's NoPE layers as nope_interval."""
     folder = str(tmp_path / family)
     os.makedirs(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -195,9 +196,11 @@ def test_each_family_finetunes(family, pretrained, tmp_path):
                        "--eval_iters=4")
     summary = train_mod.train(cfg)
     start = load_checkpoint(os.path.join(cfg.train.out_dir, "ckpt_0000000.pt"))["config"]["model"]
-    assert (start["pos_emb"], start["qkv_bias"], start["qk_norm"], start["attention_window"]) == {
-        "gpt2": ("learned", False, False, 0), "mistral": ("rope", False, False, 8),
-        "qwen2": ("rope", True, False, 0), "qwen3": ("rope", False, True, 0)}[family]
+    assert (start["pos_emb"], start["qkv_bias"], start["qk_norm"], start["attention_window"],
+            start["nope_interval"]) == {
+        "gpt2": ("learned", False, False, 0, 0), "mistral": ("rope", False, False, 8, 0),
+        "qwen2": ("rope", True, False, 0, 0), "qwen3": ("rope", False, True, 0, 0),
+        "smollm3": ("rope", False, False, 0, 2)}[family]
     val = rows(cfg.train.out_dir, "val_loss")
     assert val[-1][1] < val[0][1] - 0.3
     if family == "mistral":

@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,  # noqa: E402
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 from model import GPT  # noqa: E402
 from model.hf import HFError  # noqa: E402
@@ -46,6 +47,12 @@ FAMILIES = {
                                                                      sliding_window=11, max_window_layers=0)),
     "qwen3-window-every-layer": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, use_sliding_window=True,
                                                                      sliding_window=5, max_window_layers=0)),
+    # SmolLM3: the second layer without RoPE (NoPE); its own default rope_theta
+    "smollm3-nope-every-2": lambda: SmolLM3ForCausalLM(SmolLM3Config(**LLAMA, no_rope_layer_interval=2,
+                                                                                 pad_token_id=None)),
+    "smollm3-biases-rope-everywhere": lambda: SmolLM3ForCausalLM(SmolLM3Config(
+        **LLAMA, no_rope_layer_interval=4, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        pad_token_id=None)),
 }
 
 
@@ -90,14 +97,15 @@ def test_same_logits_and_greedy_tokens_as_transformers(family, tmp_path):
 def test_transformers_to_ours_to_export_to_transformers(family, tmp_path):
     """The whole chain from a transformers model: saved, loaded here, written as a checkpoint, exported
     (python -m model.export's export_checkpoint), loaded by transformers again: the same architecture (a Mistral
-    without a window is a Llama) and the original model's logits."""
+    without a window, a SmolLM3 with RoPE in every layer: a Llama) and the original model's logits."""
     from model.export import export_checkpoint
     from tests.hf_models import char_spec, write_ckpt
 
     hf, folder = saved(family, tmp_path / family)
     ckpt = write_ckpt(tmp_path / "ckpt.pt", GPT.from_pretrained(folder), char_spec(VOCAB))
     again = transformers.AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, str(tmp_path / "out"))).eval()
-    assert type(again).__name__ == ("LlamaForCausalLM" if family == "mistral-no-window-tied" else type(hf).__name__)
+    as_llama = family in ("mistral-no-window-tied", "smollm3-biases-rope-everywhere")
+    assert type(again).__name__ == ("LlamaForCausalLM" if as_llama else type(hf).__name__)
     idx = torch.randint(0, VOCAB, (2, 100))
     want = hf(idx).logits
     assert want.abs().max() > 1 and (again(idx).logits - want).abs().max() <= 1e-4
@@ -118,6 +126,10 @@ def test_config_fields_per_family(tmp_path):
     assert (c.attention_window, c.bias, c.qkv_bias, c.tie_embeddings) == (7, False, False, False)
     assert GPT.from_pretrained(saved("mistral-no-window-tied", tmp_path / "e")[1]).config.attention_window == 0
     assert GPT.from_pretrained(saved("qwen2-window-every-layer", tmp_path / "f")[1]).config.attention_window == 11
+    c = GPT.from_pretrained(saved("smollm3-nope-every-2", tmp_path / "h")[1]).config
+    assert (c.nope_interval, c.rope_theta, c.uses_rope(0), c.uses_rope(1)) == (2, 2e6, True, False)
+    c = GPT.from_pretrained(saved("smollm3-biases-rope-everywhere", tmp_path / "i")[1]).config
+    assert (c.nope_interval, c.bias, c.tie_embeddings) == (0, True, False)  # interval 4 > 2 layers: no NoPE layer
     folder = saved("mistral-window-7", tmp_path / "g")[1]
     with open(os.path.join(folder, "config.json")) as f:
         cfg = {k: v for k, v in json.load(f).items() if k != "sliding_window"}
@@ -126,16 +138,17 @@ def test_config_fields_per_family(tmp_path):
     assert GPT.from_pretrained(folder).config.attention_window == 4096  # MistralConfig's default when left out
 
 
-@pytest.mark.parametrize("family", ["mistral-window-7", "qwen3-window-every-layer"])
+@pytest.mark.parametrize("family", ["mistral-window-7", "qwen3-window-every-layer", "smollm3-nope-every-2"])
 @torch.no_grad()
-def test_the_sliding_window_is_what_makes_them_agree(family, tmp_path):
-    """The same weights without the window give other logits past the window: the comparisons above see it."""
+def test_the_window_and_nope_layers_are_what_makes_them_agree(family, tmp_path):
+    """The same weights without the window (or with RoPE in the NoPE layer) give other logits: the comparisons
+    above see it."""
     hf, folder = saved(family, tmp_path / "m")
     idx = torch.randint(0, VOCAB, (1, 100))
     model = GPT.from_pretrained(folder)
     assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
     for block in model.transformer.h:
-        block.attn.window = 0
+        block.attn.window, block.attn.use_rope = 0, True
     assert (model(idx)[0] - hf(idx).logits).abs().max() > 1e-2
 
 
@@ -291,6 +304,10 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path):
     (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True, sliding_window=8,
           layer_types=["sliding_attention", "full_attention"]), "sliding-window attention on 1 of 2 layers"),
     (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=0), "sliding_window=0"),
+    (dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", no_rope_layers=[0, 1]),
+     "no_rope_layers=[0, 1] (only every N-th layer without RoPE"),
+    (dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", no_rope_layers=[1]),
+     "no_rope_layers must be 2 flags of 0 or 1"),
     (dict(num_hidden_layers="two"), "integer num_hidden_layers"),
 ])
 def test_unsupported_options_are_named(llama_dir, tmp_path, changes, needle):

@@ -109,6 +109,8 @@ def test_smollm2_config_has_its_parameter_count():
     (["--pos_emb=rope", "--head_size=15"], "RoPE needs it even"),
     (["--qk_norm=maybe"], "model.qk_norm"),
     (["--block_size=1000000"], "model.block_size"),  # the learned table's cap
+    (["--nope_interval=4"], "model.nope_interval=4: needs pos_emb = 'rope'"),
+    (["--pos_emb=rope", "--nope_interval=-1"], "model.nope_interval=-1"),
 ])
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
@@ -235,7 +237,8 @@ def test_causality_and_positions_matter():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1, qk_norm=True, qkv_bias=True, tie_embeddings=False),
-                                dict(head_size=24, rope_scaling="llama3", rope_original_max_pos=8)])
+                                dict(head_size=24, rope_scaling="llama3", rope_original_max_pos=8),
+                                dict(nope_interval=2, n_layer=4)])
 def test_backends_agree(kw):
     torch.manual_seed(0)
     model = GPT(tiny(**kw)).double()  # GPT-2's init: CPU SDPA's float64 drifts ~1e-7 relative on large scores
@@ -262,6 +265,30 @@ def test_flash_backend_matches_naive_forward_and_backward():
     torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(results["flash"][1], results["naive"][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_nope_layers_through_flash_match_naive_and_matter():
+    """nope_interval = 2 (SmolLM3): layer 0 rotates inside the flash call (rope_in_flash), layer 1 rotates nothing;
+    flash gives the reference's logits and gradients, and the NoPE layer is what makes them differ from a model
+    with RoPE everywhere."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(5)
+    model = GPT(tiny(nope_interval=2, n_layer=2)).to(device)
+    assert [b.attn.use_rope for b in model.transformer.h] == [True, False]
+    idx = torch.randint(0, VOCAB, (2, 19), device=device)
+    results = {}
+    for backend in ("naive", "flash"):
+        model.zero_grad()
+        model.set_attention_backend(backend)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results["flash"][1], results["naive"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    model.transformer.h[1].attn.use_rope = True
+    with torch.no_grad():
+        assert (model(idx)[0] - results["flash"][0]).abs().max() > 1e-3
 
 
 def test_compiled_rope_model_has_no_graph_break():
@@ -306,6 +333,7 @@ def test_fused_decode_step_covers_llama_blocks_but_not_qk_norm():
     """(tests/test_fused_decode_llama.py checks the fused step's numbers.)"""
     from model.fused_decode import unsupported_reason
     assert "qk_norm" in unsupported_reason(GPT(tiny(qk_norm=True)), check_cache=False)
+    assert "nope_interval=2" in unsupported_reason(GPT(tiny(nope_interval=2)), check_cache=False)
     reason = unsupported_reason(GPT(tiny()), check_cache=False)
     assert reason is None or reason.startswith("the model is on cpu")  # a GPU machine runs the step on CUDA only
 
@@ -318,18 +346,20 @@ PROMPT_LENS = (1, 5, 17, 30)
 
 @pytest.fixture(scope="module")
 def oracle():
-    """{name: (model, prompts, expected greedy tokens)} for a Llama-shaped and a Qwen3-shaped model."""
+    """{name: (model, prompts, expected greedy tokens)} for a Llama-shaped, a Qwen3-shaped and a SmolLM3-shaped
+    (NoPE every second layer) model."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
     out = {}
     for name, kw in {"llama": dict(), "qwen3": dict(qk_norm=True, qkv_bias=True, head_size=32,
-                                                    tie_embeddings=False, n_kv_head=1)}.items():
+                                                    tie_embeddings=False, n_kv_head=1),
+                     "smollm3": dict(nope_interval=2)}.items():
         model = random_model(**kw)
         out[name] = (model, prompts, [recompute_greedy(model, p, N_NEW) for p in prompts])
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "smollm3"])
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
 @pytest.mark.parametrize("chunk", [0, 4, 13])
 def test_greedy_with_cache_equals_recompute(oracle, name, backend, chunk):
@@ -344,11 +374,12 @@ def test_greedy_with_cache_equals_recompute(oracle, name, backend, chunk):
         model.set_attention_backend("naive")
 
 
-def test_greedy_flash_backend_equals_recompute(oracle):
+@pytest.mark.parametrize("name", ["llama", "smollm3"])
+def test_greedy_flash_backend_equals_recompute(oracle, name):
     """Flash prefill with RoPE, then the split-KV decode kernel (the interpreter on CPU, float32)."""
     if torch.cuda.is_available():
         pytest.skip("CPU tensors go through the Triton interpreter only without a GPU")
-    model, prompts, expected = oracle["llama"]
+    model, prompts, expected = oracle[name]
     model.set_attention_backend("flash")
     try:
         got = generate(model, prompts[1:3], SamplingParams(temperature=0.0, max_new_tokens=N_NEW)).sequences

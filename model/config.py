@@ -20,7 +20,7 @@ MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comf
 POS_EMBS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-ROPE_SCALINGS = ("", "llama3")
+ROPE_SCALINGS = ("", "llama3", "linear", "yarn")
 SWIGLU_MULTIPLE = 64  # the default SwiGLU width is rounded up to a multiple of this
 
 
@@ -42,11 +42,16 @@ class GPTConfig:
     head_size: int = 0         # width of one attention head; 0 = n_embd // n_head
     pos_emb: str = "learned"   # "learned" (a block_size x n_embd table, GPT-2) | "rope" (rotary, Llama)
     rope_theta: float = 10000.0  # RoPE base: head-dim pair i turns at rope_theta^(-2i/head_dim) radians per token
-    rope_scaling: str = ""     # "" | "llama3" (Llama-3.1 frequency scaling, the four rope_* fields below)
-    rope_factor: float = 8.0             # llama3: long wavelengths are stretched by this factor
+    rope_scaling: str = ""     # "" | "llama3" (Llama-3.1's frequency scaling) | "linear" (position interpolation:
+                               # every frequency / rope_factor) | "yarn" (YaRN), with the rope_* fields below
+    rope_factor: float = 8.0             # llama3, linear, yarn: long wavelengths are stretched by this factor
     rope_low_freq_factor: float = 1.0    # llama3: wavelengths above original_max_pos / this are fully scaled
     rope_high_freq_factor: float = 4.0   # llama3: wavelengths below original_max_pos / this are kept
-    rope_original_max_pos: int = 8192    # llama3: the context the unscaled model was trained with
+    rope_original_max_pos: int = 8192    # llama3, yarn: the context the unscaled model was trained with
+    rope_beta_fast: float = 32.0         # yarn: pairs turning more than this often in original_max_pos are kept
+    rope_beta_slow: float = 1.0          # yarn: pairs turning less than this often are fully stretched
+    rope_attention_factor: float = 0.0   # yarn: cos and sin multiplied by it; 0 = 0.1·ln(rope_factor) + 1
+    rope_yarn_truncate: bool = True      # yarn: the blended band's ends rounded out to whole pairs
     norm: str = "layernorm"    # "layernorm" (GPT-2) | "rmsnorm" (Llama)
     norm_eps: float = 1e-5     # epsilon of every norm layer
     mlp: str = "gelu"          # "gelu" (GPT-2: GELU(x W_fc) W_proj) | "swiglu" (Llama: (SiLU(x W_g) * x W_u) W_d)
@@ -120,7 +125,7 @@ class GPTConfig:
         if self.pos_emb == "rope" and self.head_dim % 2:
             bad("head_size" if self.head_size else "n_embd", f"gives head dim {self.head_dim}: RoPE needs it even")
         if self.rope_scaling not in ROPE_SCALINGS:
-            bad("rope_scaling", "must be '' (none) or 'llama3'")
+            bad("rope_scaling", "must be '' (none), 'llama3', 'linear' or 'yarn'")
         if self.rope_scaling and self.pos_emb != "rope":
             bad("rope_scaling", "needs pos_emb = 'rope'")
         if not (math.isfinite(self.rope_factor) and self.rope_factor >= 1.0):
@@ -131,6 +136,12 @@ class GPTConfig:
             bad("rope_high_freq_factor", f"must be above rope_low_freq_factor={self.rope_low_freq_factor}")
         if self.rope_original_max_pos <= 0:
             bad("rope_original_max_pos", "must be positive")
+        if not (math.isfinite(self.rope_beta_slow) and self.rope_beta_slow > 0):
+            bad("rope_beta_slow", "must be positive")
+        if not (math.isfinite(self.rope_beta_fast) and self.rope_beta_fast > self.rope_beta_slow):
+            bad("rope_beta_fast", f"must be above rope_beta_slow={self.rope_beta_slow}")
+        if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
+            bad("rope_attention_factor", "must be positive (or 0 for 0.1·ln(rope_factor) + 1)")
         if self.nope_interval < 0:
             bad("nope_interval", "must be 0 (RoPE in every layer) or a positive layer interval")
         if self.nope_interval and self.pos_emb != "rope":

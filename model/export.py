@@ -60,6 +60,14 @@ def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, 
                                "low_freq_factor": cfg.rope_low_freq_factor,
                                "high_freq_factor": cfg.rope_high_freq_factor,
                                "original_max_position_embeddings": cfg.rope_original_max_pos}
+    elif cfg.rope_scaling == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
+    elif cfg.rope_scaling == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_pos,
+                               "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                               "attention_factor": cfg.rope_attention_factor or None,
+                               "truncate": cfg.rope_yarn_truncate}
     window = cfg.attention_window or None
     if family == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)

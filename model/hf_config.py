@@ -16,10 +16,12 @@ Families and the options they map:
 Both the current `rope_parameters` and the older `rope_theta` + `rope_scaling` keys are read. A key that
 config.json leaves out takes the default of the transformers class it names (e.g. tie_word_embeddings is
 true for GPT-2, false for the others). Options these models cannot reproduce are refused by name: another
-activation, a sliding window on some layers only, RoPE types other than default and llama3, partial rotary, biases
-on attention without the MLP's.
+activation, a sliding window on some layers only, RoPE types other than default, llama3, linear and yarn, partial
+rotary, biases on attention without the MLP's.
 """
 from __future__ import annotations
+
+import math
 
 from .config import ConfigError, GPTConfig
 from .hf_files import HFError
@@ -95,7 +97,8 @@ def _gpt2(hf: dict) -> GPTConfig:
 
 
 def _rope_fields(hf: dict, problems: list[str], default_theta: float = 10000.0) -> dict:
-    """rope_theta and the llama3 scaling fields from rope_parameters (current) or rope_theta + rope_scaling."""
+    """rope_theta and the scaling fields (llama3, linear, yarn) from rope_parameters (current) or rope_theta +
+    rope_scaling, read as transformers reads them."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         problems.append("per-layer-type rope_parameters")
@@ -114,9 +117,36 @@ def _rope_fields(hf: dict, problems: list[str], default_theta: float = 10000.0) 
                                                     or hf.get("max_position_embeddings") or 8192))
         except (KeyError, TypeError, ValueError) as e:
             problems.append(f"llama3 rope scaling without a usable {e}")
+    elif rope_type == "linear":
+        try:
+            fields.update(rope_scaling="linear", rope_factor=float(rp["factor"]))
+        except (KeyError, TypeError, ValueError) as e:
+            problems.append(f"linear rope scaling without a usable {e}")
+    elif rope_type == "yarn":
+        try:
+            fields.update(_yarn_fields(hf, rp))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            problems.append(f"yarn rope scaling without a usable {e}")
     elif rope_type != "default":
-        problems.append(f"rope type {rope_type!r} (only default and llama3)")
+        problems.append(f"rope type {rope_type!r} (only default, llama3, linear and yarn)")
     return fields
+
+
+def _yarn_fields(hf: dict, rp: dict) -> dict:
+    """YaRN's fields: factor (or max_position_embeddings / original_max_position_embeddings), beta_fast and
+    beta_slow (32 and 1 where unset), truncate (true), and the attention factor: given, or from DeepSeek's mscale
+    and mscale_all_dim where both are set, else 0 (the model's own 0.1·ln(factor) + 1)."""
+    original = int(rp.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
+    factor = float(rp["factor"]) if rp.get("factor") is not None else hf["max_position_embeddings"] / original
+    attention = rp.get("attention_factor")
+    mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        def m(ms: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * ms * math.log(factor) + 1.0
+        attention = m(float(mscale)) / m(float(mscale_all_dim))
+    return dict(rope_scaling="yarn", rope_factor=factor, rope_original_max_pos=original,
+                rope_beta_fast=float(rp.get("beta_fast") or 32), rope_beta_slow=float(rp.get("beta_slow") or 1),
+                rope_attention_factor=float(attention or 0.0), rope_yarn_truncate=bool(rp.get("truncate", True)))
 
 
 def _llama_like(hf: dict, family: str) -> GPTConfig:

@@ -6,8 +6,10 @@
     q = apply_rope(q, cos, sin)               # q (B, T, H, D), the heads of one packed projection
 
 Head-dim pair (i, i + D/2) of a token at position p is turned by the angle p · inv_freq[i], with
-inv_freq[i] = rope_theta^(-2i/D) (and the Llama-3.1 rescaling when cfg.rope_scaling = "llama3"). The angles
-are computed in float32 and cos/sin rounded to the activations' dtype, as transformers does.
+inv_freq[i] = rope_theta^(-2i/D), rescaled by cfg.rope_scaling: "llama3" (Llama-3.1's bands), "linear" (all
+divided by rope_factor) or "yarn" (YaRN: long wavelengths divided, short ones kept, a linear blend between,
+and cos and sin multiplied by its attention factor, which scales every q·k by its square). The angles are
+computed in float32 and cos/sin rounded to the activations' dtype, as transformers does.
 """
 from __future__ import annotations
 
@@ -25,7 +27,39 @@ def rope_inv_freq(cfg, device=None) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     if cfg.rope_scaling == "llama3":
         inv_freq = _llama3_scaled(inv_freq, cfg)
+    elif cfg.rope_scaling == "linear":
+        inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_scaling == "yarn":
+        inv_freq = _yarn_scaled(inv_freq, cfg)
     return inv_freq
+
+
+def rope_attention_factor(cfg) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1·ln(rope_factor) + 1), else 1."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
+    """YaRN's frequencies: pair i keeps its frequency where it turns more than rope_beta_fast times in
+    rope_original_max_pos tokens, is divided by rope_factor where it turns fewer than rope_beta_slow times, and
+    blends the two linearly in i between (the band's ends rounded out to whole pairs with rope_yarn_truncate)."""
+    d, base, old_len = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_pos
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times in old_len
+        return d * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(cfg.rope_beta_fast), pair_turning(cfg.rope_beta_slow)
+    if cfg.rope_yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # a band of no width: a step instead of a ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)  # (D/2,): kept below low, divided above high
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
@@ -71,6 +105,9 @@ class RotaryEmbedding(nn.Module):
         """pos (...) integer → cos, sin (..., D) float32."""
         freqs = pos[..., None].float() * self.inv_freq   # (..., D/2) angles
         angles = torch.cat((freqs, freqs), dim=-1)       # (..., D): pair (i, i + D/2) shares angle i
+        scale = rope_attention_factor(self.cfg)
+        if scale != 1.0:
+            return angles.cos() * scale, angles.sin() * scale
         return angles.cos(), angles.sin()
 
     def forward(self, pos: torch.Tensor, dtype: torch.dtype,

@@ -38,6 +38,12 @@ SHAPES = {
     "mistral-window": (dict(LLAMA, attention_window=7, tie_embeddings=False), "MistralForCausalLM"),
     "qwen2-window": (dict(LLAMA, qkv_bias=True, attention_window=9), "Qwen2ForCausalLM"),
     "qwen3-window": (dict(LLAMA, qk_norm=True, attention_window=5), "Qwen3ForCausalLM"),
+    # RoPE scaling: YaRN (its attention factor from the factor, or given), position interpolation
+    "llama-yarn": (dict(LLAMA, rope_scaling="yarn", rope_factor=4.0, rope_original_max_pos=16), "LlamaForCausalLM"),
+    "qwen2-yarn-given": (dict(LLAMA, qkv_bias=True, rope_scaling="yarn", rope_factor=6.0, rope_original_max_pos=8,
+                              rope_attention_factor=1.25, rope_beta_fast=8.0, rope_beta_slow=0.5,
+                              rope_yarn_truncate=False), "Qwen2ForCausalLM"),
+    "llama-linear": (dict(LLAMA, rope_scaling="linear", rope_factor=3.0), "LlamaForCausalLM"),
     # NoPE layers: SmolLM3's no_rope_layers
     "smollm3-nope-2": (dict(LLAMA, nope_interval=2, rope_theta=2e6), "SmolLM3ForCausalLM"),
     "smollm3-nope-1-biases-window": (dict(LLAMA, nope_interval=1, bias=True, attention_window=6, tie_embeddings=False),
@@ -92,6 +98,11 @@ def test_round_trip_is_bit_identical(name, tmp_path, char_spec):
             b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm, b.attention_window, b.nope_interval) == \
         (c.n_layer, c.n_head, c.kv_heads, c.head_dim, c.mlp_hidden, c.block_size, c.vocab_size, c.norm_eps,
          c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm, c.attention_window, c.nope_interval)
+    scaling = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos"), "linear": ("factor",),
+               "yarn": ("factor", "original_max_pos", "beta_fast", "beta_slow", "attention_factor", "yarn_truncate"),
+               "": ()}[c.rope_scaling]
+    for name in scaling:
+        assert getattr(b, f"rope_{name}") == getattr(c, f"rope_{name}"), name
 
 
 TOKENIZER_TEXTS = ["the king and the queen\n", "Thou art fair!  Spaces,\ttabs and é 日本\n"]

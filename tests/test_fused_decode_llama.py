@@ -292,6 +292,10 @@ SHAPES = {
     "smollm2": dict(n_head=6, n_kv_head=2, n_embd=96, intermediate_size=128, rope_theta=1e5),
     # biases everywhere (bias = true) with Llama blocks
     "llama-bias": dict(n_head=4, n_kv_head=2, n_embd=64, bias=True),
+    # YaRN: its band inside the positions decoded, cos and sin scaled by the attention factor (the fused step's
+    # tables are the model's)
+    "llama-yarn": dict(n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, rope_scaling="yarn", rope_factor=4.0,
+                       rope_original_max_pos=8, rope_attention_factor=1.2),
 }
 
 

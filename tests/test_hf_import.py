@@ -4,6 +4,7 @@ one line that names the problem."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -47,6 +48,18 @@ FAMILIES = {
                                                                      sliding_window=11, max_window_layers=0)),
     "qwen3-window-every-layer": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, use_sliding_window=True,
                                                                      sliding_window=5, max_window_layers=0)),
+    # RoPE scaled for a longer context than the 16 tokens it "trained" on: YaRN (its own attention factor, given,
+    # or DeepSeek's mscale ratio) and position interpolation
+    "llama-yarn": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16))),
+    "qwen3-yarn-given": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e5, factor=8.0, original_max_position_embeddings=16, attention_factor=1.3,
+        beta_fast=16.0, beta_slow=2.0, truncate=False))),
+    "llama-yarn-mscale": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+        mscale_all_dim=0.5))),
+    "qwen2-linear": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA, rope_parameters=dict(
+        rope_type="linear", rope_theta=1e4, factor=2.5))),
     # SmolLM3: the second layer without RoPE (NoPE); its own default rope_theta
     "smollm3-nope-every-2": lambda: SmolLM3ForCausalLM(SmolLM3Config(**LLAMA, no_rope_layer_interval=2,
                                                                                  pad_token_id=None)),
@@ -130,6 +143,11 @@ def test_config_fields_per_family(tmp_path):
     assert (c.nope_interval, c.rope_theta, c.uses_rope(0), c.uses_rope(1)) == (2, 2e6, True, False)
     c = GPT.from_pretrained(saved("smollm3-biases-rope-everywhere", tmp_path / "i")[1]).config
     assert (c.nope_interval, c.bias, c.tie_embeddings) == (0, True, False)  # interval 4 > 2 layers: no NoPE layer
+    c = GPT.from_pretrained(saved("qwen3-yarn-given", tmp_path / "j")[1]).config
+    assert (c.rope_scaling, c.rope_factor, c.rope_original_max_pos, c.rope_attention_factor, c.rope_beta_fast,
+            c.rope_beta_slow, c.rope_yarn_truncate) == ("yarn", 8.0, 16, 1.3, 16.0, 2.0, False)
+    c = GPT.from_pretrained(saved("llama-yarn-mscale", tmp_path / "k")[1]).config
+    assert abs(c.rope_attention_factor - (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)) < 1e-12
     folder = saved("mistral-window-7", tmp_path / "g")[1]
     with open(os.path.join(folder, "config.json")) as f:
         cfg = {k: v for k, v in json.load(f).items() if k != "sliding_window"}
@@ -138,18 +156,27 @@ def test_config_fields_per_family(tmp_path):
     assert GPT.from_pretrained(folder).config.attention_window == 4096  # MistralConfig's default when left out
 
 
-@pytest.mark.parametrize("family", ["mistral-window-7", "qwen3-window-every-layer", "smollm3-nope-every-2"])
+@pytest.mark.parametrize("family", ["mistral-window-7", "qwen3-window-every-layer", "smollm3-nope-every-2",
+                                    "llama-yarn", "qwen3-yarn-given", "llama-yarn-mscale", "qwen2-linear"])
 @torch.no_grad()
-def test_the_window_and_nope_layers_are_what_makes_them_agree(family, tmp_path):
-    """The same weights without the window (or with RoPE in the NoPE layer) give other logits: the comparisons
-    above see it."""
+def test_windows_nope_layers_and_rope_scaling_are_what_makes_them_agree(family, tmp_path):
+    """The same weights without the window, with RoPE in the NoPE layer, or without the RoPE scaling (for YaRN:
+    also with its frequencies but without its attention factor) give other logits: the comparisons above see
+    them."""
     hf, folder = saved(family, tmp_path / "m")
     idx = torch.randint(0, VOCAB, (1, 100))
     model = GPT.from_pretrained(folder)
-    assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
+    want = hf(idx).logits
+    assert (model(idx)[0] - want).abs().max() <= 1e-4
+    if model.config.rope_scaling == "yarn":
+        model.config.rope_attention_factor = 1.0
+        model.rotary.reset()
+        assert (model(idx)[0] - want).abs().max() > 1e-2
+    model.config.rope_scaling = ""
+    model.rotary.reset()
     for block in model.transformer.h:
         block.attn.window, block.attn.use_rope = 0, True
-    assert (model(idx)[0] - hf(idx).logits).abs().max() > 1e-2
+    assert (model(idx)[0] - want).abs().max() > 1e-2
 
 
 @torch.no_grad()
@@ -294,7 +321,8 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path):
 
 @pytest.mark.parametrize("changes, needle", [
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "rope type 'yarn'"),
+    (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4.0)), "rope type 'dynamic'"),
+    (dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4)), "linear rope scaling without a usable 'factor'"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor"),
     (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),

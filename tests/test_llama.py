@@ -97,7 +97,10 @@ def test_smollm2_config_has_its_parameter_count():
     (["--norm=batchnorm"], "model.norm="),
     (["--mlp=relu"], "model.mlp"),
     (["--rope_scaling=llama3"], "needs pos_emb = 'rope'"),
-    (["--pos_emb=rope", "--rope_scaling=yarn"], "model.rope_scaling"),
+    (["--pos_emb=rope", "--rope_scaling=dynamic"], "model.rope_scaling"),
+    (["--pos_emb=rope", "--rope_scaling=yarn", "--rope_beta_fast=1"], "must be above rope_beta_slow=1.0"),
+    (["--rope_beta_slow=0"], "model.rope_beta_slow"),
+    (["--rope_attention_factor=-1"], "model.rope_attention_factor"),
     (["--pos_emb=rope", "--rope_theta=0"], "model.rope_theta"),
     (["--pos_emb=rope", "--rope_theta=nan"], "model.rope_theta"),
     (["--rope_factor=0.5"], "model.rope_factor"),
@@ -289,6 +292,28 @@ def test_nope_layers_through_flash_match_naive_and_matter():
     model.transformer.h[1].attn.use_rope = True
     with torch.no_grad():
         assert (model(idx)[0] - results["flash"][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("scaling", [dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_pos=8),
+                                     dict(rope_scaling="linear", rope_factor=2.0)], ids=["yarn", "linear"])
+def test_scaled_rope_through_flash_matches_naive(scaling):
+    """YaRN's tables carry its attention factor (cos and sin scaled, not a rotation): the flash call rotates with
+    them and its backward rotates the gradients back with them (rope_in_flash); logits and gradients are the
+    reference's."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(6)
+    model = GPT(tiny(n_layer=1, **scaling)).to(device)
+    idx = torch.randint(0, VOCAB, (2, 21), device=device)
+    results = {}
+    for backend in ("naive", "flash"):
+        model.zero_grad()
+        model.set_attention_backend(backend)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results["flash"][1], results["naive"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_compiled_rope_model_has_no_graph_break():

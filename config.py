@@ -198,7 +198,11 @@ class RunConfig:
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def validate(self) -> "RunConfig":
-        self.model.validate()
+        if self.train.init_from in ("scratch", "resume"):
+            # a run from pretrained weights takes [model] from them: training/pretrained.py's settle_run_config
+            # names the keys that contradict them and validates the result (so a RoPE key may be set there
+            # without pos_emb, which the weights give); GPT(config) validates whatever it builds
+            self.model.validate()
         self.data.validate()
         self.train.validate()
         if self.train.doc_mask and self.data.format == "bin" and self.data.tokenizer == "char":

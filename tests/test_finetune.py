@@ -264,6 +264,31 @@ def test_config_that_contradicts_the_pretrained_model(pretrained, tmp_path):
     assert not os.path.exists(tmp_path / "run" / "ckpt_0000000.pt")
 
 
+def test_context_extension_rescales_rope(pretrained, tmp_path):
+    """A RoPE model fine-tuned for a longer context may set the RoPE keys (YaRN here, 4x the pretrained 256
+    positions): the run's model has them, it learns, and its export carries them to transformers; a learned
+    position table takes none."""
+    cfg = finetune_cfg(pretrained, tmp_path, "--block_size=48", "--rope_scaling=yarn", "--rope_factor=4",
+                       "--rope_original_max_pos=256", "--export_hf=true", "--eval_iters=4")
+    summary = train_mod.train(cfg)
+    start = load_checkpoint(os.path.join(cfg.train.out_dir, "ckpt_0000000.pt"))["config"]["model"]
+    assert (start["rope_scaling"], start["rope_factor"], start["rope_original_max_pos"], start["n_layer"]) == \
+        ("yarn", 4.0, 256, 2)
+    val = rows(cfg.train.out_dir, "val_loss")
+    assert val[-1][1] < val[0][1] - 0.3
+    with open(os.path.join(summary["export"], "config.json")) as f:
+        rope = json.load(f)["rope_scaling"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 256)
+    folder = str(tmp_path / "gpt2")
+    os.makedirs(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(pretrained[0], name), folder)
+    tiny_llama(folder, MODEL_VOCAB, "gpt2")
+    with pytest.raises(ConfigError) as e:
+        train_mod.train(finetune_cfg(pretrained, tmp_path / "b", f"--init_from=hf:{folder}", "--rope_theta=500"))
+    assert "model.rope_theta=500.0 (--rope_theta=500) against the pretrained model's 10000.0" in one_line(e)
+
+
 def test_unexportable_shape_is_refused_before_training(tmp_path):
     corpus = write_corpus(tmp_path)
     cfg = load_config(None, [f"--dataset={corpus}", f"--out_dir={tmp_path}/run", "--export_hf=true",

@@ -22,6 +22,11 @@ from model.config import ConfigError, GPTConfig
 
 # [model] keys a fine-tuning run may set freely: how to train or run, not what the weights are
 FREE_MODEL_KEYS = ("dropout", "attention")
+# and, for RoPE models, the position encoding's frequencies: a run that extends the context (with a longer
+# block_size) rescales them, as YaRN, position interpolation or a larger rope_theta are fine-tuned
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_pos", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor",
+             "rope_yarn_truncate")
 
 
 @dataclass
@@ -97,13 +102,13 @@ def _check_vocab(source: str, tokenizer, cfg: GPTConfig) -> None:
 def settle_run_config(cfg: RunConfig, pre: Pretrained) -> None:
     """Make `cfg` a fine-tuning run of `pre`: [model] becomes the pretrained shape (keeping the run's dropout and
     attention, and its block_size where it sets one: a shorter training context, or for RoPE models a longer
-    one) and data.tokenizer becomes "model" (the pretrained tokenizer).
+    one, with the RoPE keys it sets: ROPE_KEYS) and data.tokenizer becomes "model" (the pretrained tokenizer).
 
     Keys the user set (cfg.origins) to values the pretrained model contradicts are refused in one ConfigError,
     as resume refuses them: the shape comes from the weights."""
     asked, base = cfg.model, pre.config
     problems = []
-    block_size = base.block_size
+    block_size, rope = base.block_size, {}
     for key, origin in cfg.origins.items():
         section, _, name = key.partition(".")
         if section == "data" and name == "tokenizer" and cfg.data.tokenizer != "model":
@@ -112,6 +117,9 @@ def settle_run_config(cfg: RunConfig, pre: Pretrained) -> None:
         if section != "model" or name in FREE_MODEL_KEYS:
             continue
         value, pretrained = getattr(asked, name), getattr(base, name)
+        if name in ROPE_KEYS and base.pos_emb == "rope":
+            rope[name] = value
+            continue
         if name == "block_size":
             if base.pos_emb == "learned" and value > base.block_size:
                 problems.append(f"model.block_size={value} ({origin}) is above the pretrained model's learned "
@@ -125,5 +133,5 @@ def settle_run_config(cfg: RunConfig, pre: Pretrained) -> None:
         raise ConfigError(f"train.init_from={pre.source!r}: " + "; ".join(problems)
                           + ". The model's shape comes from its weights: drop these keys")
     cfg.model = dataclasses.replace(base, dropout=asked.dropout, attention=asked.attention,
-                                    block_size=block_size).validate()
+                                    block_size=block_size, **rope).validate()
     cfg.data.tokenizer = "model"

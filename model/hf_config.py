@@ -43,7 +43,7 @@ GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def family_of(hf: dict) -> str:
-    """"gpt2" | "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" from config.json's architectures (or model_type)."""
+    """The family ("gpt2", "llama", ... : ARCHITECTURES' values) from config.json's architectures (or model_type)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     if archs:
@@ -222,8 +222,8 @@ def _window(hf: dict, family: str, n_layer: int, nope: int, problems: list[str])
         return 0
     if not layer_types:
         first = hf.get("max_window_layers", 28)  # transformers' default
-        windowed = ((lambda i: nope and (i + 1) % nope == 0) if family == "smollm3" else (lambda i: i >= first))
-        layer_types = ["sliding_attention" if windowed(i) else "full_attention" for i in range(n_layer)]
+        in_window = (lambda i: nope and (i + 1) % nope == 0) if family == "smollm3" else (lambda i: i >= first)
+        layer_types = ["sliding_attention" if in_window(i) else "full_attention" for i in range(n_layer)]
     windowed = sum(t == "sliding_attention" for t in layer_types)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         problems.append(f"sliding_window={window!r} (a positive number of tokens)")

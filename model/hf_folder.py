@@ -20,8 +20,8 @@ from .hf_files import HFError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GPT2LMHeadModel) and Llama-family "
               "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, MistralForCausalLM with "
-              "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, SmolLM3ForCausalLM with "
-              "nope_interval)")
+              "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, SmolLM3ForCausalLM "
+              "with nope_interval)")
 
 
 class ExportError(HFError):

@@ -27,7 +27,8 @@ import torch
 from .config import GPTConfig
 from .hf_files import HFError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "smollm3")  # one layout of names: model.layers.N.self_attn.q_proj, ...
+# one layout of names for these families: model.layers.N.self_attn.q_proj, ...
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}

@@ -6,6 +6,8 @@ Families and the options they map:
     llama   LlamaForCausalLM    RoPE (+ llama3 scaling), RMSNorm, SwiGLU, GQA; attention_bias with mlp_bias → bias
     mistral MistralForCausalLM  as llama without biases, with a sliding window on every layer (sliding_window,
                                 4096 when config.json leaves it out, null for none) → attention_window
+    phi3    Phi3ForCausalLM     as mistral (sliding_window null when left out), its q, k, v in one qkv_proj and
+                                gate and up in one gate_up_proj (model/hf_weights.py); exports as llama/mistral
     qwen2   Qwen2ForCausalLM    as llama, with biases on q, k, v only (qkv_bias)
     qwen3   Qwen3ForCausalLM    as llama, with RMSNorm on each head's q and k (qk_norm) and its own head_dim
     smollm3 SmolLM3ForCausalLM  as llama, every no_rope_layer_interval-th layer without RoPE (no_rope_layers, in
@@ -27,13 +29,16 @@ from .config import ConfigError, GPTConfig
 from .hf_files import HFError
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+                 "Phi3ForCausalLM": "phi3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "SmolLM3ForCausalLM": "smollm3"}
 MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_type, when architectures is absent
 # transformers' defaults for keys a config.json may leave out, per family
 DEFAULTS = {
     "llama": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=2048, head_dim=None),
     "mistral": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=None,
                     sliding_window=4096),
+    "phi3": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=4096, head_dim=None,
+                 sliding_window=None),
     "qwen2": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None),
     "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
     "smollm3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None,
@@ -156,7 +161,7 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu: SwiGLU)")
-    # qwen2: biases on q, k, v only; mistral: none
+    # qwen2: biases on q, k, v only; mistral, phi3: none
     attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3", "smollm3") else False
     mlp_bias = bool(hf.get("mlp_bias", False)) if family in ("llama", "smollm3") else False
     if attention_bias != mlp_bias:
@@ -202,12 +207,12 @@ def _nope_interval(hf: dict, n_layer: int, problems: list[str]) -> int:
 
 
 def _window(hf: dict, family: str, n_layer: int, nope: int, problems: list[str]) -> int:
-    """attention_window (0: none) from the family's sliding-window keys, as transformers reads them: Mistral
-    applies sliding_window on every layer (and ignores layer_types); Qwen2/Qwen3/SmolLM3 only with
+    """attention_window (0: none) from the family's sliding-window keys, as transformers reads them: Mistral and
+    Phi-3 apply sliding_window on every layer (and ignore layer_types); Qwen2/Qwen3/SmolLM3 only with
     use_sliding_window, on the layers that layer_types marks "sliding_attention" (without it: Qwen's layers from
     max_window_layers on, SmolLM3's NoPE layers); Llama has no window."""
-    if family == "mistral":
-        window = hf.get("sliding_window", DEFAULTS["mistral"]["sliding_window"])
+    if family in ("mistral", "phi3"):
+        window = hf.get("sliding_window", DEFAULTS[family]["sliding_window"])
         if window is None:
             return 0
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:

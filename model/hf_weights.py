@@ -8,10 +8,12 @@ along dim 0 in that order, transposed when `transpose` (GPT-2's Conv1D stores (i
     transformer.wpe.weight            wpe.weight                        —
     transformer.h.N.ln_1.*            h.N.ln_1.{weight,bias}            layers.N.input_layernorm.weight
     transformer.h.N.attn.c_attn.*     h.N.attn.c_attn.{weight ᵀ,bias}   layers.N.self_attn.[q_proj | k_proj | v_proj]
+                                                                        (phi3: layers.N.self_attn.qkv_proj)
     transformer.h.N.attn.q_norm/k_norm  —                               layers.N.self_attn.q_norm / k_norm (qwen3)
     transformer.h.N.attn.c_proj.*     h.N.attn.c_proj.{weight ᵀ,bias}   layers.N.self_attn.o_proj
     transformer.h.N.ln_2.*            h.N.ln_2.{weight,bias}            layers.N.post_attention_layernorm.weight
     transformer.h.N.mlp.c_fc.*        h.N.mlp.c_fc.{weight ᵀ,bias}      layers.N.mlp.[gate_proj | up_proj]
+                                                                        (phi3: layers.N.mlp.gate_up_proj)
     transformer.h.N.mlp.c_proj.*      h.N.mlp.c_proj.{weight ᵀ,bias}    layers.N.mlp.down_proj
     transformer.ln_f.*                ln_f.{weight,bias}                norm.weight
     lm_head.weight                    lm_head.weight (untied only)      lm_head.weight (untied only)
@@ -28,7 +30,7 @@ from .config import GPTConfig
 from .hf_files import HFError
 
 # one layout of names for these families: model.layers.N.self_attn.q_proj, ...
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}
@@ -44,7 +46,7 @@ class Rule:
 
 def tensor_rules(family: str, cfg: GPTConfig) -> list[Rule]:
     """Every parameter of GPT(cfg) and the HF tensors it is made of."""
-    rules = _gpt2_rules(cfg) if family == "gpt2" else _llama_rules(cfg)
+    rules = _gpt2_rules(cfg) if family == "gpt2" else _llama_rules(cfg, fused=family == "phi3")
     if not cfg.tie_embeddings:
         rules.append(Rule("lm_head.weight", (("lm_head.weight", (cfg.vocab_size, cfg.n_embd)),)))
     return rules
@@ -66,19 +68,24 @@ def _gpt2_rules(cfg: GPTConfig) -> list[Rule]:
     return rules
 
 
-def _llama_rules(cfg: GPTConfig) -> list[Rule]:
+def _llama_rules(cfg: GPTConfig, fused: bool = False) -> list[Rule]:
+    """fused (Phi-3): q, k, v stored as one self_attn.qkv_proj, gate and up as one mlp.gate_up_proj, in the order
+    c_attn and c_fc hold them."""
     C, I, V, D = cfg.n_embd, cfg.mlp_hidden, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.n_head * D, cfg.kv_heads * D
     rules = [Rule("transformer.wte.weight", (("model.embed_tokens.weight", (V, C)),))]
     for i in range(cfg.n_layer):
         hf, ours = f"model.layers.{i}.", f"transformer.h.{i}."
         a, m = hf + "self_attn.", hf + "mlp."
+        qkv = ([(a + "qkv_proj.weight", (q + 2 * kv, C))] if fused else
+               [(a + "q_proj.weight", (q, C)), (a + "k_proj.weight", (kv, C)), (a + "v_proj.weight", (kv, C))])
+        gate_up = ([(m + "gate_up_proj.weight", (2 * I, C))] if fused else
+                   [(m + "gate_proj.weight", (I, C)), (m + "up_proj.weight", (I, C))])
         layer = [("ln_1.weight", [(hf + "input_layernorm.weight", (C,))]),
-                 ("attn.c_attn.weight", [(a + "q_proj.weight", (q, C)), (a + "k_proj.weight", (kv, C)),
-                                         (a + "v_proj.weight", (kv, C))]),
+                 ("attn.c_attn.weight", qkv),
                  ("attn.c_proj.weight", [(a + "o_proj.weight", (C, q))]),
                  ("ln_2.weight", [(hf + "post_attention_layernorm.weight", (C,))]),
-                 ("mlp.c_fc.weight", [(m + "gate_proj.weight", (I, C)), (m + "up_proj.weight", (I, C))]),
+                 ("mlp.c_fc.weight", gate_up),
                  ("mlp.c_proj.weight", [(m + "down_proj.weight", (C, I))])]
         if cfg.bias or cfg.qkv_bias:
             layer.append(("attn.c_attn.bias", [(a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)),

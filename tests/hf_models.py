@@ -50,7 +50,7 @@ def randomised(model, seed: int = 0):
 
 def tiny_llama(folder, vocab_size: int, family: str = "llama", **overrides):
     """A random LlamaForCausalLM (2 layers, 64 wide, GQA 4/2 heads; or the Mistral (a sliding window of 8 tokens),
-    Qwen2, Qwen3 or SmolLM3 (layer 2 without RoPE) model of that shape, or a GPT-2 of 2 layers, 64 wide) saved in
+    Phi-3, Qwen2, Qwen3 or SmolLM3 (layer 2 without RoPE) model of that shape, or a GPT-2 of 2 layers, 64 wide) saved in
     `folder` with save_pretrained."""
     import transformers
     cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
@@ -63,8 +63,10 @@ def tiny_llama(folder, vocab_size: int, family: str = "llama", **overrides):
         cfg["sliding_window"] = 8
     if family == "smollm3":
         cfg.update(no_rope_layer_interval=2, pad_token_id=None)
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "smollm3": "SmolLM3",
-             "gpt2": "GPT2"}[family]
+    if family == "phi3":
+        cfg.update(pad_token_id=None)
+    names = {"llama": "Llama", "mistral": "Mistral", "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3",
+             "smollm3": "SmolLM3", "gpt2": "GPT2"}[family]
     config_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, "GPT2LMHeadModel" if family == "gpt2" else f"{names}ForCausalLM")
     hf = randomised(model_cls(config_cls(**{**cfg, **overrides})))

@@ -182,7 +182,7 @@ def test_supervised_finetune_on_conversations_then_chat(pretrained, tmp_path):
     assert r.stdout.startswith("crown crown crown<|im_end|>\n<|endoftext|>"), r.stdout  # the turn, end of text
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2", "qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "phi3", "qwen2", "qwen3", "smollm3"])
 def test_each_family_finetunes(family, pretrained, tmp_path):
     """The other families (llama: above) start from their weights and learn: the loss falls. Mistral's sliding
     window (8 tokens, in a 32-token context) trains as attention_window and exports as sliding_window again;
@@ -199,6 +199,7 @@ def test_each_family_finetunes(family, pretrained, tmp_path):
     assert (start["pos_emb"], start["qkv_bias"], start["qk_norm"], start["attention_window"],
             start["nope_interval"]) == {
         "gpt2": ("learned", False, False, 0, 0), "mistral": ("rope", False, False, 8, 0),
+        "phi3": ("rope", False, False, 0, 0),
         "qwen2": ("rope", True, False, 0, 0), "qwen3": ("rope", False, True, 0, 0),
         "smollm3": ("rope", False, False, 0, 2)}[family]
     val = rows(cfg.train.out_dir, "val_loss")

@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,  # noqa: E402
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM)
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from model import GPT  # noqa: E402
 from model.hf import HFError  # noqa: E402
@@ -48,6 +48,10 @@ FAMILIES = {
                                                                      sliding_window=11, max_window_layers=0)),
     "qwen3-window-every-layer": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA, use_sliding_window=True,
                                                                      sliding_window=5, max_window_layers=0)),
+    # Phi-3: q, k, v in one qkv_proj, gate and up in one gate_up_proj; with and without its sliding window
+    "phi3-window-9": lambda: Phi3ForCausalLM(Phi3Config(**LLAMA, sliding_window=9, pad_token_id=None)),
+    "phi3-mqa-tied": lambda: Phi3ForCausalLM(Phi3Config(**{**LLAMA, "num_key_value_heads": 1}, pad_token_id=None,
+                                                         tie_word_embeddings=True)),
     # RoPE scaled for a longer context than the 16 tokens it "trained" on: YaRN (its own attention factor, given,
     # or DeepSeek's mscale ratio) and position interpolation
     "llama-yarn": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, rope_parameters=dict(
@@ -110,15 +114,18 @@ def test_same_logits_and_greedy_tokens_as_transformers(family, tmp_path):
 def test_transformers_to_ours_to_export_to_transformers(family, tmp_path):
     """The whole chain from a transformers model: saved, loaded here, written as a checkpoint, exported
     (python -m model.export's export_checkpoint), loaded by transformers again: the same architecture (a Mistral
-    without a window, a SmolLM3 with RoPE in every layer: a Llama) and the original model's logits."""
+    without a window, a SmolLM3 with RoPE in every layer, a Phi-3: a Llama; a Phi-3 with a window: a Mistral)
+    and the original model's logits."""
     from model.export import export_checkpoint
     from tests.hf_models import char_spec, write_ckpt
 
     hf, folder = saved(family, tmp_path / family)
     ckpt = write_ckpt(tmp_path / "ckpt.pt", GPT.from_pretrained(folder), char_spec(VOCAB))
     again = transformers.AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, str(tmp_path / "out"))).eval()
-    as_llama = family in ("mistral-no-window-tied", "smollm3-biases-rope-everywhere")
-    assert type(again).__name__ == ("LlamaForCausalLM" if as_llama else type(hf).__name__)
+    as_llama = family in ("mistral-no-window-tied", "smollm3-biases-rope-everywhere", "phi3-mqa-tied")
+    architecture = {"phi3-window-9": "MistralForCausalLM"}.get(family, "LlamaForCausalLM" if as_llama
+                                                                else type(hf).__name__)
+    assert type(again).__name__ == architecture
     idx = torch.randint(0, VOCAB, (2, 100))
     want = hf(idx).logits
     assert want.abs().max() > 1 and (again(idx).logits - want).abs().max() <= 1e-4
@@ -157,6 +164,7 @@ def test_config_fields_per_family(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mistral-window-7", "qwen3-window-every-layer", "smollm3-nope-every-2",
+                                    "phi3-window-9",
                                     "llama-yarn", "qwen3-yarn-given", "llama-yarn-mscale", "qwen2-linear"])
 @torch.no_grad()
 def test_windows_nope_layers_and_rope_scaling_are_what_makes_them_agree(family, tmp_path):

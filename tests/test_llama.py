@@ -251,13 +251,9 @@ def test_backends_agree(kw):
     torch.testing.assert_close(model(idx)[0], ref)
 
 
-def test_flash_backend_matches_naive_forward_and_backward():
-    """RoPE inside the packed projection, through the Triton kernel (the interpreter on CPU): same logits and
-    gradients as the reference."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(3)
-    model = GPT(tiny(qk_norm=True, n_layer=1)).to(device)
-    idx = torch.randint(0, VOCAB, (2, 19), device=device)
+def assert_flash_matches_naive(model, idx):
+    """The model's logits and gradients (loss on idx as targets) with flash equal those with naive attention;
+    flash's logits."""
     results = {}
     for backend in ("naive", "flash"):
         model.zero_grad()
@@ -268,6 +264,17 @@ def test_flash_backend_matches_naive_forward_and_backward():
     torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(results["flash"][1], results["naive"][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    return results["flash"][0]
+
+
+def test_flash_backend_matches_naive_forward_and_backward():
+    """RoPE inside the packed projection, through the Triton kernel (the interpreter on CPU): same logits and
+    gradients as the reference."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    model = GPT(tiny(qk_norm=True, n_layer=1)).to(device)
+    idx = torch.randint(0, VOCAB, (2, 19), device=device)
+    assert_flash_matches_naive(model, idx)
 
 
 def test_nope_layers_through_flash_match_naive_and_matter():
@@ -279,19 +286,10 @@ def test_nope_layers_through_flash_match_naive_and_matter():
     model = GPT(tiny(nope_interval=2, n_layer=2)).to(device)
     assert [b.attn.use_rope for b in model.transformer.h] == [True, False]
     idx = torch.randint(0, VOCAB, (2, 19), device=device)
-    results = {}
-    for backend in ("naive", "flash"):
-        model.zero_grad()
-        model.set_attention_backend(backend)
-        logits, loss = model(idx, idx)
-        loss.backward()
-        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
-    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(results["flash"][1], results["naive"][1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    flash_logits = assert_flash_matches_naive(model, idx)
     model.transformer.h[1].attn.use_rope = True
     with torch.no_grad():
-        assert (model(idx)[0] - results["flash"][0]).abs().max() > 1e-3
+        assert (model(idx)[0] - flash_logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("scaling", [dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_pos=8),
@@ -304,16 +302,7 @@ def test_scaled_rope_through_flash_matches_naive(scaling):
     torch.manual_seed(6)
     model = GPT(tiny(n_layer=1, **scaling)).to(device)
     idx = torch.randint(0, VOCAB, (2, 21), device=device)
-    results = {}
-    for backend in ("naive", "flash"):
-        model.zero_grad()
-        model.set_attention_backend(backend)
-        logits, loss = model(idx, idx)
-        loss.backward()
-        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
-    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(results["flash"][1], results["naive"][1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_flash_matches_naive(model, idx)
 
 
 def test_compiled_rope_model_has_no_graph_break():

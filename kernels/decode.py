@@ -41,11 +41,11 @@ cache stays right inside a CUDA graph whose lengths change at every replay:
                      graph capture), else max_len. The grid holds that count, or more where it leaves no SM
                      more than one program (short_grid_splits, option decode_short_splits: at batch 1 a
                      sequence of up to SHORT_SPLITS_MAX_LEN keys may then use more splits than the long
-                     count, one block each where its length is a multiple of BLOCK_N; 2k keys of GPT-2
-                     1.07x SDPA instead of 0.95-0.97x on an H200, bench/results/decode_attention/
-                     short_splits/; between multiples the rounding below leaves fewer). On the device a
-                     sequence uses L // decode_min_keys_per_split splits where that fits the grid, else the
-                     long count
+                     count, one block each; 2k keys of GPT-2 1.07x SDPA instead of 0.95-0.97x on an H200,
+                     bench/results/decode_attention/short_splits/). On the device a sequence uses
+                     L // decode_min_keys_per_split splits where that fits the grid (in a short grid
+                     cdiv(L, decode_min_keys_per_split), so lengths between multiples of it get one split
+                     per block too), else the long count
                      (one when L <= SINGLE_SPLIT_MAX_LEN), so a split gets about L / splits >= the option's
                      keys (chunks are rounded up to BLOCK_N; the last split holds the remainder). The long
                      count's programs start first (_split_and_sequence).
@@ -170,9 +170,11 @@ def deep_tile(tile: DecodeTile, block_d: int, elem_size: int) -> DecodeTile | No
 def split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N: tl.constexpr):
     """(chunk, used) for a sequence of L valid keys: the keys per split (a multiple of BLOCK_N, at least one
     block) and how many of the NUM_SPLITS splits hold any key (at least 1). Used splits: L <= UNSPLIT_MAX
-    gives one; otherwise L // MIN_CHUNK where that is at most NUM_SPLITS, else LONG_SPLITS (<= NUM_SPLITS);
-    at least one. The host's twin: plan_splits."""
-    n = tl.minimum(tl.where(L <= NUM_SPLITS * MIN_CHUNK, NUM_SPLITS, LONG_SPLITS), L // MIN_CHUNK)
+    gives one; otherwise, where L <= NUM_SPLITS * MIN_CHUNK, L // MIN_CHUNK (or, in a short grid, LONG_SPLITS <
+    NUM_SPLITS: cdiv(L, MIN_CHUNK), so that such a sequence gets one split per MIN_CHUNK keys whether or not L
+    is a multiple of it), else LONG_SPLITS (<= NUM_SPLITS); at least one. The host's twin: plan_splits."""
+    short = tl.where(LONG_SPLITS < NUM_SPLITS, tl.cdiv(L, MIN_CHUNK), L // MIN_CHUNK)
+    n = tl.where(L <= NUM_SPLITS * MIN_CHUNK, short, LONG_SPLITS)
     n = tl.where(L <= UNSPLIT_MAX, 1, tl.maximum(n, 1))
     chunk = tl.maximum(tl.cdiv(tl.cdiv(L, n), BLOCK_N), 1) * BLOCK_N
     used = tl.maximum(tl.cdiv(L, chunk), 1)
@@ -184,8 +186,11 @@ def plan_splits(L: int, num_splits: int, min_chunk: int, unsplit_max: int, block
     """split_plan on the host (same integer arithmetic): (chunk, used) for L valid keys; long_splits None:
     num_splits."""
     long_splits = num_splits if long_splits is None else long_splits
-    cap = num_splits if L <= num_splits * min_chunk else long_splits
-    n = 1 if L <= unsplit_max else max(min(cap, L // min_chunk), 1)
+    if L <= num_splits * min_chunk:
+        n = _cdiv(L, min_chunk) if long_splits < num_splits else L // min_chunk
+    else:
+        n = long_splits
+    n = 1 if L <= unsplit_max else max(n, 1)
     chunk = max(_cdiv(_cdiv(L, n), block_n), 1) * block_n
     return chunk, max(_cdiv(L, chunk), 1)
 
@@ -436,15 +441,14 @@ def short_grid_splits(n_programs: int, long_splits: int, length: int, device: to
     """The grid's splits given the automatic count long_splits: more where that count leaves no SM more than
     one program (batch 1) and the decode_short_splits option is on, so that a sequence of up to
     SHORT_SPLITS_MAX_LEN keys can use up to one split per decode_min_keys_per_split keys (split_plan: its
-    L // min keys splits, the chunk rounded up to whole blocks; LONG_SPLITS beyond), as long as one round of
-    per_sm resident programs per SM holds them all. At GPT-2's 12 heads on 132 SMs: 16 splits for 2,048 keys
-    (8 of 256 keys each with the 11 of the long plan); 2,000 keys still get 8 (15 splits round up to
-    256-key chunks)."""
+    cdiv(L, min keys) splits, the chunk rounded up to whole blocks; LONG_SPLITS beyond), as long as one round
+    of per_sm resident programs per SM holds them all. At GPT-2's 12 heads on 132 SMs: 16 splits for 2,000 or
+    2,048 keys (8 of 256 keys each with the 11 of the long plan)."""
     opts = _options.get()
     if not opts.decode_short_splits or long_splits <= 1:
         return long_splits
     sms = _triton.sm_count(device)
-    short = min(length, SHORT_SPLITS_MAX_LEN) // opts.decode_min_keys_per_split
+    short = _cdiv(min(length, SHORT_SPLITS_MAX_LEN), opts.decode_min_keys_per_split)
     if n_programs * long_splits > sms or short <= long_splits or n_programs * short > per_sm * sms:
         return long_splits
     return min(short, MAX_SPLITS)

@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 import kernels._triton as kt  # noqa: E402
 from kernels import options  # noqa: E402
 from kernels.decode import (MAX_SPLITS, _split_and_sequence, auto_num_splits, decode_attention,  # noqa: E402
-                            default_tile)
+                            default_tile, short_grid_splits)
 from kernels.naive import naive_attention  # noqa: E402
 from tests.util import pythonpath  # noqa: E402
 
@@ -319,8 +319,9 @@ def test_auto_plan_with_several_tokens_and_the_causal_edge(workspaces, monkeypat
 def test_check_lens_sizes_the_grid_for_the_longest_real_length(workspaces, monkeypatch):
     monkeypatch.setattr(kt, "sm_count", lambda device: 64)
     q, k, v, lens = make_case(1, 2, 2, 1, 32, [600], max_len=4096, dtype=torch.float32, seed=2)
-    check(q, k, v, lens, torch.float32)                 # check_lens=True reads 600 back: 600 // 128 = 4 splits
-    assert workspaces[-1].shape[1] == auto_num_splits(2, 600, DEVICE) == 4
+    check(q, k, v, lens, torch.float32)                 # check_lens=True reads 600 back: 600 // 128 = 4 splits,
+    assert auto_num_splits(2, 600, DEVICE) == 4          # and 8 programs on 64 SMs: a short grid of one split
+    assert workspaces[-1].shape[1] == short_grid_splits(2, 4, 600, DEVICE) == 5  # per 128 keys, cdiv(600, 128)
     check(q, k, v, lens, torch.float32, check_lens=False)  # max_len: 32 splits of 2 sequences on 64 SMs, 4 used
     assert workspaces[-1].shape[1] == auto_num_splits(2, 4096, DEVICE) == 32
 
@@ -610,6 +611,9 @@ def test_short_grid_splits_where_the_long_plan_leaves_sms_idle(monkeypatch):
     assert dec.auto_num_splits(12, 32768, DEVICE, 3) == 11
     assert dec.short_grid_splits(12, 11, 32768, DEVICE, 3) == 16
     assert dec.short_grid_splits(12, 11, 2048, DEVICE, 3) == 16
+    assert dec.short_grid_splits(12, 11, 2000, DEVICE, 3) == 16      # 16 blocks, the last one partly full
+    assert dec.short_grid_splits(12, 11, 1408, DEVICE, 3) == 11      # 11 blocks: the long count covers them
+    assert dec.short_grid_splits(12, 11, 1409, DEVICE, 3) == 12
     assert dec.short_grid_splits(12, 11, 1024, DEVICE, 3) == 11      # 8 blocks: the long count covers them
     assert dec.short_grid_splits(24, 11, 32768, DEVICE, 3) == 11     # 264 programs: two on some SMs already
     assert dec.short_grid_splits(12, 11, 32768, DEVICE, 1) == 11     # 192 programs > one round of 132
@@ -621,14 +625,20 @@ def test_short_grid_splits_where_the_long_plan_leaves_sms_idle(monkeypatch):
 
 
 def test_plan_splits_with_a_long_count():
-    """Up to grid x min_chunk keys a sequence gets L // min_chunk splits (up to the grid); beyond, the long
-    count. Without a long count the plan is the grid's, as before."""
+    """Up to grid x min_chunk keys a sequence in a short grid (long count < grid) gets cdiv(L, min_chunk)
+    splits, one block each at min_chunk == block_n, whatever its length; beyond, the long count. Without a
+    long count the plan is the grid's: L // min_chunk splits up to grid x min_chunk keys."""
     from kernels.decode import plan_splits
     assert plan_splits(2048, 16, 128, 512, 128, 11) == (128, 16)
     assert plan_splits(2049, 16, 128, 512, 128, 11) == (256, 9)      # 11 splits of 187 keys, in whole blocks
     assert plan_splits(4096, 16, 128, 512, 128, 11) == (384, 11)
     assert plan_splits(1024, 16, 128, 512, 128, 11) == (128, 8)
     assert plan_splits(400, 16, 128, 512, 128, 11) == (512, 1)       # up to 512 keys: unsplit
+    assert plan_splits(2000, 16, 128, 512, 128, 11) == (128, 16)     # 16 blocks, the last partly full
+    assert plan_splits(1500, 16, 128, 512, 128, 11) == (128, 12)
+    assert plan_splits(1500, 11, 128, 512, 128) == (256, 6)          # the long plan alone: 11 rounds to 256
+    for L in range(513, 2049):
+        assert plan_splits(L, 16, 128, 512, 128, 11) == (128, -(-L // 128)), L
     for L in range(513, 40000, 97):
         assert plan_splits(L, 11, 128, 512, 128) == plan_splits(L, 11, 128, 512, 128, 11)
         chunk, used = plan_splits(L, 16, 128, 512, 128, 11)
@@ -655,7 +665,7 @@ def test_short_grid_plan_on_the_device(dtype, monkeypatch, workspaces):
                 block_n = default_tile(32, q.element_size(), 2).block_n
                 used = dec.plan_splits(L, 8, 256, dec.SINGLE_SPLIT_MAX_LEN, block_n, 4)[1]
                 long_used = dec.plan_splits(L, 4, 256, dec.SINGLE_SPLIT_MAX_LEN, block_n)[1]
-                assert used > long_used if L in (2000, 2048) else used == long_used, (L, used, long_used)
+                assert used > long_used if L <= 2048 else used == long_used, (L, used, long_used)
                 written = torch.isfinite(lse.view(4, 8))             # (Hq, splits)
                 assert written[:, :used].all() and torch.isnan(lse.view(4, 8)[:, used:]).all(), (L, used, lse)
 

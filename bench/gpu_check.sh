@@ -176,6 +176,12 @@ spawn doc_mask_window_train trained "$PY" train.py $CFG --out_dir="$RUN/docmask"
   --attention_window=96 --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \
   --out_dir="$RUN/llama" --max_iters=200 --eval_interval=100 --max_time=0 --llama_kernels=triton "${XARGS[@]}"
+# Gemma 3 blocks (GeGLU, sandwich norms, 1 + weight RMSNorm, scaled embeddings, a window in every other layer
+# with its own RoPE base), compiled, then generated from (the model's step: a window per layer in the cache)
+spawn gemma_train_and_generate sampled train_then_generate "$RUN/gemma" "$PY" train.py configs/llama_demo.toml \
+  --out_dir="$RUN/gemma" --max_iters=200 --eval_interval=100 --max_time=0 --norm=rmsnorm1p --mlp=geglu \
+  --sandwich_norm=true --embed_scale=true --qk_norm=true --attention_window=48 --full_attention_interval=2 \
+  --rope_local_theta=1000 --compile=true "${XARGS[@]}"
 
 # evaluation of the trained GPT-2-tokenizer run: perplexity on two of the corpus's works, HellaSwag on the fixture
 scored_ppl() { has "$1" "bits per byte"; }

@@ -5,9 +5,12 @@ and checkpoints written before the Llama-family options exist load unchanged. A 
 
     pos_emb = "rope", norm = "rmsnorm", mlp = "swiglu", bias = false   (+ n_kv_head for GQA)
 
-and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true; SmolLM3 adds nope_interval = 4. Every option is one
-field; validate() names the first
-bad one in one line.
+and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true; SmolLM3 adds nope_interval = 4. Gemma 3 is
+
+    norm = "rmsnorm1p", sandwich_norm = true, mlp = "geglu", embed_scale = true, qk_norm = true,
+    attention_window = 512, full_attention_interval = 6, rope_local_theta = 10000, rope_theta = 1e6
+
+Every option is one field; validate() names the first bad one in one line.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from kernels import BACKEND_CHOICES, LLAMA_KERNELS, LOSS_KERNELS
 
 MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comfortably in memory
 POS_EMBS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm1p")
+MLPS = ("gelu", "swiglu", "geglu")
 ROPE_SCALINGS = ("", "llama3", "linear", "yarn")
 SWIGLU_MULTIPLE = 64  # the default SwiGLU width is rounded up to a multiple of this
 
@@ -52,10 +55,21 @@ class GPTConfig:
     rope_beta_slow: float = 1.0          # yarn: pairs turning less than this often are fully stretched
     rope_attention_factor: float = 0.0   # yarn: cos and sin multiplied by it; 0 = 0.1·ln(rope_factor) + 1
     rope_yarn_truncate: bool = True      # yarn: the blended band's ends rounded out to whole pairs
-    norm: str = "layernorm"    # "layernorm" (GPT-2) | "rmsnorm" (Llama)
+    rope_local_theta: float = 0.0  # RoPE base of the windowed layers of full_attention_interval, which then
+                               # take no rope_scaling (Gemma 3: 10000 there, rope_theta 1e6 in the full layers);
+                               # 0 = every layer as rope_theta and rope_scaling say
+    norm: str = "layernorm"    # "layernorm" (GPT-2) | "rmsnorm" (Llama) | "rmsnorm1p" (Gemma: RMSNorm scaled by
+                               # 1 + weight in float32, the weight stored as its offset from 1)
     norm_eps: float = 1e-5     # epsilon of every norm layer
+    sandwich_norm: bool = False  # a norm on the attention's and the MLP's outputs too, before each joins the
+                               # residual stream (Gemma 2/3)
     mlp: str = "gelu"          # "gelu" (GPT-2: GELU(x W_fc) W_proj) | "swiglu" (Llama: (SiLU(x W_g) * x W_u) W_d)
-    intermediate_size: int = 0  # MLP hidden width; 0 = 4·n_embd (gelu) or 8·n_embd/3 rounded up to 64 (swiglu)
+                               # | "geglu" (Gemma: (GELU_tanh(x W_g) * x W_u) W_d)
+    intermediate_size: int = 0  # MLP hidden width; 0 = 4·n_embd (gelu) or 8·n_embd/3 rounded up to 64 (swiglu,
+                               # geglu)
+    embed_scale: bool = False  # token embeddings multiplied by sqrt(n_embd), rounded to their dtype (Gemma)
+    query_scale_dim: int = 0   # attention logits scaled by 1/sqrt(query_scale_dim); 0 = head dim (Gemma's
+                               # query_pre_attn_scalar)
     qkv_bias: bool = False     # biases on the QKV projection even when bias = false (Qwen2)
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
@@ -65,6 +79,9 @@ class GPTConfig:
     attention: str = "auto"    # "flash" | "sdpa" | "naive"; "auto" = flash on CUDA, sdpa on CPU
     attention_window: int = 0  # sliding window: each token attends to itself and the window - 1 tokens before it
                                # (0 = the whole causal prefix); part of the model: training and evaluation
+    full_attention_interval: int = 0  # with attention_window: every full_attention_interval-th layer (for 6: the
+                               # 6th, 12th, ...) attends to the whole causal prefix (Gemma 3); 0 = the window
+                               # in every layer
     loss_kernel: str = "auto"  # "triton" | "torch"; "auto" = the kernels' loss_kernel option (Triton on CUDA)
 
     @property
@@ -79,12 +96,30 @@ class GPTConfig:
         """Whether block `layer` (0-based) rotates q and k: RoPE models, except the NoPE layers of nope_interval."""
         return self.pos_emb == "rope" and not (self.nope_interval and (layer + 1) % self.nope_interval == 0)
 
+    def layer_window(self, layer: int) -> int:
+        """Block `layer`'s sliding window (0: the whole causal prefix): attention_window, except every
+        full_attention_interval-th layer."""
+        if self.full_attention_interval and (layer + 1) % self.full_attention_interval == 0:
+            return 0
+        return self.attention_window
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether block `layer` rotates with rope_local_theta (unscaled) instead of rope_theta and rope_scaling:
+        the windowed layers of full_attention_interval, where rope_local_theta is set."""
+        return bool(self.rope_local_theta) and self.uses_rope(layer) and bool(self.layer_window(layer)) \
+            and bool(self.full_attention_interval)
+
+    @property
+    def softmax_scale(self) -> float:
+        """What q·k is multiplied by before the softmax: 1/sqrt(query_scale_dim or head_dim)."""
+        return (self.query_scale_dim or self.head_dim) ** -0.5
+
     @property
     def mlp_hidden(self) -> int:
         """The MLP's hidden width: intermediate_size, or the default of the MLP kind."""
         if self.intermediate_size:
             return self.intermediate_size
-        if self.mlp == "swiglu":  # about the parameters of a 4·n_embd GELU MLP, in three matrices instead of two
+        if self.mlp in ("swiglu", "geglu"):  # about the parameters of a 4·n_embd GELU MLP, in three matrices instead of two
             return math.ceil(8 * self.n_embd / 3 / SWIGLU_MULTIPLE) * SWIGLU_MULTIPLE
         return 4 * self.n_embd
 
@@ -110,6 +145,12 @@ class GPTConfig:
         self._validate_architecture(bad)
         if self.attention_window < 0:
             bad("attention_window", "must be 0 (no window) or a positive number of tokens")
+        if self.full_attention_interval < 0:
+            bad("full_attention_interval", "must be 0 (the window in every layer) or a positive layer interval")
+        if self.full_attention_interval and not self.attention_window:
+            bad("full_attention_interval", "needs attention_window (the window of the other layers)")
+        if self.query_scale_dim < 0:
+            bad("query_scale_dim", "must be positive (or 0 for the head dim)")
         if self.attention not in BACKEND_CHOICES:
             bad("attention", f"must be one of {', '.join(BACKEND_CHOICES)}")
         if self.loss_kernel not in LOSS_KERNELS:
@@ -142,6 +183,11 @@ class GPTConfig:
             bad("rope_beta_fast", f"must be above rope_beta_slow={self.rope_beta_slow}")
         if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
             bad("rope_attention_factor", "must be positive (or 0 for 0.1·ln(rope_factor) + 1)")
+        if not (math.isfinite(self.rope_local_theta) and (self.rope_local_theta == 0 or self.rope_local_theta > 1)):
+            bad("rope_local_theta", "must be 0 (rope_theta in every layer) or a finite number above 1")
+        if self.rope_local_theta and not (self.pos_emb == "rope" and self.full_attention_interval):
+            bad("rope_local_theta", "needs pos_emb = 'rope' and full_attention_interval (it is the windowed "
+                                    "layers' RoPE base)")
         if self.nope_interval < 0:
             bad("nope_interval", "must be 0 (RoPE in every layer) or a positive layer interval")
         if self.nope_interval and self.pos_emb != "rope":

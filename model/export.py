@@ -33,13 +33,16 @@ from .hf_folder import DTYPES, ExportError, check_destination, hf_family, json_t
 from .hf_weights import tensor_rules
 
 ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPE = {"gemma3": "gemma3_text"}  # where config.json's model_type is not the family's name
 
 
 def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
     """config.json of `family` for GPT(cfg), with transformers' key names (the legacy rope_theta and
     rope_scaling keys, which transformers 4.x and 5.x and vLLM all read)."""
-    common = {"architectures": [ARCHITECTURE[family]], "model_type": family, "vocab_size": cfg.vocab_size,
+    common = {"architectures": [ARCHITECTURE[family]], "model_type": MODEL_TYPE.get(family, family),
+              "vocab_size": cfg.vocab_size,
               "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
               "pad_token_id": None,  # not a class default that may lie outside this vocabulary (SmolLM3's)
               "torch_dtype": str(dtype).removeprefix("torch.")}
@@ -69,6 +72,17 @@ def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, 
                                "attention_factor": cfg.rope_attention_factor or None,
                                "truncate": cfg.rope_yarn_truncate}
     window = cfg.attention_window or None
+    if family == "gemma3":  # the window's layers written out; the windowed layers' own RoPE base
+        del out["hidden_act"]
+        local = cfg.rope_local_theta if cfg.full_attention_interval and cfg.rope_local_theta else None
+        if window and not cfg.full_attention_interval:
+            local = cfg.rope_theta  # every layer windowed: their RoPE is the model's (unscaled: checked below)
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, query_pre_attn_scalar=(
+            cfg.query_scale_dim or cfg.head_dim), sliding_window=window or cfg.block_size,
+            layer_types=["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.n_layer)],
+            rope_local_base_freq=local if local is not None else cfg.rope_theta,
+            final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
+        return out
     if family == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     elif family == "mistral":

@@ -101,6 +101,8 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
         return f"nope_interval={c.nope_interval}: the fused kernels rotate q and k in every layer"
     if c.attention_window:
         return f"attention_window={c.attention_window}: the decode kernels attend over the whole cache"
+    if c.norm == "rmsnorm1p" or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim:
+        return ("Gemma's pieces (rmsnorm1p, sandwich_norm, geglu, embed_scale, query_scale_dim) are not fused")
     w = model.lm_head.weight
     if w.device.type != "cuda" and not (w.device.type == "cpu" and interpreting()):
         return f"the model is on {w.device} (the fused step runs on CUDA)"

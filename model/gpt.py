@@ -8,8 +8,9 @@ Parameter names follow GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...)
     transformer.h.N.attn.c_attn     fused QKV projection: rows [q heads | k heads | v heads], head_dim rows each
     transformer.h.N.attn.q_norm, k_norm   per-head RMSNorm of q and k (head_dim weights; only with qk_norm)
     transformer.h.N.attn.c_proj     attention output projection (C, n_head·head_dim)
-    transformer.h.N.mlp.c_fc        GELU: up (I, C); SwiGLU: gate and up fused, rows [gate (I) | up (I)]
+    transformer.h.N.mlp.c_fc        GELU: up (I, C); SwiGLU, GeGLU: gate and up fused, rows [gate (I) | up (I)]
     transformer.h.N.mlp.c_proj      down projection (C, I)
+    transformer.h.N.ln_attn_out, ln_mlp_out   norms of the attention's and the MLP's outputs (sandwich_norm only)
     transformer.ln_f, lm_head       final norm; LM head (tied to wte unless tie_embeddings = false)
 
 Attention goes through `kernels.attention_qkvpacked(qkv, ...)` (training, no cache) or the KV cache's
@@ -17,14 +18,17 @@ Attention goes through `kernels.attention_qkvpacked(qkv, ...)` (training, no cac
 rotate q and k inside the packed projection before that call (model/rope.py), except on the flash backend
 without a cache (and without qk_norm), which takes the RoPE tables into its packed call (kernels option
 rope_in_flash): its backward kernels then store the gradients of q and k rotated back. The NoPE layers of
-config.nope_interval (SmolLM3) rotate nothing.
+config.nope_interval (SmolLM3) rotate nothing; the windowed layers of full_attention_interval rotate with
+rope_local_theta where it is set (Gemma 3: two RoPE tables, embed() returns both pairs of cos and sin).
 
 Documents packed into a row (forward(..., docs=...), kernels/documents.py) attend within their own document
 only, and their positions (learned or RoPE) start at 0 at every document start. config.attention_window limits
-every token to itself and the attention_window - 1 tokens before it, in training and in the KV cache alike.
+every token to itself and the attention_window - 1 tokens before it, in training and in the KV cache alike (in
+every layer, or all but every full_attention_interval-th).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 
 import kernels
 from .config import GPTConfig
-from .norms import RMSNorm, make_norm
+from .norms import OffsetRMSNorm, RMSNorm, make_norm
 from .rope import RotaryEmbedding, apply_rope
 from .shard_adamw import ShardLocalAdamW
 
@@ -42,34 +46,41 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.use_rope = cfg.uses_rope(layer)  # False in the NoPE layers of config.nope_interval
+        self.local_rope = cfg.uses_local_rope(layer)  # the rope_local_theta table (windowed layers, Gemma 3)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         # q for every head, k and v for every kv head, in one matmul
         self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim,
                                 bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.norm == "rmsnorm1p":
+            self.q_norm, self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.norm_eps), OffsetRMSNorm(cfg.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
         self.qk_norm = cfg.qk_norm
+        # q multiplied by this, so that the kernels' 1/sqrt(head_dim) gives config.softmax_scale (query_scale_dim)
+        self.q_scale = cfg.softmax_scale * math.sqrt(cfg.head_dim)
         self.llama_kernels = cfg.llama_kernels
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.backend = cfg.attention
-        self.window = cfg.attention_window
+        self.window = cfg.layer_window(layer)
         self.kv_cache = None  # set by GPT.setup_kv_cache for inference
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 docs: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, C) → (B, T, C). rope: (cos, sin) of the tokens' positions, for RoPE models. docs: (B, 2, T)
-        int32 bounds of the documents packed in each row (no KV cache): attention stays within each."""
+        """x: (B, T, C) → (B, T, C). rope: (cos, sin) of the tokens' positions, for RoPE models (with
+        rope_local_theta: (cos, sin, cos_local, sin_local)). docs: (B, 2, T) int32 bounds of the documents packed
+        in each row (no KV cache): attention stays within each."""
         B, T, C = x.shape
-        rope = rope if self.use_rope else None
+        if rope is not None:
+            rope = None if not self.use_rope else rope[2:] if self.local_rope else rope[:2]
         qkv = self.c_attn(x)  # (B, T, (nh + 2·nkv)·hd)
         backend = kernels.resolve_backend(self.backend, x.device)
         # flash rotates q and k in its own packed call, its backward kernels storing d(q), d(k) rotated back
         rope_in_flash = (rope is not None and backend == "flash" and self.kv_cache is None and not self.qk_norm
-                         and kernels.options.get().rope_in_flash)
-        if (rope is not None or self.qk_norm) and not rope_in_flash:
+                         and self.q_scale == 1.0 and kernels.options.get().rope_in_flash)
+        if (rope is not None or self.qk_norm or self.q_scale != 1.0) and not rope_in_flash:
             qkv = self.rotate_qk(qkv, rope)
         if self.kv_cache is None:
             # packed: flash's backward then writes d(qkv) in one buffer, no concatenation of dq, dk, dv
@@ -83,7 +94,8 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def rotate_qk(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The packed projection with q and k normalised (qk_norm) and rotated (rope), v as it was.
+        """The packed projection with q and k normalised (qk_norm) and rotated (rope), q scaled by q_scale, v as
+        it was.
 
         qkv: (B, T, (nh + 2·nkv)·hd) → a new packed tensor of the same shape. q and k heads are adjacent in the
         packed layout, so one RoPE pass covers both; the result is packed again for the packed attention call.
@@ -92,10 +104,16 @@ class CausalSelfAttention(nn.Module):
         nh, nkv = self.n_head, self.n_kv_head
         heads = qkv.view(B, T, nh + 2 * nkv, self.head_dim)  # (B, T, nh + 2·nkv, hd)
         qk, v = heads[:, :, :nh + nkv], heads[:, :, nh + nkv:]  # (B, T, nh + nkv, hd), (B, T, nkv, hd)
-        if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :, :nh]), self.k_norm(qk[:, :, nh:])), dim=2)
+        if self.qk_norm or self.q_scale != 1.0:
+            q, k = qk[:, :, :nh], qk[:, :, nh:]  # (B, T, nh, hd), (B, T, nkv, hd)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.q_scale != 1.0:
+                q = q * self.q_scale  # RoPE is linear: scaling before the rotation is the same
+            qk = torch.cat((q, k), dim=2)
+        rewritten = self.qk_norm or self.q_scale != 1.0
         if rope is not None and kernels.resolve_llama_kernels(self.llama_kernels, qkv.device) == "triton":
-            packed = torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1) if self.qk_norm else qkv
+            packed = torch.cat((qk.to(v.dtype), v), dim=2).view(B, T, -1) if rewritten else qkv
             return kernels.triton_rope_qkv(packed, *rope, nh, nkv)  # (B, T, (nh + 2·nkv)·hd), one launch
         if rope is not None:
             qk = apply_rope(qk, *rope)  # (B, T, nh + nkv, hd)
@@ -103,13 +121,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU: c_proj(GELU(c_fc(x))). SwiGLU: c_proj(SiLU(gate) * up) with [gate | up] = c_fc(x), one matmul."""
+    """GELU: c_proj(GELU(c_fc(x))). SwiGLU: c_proj(SiLU(gate) * up) with [gate | up] = c_fc(x), one matmul;
+    GeGLU the same with the tanh GELU in SiLU's place."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         hidden = cfg.mlp_hidden
         self.swiglu = cfg.mlp == "swiglu"
-        self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
+        self.geglu = cfg.mlp == "geglu"
+        self.c_fc = nn.Linear(cfg.n_embd, hidden if cfg.mlp == "gelu" else 2 * hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.llama_kernels = cfg.llama_kernels
@@ -121,20 +141,33 @@ class MLP(nn.Module):
         elif self.swiglu:
             gate, up = h.chunk(2, dim=-1)  # (B, T, I) each
             h = F.silu(gate) * up
+        elif self.geglu:
+            gate, up = h.chunk(2, dim=-1)  # (B, T, I) each
+            h = F.gelu(gate, approximate="tanh") * up
         else:
             h = F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(·)); with sandwich_norm each output is normalised again (ln_attn_out,
+    ln_mlp_out) before it joins the residual stream."""
+
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
+        if cfg.sandwich_norm:
+            self.ln_attn_out = make_norm(cfg)
+            self.ln_mlp_out = make_norm(cfg)
+        self.sandwich_norm = cfg.sandwich_norm
 
     def forward(self, x, input_pos=None, rope=None, docs=None):
+        if self.sandwich_norm:
+            x = x + self.ln_attn_out(self.attn(self.ln_1(x), input_pos, rope, docs))
+            return x + self.ln_mlp_out(self.mlp(self.ln_2(x)))
         x = x + self.attn(self.ln_1(x), input_pos, rope, docs)
         return x + self.mlp(self.ln_2(x))
 
@@ -157,6 +190,14 @@ class GPT(nn.Module):
                       ln_f=make_norm(cfg))
         self.transformer = nn.ModuleDict(layers)
         self.rotary = RotaryEmbedding(cfg) if cfg.pos_emb == "rope" else None
+        # the windowed layers' own RoPE (rope_local_theta, unscaled), or None
+        self.rotary_local = (RotaryEmbedding(dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta,
+                                                                 rope_scaling=""))
+                             if any(cfg.uses_local_rope(i) for i in range(cfg.n_layer)) else None)
+        # embed_scale: sqrt(n_embd) rounded to each dtype the embedding may have, as transformers' Gemma rounds it
+        self.embed_scales = ({dt: torch.tensor(math.sqrt(cfg.n_embd), dtype=dt, device="cpu").item()
+                              for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+                             if cfg.embed_scale else None)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # weight tying
@@ -182,7 +223,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None) -> "GPT":
-        """A Hugging Face model folder or hub id (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3 families)
+        """A Hugging Face model folder or hub id (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3)
         → GPT in eval mode, with the same logits as transformers gives; float32 on the CPU unless dtype/device
         say otherwise. Raises model.hf.HFError with one line on anything it cannot load. See model/hf.py."""
         from .hf import from_pretrained
@@ -200,7 +241,7 @@ class GPT(nn.Module):
 
     def setup_kv_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
         """Attach a static KVCache of (batch, n_kv_head, max_len, head_dim) to every attention layer (with the
-        model's attention_window)."""
+        layer's sliding window, if any)."""
         from .kv_cache import KVCache
         if max_len > self.config.block_size:
             raise ValueError(f"cache length {max_len} exceeds block_size={self.config.block_size}")
@@ -208,7 +249,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             a = block.attn
             a.kv_cache = KVCache(batch, a.n_kv_head, max_len, a.head_dim, dtype or p.dtype, device or p.device,
-                                 window=self.config.attention_window)
+                                 window=a.window)
 
     def clear_kv_cache(self) -> None:
         for block in self.transformer.h:
@@ -240,7 +281,7 @@ class GPT(nn.Module):
         if docs is not None and (input_pos is not None or tuple(docs.shape) != (B, 2, T)):
             raise ValueError(f"docs must be ({B}, 2, {T}) document bounds of idx, without input_pos (a KV cache)"
                              f"; got {tuple(docs.shape)}")
-        x, rope = self.embed(idx, input_pos, docs)  # (B, T, C); RoPE's cos, sin or None
+        x, rope = self.embed(idx, input_pos, docs)  # (B, T, C); RoPE's cos, sin (and the local pair) or None
         for block in self.transformer.h:
             x = block(x, input_pos, rope, docs)
         return self.head(x, targets)
@@ -250,10 +291,11 @@ class GPT(nn.Module):
     # stay outside compiled code) without changing the module tree or the parameter names.
 
     def embed(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
-              docs: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The residual stream's start: idx (B, T) token ids → x (B, T, C) (token embeddings, plus learned
-        positions, then dropout), and RoPE's (cos, sin) of the tokens' positions ((T | B T, hd) each) for RoPE
-        models, else None. Positions: 0..T-1, input_pos (a KV cache), or restarting at each document (docs)."""
+              docs: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The residual stream's start: idx (B, T) token ids → x (B, T, C) (token embeddings, times sqrt(n_embd)
+        with embed_scale, plus learned positions, then dropout), and RoPE's (cos, sin) of the tokens' positions
+        ((T | B T, hd) each) for RoPE models, followed by the rope_local_theta pair where the model has one, else
+        None. Positions: 0..T-1, input_pos (a KV cache), or restarting at each document (docs)."""
         T = idx.size(1)
         if docs is not None:
             pos = kernels.document_positions(docs)  # (B, T)
@@ -262,11 +304,16 @@ class GPT(nn.Module):
         else:
             pos = input_pos  # (T,) or (B, T)
         x = self.transformer.wte(idx)  # (B, T, C)
+        if self.embed_scales is not None:
+            x = x * self.embed_scales[x.dtype]
         rope = None
         if self.rotary is not None:
-            rope = self.rotary(pos, x.dtype if not torch.is_autocast_enabled(x.device.type)
-                               else torch.get_autocast_dtype(x.device.type),
-                               bound=T if input_pos is None else None)  # cos, sin: (T | B T, hd)
+            dtype = (x.dtype if not torch.is_autocast_enabled(x.device.type)
+                     else torch.get_autocast_dtype(x.device.type))
+            bound = T if input_pos is None else None
+            rope = self.rotary(pos, dtype, bound=bound)  # cos, sin: (T | B T, hd)
+            if self.rotary_local is not None:
+                rope = (*rope, *self.rotary_local(pos, dtype, bound=bound))  # + the local cos, sin
         else:
             x = x + self.transformer.wpe(pos)  # (B, T, C)
         return self.transformer.drop(x), rope

@@ -7,8 +7,9 @@
 
 A model folder holds config.json and model.safetensors (or model.safetensors.index.json and its shards); a PEFT
 LoRA adapter (adapter_config.json + adapter_model.safetensors) loads as its base model with the updates merged.
-Supported: GPT-2, Llama (SmolLM2, Llama-3.x with its rope scaling), Mistral, Phi-3, Qwen2/2.5, Qwen3, SmolLM3 — see
-model/hf_config.py for what maps to which GPTConfig field and model/hf_weights.py for the tensor names.
+Supported: GPT-2, Llama (SmolLM2, Llama-3.x with its rope scaling), Mistral, Phi-3, Qwen2/2.5, Qwen3, SmolLM3,
+Gemma 3 (text) — see model/hf_config.py for what maps to which GPTConfig field and model/hf_weights.py for the
+tensor names.
 Everything that cannot be loaded is an HFError with one line.
 """
 from __future__ import annotations
@@ -63,8 +64,9 @@ def build(cfg: GPTConfig, state: dict, device=None):
         raise HFError(f"incompatible weights: {' '.join(str(e).split())[:300]}") from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight  # assign=True gave each its own Parameter: tie them again
-    if model.rotary is not None:
-        model.rotary.reset(device if device is not None else "cpu")
+    for rotary in (model.rotary, model.rotary_local):
+        if rotary is not None:
+            rotary.reset(device if device is not None else "cpu")
     return model.eval()
 
 

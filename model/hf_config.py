@@ -14,6 +14,13 @@ Families and the options they map:
                                 that pattern) → nope_interval; rope_theta 2e6 when config.json leaves it out
     (qwen2, qwen3 and smollm3 with use_sliding_window: a window on every layer → attention_window; on some
     layers only: refused, attention_window being one window for the whole model)
+    gemma3  Gemma3ForCausalLM   (model_type gemma3_text) RoPE, RMSNorm scaled by 1 + weight (rmsnorm1p) before
+                                and after the attention and the MLP (sandwich_norm), GeGLU (tanh), embeddings
+                                times sqrt(hidden_size), qk_norm, query_pre_attn_scalar → query_scale_dim; its
+                                sliding window on all layers but every N-th (layer_types, or sliding_window_pattern)
+                                → attention_window with full_attention_interval N, those windowed layers' own RoPE
+                                base (rope_local_base_freq, or rope_parameters["sliding_attention"]) →
+                                rope_local_theta; logit soft-capping and bidirectional attention refused
 
 Both the current `rope_parameters` and the older `rope_theta` + `rope_scaling` keys are read. A key that
 config.json leaves out takes the default of the transformers class it names (e.g. tie_word_embeddings is
@@ -30,8 +37,10 @@ from .hf_files import HFError
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Phi3ForCausalLM": "phi3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "SmolLM3ForCausalLM": "smollm3"}
-MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}  # model_type, when architectures is absent
+                 "SmolLM3ForCausalLM": "smollm3", "Gemma3ForCausalLM": "gemma3"}
+# model_type, when architectures is absent
+MODEL_TYPES = {**{family: family for family in ARCHITECTURES.values() if family != "gemma3"},
+               "gemma3_text": "gemma3"}
 # transformers' defaults for keys a config.json may leave out, per family
 DEFAULTS = {
     "llama": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=2048, head_dim=None),
@@ -43,6 +52,9 @@ DEFAULTS = {
     "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
     "smollm3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None,
                     rope_theta=2e6, no_rope_layer_interval=4),
+    "gemma3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
+                   sliding_window=4096, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4,
+                   sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh"),
 }
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -65,7 +77,7 @@ def family_of(hf: dict) -> str:
 def gpt_config_from_hf(hf: dict) -> tuple[str, GPTConfig]:
     """(family, GPTConfig) for a config.json dict; HFError with one line for what does not map."""
     family = family_of(hf)
-    cfg = _gpt2(hf) if family == "gpt2" else _llama_like(hf, family)
+    cfg = _gpt2(hf) if family == "gpt2" else _gemma3(hf) if family == "gemma3" else _llama_like(hf, family)
     try:
         cfg.validate(prefix="config: ")
     except ConfigError as e:
@@ -101,10 +113,10 @@ def _gpt2(hf: dict) -> GPTConfig:
                      tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
 
 
-def _rope_fields(hf: dict, problems: list[str], default_theta: float = 10000.0) -> dict:
+def _rope_fields(hf: dict, problems: list[str], default_theta: float = 10000.0, rp: dict | None = None) -> dict:
     """rope_theta and the scaling fields (llama3, linear, yarn) from rope_parameters (current) or rope_theta +
-    rope_scaling, read as transformers reads them."""
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_scaling, read as transformers reads them; rp: the rope_parameters to read instead (one layer type's)."""
+    rp = rp if rp is not None else hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         problems.append("per-layer-type rope_parameters")
         return {}
@@ -238,3 +250,79 @@ def _window(hf: dict, family: str, n_layer: int, nope: int, problems: list[str])
     else:
         return window if windowed else 0
     return 0
+
+
+def _gemma3(hf: dict) -> GPTConfig:
+    """Gemma 3's text model (Gemma3ForCausalLM): see the module docstring."""
+    d = DEFAULTS["gemma3"]
+    n_embd, n_layer, n_head, inter, vocab = _require(hf, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                     "intermediate_size", "vocab_size")
+    problems = []
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or d["hidden_activation"]
+    if act not in GELU_TANH:
+        problems.append(f"hidden_activation={act!r} (only the tanh GELU, gelu_pytorch_tanh: GeGLU)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            problems.append(f"{key}={hf[key]!r} (no soft-capping here)")
+    if hf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention (causal attention only)")
+    if hf.get("attention_bias"):
+        problems.append("attention_bias=True (Gemma 3's MLP has none: biases on all projections or none)")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", d["sliding_window_pattern"]))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            problems.append(f"sliding_window_pattern={pattern!r} (a positive number of layers)")
+            pattern = 1
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+    window, interval = _gemma3_windows(hf, layer_types, n_layer, problems)
+    # RoPE: the full layers' (theta, scaling) and the windowed layers' (theta alone)
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    else:
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", d["rope_theta"])}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", d["rope_local_base_freq"])}
+    rope = _rope_fields(hf, problems, d["rope_theta"], rp=full)
+    local_rope = _rope_fields(hf, problems, d["rope_local_base_freq"], rp=local)
+    if local_rope.get("rope_scaling"):
+        problems.append(f"rope scaling {local_rope['rope_scaling']!r} on the sliding-window layers (only on the "
+                        "full-attention layers)")
+    if window and not interval:  # every layer windowed: the windowed layers' RoPE is the model's
+        rope, local_theta = local_rope, 0.0
+    else:
+        local_theta = local_rope.get("rope_theta", 0.0) if window else 0.0
+    _refuse("gemma3", problems)
+    head_dim = hf.get("head_dim", d["head_dim"]) or n_embd // n_head
+    scalar = hf.get("query_pre_attn_scalar", d["query_pre_attn_scalar"])
+    return GPTConfig(block_size=hf.get("max_position_embeddings", d["max_position_embeddings"]), vocab_size=vocab,
+                     n_layer=n_layer, n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
+                     n_embd=n_embd, dropout=0.0, bias=False, head_size=head_dim if head_dim * n_head != n_embd else 0,
+                     pos_emb="rope", norm="rmsnorm1p", norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])),
+                     sandwich_norm=True, mlp="geglu", intermediate_size=inter, embed_scale=True, qk_norm=True,
+                     query_scale_dim=0 if scalar == head_dim else int(scalar),
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])),
+                     attention_window=window, full_attention_interval=interval, rope_local_theta=local_theta, **rope)
+
+
+def _gemma3_windows(hf: dict, layer_types, n_layer: int, problems: list[str]) -> tuple[int, int]:
+    """(attention_window, full_attention_interval) from Gemma 3's layer_types and sliding_window: the window on
+    every "sliding_attention" layer, which must be all layers but every N-th (N = the first full layer's number)."""
+    if (not isinstance(layer_types, list) or len(layer_types) != n_layer
+            or any(t not in ("sliding_attention", "full_attention") for t in layer_types)):
+        problems.append(f"layer_types must be {n_layer} of 'sliding_attention' or 'full_attention'")
+        return 0, 0
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if len(full) == n_layer:
+        return 0, 0
+    window = hf.get("sliding_window", DEFAULTS["gemma3"]["sliding_window"])
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        problems.append(f"sliding_window={window!r} (a positive number of tokens)")
+        return 0, 0
+    if not full:
+        return window, 0
+    n = full[0] + 1
+    if full != list(range(n - 1, n_layer, n)):
+        problems.append(f"full attention on layers {full} (only on every N-th layer)")
+        return 0, 0
+    return window, n

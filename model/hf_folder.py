@@ -21,7 +21,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GPT2LMHeadModel) and Llama-family "
               "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, MistralForCausalLM with "
               "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, SmolLM3ForCausalLM "
-              "with nope_interval)")
+              "with nope_interval) and Gemma 3 blocks (pos_emb 'rope', norm 'rmsnorm1p', mlp 'geglu' with "
+              "sandwich_norm, embed_scale and qk_norm: Gemma3ForCausalLM)")
 
 
 class ExportError(HFError):
@@ -30,16 +31,36 @@ class ExportError(HFError):
 
 def hf_family(cfg: GPTConfig) -> str:
     """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "mistral" | "qwen2" |
-    "qwen3" | "smollm3".
+    "qwen3" | "smollm3" | "gemma3".
 
     GPT-2 blocks without biases export as GPT2LMHeadModel with zero biases (the same function; read back, the
     config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
     biases on q, k, v only → Qwen2; qk_norm → Qwen3; none of those and no biases → Llama, or Mistral with a
     sliding window (attention_window; Qwen2 and Qwen3 carry theirs as use_sliding_window on every layer); NoPE
-    layers (nope_interval) → SmolLM3.
+    layers (nope_interval) → SmolLM3. Gemma 3 blocks (every one of its pieces) → Gemma3ForCausalLM, whose
+    layer_types carry any window pattern.
     ExportError names what no architecture represents.
     """
     blocks = (cfg.pos_emb, cfg.norm, cfg.mlp)
+    gemma = dict(sandwich_norm=cfg.sandwich_norm, embed_scale=cfg.embed_scale, query_scale_dim=cfg.query_scale_dim,
+                 full_attention_interval=cfg.full_attention_interval, rope_local_theta=cfg.rope_local_theta)
+    if blocks == ("rope", "rmsnorm1p", "geglu"):
+        problems = [f"{k}={v}" for k, v in (("sandwich_norm", cfg.sandwich_norm), ("embed_scale", cfg.embed_scale),
+                                            ("qk_norm", cfg.qk_norm)) if not v]
+        problems += [f"{k}={getattr(cfg, k)}" for k in ("bias", "qkv_bias", "nope_interval") if getattr(cfg, k)]
+        if problems:
+            raise ExportError("no Hugging Face architecture represents this model: Gemma 3 blocks need "
+                              "sandwich_norm, embed_scale and qk_norm, without biases or NoPE layers; got "
+                              + ", ".join(problems))
+        if cfg.attention_window and cfg.rope_scaling and not (cfg.full_attention_interval and cfg.rope_local_theta):
+            raise ExportError(f"no Hugging Face architecture represents this model: rope_scaling="
+                              f"{cfg.rope_scaling!r} on windowed layers (Gemma 3 scales the full-attention layers' "
+                              "RoPE only; set rope_local_theta for the windowed ones)")
+        return "gemma3"
+    others = [f"{k}={v}" for k, v in gemma.items() if v]
+    if others:
+        raise ExportError(f"no Hugging Face architecture represents {', '.join(others)} without Gemma 3's blocks "
+                          "(pos_emb 'rope', norm 'rmsnorm1p', mlp 'geglu')")
     if blocks == ("learned", "layernorm", "gelu"):
         problems = []
         if cfg.attention_window:

@@ -12,6 +12,9 @@ along dim 0 in that order, transposed when `transpose` (GPT-2's Conv1D stores (i
     transformer.h.N.attn.q_norm/k_norm  —                               layers.N.self_attn.q_norm / k_norm (qwen3)
     transformer.h.N.attn.c_proj.*     h.N.attn.c_proj.{weight ᵀ,bias}   layers.N.self_attn.o_proj
     transformer.h.N.ln_2.*            h.N.ln_2.{weight,bias}            layers.N.post_attention_layernorm.weight
+                                                                        (gemma3: layers.N.pre_feedforward_layernorm)
+    transformer.h.N.ln_attn_out.*     —                                 layers.N.post_attention_layernorm (gemma3)
+    transformer.h.N.ln_mlp_out.*      —                                 layers.N.post_feedforward_layernorm (gemma3)
     transformer.h.N.mlp.c_fc.*        h.N.mlp.c_fc.{weight ᵀ,bias}      layers.N.mlp.[gate_proj | up_proj]
                                                                         (phi3: layers.N.mlp.gate_up_proj)
     transformer.h.N.mlp.c_proj.*      h.N.mlp.c_proj.{weight ᵀ,bias}    layers.N.mlp.down_proj
@@ -30,7 +33,7 @@ from .config import GPTConfig
 from .hf_files import HFError
 
 # one layout of names for these families: model.layers.N.self_attn.q_proj, ...
-LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "gemma3")
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}
@@ -81,12 +84,18 @@ def _llama_rules(cfg: GPTConfig, fused: bool = False) -> list[Rule]:
                [(a + "q_proj.weight", (q, C)), (a + "k_proj.weight", (kv, C)), (a + "v_proj.weight", (kv, C))])
         gate_up = ([(m + "gate_up_proj.weight", (2 * I, C))] if fused else
                    [(m + "gate_proj.weight", (I, C)), (m + "up_proj.weight", (I, C))])
+        # sandwich norms (Gemma): post_attention_layernorm is the attention output's norm, the MLP's input norm
+        # is pre_feedforward_layernorm
+        ln_2 = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
         layer = [("ln_1.weight", [(hf + "input_layernorm.weight", (C,))]),
                  ("attn.c_attn.weight", qkv),
                  ("attn.c_proj.weight", [(a + "o_proj.weight", (C, q))]),
-                 ("ln_2.weight", [(hf + "post_attention_layernorm.weight", (C,))]),
+                 ("ln_2.weight", [(hf + ln_2 + ".weight", (C,))]),
                  ("mlp.c_fc.weight", gate_up),
                  ("mlp.c_proj.weight", [(m + "down_proj.weight", (C, I))])]
+        if cfg.sandwich_norm:
+            layer += [("ln_attn_out.weight", [(hf + "post_attention_layernorm.weight", (C,))]),
+                      ("ln_mlp_out.weight", [(hf + "post_feedforward_layernorm.weight", (C,))])]
         if cfg.bias or cfg.qkv_bias:
             layer.append(("attn.c_attn.bias", [(a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)),
                                                (a + "v_proj.bias", (kv,))]))

@@ -1,4 +1,4 @@
-"""The norm layers: LayerNorm (GPT-2) or RMSNorm (Llama), picked by cfg.norm."""
+"""The norm layers: LayerNorm (GPT-2), RMSNorm (Llama) or RMSNorm scaled by 1 + weight (Gemma), picked by cfg.norm."""
 from __future__ import annotations
 
 import torch
@@ -30,9 +30,30 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class OffsetRMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · (1 + weight) over the last dim, all in float32 (float64 for float64 x), then
+    rounded to x's dtype (transformers' Gemma3RMSNorm): the weight is stored as its offset from 1 and starts at
+    zeros. Runs on torch (compiled with the model under torch.compile)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)  # (..., dim)
+        return (y * (1.0 + self.weight.to(wide))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, scale=1+weight"
+
+
 def make_norm(cfg, dim: int | None = None) -> nn.Module:
     """A norm over `dim` (default n_embd) of the config's kind; LayerNorm has a bias when cfg.bias."""
     dim = dim or cfg.n_embd
     if cfg.norm == "rmsnorm":
         return RMSNorm(dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
+    if cfg.norm == "rmsnorm1p":
+        return OffsetRMSNorm(dim, eps=cfg.norm_eps)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)

@@ -23,6 +23,8 @@ transformers.logging.set_verbosity_error()
 VOCAB = 96
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
              block_size=64, vocab_size=VOCAB)
+GEMMA3 = dict(LLAMA, norm="rmsnorm1p", mlp="geglu", sandwich_norm=True, embed_scale=True, qk_norm=True, head_size=32,
+              intermediate_size=80)
 SHAPES = {
     # name: (GPTConfig fields, the architecture transformers must build)
     "gpt2": (dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=VOCAB), "GPT2LMHeadModel"),
@@ -48,6 +50,13 @@ SHAPES = {
     "smollm3-nope-2": (dict(LLAMA, nope_interval=2, rope_theta=2e6), "SmolLM3ForCausalLM"),
     "smollm3-nope-1-biases-window": (dict(LLAMA, nope_interval=1, bias=True, attention_window=6, tie_embeddings=False),
                                      "SmolLM3ForCausalLM"),
+    # Gemma 3: windows in all but every 3rd layer, their own RoPE base, the full layers' scaled; a window in every
+    # layer; none; query_scale_dim other than the head dim
+    "gemma3-every-3rd-full": (dict(GEMMA3, n_layer=3, attention_window=5, full_attention_interval=3,
+                                   rope_local_theta=1e3, rope_scaling="linear", rope_factor=2.0), "Gemma3ForCausalLM"),
+    "gemma3-window-everywhere-untied": (dict(GEMMA3, attention_window=4, tie_embeddings=False, query_scale_dim=20),
+                                        "Gemma3ForCausalLM"),
+    "gemma3-no-window-mqa": (dict(GEMMA3, n_kv_head=1, rope_theta=1e6), "Gemma3ForCausalLM"),
 }
 
 
@@ -151,6 +160,12 @@ def test_bfloat16_export(tmp_path, char_spec):
     (dict(n_layer=1, n_head=4, n_embd=32, attention_window=8), "GPT-2 blocks with attention_window=8"),
     (dict(LLAMA, bias=True, attention_window=8), "attention_window=8 with bias=True"),
     (dict(LLAMA, nope_interval=2, qk_norm=True), "nope_interval (SmolLM3) with qk_norm=True"),
+    (dict(GEMMA3, sandwich_norm=False), "Gemma 3 blocks need sandwich_norm, embed_scale and qk_norm, without biases "
+                                        "or NoPE layers; got sandwich_norm=False"),
+    (dict(GEMMA3, bias=True), "got bias=True"),
+    (dict(LLAMA, embed_scale=True), "represents embed_scale=True without Gemma 3's blocks"),
+    (dict(LLAMA, attention_window=4, full_attention_interval=2), "full_attention_interval=2 without Gemma 3's"),
+    (dict(GEMMA3, attention_window=4, rope_scaling="linear"), "rope_scaling='linear' on windowed layers"),
 ])
 def test_shapes_without_an_architecture_are_refused(fields, needle):
     with pytest.raises(ExportError) as e:

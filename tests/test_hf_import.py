@@ -13,8 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,  # noqa: E402
-                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel,  # noqa: E402
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from model import GPT  # noqa: E402
@@ -70,6 +70,19 @@ FAMILIES = {
     "smollm3-biases-rope-everywhere": lambda: SmolLM3ForCausalLM(SmolLM3Config(
         **LLAMA, no_rope_layer_interval=4, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
         pad_token_id=None)),
+    # Gemma 3: windows on all layers but every 2nd, whose RoPE (linear-scaled) differs from the windowed layers',
+    # query_pre_attn_scalar unlike the head dim; a window on every layer (the pattern beyond the 2 layers), MQA,
+    # an untied head; no window at all
+    "gemma3-window-every-2nd-full": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**LLAMA, "num_hidden_layers": 4}, head_dim=32, sliding_window=5, sliding_window_pattern=2,
+        query_pre_attn_scalar=24, pad_token_id=None, rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e5),
+            "sliding_attention": dict(rope_type="default", rope_theta=1e3)})),
+    "gemma3-window-every-layer-mqa-untied": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**LLAMA, "num_key_value_heads": 1}, head_dim=16, sliding_window=6, sliding_window_pattern=3,
+        query_pre_attn_scalar=16, tie_word_embeddings=False, pad_token_id=None)),
+    "gemma3-no-window": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **LLAMA, head_dim=16, sliding_window_pattern=1, query_pre_attn_scalar=16, pad_token_id=None)),
 }
 
 
@@ -350,6 +363,50 @@ def test_unsupported_options_are_named(llama_dir, tmp_path, changes, needle):
     shutil.copytree(llama_dir, tmp_path / "m")
     edit_config(tmp_path / "m", **changes)
     assert needle in one_line_error(tmp_path / "m")
+
+
+@torch.no_grad()
+def test_gemma3_hub_config_keys(tmp_path):
+    """Gemma 3's config.json as the hub has it (transformers 4.x): rope_theta, rope_local_base_freq and
+    rope_scaling instead of per-layer-type rope_parameters, sliding_window_pattern instead of layer_types. The
+    same model loads with the same logits; the windowed layers' base and the pattern are read from those keys."""
+    hf, folder = saved("gemma3-window-every-2nd-full", tmp_path / "g")
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    for key in ("rope_parameters", "layer_types"):
+        del cfg[key]
+    cfg.update(rope_theta=1e5, rope_local_base_freq=1e3, rope_scaling=dict(rope_type="linear", factor=2.0),
+               sliding_window_pattern=2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    model = GPT.from_pretrained(folder)
+    c = model.config
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling, c.rope_factor) == (1e5, 1e3, "linear", 2.0)
+    assert [model.transformer.h[i].attn.window for i in range(4)] == [5, 0, 5, 0]
+    assert [model.transformer.h[i].attn.local_rope for i in range(4)] == [True, False, True, False]
+    assert c.query_scale_dim == 24 and c.embed_scale and c.sandwich_norm and c.norm == "rmsnorm1p"
+    idx = torch.randint(0, VOCAB, (2, 40))
+    assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0 (no soft-capping here)"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+    (dict(layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
+     "full attention on layers [0, 3] (only on every N-th layer)"),
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types must be 4 of"),
+    (dict(sliding_window=None), "sliding_window=None"),
+    (dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e5),
+                           "sliding_attention": dict(rope_type="linear", rope_theta=1e3, factor=2.0)}),
+     "rope scaling 'linear' on the sliding-window layers"),
+    (dict(architectures=["Gemma3ForConditionalGeneration"]), "unsupported architecture 'Gemma3ForConditionalGeneration'"),
+])
+def test_gemma3_options_it_cannot_reproduce_are_named(tmp_path, changes, needle):
+    _, folder = saved("gemma3-window-every-2nd-full", tmp_path / "g")
+    edit_config(folder, **changes)
+    assert needle in one_line_error(folder)
 
 
 def test_wrong_shape_names_tensor_expected_and_got(llama_dir, tmp_path):

@@ -58,8 +58,10 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
         self.qk_norm = cfg.qk_norm
-        # q multiplied by this, so that the kernels' 1/sqrt(head_dim) gives config.softmax_scale (query_scale_dim)
-        self.q_scale = cfg.softmax_scale * math.sqrt(cfg.head_dim)
+        # q multiplied by this, so that the kernels' 1/sqrt(head_dim) gives config.softmax_scale (query_scale_dim);
+        # exactly 1.0 without it (a product of the two square roots need not be)
+        qsd = cfg.query_scale_dim
+        self.q_scale = math.sqrt(cfg.head_dim / qsd) if qsd and qsd != cfg.head_dim else 1.0
         self.llama_kernels = cfg.llama_kernels
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.backend = cfg.attention

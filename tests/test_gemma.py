@@ -54,6 +54,9 @@ def test_parameter_names_and_per_layer_settings():
     assert [b.attn.local_rope for b in model.transformer.h] == [True, True, False]
     assert model.rotary_local is not None and model.rotary_local.cfg.rope_theta == 100.0
     assert all(b.attn.q_scale == pytest.approx(math.sqrt(32 / 20)) for b in model.transformer.h)
+    for hd in (32, 64, 128, 256):  # no query_scale_dim, or the head dim: exactly no scaling (so rope_in_flash
+        for qsd in (0, hd):       # stays open), though (hd ** -0.5) * sqrt(hd) is not 1.0 for 32 or 128
+            assert all(b.attn.q_scale == 1.0 for b in GPT(tiny(head_size=hd, query_scale_dim=qsd)).transformer.h)
     no_local = GPT(tiny(rope_local_theta=0.0))
     assert no_local.rotary_local is None and not any(b.attn.local_rope for b in no_local.transformer.h)
 

@@ -14,7 +14,7 @@ from config import ConfigError, load_config
 from model import GPT, GPTConfig
 from model.norms import OffsetRMSNorm
 from model.rope import apply_rope
-from tests.util import ROOT
+from tests.util import ROOT, assert_flash_matches_naive
 
 VOCAB = 97
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,16 +151,7 @@ def test_flash_matches_naive_forward_and_backward(rope_local_theta):
     torch.manual_seed(3)
     model = random_model(rope_local_theta=rope_local_theta).to(DEVICE).train()
     idx = torch.randint(0, VOCAB, (2, 19), device=DEVICE)
-    results = {}
-    for backend in ("naive", "flash"):
-        model.zero_grad()
-        model.set_attention_backend(backend)
-        logits, loss = model(idx, idx)
-        loss.backward()
-        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
-    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(results["flash"][1], results["naive"][1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_flash_matches_naive(model, idx)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 flash on the GPU")

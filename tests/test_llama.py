@@ -13,7 +13,7 @@ from model import GPT, GPTConfig
 from model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from model.generation import generate
 from model.sampling import SamplingParams
-from tests.util import ROOT, recompute_greedy, run_entry, write_corpus
+from tests.util import ROOT, assert_flash_matches_naive, recompute_greedy, run_entry, write_corpus
 
 VOCAB = 97
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
@@ -249,22 +249,6 @@ def test_backends_agree(kw):
     ref, _ = model(idx)
     model.set_attention_backend("sdpa")
     torch.testing.assert_close(model(idx)[0], ref)
-
-
-def assert_flash_matches_naive(model, idx):
-    """The model's logits and gradients (loss on idx as targets) with flash equal those with naive attention;
-    flash's logits."""
-    results = {}
-    for backend in ("naive", "flash"):
-        model.zero_grad()
-        model.set_attention_backend(backend)
-        logits, loss = model(idx, idx)
-        loss.backward()
-        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
-    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(results["flash"][1], results["naive"][1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    return results["flash"][0]
 
 
 def test_flash_backend_matches_naive_forward_and_backward():

@@ -101,3 +101,20 @@ def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
             seq.append(out[-1])
     model.set_attention_backend(backend)
     return out
+
+
+def assert_flash_matches_naive(model, idx):
+    """The model's logits and gradients (loss on idx as targets) with flash equal those with naive attention;
+    flash's logits."""
+    import torch
+    results = {}
+    for backend in ("naive", "flash"):
+        model.zero_grad()
+        model.set_attention_backend(backend)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        results[backend] = (logits, [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(results["flash"][0], results["naive"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results["flash"][1], results["naive"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    return results["flash"][0]

@@ -14,7 +14,7 @@ from config import ConfigError, load_config
 from model import GPT, GPTConfig
 from model.norms import OffsetRMSNorm
 from model.rope import apply_rope
-from tests.util import ROOT, assert_flash_matches_naive
+from tests.util import ROOT, assert_flash_matches_naive, train_losses
 
 VOCAB = 97
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -210,15 +210,7 @@ def test_fused_decode_step_refuses_gemma_blocks():
 def test_a_few_training_steps_lower_the_loss():
     torch.manual_seed(6)
     model = random_model().train()
-    opt = model.configure_optimizer(0.0, 3e-3, (0.9, 0.95), "cpu")
-    idx = torch.randint(0, VOCAB, (4, 32))
-    losses = []
-    for _ in range(25):
-        _, loss = model(idx[:, :-1], idx[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_losses(model, torch.randint(0, VOCAB, (4, 32)))
     assert losses[-1] < losses[0] - 1.0, losses
 
 

@@ -118,3 +118,17 @@ def assert_flash_matches_naive(model, idx):
     for a, b in zip(results["flash"][1], results["naive"][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     return results["flash"][0]
+
+
+def train_losses(model, data, steps: int = 25, weight_decay: float = 0.0, lr: float = 3e-3) -> list[float]:
+    """The losses of `steps` AdamW steps (the model's own optimizer, CPU) on data (B, T + 1): inputs data[:, :-1],
+    targets data[:, 1:]."""
+    opt = model.configure_optimizer(weight_decay, lr, (0.9, 0.95), "cpu")
+    losses = []
+    for _ in range(steps):
+        _, loss = model(data[:, :-1], data[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -370,9 +370,10 @@ def run(args) -> int:
     opts = dict(cuda_graph=cuda_graph, compile=args.compile, prefill_chunk=args.prefill_chunk, fused=fused)
     decode_path = {"flash": "split-KV decode kernel", "sdpa": "SDPA over the cache",
                    "naive": "naive attention"}[backend]
-    if model.config.attention_window:  # model/kv_cache.py: the window's mask over the cache
-        decode_path = f"{'naive attention' if backend == 'naive' else 'SDPA'} with the window's mask " \
-                      f"({model.config.attention_window} tokens)"
+    if model.config.attention_window:  # model/kv_cache.py: the decode kernel's window, or a mask over the cache
+        window = model.config.attention_window
+        decode_path = (f"split-KV decode kernel over the window ({window} tokens)" if backend == "flash" else
+                       f"{'naive attention' if backend == 'naive' else 'SDPA'} with the window's mask ({window} tokens)")
     decode_path = f"fused LN/matmul kernels + {decode_path}" if fused else decode_path
     print(f"attention: {backend} (prefill: {backend}, decode: {decode_path}"
           f"{', CUDA graph' if cuda_graph else ''}{', torch.compile' if args.compile else ''}) on {device}, "

@@ -22,7 +22,12 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
+    sdpa-mask      (--window only) SDPA over the whole capacity with the window's boolean mask: what the KV
+                   cache's masked path runs (the sdpa backend's windowed decode step)
     copy           a device-to-device copy of the same bytes as K and V's valid prefixes: the bandwidth limit
+--window W: a sliding window of W positions (the new token at L - 1 sees L - W .. L - 1): the decode providers
+pass window=W, sdpa attends to the window's slice k[:, :, L - W:L], bytes and the copy count the window's keys,
+and the positions before the window are poisoned too while outputs are checked.
 Each is first checked against a float32 SDPA reference (error <= 2x bf16 SDPA's + 4e-3; the cache past L
 holds NaN for this check), then timed two ways, each the median of repeated measurements after warm-up calls:
     graph   per-call µs of a CUDA graph of back-to-back calls (the GPU's time, as in the model's decode step);
@@ -80,7 +85,7 @@ PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel 
 # the decode providers are checked again after timing
 DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-noshort", "split-fit",
                     "nosplit")
-PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "copy")
+PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "sdpa-mask", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
 SPLIT_ORDERS = ("strided", "chunks")
@@ -99,6 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=12, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads, i.e. MHA)")
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=0,
+                   help="sliding window of this many positions (0: none; sdpa-mask is timed only with one)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start nothing new after this many seconds (what was measured is written)")
     p.add_argument("--providers", default=",".join(PROVIDERS),
@@ -142,6 +149,8 @@ def parse_args(argv=None):
                 p.error(f"--sweep-tiles: expected BLOCK_N:WARPS:STAGES[:vec], got {text!r}")
         a.sweep_tiles = tiles
     a.lens = ints(a.lens, "--lens") if a.lens else None
+    if a.window < 0:
+        p.error(f"--window must be >= 0, got {a.window}")
     a.kv_heads = a.kv_heads or a.heads
     if a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:
         p.error(f"--heads ({a.heads}) must be a positive multiple of --kv-heads ({a.kv_heads})")
@@ -244,9 +253,11 @@ class Bench:
 class Shape:
     """One (batch, length) case: q, n_views side-by-side cache copies (views of one buffer), and checks."""
 
-    def __init__(self, torch, F, device, dtype, B, H, Hkv, D, L, capacity, n_views):
+    def __init__(self, torch, F, device, dtype, B, H, Hkv, D, L, capacity, n_views, window=0):
         self.torch, self.F = torch, F
         self.B, self.H, self.Hkv, self.D, self.L, self.capacity, self.n_views = B, H, Hkv, D, L, capacity, n_views
+        self.window = window
+        self.lo = max(L - window, 0) if window else 0  # the first key the new token (position L - 1) sees
         self.group = H // Hkv
         self.q = torch.randn(B, H, 1, D, device=device, dtype=dtype)                        # (B, H, 1, D)
         total = capacity + (n_views - 1) * L
@@ -256,10 +267,13 @@ class Shape:
         self.v = [self.v_big[:, :, i * L:i * L + capacity] for i in range(n_views)]
         self.lens = torch.full((B,), L, device=device, dtype=torch.int32)
         self.out = torch.empty_like(self.q)
-        self.nbytes = 2 * B * Hkv * L * D * self.q.element_size()
-        # the reference, with the cache past L (view 0) full of NaN while it is computed
+        self.nbytes = 2 * B * Hkv * (L - self.lo) * D * self.q.element_size()
+        # the window's mask over the whole capacity (sdpa-mask): (1, capacity) bool, True where the token sees
+        pos = torch.arange(capacity, device=device)
+        self.mask = ((pos >= self.lo) & (pos < L))[None]
+        # the reference, with the cache past L (and before the window) of view 0 full of NaN while it is computed
         self.poison(True)
-        k, v = self.k[0][:, :, :L].float(), self.v[0][:, :, :L].float()
+        k, v = self.k[0][:, :, self.lo:L].float(), self.v[0][:, :, self.lo:L].float()
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
         self.ref = F.scaled_dot_product_attention(self.q.float(), k, v)                     # (B, H, 1, D)
@@ -268,25 +282,33 @@ class Shape:
         self.bound = 2 * self.sdpa_err + (4e-3 if dtype != torch.float32 else 1e-5)
 
     def poison(self, on: bool):
-        """Fill cache positions [L, capacity) of view 0 with NaN (on), or back with random values (off)."""
+        """Fill cache positions [L, capacity) and [0, lo) of view 0 with NaN (on), or back with random values
+        (off)."""
         for big in (self.k_big, self.v_big):
-            tail = big[:, :, self.L:self.capacity]
-            if on:
-                tail.fill_(float("nan"))
-            else:
-                tail.normal_()
+            for part in (big[:, :, self.L:self.capacity], big[:, :, :self.lo]):
+                if on:
+                    part.fill_(float("nan"))
+                else:
+                    part.normal_()
 
     def sdpa(self, i):
         kw = dict(enable_gqa=True) if self.group > 1 else {}
-        return self.F.scaled_dot_product_attention(self.q, self.k[i][:, :, :self.L], self.v[i][:, :, :self.L],
-                                                   **kw)
+        return self.F.scaled_dot_product_attention(self.q, self.k[i][:, :, self.lo:self.L],
+                                                   self.v[i][:, :, self.lo:self.L], **kw)
+
+    def sdpa_mask(self, i):
+        """SDPA over the whole capacity with the window's mask (a masked-out NaN still poisons SDPA's P V, so this
+        provider is checked with finite values past L: the KV cache's masked path holds finite ones there)."""
+        kw = dict(enable_gqa=True) if self.group > 1 else {}
+        return self.F.scaled_dot_product_attention(self.q, self.k[i], self.v[i], attn_mask=self.mask, **kw)
 
     def error(self, result) -> float:
         return (result.float() - self.ref).abs().max().item()
 
-    def check(self, fn) -> float:
-        """fn(0)'s max error with the cache tail poisoned; raises when over the bound (NaN included)."""
-        self.poison(True)
+    def check(self, fn, poison: bool = True) -> float:
+        """fn(0)'s max error with the cache tail (and what precedes the window) poisoned, unless poison=False;
+        raises when over the bound (NaN included)."""
+        self.poison(poison)
         try:
             err = self.error(fn(0))
         finally:
@@ -340,7 +362,7 @@ class Run:
             date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
             device=torch.cuda.get_device_name(self.device) if cuda else f"CPU interpreter ({platform.machine()})",
             torch=torch.__version__, triton=triton.__version__, dtype=str(self.dtype).replace("torch.", ""), Nq=1,
-            H=self.H, Hkv=self.Hkv, D=self.D, capacity=self.capacity, l2_bytes=self.l2, default_tile=str(self.default),
+            H=self.H, Hkv=self.Hkv, D=self.D, capacity=self.capacity, window=args.window, l2_bytes=self.l2, default_tile=str(self.default),
             min_keys_per_split=self.min_keys, single_split_max_len=decode.SINGLE_SPLIT_MAX_LEN,
             timing=("graph: CUDA-graph replays of back-to-back calls over rotating cache copies (median of 10); "
                     "eager: median of 3 do_bench medians" if cuda else "perf_counter medians (smoke)"),
@@ -388,23 +410,29 @@ class Run:
                         self.torch.cuda.empty_cache()
 
     def shape(self, B: int, L: int) -> Shape:
-        n_views = rotation_count(2 * B * self.Hkv * L * self.D * self.elem, self.l2) if self.bench.cuda else 1
+        read = min(L, self.args.window or L)  # keys a call reads
+        n_views = rotation_count(2 * B * self.Hkv * read * self.D * self.elem, self.l2) if self.bench.cuda else 1
         return Shape(self.torch, self.F, self.device, self.dtype, B, self.H, self.Hkv, self.D, L, self.capacity,
-                     n_views)
+                     n_views, self.args.window)
 
     def one_shape(self, shape) -> None:
         torch, dec, Hkv, D = self.torch, self.decode, self.Hkv, self.D
-        B, L, n_views = shape.B, shape.L, shape.n_views
-        long_splits = 1 if dec.full_grid_unsplit(B * Hkv, self.capacity, self.device) else \
-            dec.auto_num_splits(B * Hkv, self.capacity, self.device)
-        grid_splits = dec.short_grid_splits(B * Hkv, long_splits, self.capacity, self.device)
-        used = dec.plan_splits(L, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, self.default.block_n,
+        B, L, n_views, W = shape.B, shape.L, shape.n_views, self.args.window
+        block_n = self.default.block_n
+        # the keys the host plans the grid for, and those a sequence plans its splits over (kernels/decode.py)
+        planned = min(self.capacity, W + block_n - 1) if W else self.capacity
+        span = L - shape.lo // block_n * block_n
+        long_splits = 1 if dec.full_grid_unsplit(B * Hkv, planned, self.device) else \
+            dec.auto_num_splits(B * Hkv, planned, self.device)
+        grid_splits = dec.short_grid_splits(B * Hkv, long_splits, planned, self.device)
+        used = dec.plan_splits(span, grid_splits, self.min_keys, dec.SINGLE_SPLIT_MAX_LEN, block_n,
                                long_splits)[1] if grid_splits > 1 else 1
         n_el = shape.nbytes // self.elem
         copy_src = torch.empty(n_views * n_el, device=self.device, dtype=self.dtype)  # (views * n_el,)
         copy_dst = torch.empty(n_el, device=self.device, dtype=self.dtype)
         q, lens, out = shape.q, shape.lens, shape.out
-        split = lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out, check_lens=False)  # noqa: E731
+        split = lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, out=out, check_lens=False,  # noqa: E731
+                                               window=W)
         providers = {
             "split": split,
             "split-merged": split,  # the same call, under PROVIDER_OPTIONS
@@ -413,22 +441,23 @@ class Run:
             "split-dep": split,
             "split-noshort": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
-                                                        check_lens=False),
+                                                        check_lens=False, window=W),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,
-                                                      check_lens=False),
+                                                      check_lens=False, window=W),
             "sdpa": shape.sdpa,
+            "sdpa-mask": shape.sdpa_mask,
             "copy": lambda i: copy_dst.copy_(copy_src[i * n_el:(i + 1) * n_el]),
         }
         row = dict(B=B, H=self.H, Hkv=Hkv, D=D, L=L, capacity=self.capacity, rotation=n_views,
-                   grid_splits=grid_splits, fit_splits=dec.auto_num_splits(B * Hkv, L, self.device), used_splits=used,
+                   grid_splits=grid_splits, fit_splits=dec.auto_num_splits(B * Hkv, span, self.device), used_splits=used,
                    nbytes=shape.nbytes, sdpa_err=shape.sdpa_err, providers={})
         for name, fn in providers.items():
-            if name not in self.args.providers:
+            if name not in self.args.providers or (name == "sdpa-mask" and not W):
                 continue
             try:
                 with self.options.use(**PROVIDER_OPTIONS.get(name, {})):
                     if name != "copy":
-                        row["providers"][name] = dict(max_err=shape.check(fn))
+                        row["providers"][name] = dict(max_err=shape.check(fn, poison=name != "sdpa-mask"))
                     m = self.measure(shape, fn)
                     if name in DECODE_PROVIDERS:  # the timed launches computed the right thing too
                         err = shape.error(fn(0))
@@ -462,7 +491,8 @@ class Run:
 
             def fn(i):
                 return dec.decode_attention(shape.q, shape.k[i], shape.v[i], shape.lens, out=shape.out,
-                                            check_lens=False, num_splits=num_splits, tile=tile)
+                                            check_lens=False, num_splits=num_splits, tile=tile,
+                                            window=self.args.window)
             try:
                 with self.options.use(decode_split_order=order,
                                       **({} if min_keys is None else dict(decode_min_keys_per_split=min_keys))):
@@ -584,8 +614,9 @@ def one_line(row) -> str:
 
 def render_markdown(meta, rows) -> str:
     names = [n for n in PROVIDERS if any(n in r["providers"] for r in rows)] or list(PROVIDERS)
+    window = f", window {meta['window']}" if meta.get("window") else ""
     lines = [f"# Decode attention: split-KV vs SDPA vs a copy ({meta['dtype']}, Nq=1, H={meta['H']}, "
-             f"Hkv={meta['Hkv']}, D={meta['D']}, cache capacity {meta['capacity']})", "",
+             f"Hkv={meta['Hkv']}, D={meta['D']}, cache capacity {meta['capacity']}{window})", "",
              f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['date']}; {meta['timing']}. Default tile {meta['default_tile']}, min keys per split "
              f"{meta['min_keys_per_split']}; GB/s = bytes of K and V read (the copy: read + written).", "",

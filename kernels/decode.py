@@ -1,6 +1,6 @@
 """Split-KV decode attention (flash-decoding) in Triton: a few new query tokens against a static KV cache.
 
-    decode_attention(q, k_cache, v_cache, cache_lens, *, sm_scale=None, num_splits=None, tile=None)
+    decode_attention(q, k_cache, v_cache, cache_lens, *, sm_scale=None, num_splits=None, tile=None, window=0)
         -> (B, Hq, Nq, D)
 
 Shapes:
@@ -10,6 +10,11 @@ Shapes:
 Query i of sequence b sits at position p = cache_lens[b] - Nq + i and attends to cache positions j <= p
 (causal, bottom-right aligned: the same semantics as `naive_attention` on the valid prefix). Positions
 >= cache_lens[b] are never read into the result: they may hold anything, NaN included.
+window > 0 (a sliding window, Mistral's and Gemma's local layers): query i at position p sees positions
+p - window + 1 .. p only. The split programs then cover the key blocks from the earliest new token's window on,
+so a step reads window + Nq - 1 keys whatever the cache length (blocks counted from the window's first key), and
+positions before that token's window are never read either; the split count below is planned for those keys
+(the L of the plan is that span). window >= max_len cuts nothing.
 
 Supported, and checked with a ValueError before any launch:
     dtypes      float16, bfloat16, float32 (q, k_cache, v_cache alike); softmax and accumulation in float32,
@@ -196,13 +201,29 @@ def plan_splits(L: int, num_splits: int, min_chunk: int, unsplit_max: int, block
 
 
 @triton.jit
+def _first_key(L, WINDOW, N_Q: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The first cache position any of a sequence's N_Q new tokens sees (L valid keys, the new tokens last):
+    0 without a window; with one, the earliest new token (position L - N_Q) sees positions from
+    L - N_Q - WINDOW + 1. The split plan covers the L - first keys [first, L), in blocks of BLOCK_N keys
+    counted from `first` (a block need not start at a multiple of BLOCK_N: each key's row is read on its own,
+    so nothing before `first` is ever loaded and no block needs a lower bound on its loads)."""
+    if HAS_WINDOW:
+        first = tl.maximum(L - N_Q - WINDOW + 1, 0)
+    else:
+        first = L * 0
+    return first
+
+
+@triton.jit
 def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
-                  stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT: tl.constexpr,
+                  PRECISION: tl.constexpr, ROW_WINDOW: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N), of which those >= hi do not exist.
 
     K and V are loaded as (BLOCK_N, BLOCK_D) tiles, rows of D contiguous elements. Scores are in log2 units
-    (qk_scale includes log2(e)), so exp2 replaces exp. DOT=False: q holds one row (BLOCK_M == 1).
+    (qk_scale includes log2(e)), so exp2 replaces exp. DOT=False: q holds one row (BLOCK_M == 1). ROW_WINDOW
+    (a window with several new tokens): a row at q_pos sees only keys > q_pos - WINDOW (with one new token the
+    key range itself starts at its window).
     """
     keys = start + offs_n                                                       # (BLOCK_N,)
     k_ok = keys < hi
@@ -215,6 +236,8 @@ def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok
     s = s * qk_scale
     # causal, bottom-right; k_ok only matters for a split ending mid-block
     visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+    if ROW_WINDOW:
+        visible = visible & (keys[None, :] > q_pos[:, None] - WINDOW)          # (BLOCK_M, BLOCK_N)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))                                       # (BLOCK_M,)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: keep exp2 finite
@@ -286,18 +309,18 @@ def _split_and_sequence(NUM_SPLITS, LONG_SPLITS):
     return split, bh
 
 
-@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
+@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX", "WINDOW"])
 def _decode_split_kernel(
         Q, K, V, LENS, O_PART, LSE, OUT, COUNTERS,
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_on, stride_od,
-        qk_scale, H_KV, MAX_LEN, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
+        qk_scale, H_KV, MAX_LEN, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, WINDOW,
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr):
+        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows
     (which split of which one: _split_and_sequence, the long plan's programs first).
 
@@ -318,6 +341,10 @@ def _decode_split_kernel(
     blocks,) int32, one zero per (sequence, kv head, row block), with an acq_rel atomic; the program that
     counts last (used - 1 before it) resets the counter to 0 and merges the used parts into OUT
     (_merge_splits, the loads bypassing L1), so no merge launch follows.
+
+    HAS_WINDOW: a sliding window of WINDOW positions (the row at q_pos sees q_pos - WINDOW < j <= q_pos); the
+    splits cover only the keys from the earliest row's window on (_first_key), so the keys read, and the
+    split plan, follow the window rather than the cache length.
     """
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -326,10 +353,11 @@ def _decode_split_kernel(
     b = (bh // H_KV).to(tl.int64)
     h_kv = (bh % H_KV).to(tl.int64)
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)     # valid cache length
+    lo = _first_key(L, WINDOW, N_Q, HAS_WINDOW)                                # keys [lo, L) are planned
     if SPLIT:
-        chunk, used = split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
+        chunk, used = split_plan(L - lo, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
     else:
-        chunk, used = L, 1
+        chunk, used = L - lo, 1
     if split >= used:
         return  # nothing of this sequence falls in this split: the merge does not read it
 
@@ -350,16 +378,19 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
+    ROW_WINDOW: tl.constexpr = HAS_WINDOW and N_Q > 1
     if STRIDED:  # blocks split, split + used, ...: at any moment the used splits read neighbouring blocks
-        for start in range(split * BLOCK_N, L, used * BLOCK_N):
+        for start in range(lo + split * BLOCK_N, L, used * BLOCK_N):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, L, q_pos, offs_n, offs_d, d_ok,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
+                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
+                                          PRECISION, ROW_WINDOW)
     else:  # one contiguous chunk
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, L)
-        for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, DOT, PRECISION)
+        c_lo = lo + split * chunk
+        c_hi = tl.minimum(c_lo + chunk, L)
+        for start in range(c_lo, c_hi, BLOCK_N):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, c_hi, q_pos, offs_n, offs_d, d_ok,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
+                                          PRECISION, ROW_WINDOW)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # rows with no key: 0
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -384,14 +415,16 @@ def _decode_split_kernel(
                          + offs_d[None, :] * stride_od, merged.to(OUT.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX"])
+@triton.jit(do_not_specialize=["MAX_LEN", "NUM_SPLITS", "LONG_SPLITS", "MIN_CHUNK", "UNSPLIT_MAX", "WINDOW"])
 def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stride_on, stride_od,
-                         MAX_LEN, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX,
+                         MAX_LEN, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, WINDOW,
                          N_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
+                         TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr):
     """grid = (B * Hq * N_Q,): merge one output row's used splits with their log-sum-exps (_merge_splits).
 
-    The used count comes from the same split_plan as the split kernel's (BLOCK_N is the split kernel's); a
+    The used count comes from the same _first_key and split_plan as the split kernel's (BLOCK_N is the split
+    kernel's); a
     row whose sequence used one split was written by that split, and is left alone here.
     """
     if USE_GDC:
@@ -400,7 +433,8 @@ def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stri
     row = tl.program_id(0).to(tl.int64)
     b, h, i = row // (H_Q * N_Q), (row // N_Q) % H_Q, row % N_Q
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)
-    chunk, used = split_plan(L, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
+    lo = _first_key(L, WINDOW, N_Q, HAS_WINDOW)
+    chunk, used = split_plan(L - lo, NUM_SPLITS, LONG_SPLITS, MIN_CHUNK, UNSPLIT_MAX, BLOCK_N)
     if used == 1:
         return
     rows = row + tl.arange(0, 1)                                                # (1,)
@@ -493,7 +527,7 @@ def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torc
     return max(1, min(PROGRAMS_PER_SM, smem // per_program))
 
 
-def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -> int | None:
+def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile, window) -> int | None:
     """Every ValueError the kernels could run into, raised before anything is launched. Returns the longest
     cache length when it was read back (check_lens outside graph capture), else None."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_lens", cache_lens)):
@@ -529,6 +563,8 @@ def _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile) -
     if cache_lens.dtype not in (torch.int32, torch.int64) or tuple(cache_lens.shape) != (B,):
         raise ValueError(f"cache_lens must be an int32/int64 tensor of shape ({B},), got {cache_lens.dtype} "
                          f"{tuple(cache_lens.shape)}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
@@ -617,16 +653,18 @@ def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, l
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                      *, sm_scale: float | None = None, num_splits: int | None = None,
                      out: torch.Tensor | None = None, check_lens: bool = True,
-                     tile: DecodeTile | None = None) -> torch.Tensor:
+                     tile: DecodeTile | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of q's Nq new tokens to each sequence's valid cache prefix. Returns (B, Hq, Nq, D).
 
     See the module docstring for what is supported. `out` (optional) receives the result; `check_lens=False`
-    skips reading cache_lens back to validate it (a GPU sync); `tile` overrides the split kernel's config.
+    skips reading cache_lens back to validate it (a GPU sync); `tile` overrides the split kernel's config;
+    `window` > 0 limits the token at position p to positions p - window + 1 .. p (a sliding window).
     """
-    longest = _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile)
+    longest = _check(q, k_cache, v_cache, cache_lens, num_splits, out, check_lens, tile, window)
     opts = _options.get()
     B, Hq, Nq, D = q.shape
     Hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    window = window if window < max_len else 0  # a window as long as the cache cuts nothing
     group = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     if out is None:
@@ -641,6 +679,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     full = fills_gpu(B * Hkv * row_blocks, q.device)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         length = max_len if longest is None else longest
+        if window:  # a sequence's planned keys [first, L): the window and the later new tokens
+            length = min(length, window + Nq - 1)
         if full and length <= opts.decode_full_grid_max_len:  # full_grid_unsplit, its fills_gpu already known
             num_splits = 1
         else:
@@ -676,14 +716,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _launch(_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
                 (q, k_cache, v_cache, cache_lens, o_part, lse, out, counters),
                 (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-                 scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max),
+                 scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
-                    (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max),
-                    dict(N_Q=Nq, HEAD_DIM=D, BLOCK_N=tile.block_n, TILE_S=MERGE_TILE, BLOCK_D=BLOCK_D, USE_GDC=pdl),
+                    (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
+                    dict(N_Q=Nq, HEAD_DIM=D, BLOCK_N=tile.block_n, TILE_S=MERGE_TILE, BLOCK_D=BLOCK_D, USE_GDC=pdl,
+                         HAS_WINDOW=window > 0),
                     dict(num_warps=4, **(dict(launch_pdl=True) if pdl else {})))
     return out
 

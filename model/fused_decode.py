@@ -26,7 +26,8 @@ which is what bounds a small model's decode speed (bench/NOTES.md). The blocks c
     Llama family RoPE (rotate-half, llama3 frequency scaling: the model's own cos/sin tables, applied to q and k
                  inside the QKV kernel before k is cached), RMSNorm, SwiGLU (c_fc rows [gate | up]), GQA
                  (n_kv_head), head_size != n_embd / n_head, with or without biases, qkv_bias (Qwen2), tied or
-                 untied LM head
+                 untied LM head, a sliding window (attention_window, Mistral: the decode kernel reads only the
+                 window's key blocks; such models take the per-layer launches, not the one-launch stack)
 and unsupported_reason names what is not (qk_norm). Rounding follows the eager model in its dtype, so the
 logits agree to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA
 graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
@@ -99,8 +100,6 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
         return "qk_norm (a per-head RMSNorm of q and k) is not fused"
     if c.nope_interval:
         return f"nope_interval={c.nope_interval}: the fused kernels rotate q and k in every layer"
-    if c.attention_window:
-        return f"attention_window={c.attention_window}: the decode kernels attend over the whole cache"
     if c.norm == "rmsnorm1p" or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim:
         return ("Gemma's pieces (rmsnorm1p, sandwich_norm, geglu, embed_scale, query_scale_dim) are not fused")
     w = model.lm_head.weight
@@ -153,13 +152,14 @@ def _stack_layers(model) -> list[dict]:
 
 def stack_plan(model) -> StackPlan | None:
     """The model's plan for kernels.decode_stack (one launch for every layer of a one-sequence step), or None
-    where it is wider than STACK_MAX_C, its shape does not fit (decode_stack.fits) or its norms mix kinds."""
+    where it is wider than STACK_MAX_C, its shape does not fit (decode_stack.fits), its norms mix kinds or it has
+    a sliding window (the stack's attention phase reads every cached key; the per-layer launches take a window)."""
     tr, c = model.transformer, model.config
     attn = tr.h[0].attn
     device = model.lm_head.weight.device
     programs = INTERPRETER_PROGRAMS if interpreting() else _triton.sm_count(device)
     kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
-    if c.n_embd > STACK_MAX_C or len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]:
+    if c.attention_window or c.n_embd > STACK_MAX_C or len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]:
         return None
     if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
                   programs):
@@ -223,7 +223,7 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
                             attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True, rms=rms_1,
                             rope=rope)                          # (B, Hq·D), rotated; k (rotated), v in the cache
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
-                             check_lens=False)                  # (B, Hq, 1, D)
+                             check_lens=False, window=cache.window)  # (B, Hq, 1, D); the layer's window, if any
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 1], pdl=True)     # (B, C)
         stats_next = stats[2 * i + 2] if i + 1 < n_layer else None

@@ -9,9 +9,9 @@ highest position it holds: the cache keeps positions 0..input_pos[b, -1] valid.
 
 window > 0 (a model with attention_window): the token at position p attends to positions p - window + 1 .. p
 only. Prefill chunks run the attention backend with that window; decode steps (up to DECODE_MAX_TOKENS new
-tokens) attend through an explicit mask over the cache, a fixed-shape call that CUDA graphs and torch.compile
-take as they are, in place of the split-KV decode kernel, which has no window. A window that covers the whole
-cache cuts nothing and is dropped.
+tokens) on the flash backend pass it to the split-KV decode kernel, which then reads only the window's key
+blocks, and on the other backends attend through an explicit mask over the cache (a fixed-shape call that CUDA
+graphs and torch.compile take as they are). A window that covers the whole cache cuts nothing and is dropped.
 """
 from __future__ import annotations
 
@@ -48,13 +48,13 @@ class KVCache(nn.Module):
             self.v[:B].scatter_(2, where, v.to(self.v.dtype))
         k_all, v_all = self.k[:B], self.v[:B]  # (B, Hkv, max_len, D)
         decode = T <= DECODE_MAX_TOKENS
-        if backend == "flash" and decode and not self.window and q.dtype == k_all.dtype:
+        if backend == "flash" and decode and q.dtype == k_all.dtype:
             # (B,) valid lengths, new tokens included. A fresh contiguous tensor: the kernel reads lens[b] at
             # LENS + b, so a stride-0 .expand(B) view would make it read past the end for b > 0.
             lens = (input_pos[-1] + 1).repeat(B) if input_pos.dim() == 1 else input_pos[:, -1] + 1  # (B,)
             # The write above already refused positions outside the cache, so on CUDA the kernel's own check of
             # lens (a GPU→CPU sync per layer and step, which stalls eager decoding) is skipped.
-            return _decode_attention(q, k_all, v_all, lens, check_lens=q.device.type != "cuda")
+            return _decode_attention(q, k_all, v_all, lens, check_lens=q.device.type != "cuda", window=self.window)
         if input_pos.dim() == 1 and not (self.window and decode):
             # prefill chunk: keys 0..end-1, causal mask (and window) aligned bottom-right
             end = int(input_pos[-1]) + 1
@@ -75,9 +75,9 @@ class KVCache(nn.Module):
 
 
 @torch.compiler.disable  # a torch.compile'd decode step calls the kernel as is (dynamo need not trace its launch)
-def _decode_attention(q, k_all, v_all, lens, check_lens: bool) -> torch.Tensor:
+def _decode_attention(q, k_all, v_all, lens, check_lens: bool, window: int) -> torch.Tensor:
     from kernels.decode import decode_attention
-    return decode_attention(q, k_all, v_all, lens, check_lens=check_lens)  # (B, Hq, T, D)
+    return decode_attention(q, k_all, v_all, lens, check_lens=check_lens, window=window)  # (B, Hq, T, D)
 
 
 def masked_attention(q, k, v, visible: torch.Tensor, exact: bool = False) -> torch.Tensor:

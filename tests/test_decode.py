@@ -48,12 +48,14 @@ def make_case(B, Hq, Hkv, Nq, D, lens, max_len, dtype, seed=0):
     return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE)
 
 
-def reference(q, k, v, lens, sm_scale=None, dtype=torch.float64):
-    """naive_attention per sequence on its valid prefix, in `dtype` (float64: the oracle)."""
+def reference(q, k, v, lens, sm_scale=None, dtype=torch.float64, window=0):
+    """naive_attention per sequence on its valid prefix, in `dtype` (float64: the oracle); window > 0: with that
+    sliding window, on the keys from the earliest new token's window on (those before it may be garbage)."""
     outs = []
     for b, L in enumerate(lens.tolist()):
-        outs.append(naive_attention(q[b:b + 1].to(dtype), k[b:b + 1, :, :L].to(dtype), v[b:b + 1, :, :L].to(dtype),
-                                    causal=True, sm_scale=sm_scale))
+        lo = max(L - q.shape[2] - window + 1, 0) if window else 0
+        outs.append(naive_attention(q[b:b + 1].to(dtype), k[b:b + 1, :, lo:L].to(dtype),
+                                    v[b:b + 1, :, lo:L].to(dtype), causal=True, sm_scale=sm_scale, window=window))
     return torch.cat(outs)
 
 
@@ -68,9 +70,10 @@ def run_decode(q, k, v, lens, **kw):
 def check(q, k, v, lens, dtype, sm_scale=None, **kw):
     """Max error vs float64 <= 2 x naive attention's own error in the same dtype + a small floor."""
     out = run_decode(q, k, v, lens, sm_scale=sm_scale, **kw)
-    ref = reference(q, k, v, lens, sm_scale)
+    window = kw.get("window", 0)
+    ref = reference(q, k, v, lens, sm_scale, window=window)
     err = (out.double() - ref).abs().max().item()
-    naive_err = (reference(q, k, v, lens, sm_scale, dtype=dtype).double() - ref).abs().max().item()
+    naive_err = (reference(q, k, v, lens, sm_scale, dtype=dtype, window=window).double() - ref).abs().max().item()
     assert err <= 2 * naive_err + FLOOR[dtype], f"error {err:.3g} vs naive {naive_err:.3g} ({dtype})"
     return out
 

@@ -103,25 +103,32 @@ def test_the_window_changes_what_is_generated(oracle, arch):
 @pytest.mark.parametrize("compile_step", [False, True], ids=["graph", "compile+graph"])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gemma3"])
 def test_windowed_cuda_graph_decode_equals_eager(oracle, arch, backend, compile_step):
-    """On the GPU: the decode step as a CUDA graph (and compiled) with the window's mask; the fused step,
-    the GPU's default, does not take a window, so the model's own step runs."""
+    """On the GPU: the decode step as a CUDA graph (and compiled) with the window (the decode kernel's for flash,
+    a mask for sdpa); flash without compile takes the fused step, the GPU's default, where the blocks are
+    fused (Gemma 3's are not: the model's own step)."""
     model, ps, expected = oracle[arch]
     model.set_attention_backend(backend)
     try:
         stats = generate(model, ps, GREEDY, cuda_graph=True, compile=compile_step)
-        assert stats.sequences == expected and stats.decode_path == "model"
+        fused = backend == "flash" and not compile_step and arch != "gemma3"
+        assert stats.sequences == expected and stats.decode_path == ("fused" if fused else "model")
     finally:
         model.set_attention_backend("naive")
 
 
-def test_fused_decode_refuses_a_window(oracle):
-    model, ps, expected = oracle["gpt2"]
+@pytest.mark.parametrize("arch", ["gpt2", "llama-gqa"])
+def test_fused_decode_with_a_window_equals_recompute(oracle, arch):
+    """The fused step passes each layer's window to the split-KV decode kernel (per-layer launches: the
+    one-launch stack has no window), batched and one sequence at a time."""
+    from model.fused_decode import stack_plan
+    model, ps, expected = oracle[arch]
     model.set_attention_backend("flash")
     try:
-        with pytest.raises(ValueError, match=f"attention_window={WINDOW}"):
-            generate(model, ps[:1], GREEDY, fused=True)
-        stats = generate(model, ps[:1], GREEDY)  # automatic: the model's step
-        assert stats.decode_path == "model" and stats.sequences == expected[:1]
+        stats = generate(model, ps, GREEDY, fused=True)
+        assert stats.decode_path == "fused" and stats.sequences == expected
+        for p, e in zip(ps[2:], expected[2:]):  # batch 1 (where the stack would run), prompts past the window
+            assert generate(model, [p], GREEDY, fused=True).sequences == [e], len(p)
+        assert stack_plan(model) is None
     finally:
         model.set_attention_backend("naive")
 

@@ -172,8 +172,10 @@ train_then_generate() {  # RUN_DIR TRAIN_COMMAND...
 spawn fsdp_one_gpu_and_generate sampled train_then_generate "$RUN/fsdp" "${TORCHRUN[@]}" --standalone \
   --nproc_per_node=1 train.py $CFG --out_dir="$RUN/fsdp" --parallel=fsdp --activation_checkpointing=true \
   --compile=true --max_iters=60 --eval_interval=30 "${XARGS[@]}"
-spawn doc_mask_window_train trained "$PY" train.py $CFG --out_dir="$RUN/docmask" --doc_mask=true \
-  --attention_window=96 --max_iters=60 --eval_interval=30 "${XARGS[@]}"
+# document masking with a sliding window, then generated from past the window (the fused step, the window in the
+# decode kernel)
+spawn doc_mask_window_train sampled train_then_generate "$RUN/docmask" "$PY" train.py $CFG --out_dir="$RUN/docmask" \
+  --doc_mask=true --attention_window=32 --max_iters=60 --eval_interval=30 "${XARGS[@]}"
 spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \
   --out_dir="$RUN/llama" --max_iters=200 --eval_interval=100 --max_time=0 --llama_kernels=triton "${XARGS[@]}"
 # Gemma 3 blocks (GeGLU, sandwich norms, 1 + weight RMSNorm, scaled embeddings, a window in every other layer

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from .hf_files import HFError, load_safetensors, read_json_object, resolve_model_dir
-from .hf_weights import PREFIX, normalize_names
+from .hf_weights import hf_name, normalize_names
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -93,9 +93,8 @@ def read_merged_tensors(files: ModelFiles, family: str) -> dict:
     updates = _updates(load_safetensors(path))
     tensors = normalize_names(family, tensors)
     for module, (a, b) in updates.items():
-        name = module + ".weight"
-        name = name if name.startswith((PREFIX[family], "lm_head.")) else PREFIX[family] + name
-        w = tensors.get(name)
+        name = hf_name(family, module + ".weight")
+        w = tensors.get(name) if name is not None else None
         if w is None:
             raise HFError(f"it updates {module}, which the base model does not have")
         delta = b.float() @ a.float()  # (out, in)

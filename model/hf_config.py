@@ -21,6 +21,10 @@ Families and the options they map:
                                 → attention_window with full_attention_interval N, those windowed layers' own RoPE
                                 base (rope_local_base_freq, or rope_parameters["sliding_attention"]) →
                                 rope_local_theta; logit soft-capping and bidirectional attention refused
+            Gemma3ForConditionalGeneration (model_type gemma3: the 4B, 12B and 27B image-text models) loads its
+                                text model: text_config, whose keys left out take Gemma3TextConfig's defaults (the
+                                hub's configs give only those that differ), and the language model's weights (the
+                                vision tower and the projector are dropped, model/hf_weights.py)
 
 Both the current `rope_parameters` and the older `rope_theta` + `rope_scaling` keys are read. A key that
 config.json leaves out takes the default of the transformers class it names (e.g. tie_word_embeddings is
@@ -37,10 +41,16 @@ from .hf_files import HFError
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Phi3ForCausalLM": "phi3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "SmolLM3ForCausalLM": "smollm3", "Gemma3ForCausalLM": "gemma3"}
+                 "SmolLM3ForCausalLM": "smollm3", "Gemma3ForCausalLM": "gemma3",
+                 "Gemma3ForConditionalGeneration": "gemma3"}
 # model_type, when architectures is absent
 MODEL_TYPES = {**{family: family for family in ARCHITECTURES.values() if family != "gemma3"},
-               "gemma3_text": "gemma3"}
+               "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# image-text models whose text model is read (from config.json's text_config): architectures, model_types
+MULTIMODAL_ARCHITECTURES, MULTIMODAL_TYPES = ("Gemma3ForConditionalGeneration",), ("gemma3",)
+# Gemma3TextConfig's defaults for the sizes a multimodal config's text_config may leave out
+GEMMA3_TEXT_SIZES = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                         num_attention_heads=8, num_key_value_heads=4)
 # transformers' defaults for keys a config.json may leave out, per family
 DEFAULTS = {
     "llama": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=2048, head_dim=None),
@@ -77,12 +87,33 @@ def family_of(hf: dict) -> str:
 def gpt_config_from_hf(hf: dict) -> tuple[str, GPTConfig]:
     """(family, GPTConfig) for a config.json dict; HFError with one line for what does not map."""
     family = family_of(hf)
+    hf = text_config(hf)
     cfg = _gpt2(hf) if family == "gpt2" else _gemma3(hf) if family == "gemma3" else _llama_like(hf, family)
     try:
         cfg.validate(prefix="config: ")
     except ConfigError as e:
         raise HFError(f"config.json gives an invalid model ({e})") from None
     return family, cfg
+
+
+def is_multimodal(hf: dict) -> bool:
+    """Whether config.json is an image-text model's whose text model is what loads (Gemma 3's 4B and larger)."""
+    archs = hf.get("architectures")
+    if isinstance(archs, list) and archs:
+        return archs[0] in MULTIMODAL_ARCHITECTURES
+    return hf.get("model_type") in MULTIMODAL_TYPES
+
+
+def text_config(hf: dict) -> dict:
+    """The config of the text model: config.json itself, or a multimodal config's text_config with the text
+    class's defaults for the sizes it leaves out. HFError (one line) where there is no text_config object."""
+    if not is_multimodal(hf):
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise HFError(f"config.json of a {(hf.get('architectures') or [hf.get('model_type')])[0]} has no "
+                      "text_config object (the text model's settings)")
+    return {**GEMMA3_TEXT_SIZES, **text}
 
 
 def _require(hf: dict, *keys: str) -> list:

@@ -37,6 +37,13 @@ LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "gemma3")
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}
+# An image-text model's files (Gemma3ForConditionalGeneration) hold its text model under a prefix of its own (the
+# hub's layout first, the one later transformers versions save second) and the vision tower and the projector,
+# which are dropped: {family: ((prefix, replacement), ...), (dropped prefixes)}
+TEXT_MODEL_PREFIXES = {"gemma3": ((("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                                   ("model.language_model.", "model.")),
+                                  ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                   "model.multi_modal_projector."))}
 EMBEDDING = {"gpt2": "transformer.wte.weight", **{f: "model.embed_tokens.weight" for f in LLAMA_LIKE}}
 
 
@@ -112,15 +119,28 @@ def _llama_rules(cfg: GPTConfig, fused: bool = False) -> list[Rule]:
 
 
 def normalize_names(family: str, tensors: dict) -> dict:
-    """Drop non-weight buffers and give every name the family's prefix (files saved from the bare model, e.g.
-    the hub's gpt2 or a LlamaModel, have none)."""
-    prefix, dropped = PREFIX[family], DROPPED[family]
+    """Drop non-weight buffers (and an image-text model's vision tower and projector) and give every name the
+    family's prefix (files saved from the bare model, e.g. the hub's gpt2 or a LlamaModel, have none; an
+    image-text model's text model has a prefix of its own)."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith(dropped):
-            continue
-        out[name if name.startswith((prefix, "lm_head.")) else prefix + name] = t
+        name = hf_name(family, name)
+        if name is not None:
+            out[name] = t
     return out
+
+
+def hf_name(family: str, name: str) -> str | None:
+    """A tensor's name as the family's rules spell it (normalize_names), or None for a tensor that is dropped."""
+    renames, skipped = TEXT_MODEL_PREFIXES.get(family, ((), ()))
+    if name.endswith(DROPPED[family]) or name.startswith(skipped):
+        return None
+    for old, new in renames:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    prefix = PREFIX[family]
+    return name if name.startswith((prefix, "lm_head.")) else prefix + name
 
 
 def state_dict_from_hf(family: str, cfg: GPTConfig, tensors: dict, dtype: torch.dtype = torch.float32,

@@ -401,7 +401,7 @@ def test_gemma3_hub_config_keys(tmp_path):
     (dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e5),
                            "sliding_attention": dict(rope_type="linear", rope_theta=1e3, factor=2.0)}),
      "rope scaling 'linear' on the sliding-window layers"),
-    (dict(architectures=["Gemma3ForConditionalGeneration"]), "unsupported architecture 'Gemma3ForConditionalGeneration'"),
+    (dict(architectures=["Gemma3nForConditionalGeneration"]), "unsupported architecture 'Gemma3nForConditionalGeneration'"),
 ])
 def test_gemma3_options_it_cannot_reproduce_are_named(tmp_path, changes, needle):
     _, folder = saved("gemma3-window-every-2nd-full", tmp_path / "g")

@@ -161,7 +161,7 @@ def new_conversation(tok, system: str | None) -> Conversation:
     if not template:
         if isinstance(tok, HFTokenizer):
             where = (f"{tok.source} has no chat template (no chat_template in tokenizer_config.json, no "
-                     "chat_template.jinja)")
+                     "chat_template.jinja or chat_template.json)")
         else:
             where = f"the {tok.name} tokenizer has no chat template"
         raise GenerateError(f"--chat: {where}; leave out --chat to continue the prompt as plain text")

@@ -195,8 +195,9 @@ class HFTokenizer:
     def from_folder(cls, folder: str, source: str | None = None) -> "HFTokenizer":
         """The tokenizer of a Hugging Face model folder: tokenizer.json, with tokenizer_config.json (special
         tokens, chat_template), special_tokens_map.json (special tokens tokenizer_config.json leaves out),
-        chat_template.jinja (a template kept in its own file) and generation_config.json (its eos_token_id: where
-        generation stops) where the folder has them."""
+        chat_template.jinja (a template kept in its own file), chat_template.json (an image-text model's
+        processor template, e.g. Gemma 3 4B's: read where the other two give none) and generation_config.json
+        (its eos_token_id: where generation stops) where the folder has them."""
         source = source or repr(folder)
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
@@ -217,6 +218,8 @@ class HFTokenizer:
         jinja = os.path.join(folder, "chat_template.jinja")
         if not isinstance(template, str) and os.path.isfile(jinja):
             template = _read_text(jinja)
+        if not isinstance(template, str):
+            template = _read_json(os.path.join(folder, "chat_template.json")).get("chat_template")
         generation = _read_json(os.path.join(folder, "generation_config.json"))
         return cls(tokenizer_json, config, template if isinstance(template, str) else None, source,
                    generation.get("eos_token_id"))

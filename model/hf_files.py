@@ -20,7 +20,7 @@ from .checkpoint import CheckpointError
 # (and a PEFT adapter's config: model/hf_adapter.py)
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "adapter_config.json"]
+             "chat_template.json", "adapter_config.json"]
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 

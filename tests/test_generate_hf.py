@@ -99,7 +99,7 @@ def test_bad_input_is_one_line(llama, tmp_path, capsys, monkeypatch):
     (no_template / "tokenizer_config.json").write_text(json.dumps(config))
     assert cli_error(capsys, "--init-from", f"hf:{no_template}", "--chat", "--prompt", "hi") == (
         f"error: --chat: hf:{no_template} has no chat template (no chat_template in tokenizer_config.json, no "
-        "chat_template.jinja); leave out --chat to continue the prompt as plain text")
+        "chat_template.jinja or chat_template.json); leave out --chat to continue the prompt as plain text")
     no_tok = shutil.copytree(folder, tmp_path / "no-tok")
     (no_tok / "tokenizer.json").unlink()
     assert "has no tokenizer.json" in cli_error(capsys, "--init-from", f"hf:{no_tok}", "--prompt", "hi")

@@ -75,8 +75,8 @@ def test_spec_rebuilds_the_tokenizer_without_its_folder(tok_dir, tmp_path):
 
 
 def test_special_tokens_map_and_template_files(tok_dir, tmp_path):
-    """special_tokens_map.json fills special tokens tokenizer_config.json leaves out; a template list or a
-    chat_template.jinja file is read too."""
+    """special_tokens_map.json fills special tokens tokenizer_config.json leaves out; a template list, a
+    chat_template.jinja file or (last) an image-text model's chat_template.json is read too."""
     folder = shutil.copytree(tok_dir, tmp_path / "t")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     del config["eos_token"], config["chat_template"]
@@ -87,6 +87,8 @@ def test_special_tokens_map_and_template_files(tok_dir, tmp_path):
     assert tok.eot_token == 2 and tok.chat_template == "X"
     del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": "from the processor"}))
+    assert HFTokenizer.from_folder(str(folder)).chat_template == "from the processor"  # the last resort
     (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert HFTokenizer.from_folder(str(folder)).chat_template == "{{ messages[0]['content'] }}"
 

@@ -10,7 +10,8 @@ update of module M is added to M's weight: W + s · B A (B A transposed for GPT-
 are stored (in, out)), s = lora_alpha / r (lora_alpha / √r with use_rslora), r from each update's own A, so a
 rank_pattern needs nothing more. The merged tensors are float32; the loader casts them as it casts any weights.
 The tokenizer is the adapter's where it ships a tokenizer.json (an adapter trained with added tokens), else the
-base model's. Not read, each refused in one line: other PEFT methods, DoRA, trained biases, modules_to_save,
+base model's. An image-text base (Gemma 3 4B) loads its text model: the updates of its vision tower are left out
+with the tower. Not read, each refused in one line: other PEFT methods, DoRA, trained biases, modules_to_save,
 alpha_pattern, updates of embeddings.
 """
 from __future__ import annotations
@@ -94,7 +95,9 @@ def read_merged_tensors(files: ModelFiles, family: str) -> dict:
     tensors = normalize_names(family, tensors)
     for module, (a, b) in updates.items():
         name = hf_name(family, module + ".weight")
-        w = tensors.get(name) if name is not None else None
+        if name is None:  # a part of the model that is not loaded (an image-text model's vision tower)
+            continue
+        w = tensors.get(name)
         if w is None:
             raise HFError(f"it updates {module}, which the base model does not have")
         delta = b.float() @ a.float()  # (out, in)

@@ -130,3 +130,25 @@ def test_the_text_model_exports_as_gemma3_for_causal_lm(saved, tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     idx = torch.randint(0, VOCAB - 1, (2, 50))
     assert (again(idx).logits - hf(input_ids=idx).logits).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_a_peft_adapter_of_the_image_text_model_merges_into_the_text_model(saved, tmp_path):
+    """LoRA on q_proj and v_proj (the vision tower's attention has them too) and down_proj: the text model's
+    updates merge, the tower's go with it; the same text logits as PEFT's model."""
+    peft = pytest.importorskip("peft")
+    _, folder = saved
+    base = Gemma3ForConditionalGeneration.from_pretrained(folder).eval()  # a copy: PEFT wraps it in place
+    idx = torch.randint(0, VOCAB - 1, (2, 40))
+    before = base(input_ids=idx).logits.clone()
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False, task_type="CAUSAL_LM")
+    tuned = peft.get_peft_model(base, config).eval()
+    tuned.save_pretrained(tmp_path / "adapter")
+    keys = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert any("vision" in k for k in keys) and any("language_model" in k for k in keys)
+    want = tuned(input_ids=idx).logits
+    assert (want - before).abs().max() > 1e-2  # the updates change the text model
+    got = GPT.from_pretrained(str(tmp_path / "adapter"))(idx)[0]
+    assert (got - want).abs().max() <= 1e-4

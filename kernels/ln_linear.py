@@ -73,7 +73,7 @@ def _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, dtype: tl.conste
 
 @triton.jit(do_not_specialize=["M"])  # one binary serves every batch size
 def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, STATS_IN, STATS_OUT, COS, SIN,
-                      M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+                      QN, KN, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps, qk_eps,
                       N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos, stride_rope, PAIR_H,
                       stride_ws,
                       HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT_ON: tl.constexpr,
@@ -82,7 +82,7 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ONE_TILE: tl.constexpr,
                       USE_GDC: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
-                      PAIRED: tl.constexpr):
+                      PAIRED: tl.constexpr, QK_NORM: tl.constexpr):
     """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): BLOCK_N output columns of BLOCK_M rows per program,
     over the program's share of K.
 
@@ -105,6 +105,9 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
     n % PAIR_H and r2 = r1 + PAIR_H: SWIGLU has PAIR_H = N (gate row n, up row N + n) and writes SiLU(gate)·up
     to column n; ROPE (with QKV_CACHE) has PAIR_H = HEAD_DIM / 2, so r1 and r2 are lanes i and i + D/2 of one
     head, rotated by COS/SIN[POS[m], i] (tables of row stride stride_rope) when that head is a q or k head.
+    QK_NORM (with ROPE, BLOCK_N = HEAD_DIM / 2: a tile is one head): a q or k head is RMS-normalised over its
+    HEAD_DIM lanes (eps qk_eps) and scaled by the QN (q heads) or KN (k heads) gain (HEAD_DIM,) before the
+    rotation, each step rounded as the eager model rounds it (Qwen3's q_norm and k_norm).
 
     QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, ...)
     values, column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC
@@ -179,10 +182,12 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                 w2 = tl.load(w_rows2 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 = tl.dot(xk, tl.trans(w2), acc2, input_precision=PRECISION)
 
-    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, offs_m, offs_n, rows1, rows2, m_ok, n_ok, N,
-           stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos, stride_rope)
+    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, offs_m, offs_n, rows1, rows2, m_ok,
+           n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
+           stride_rope)
     if SPLIT_K == 1:
-        _epilogue(acc, acc2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU, ROPE)
+        _epilogue(acc, acc2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU, ROPE,
+                  QK_NORM)
     else:
         ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * stride_ws + offs_n[None, :]  # (BLOCK_M, BLOCK_N)
         mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -205,7 +210,7 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                 tl.store(ws_ptrs + N, zero, mask=mn_ok)
             tl.atomic_xchg(CNT + tile, 0)
             _epilogue(total, total2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU,
-                      ROPE)
+                      ROPE, QK_NORM)
 
 
 @triton.jit
@@ -238,13 +243,13 @@ def _store_qkv(y, OUT, KC, VC, pos, offs_m, cols, ok, stride_om, N_Q, N_KV, stri
 
 
 @triton.jit
-def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, offs_m, offs_n, rows1, rows2, m_ok,
-              n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
-              stride_rope, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr,
+def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, offs_m, offs_n, rows1,
+              rows2, m_ok, n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd,
+              stride_pos, stride_rope, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr,
               QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, STATS_OUT_ON: tl.constexpr, SWIGLU: tl.constexpr,
-              ROPE: tl.constexpr):
-    """bias, activation, residual, store (or RoPE and the q / k-cache / v-cache split) of one (BLOCK_M, BLOCK_N)
-    fp32 tile (acc2: the second rows of each pair in the paired modes)."""
+              ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+    """bias, activation, residual, store (or q / k norms, RoPE and the q / k-cache / v-cache split) of one
+    (BLOCK_M, BLOCK_N) fp32 tile (acc2: the second rows of each pair in the paired modes)."""
     mn_ok = m_ok[:, None] & n_ok[None, :]
     if ROPE:  # QKV_CACHE with column pairs (lane i, lane i + D/2) of one head
         y1 = _biased(acc, BIAS, rows1, n_ok, OUT.dtype.element_ty, HAS_BIAS)  # (BLOCK_M, BLOCK_N) lanes i
@@ -252,6 +257,18 @@ def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, offs_
         pos = tl.load(POS + offs_m * stride_pos, mask=m_ok, other=0).to(tl.int64)  # (BLOCK_M,)
         lane = rows1 % HEAD_DIM                                                 # (BLOCK_N,) < HEAD_DIM / 2
         turn = mn_ok & (rows1 < N_Q + N_KV)[None, :]                            # q and k heads only
+        if QK_NORM:  # the tile is one head: x / sqrt(mean(x²) + eps) over its lanes, rounded, times the gain
+            ss = tl.sum(tl.where(mn_ok, y1 * y1 + y2 * y2, 0.0), 1)             # (BLOCK_M,)
+            rstd = 1.0 / tl.sqrt(ss / HEAD_DIM + qk_eps)
+            is_q = (rows1 < N_Q)[None, :]                                       # (1, BLOCK_N)
+            g1 = tl.where(is_q, tl.load(QN + lane, mask=n_ok, other=0.0)[None, :],
+                          tl.load(KN + lane, mask=n_ok, other=0.0)[None, :]).to(tl.float32)  # (1, BLOCK_N)
+            g2 = tl.where(is_q, tl.load(QN + lane + HEAD_DIM // 2, mask=n_ok, other=0.0)[None, :],
+                          tl.load(KN + lane + HEAD_DIM // 2, mask=n_ok, other=0.0)[None, :]).to(tl.float32)
+            n1 = _rounded(_rounded(y1 * rstd[:, None], OUT.dtype.element_ty) * g1, OUT.dtype.element_ty)
+            n2 = _rounded(_rounded(y2 * rstd[:, None], OUT.dtype.element_ty) * g2, OUT.dtype.element_ty)
+            y1 = tl.where(turn, n1, y1)                                         # v heads as they are
+            y2 = tl.where(turn, n2, y2)
         angle = pos[:, None] * stride_rope + lane[None, :]                      # (BLOCK_M, BLOCK_N)
         cos = tl.load(COS + angle, mask=turn, other=1.0).to(tl.float32)
         sin = tl.load(SIN + angle, mask=turn, other=0.0).to(tl.float32)
@@ -432,7 +449,7 @@ def _check_stats(x, ln_stats, stats_out, ln) -> None:
 
 
 def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None, pdl=False,
-            rms=False, swiglu=False, rope=None):
+            rms=False, swiglu=False, rope=None, qk_norm=None):
     M, K = x.shape
     N = out.shape[1] if qkv is None else weight.shape[0]  # output columns (SwiGLU: half the weight's rows)
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
@@ -451,19 +468,27 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
     n_cols = N // 2 if rope is not None else N  # tiles of the grid: output columns, or pairs under RoPE
     cos, sin = rope if rope is not None else (out, out)  # unused without RoPE
     dummy = weight  # pointer for the absent optional tensors (never read: their flags are off)
+    q_gain, k_gain, qk_eps = qk_norm if qk_norm is not None else (dummy, dummy, 0.0)
     args = (x, weight, bias if bias is not None else dummy, ln_w if ln_w is not None else dummy,
             ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos)
     scalars = (M, n_cols, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-               out.stride(0), float(eps), n_q, n_kv, *cache_strides, stride_pos,
+               out.stride(0), float(eps), float(qk_eps), n_q, n_kv, *cache_strides, stride_pos,
                cos.stride(0) if rope is not None else 0, pair_h)
     flags = dict(HAS_LN=ln is not None, LN_STATS_IN=ln_stats is not None, STATS_OUT_ON=stats_out is not None,
                  LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M,
-                 RMS=bool(rms), SWIGLU=bool(swiglu), ROPE=rope is not None, PAIRED=paired)
+                 RMS=bool(rms), SWIGLU=bool(swiglu), ROPE=rope is not None, PAIRED=paired,
+                 QK_NORM=qk_norm is not None)
     row_blocks = triton.cdiv(M, BLOCK_M)
     pdl = bool(pdl) and pdl_enabled(x.device)
     block_n, block_k, warps, stages, split = pick_config(M, n_cols, K, x.device, pdl, paired)  # paired: in pairs
+    if qk_norm is not None:  # a tile is one head, whose lanes the norm sums over: as many weights per step
+        wider = max(1, (head_dim // 2) // block_n)
+        one_tile = triton.cdiv(K, split) <= block_k
+        block_n, block_k = head_dim // 2, max(16, block_k // wider)
+        if one_tile:  # shares of one tile each, as before (under PDL: loaded before the wait)
+            split = triton.cdiv(K, block_k)
     ws_cols = 2 * n_cols if paired else n_cols
     ws, cnt = _workspace(x.device, row_blocks * BLOCK_M, ws_cols) if split > 1 else (out, out)
     grid = (triton.cdiv(n_cols, block_n), row_blocks, split)
@@ -471,7 +496,8 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
     launch = dict(launch_pdl=True) if pdl else {}
     with _triton.device_guard(x):
         _ln_linear_kernel[grid](*args, ws, cnt, ln_stats if ln_stats is not None else ws,
-                                stats_out if stats_out is not None else ws, cos, sin, *scalars, ws_cols, **flags,
+                                stats_out if stats_out is not None else ws, cos, sin, q_gain, k_gain, *scalars,
+                                ws_cols, **flags,
                                 BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, ONE_TILE=one_tile, USE_GDC=pdl,
                                 num_warps=warps, num_stages=stages, **launch)
     return out
@@ -525,7 +551,7 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ln: tuple | None,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int,
                     ln_stats: torch.Tensor | None = None, pdl: bool = False, *, rms: bool = False,
-                    rope: tuple | None = None) -> torch.Tensor:
+                    rope: tuple | None = None, qk_norm: tuple | None = None) -> torch.Tensor:
     """The attention input projection of one decode token per row, its keys and values written to the cache.
 
     x (B, K); weight (n_q + 2·Hkv·D, K) (queries, then keys, then values, as the model's c_attn); caches
@@ -533,7 +559,9 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rope: (cos, sin), each (L, D) in x's dtype with unit stride along D, row p holding the rotate-half angles of
     position p (model/rope.py's RotaryEmbedding over positions 0..L-1): q and k are rotated before q is returned
     and k is cached. Positions are not range-checked here (the caller's KV cache owns them; L must cover them).
-    ln_stats, pdl, rms: as for ln_linear.
+    qk_norm: (q gain, k gain, eps), each gain (D,) in x's dtype: every q and k head RMS-normalised and scaled by
+    its gain before the rotation (Qwen3; with rope only, D / 2 a power of two >= 16: a tile of the launch is one
+    head). ln_stats, pdl, rms: as for ln_linear.
     """
     _check(x, weight, bias, ln, None, (k_cache, v_cache))
     _check_modes(x, weight, ln, rms, False, False, "ln_qkv_to_cache")
@@ -558,9 +586,20 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                 or rope[0].stride() != rope[1].stride()):
             raise ValueError(f"ln_qkv_to_cache: rope must be (cos, sin), each (L, {D}) {x.dtype} on {x.device} "
                              "with unit stride along D and equal strides")
+    if qk_norm is not None:
+        D = k_cache.shape[3]
+        if rope is None or D // 2 < 16 or D & (D - 1):
+            raise ValueError(f"ln_qkv_to_cache: qk_norm needs rope and a head dim that is a power of two >= 32, got "
+                             f"D={D}{' without rope' if rope is None else ''}")
+        if (not isinstance(qk_norm, tuple) or len(qk_norm) != 3 or isinstance(qk_norm[2], bool)
+                or not isinstance(qk_norm[2], (int, float))
+                or any(not isinstance(g, torch.Tensor) or tuple(g.shape) != (D,) or g.dtype != x.dtype
+                       or g.device != x.device or g.stride(0) != 1 for g in qk_norm[:2])):
+            raise ValueError(f"ln_qkv_to_cache: qk_norm must be (q gain, k gain, eps), each gain ({D},) {x.dtype} on "
+                             f"{x.device}")
     q = _triton.empty((x.shape[0], n_q), x.dtype, x.device)
     return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats,
-                   pdl=pdl, rms=rms, rope=rope)
+                   pdl=pdl, rms=rms, rope=rope, qk_norm=qk_norm)
 
 
 @triton.jit

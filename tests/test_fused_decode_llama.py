@@ -135,13 +135,18 @@ def test_rms_statistics_handed_between_kernels(dtype):
     torch.testing.assert_close(with_stats, in_place, rtol=1e-2, atol={torch.float32: 1e-4}.get(dtype, 5e-2))
 
 
-def qkv_ref(x, w, b, gain, eps, cos, sin, pos, Hq, Hkv, D, dtype):
-    """The eager attention input in `dtype`: RMSNorm → c_attn → rotate q and k (model/rope.py) → (q, k, v) per row,
-    q (B, Hq·D), k and v (B, Hkv, D)."""
+def qkv_ref(x, w, b, gain, eps, cos, sin, pos, Hq, Hkv, D, dtype, qk_norm=None):
+    """The eager attention input in `dtype`: RMSNorm → c_attn → (qk_norm: (q gain, k gain, eps), each head's
+    RMSNorm) → rotate q and k (model/rope.py) → (q, k, v) per row, q (B, Hq·D), k and v (B, Hkv, D)."""
     B = x.shape[0]
     h = F.linear(rms_norm_ref(x.to(dtype), gain, eps, dtype), w.to(dtype), None if b is None else b.to(dtype))
     heads = h.view(B, 1, Hq + 2 * Hkv, D)                                  # (B, T=1, heads, D)
-    qk = apply_rope(heads[:, :, :Hq + Hkv], cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype))
+    qk = heads[:, :, :Hq + Hkv]
+    if qk_norm is not None:
+        qg, kg, qk_eps = qk_norm
+        qk = torch.cat((rms_norm_ref(qk[:, :, :Hq], qg, qk_eps, dtype), rms_norm_ref(qk[:, :, Hq:], kg, qk_eps, dtype)),
+                       dim=2)
+    qk = apply_rope(qk, cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype))
     return qk[:, 0, :Hq].reshape(B, -1), qk[:, 0, Hq:], heads[:, 0, Hq + Hkv:]
 
 
@@ -170,6 +175,62 @@ def test_rope_qkv_goes_to_the_cache_rotated(Hq, Hkv, D, bias, dtype):
     assert_within_budget("v in the cache", vc[rows, :, pos], exact[2], naive[2])
     kc[rows, :, pos] = vc[rows, :, pos] = float("nan")
     assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Hq,Hkv,D,bias,split", [(4, 2, 32, False, False), (3, 1, 64, True, False),
+                                                 (4, 2, 32, False, True)],
+                         ids=["gqa-d32", "mqa-d64-bias", "gqa-d32-split-k"])
+@torch.no_grad()
+def test_qk_norm_then_rope_in_the_qkv_kernel(Hq, Hkv, D, bias, split, dtype):
+    """Qwen3's per-head RMSNorm of q and k (their own gains) before the rotation, one head per tile, in one
+    launch (and with the K reduction split over programs); v untouched; nothing else of the cache written."""
+    B, C, max_len = 3, 40, 40
+    cfg = GPTConfig(n_embd=C, n_head=Hq, head_size=D, pos_emb="rope", rope_theta=1e4)
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE)(torch.arange(max_len, device=DEVICE), dtype)  # (L, D) each
+    n_q, n_kv = Hq * D, Hkv * D
+    x, w, b, gain, _ = make(B, n_q + 2 * n_kv, C, dtype, seed=Hq * D + 1, bias=bias)
+    g = torch.Generator().manual_seed(D)
+    qg, kg = ((torch.randn(D, generator=g) * 0.5 + 1.0).to(DEVICE, dtype) for _ in range(2))
+    kc = torch.full((B + 1, Hkv, max_len, D), float("nan"), dtype=dtype, device=DEVICE)  # one spare row
+    vc = torch.full_like(kc, float("nan"))
+    pos = torch.tensor([0, 17, max_len - 1], device=DEVICE)
+    # split: the reduction in two programs of 32 (the kernel's own block_n, one head, replaces the forced one)
+    cfg_k = (16, 32, 4, 1, 2) if split else None
+    with (forced_config(cfg_k) if split else contextlib.nullcontext()):
+        q = ln_qkv_to_cache(x, w, b, (gain, None, 1e-6), kc, vc, pos, n_q, rms=True, rope=(cos, sin),
+                            qk_norm=(qg, kg, 1e-6))                      # (B, n_q)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    exact = qkv_ref(cpu(x), cpu(w), cpu(b), cpu(gain), 1e-6, cos.cpu(), sin.cpu(), pos.cpu(), Hq, Hkv, D,
+                    torch.float64, qk_norm=(qg.cpu(), kg.cpu(), 1e-6))
+    naive = qkv_ref(x, w, b, gain, 1e-6, cos, sin, pos, Hq, Hkv, D, dtype, qk_norm=(qg, kg, 1e-6))
+    plain = qkv_ref(cpu(x), cpu(w), cpu(b), cpu(gain), 1e-6, cos.cpu(), sin.cpu(), pos.cpu(), Hq, Hkv, D,
+                    torch.float64)
+    assert (plain[0] - exact[0]).abs().max() > 0.1  # the norms change q: the comparison below can fail
+    assert_within_budget("normed, rotated q", q, exact[0], naive[0])
+    rows = torch.arange(B, device=DEVICE)
+    assert_within_budget("normed, rotated k in the cache", kc[rows, :, pos], exact[1], naive[1])
+    assert_within_budget("v in the cache", vc[rows, :, pos], exact[2], naive[2])
+    kc[rows, :, pos] = vc[rows, :, pos] = float("nan")
+    assert kc.isnan().all() and vc.isnan().all(), "a write outside the rows' positions"
+
+
+def test_qk_norm_input_checks():
+    x, w, _, gain, _ = make(1, 4 * 16 * 3, 32, torch.float32, seed=1, bias=False)
+    kc = torch.zeros(1, 4, 8, 16, device=DEVICE)
+    tables = (torch.zeros(8, 16, device=DEVICE),) * 2
+    g = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="qk_norm needs rope and a head dim that is a power of two >= 32"):
+        ln_qkv_to_cache(x, w, None, None, kc, kc.clone(), torch.zeros(1, dtype=torch.long, device=DEVICE), 64,
+                        rope=tables, qk_norm=(g, g, 1e-6))  # head dim 16: a tile of 8 pairs is too narrow
+    x, w, _, gain, _ = make(1, 4 * 32 * 3, 32, torch.float32, seed=1, bias=False)
+    kc = torch.zeros(1, 4, 8, 32, device=DEVICE)
+    tables = (torch.zeros(8, 32, device=DEVICE),) * 2
+    pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="qk_norm needs rope"):
+        ln_qkv_to_cache(x, w, None, None, kc, kc.clone(), pos, 128, qk_norm=(g, g, 1e-6))
+    with pytest.raises(ValueError, match=r"qk_norm must be \(q gain, k gain, eps\)"):
+        ln_qkv_to_cache(x, w, None, None, kc, kc.clone(), pos, 128, rope=tables, qk_norm=(g, g, 1e-6))  # (16,)
 
 
 # (n_embd, n_head, n_kv_head, head dim, intermediate) of the models the paired tiles were chosen for
@@ -296,6 +357,8 @@ SHAPES = {
     # tables are the model's)
     "llama-yarn": dict(n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, rope_scaling="yarn", rope_factor=4.0,
                        rope_original_max_pos=8, rope_attention_factor=1.2),
+    # Qwen3: each q and k head RMS-normalised (own gains) before RoPE, head dim 32 != n_embd / n_head
+    "qwen3": dict(n_head=4, n_kv_head=2, n_embd=48, head_size=32, qk_norm=True, intermediate_size=80, rope_theta=1e6),
 }
 
 
@@ -417,18 +480,21 @@ def test_rope_tables_are_the_models_and_kept():
 
 
 def test_unsupported_reason_for_llama_blocks():
+    from model.fused_decode import stack_plan
     assert unsupported_reason(tiny_llama("llama", torch.float32), check_cache=False) is None
-    qwen3 = GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, qk_norm=True,
-                          **LLAMA))
-    assert "qk_norm" in unsupported_reason(qwen3, check_cache=False)
-    with pytest.raises(ValueError, match="qk_norm"):
-        use_fused_decode(qwen3, True, False, check_cache=False)
+    qwen3 = tiny_llama("qwen3", torch.float32)
+    assert unsupported_reason(qwen3, check_cache=False) is None and stack_plan(qwen3) is None  # per-layer launches
+    narrow = GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, qk_norm=True,
+                           **LLAMA))  # head dim 16: a tile of 8 pairs
+    assert "qk_norm with head dim 16" in unsupported_reason(narrow, check_cache=False)
+    with pytest.raises(ValueError, match="qk_norm with head dim 16"):
+        use_fused_decode(narrow, True, False, check_cache=False)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 @torch.no_grad()
 def test_greedy_generation_with_the_fused_step_equals_without(name):
     """The same tokens with the fused decode step as with the model's own (float32, prompts of different

@@ -93,6 +93,18 @@ def test_smollm2_config_has_its_parameter_count():
     assert (cfg.kv_heads, cfg.head_dim, cfg.rope_theta, cfg.norm_eps) == (3, 64, 100000.0, 1e-5)
 
 
+def test_qwen3_config_has_its_parameter_count():
+    from model.fused_decode import unsupported_reason
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen3_0_6b.toml")).model
+    with torch.device("meta"):
+        model = GPT(cfg)
+    # 151936·1024 embedding + 28 × (q 1024·2048 + k, v 2·1024·1024 + o 2048·1024 + 3·1024·3072 + 2·1024 + 2·128)
+    # + 1024
+    assert sum(p.numel() for p in model.parameters()) == 596_049_920
+    assert (cfg.kv_heads, cfg.head_dim, cfg.qk_norm) == (8, 128, True)
+    assert unsupported_reason(model, check_cache=False) == "the model is on meta (the fused step runs on CUDA)"
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["--pos_emb=alibi"], "model.pos_emb"),
     (["--norm=batchnorm"], "model.norm="),

@@ -3,6 +3,7 @@
     python bench/generate.py                  # GPU, GPT-2 shape: the decode variants side by side, then the
                                               # decode-kernel sweep
     python bench/generate.py --model smollm2  # GPU, SmolLM2-135M shape: the same variants and transformers
+    python bench/generate.py --model qwen3    # GPU, Qwen3-0.6B shape (q and k norms): the same
     python bench/generate.py --compile        # + a torch.compile'd decode step inside the CUDA graph (~1 min more)
     python bench/generate.py --smoke [--model smollm2]   # CPU, tiny model, Triton interpreter: checks the script
 
@@ -12,6 +13,8 @@ One randomly initialised model (random weights cost the same time as trained one
               GELU MLP, biases, tied LM head
     smollm2   SmolLM2-135M: n_layer 30, n_embd 576, n_head 9 over n_kv_head 3 (GQA), SwiGLU 1536 wide, vocab 49152,
               RoPE (theta 100000), RMSNorm, no biases, tied LM head
+    qwen3     Qwen3-0.6B (configs/qwen3_0_6b.toml): n_layer 28, n_embd 1024, n_head 16 over n_kv_head 8 of 128,
+              qk_norm, SwiGLU 3072 wide, vocab 151936, RoPE (theta 1e6), RMSNorm, no biases, tied LM head
 
 and `model.generation.generate` for every flashgpt variant, so all of them share the static KV cache, the
 prefill/decode split and the host loop:
@@ -40,7 +43,7 @@ prefill/decode split and the host loop:
                      with a mask), eager
     sdpa+graph       the same plain PyTorch decode step under a CUDA graph
     flashgpt+compile+graph   (--compile) torch.compile'd decode step inside the CUDA graph
-    transformers-static+compile   (smollm2 by default; needs transformers, skipped with a note without it) the
+    transformers-static+compile   (smollm2 and qwen3 by default; needs transformers, skipped with a note without it) the
                      same weights in transformers' own architecture (model/export.py's config and tensor names),
                      `generate(cache_implementation="static")`, greedy, its decode forward under torch.compile:
                      where transformers has CompileConfig it compiles that forward itself (mode "reduce-overhead":
@@ -57,14 +60,14 @@ Per variant and batch, medians over --reps runs after one warm-up run (two for t
     weight GB/s  the weights' bytes / step time: the decode speed per byte of weights, comparable across shapes
     graph replay µs   (graph variants) the GPU time of one bare replay of the captured step, at cache length
                  prompt + new/2, without the host loop or sampling: what the loop could reach
-Targets: gpt2, decode tok/s of the best flashgpt graph variant (TARGETS); smollm2, that variant's decode tok/s
-over transformers-static+compile's (RATIO_TARGETS: >= 2x at batch 1, >= 1.5x at 16).
+Targets: gpt2, decode tok/s of the best flashgpt graph variant (TARGETS); smollm2 (and qwen3, reported the same
+way), that variant's decode tok/s over transformers-static+compile's (RATIO_TARGETS: >= 2x at batch 1, >= 1.5x at 16).
 Correctness first: the greedy tokens of flashgpt-fused+graph (flashgpt-fused on CPU) against plain PyTorch (sdpa,
 eager) and against transformers (the same weights); bf16 rounding may flip a near-tie and the sequences then
 diverge, so the agreement is reported, not required. Each variant runs in its own try/except: a failure is
 recorded and the others go on. Then bench/decode_attention.py (imported, not copied) sweeps the decode attention
 kernel over cache lengths 1k..32k against the non-split kernel and SDPA.
-Writes generate[_smollm2].json and .md (generate[_smollm2]_smoke.* with --smoke) to --out (default
+Writes generate[_<model>].json and .md (generate[_<model>]_smoke.* with --smoke) to --out (default
 bench/results/) and to $OUT when that is set, after every stage, so that a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -85,7 +88,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-MODELS = ("gpt2", "smollm2")
+MODELS = ("gpt2", "smollm2", "qwen3")
 
 
 def _positive_int(text: str) -> int:
@@ -143,6 +146,10 @@ SHAPES = {  # (full size, --smoke)
                      block_size=2048, rope_theta=100000.0, **LLAMA),
                 dict(n_layer=2, n_head=3, n_kv_head=1, n_embd=48, intermediate_size=64, vocab_size=128,
                      block_size=64, rope_theta=100000.0, **LLAMA)),
+    "qwen3": (dict(n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128, intermediate_size=3072,
+                   vocab_size=151936, block_size=2048, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, **LLAMA),
+              dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=48, head_size=32, intermediate_size=64, vocab_size=128,
+                   block_size=64, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, **LLAMA)),
 }
 HF_VARIANTS = ("transformers-static+compile", "transformers-static")  # GPU (compiled), CPU (--smoke)
 
@@ -489,8 +496,9 @@ def main() -> int:
                 "Triton interpreter",
                 torch=torch.__version__, triton=__import__("triton").__version__, transformers=hf_version or "absent",
                 dtype=str(dtype).replace("torch.", ""),
-                shape=f"n_layer {c.n_layer}, n_head {c.n_head}, n_kv_head {c.kv_heads}, n_embd {c.n_embd}, "
-                      f"MLP {c.mlp} {c.mlp_hidden}, vocab {c.vocab_size}, {c.pos_emb} positions, {c.norm}",
+                shape=f"n_layer {c.n_layer}, n_head {c.n_head}, n_kv_head {c.kv_heads}, head dim {c.head_dim}, "
+                      f"n_embd {c.n_embd}, MLP {c.mlp} {c.mlp_hidden}, vocab {c.vocab_size}, {c.pos_emb} positions, "
+                      f"{c.norm}{', qk_norm' if c.qk_norm else ''}",
                 params=sum(p.numel() for p in model.parameters()), weight_bytes=wbytes, prompt_len=prompt_len,
                 new_tokens=new_tokens, reps=reps, batches=batches,
                 definitions="decode tok/s = B x decode steps / loop time (host included); weight GB/s = weight "
@@ -511,7 +519,7 @@ def main() -> int:
 
     g = torch.Generator().manual_seed(1)
     all_variants = variants(device, ARGS.compile and not smoke,
-                            transformers=ARGS.model == "smollm2" or bool(wanted and set(wanted) & set(HF_VARIANTS)))
+                            transformers=ARGS.model != "gpt2" or bool(wanted and set(wanted) & set(HF_VARIANTS)))
     for B in batches:
         prompts = torch.randint(0, c.vocab_size, (B, prompt_len), generator=g).tolist()
         kv_bytes = 2 * c.n_layer * B * c.kv_heads * c.head_dim * (prompt_len + new_tokens // 2) * dtype.itemsize

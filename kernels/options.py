@@ -101,6 +101,12 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         and k itself before the call (its
                                                                         llama_kernels choice). Models with qk_norm
                                                                         always rotate themselves
+    lora_addmm                 FLASHGPT_LORA_ADDMM=0|1           False  a LoRA projection adds its update in the
+                                                                        update GEMM's epilogue (addmm onto the
+                                                                        frozen output, alpha = s), so no tensor of
+                                                                        the update's size is written and re-read;
+                                                                        off: the update as its own tensor, added
+                                                                        after (model/lora.py; not yet timed)
     hopper_tile_lists          FLASHGPT_HOPPER_TILE_LISTS=0|1    True   the Gluon forward's causal tiles come from a
                                                                         list per program (longest first within
                                                                         groups of heads whose K/V fit in L2,
@@ -181,6 +187,7 @@ class KernelOptions:
     decode_full_grid_pdl: bool = False
     decode_short_splits: bool = True
     rope_in_flash: bool = True
+    lora_addmm: bool = False
     decode_split_order: str = "strided"
     hopper_tile_lists: bool = True
     hopper_early_q: str = "auto"
@@ -228,6 +235,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_full_grid_pdl": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_short_splits": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
+    "lora_addmm": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
@@ -253,7 +261,8 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
        "decode_full_grid_max_len": "FLASHGPT_DECODE_FULL_GRID_MAX_LEN", "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
        "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
-       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
+       "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "lora_addmm": "FLASHGPT_LORA_ADDMM",
+       "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
        "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP", "decode_stack": "FLASHGPT_DECODE_STACK",

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 SUFFIXES = (".lora_A", ".lora_B")
 
@@ -67,9 +69,15 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(settings.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., in) → (..., out)."""
-        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)  # (..., rank) → (..., out)
-        return F.linear(x, self.weight, self.bias) + update * self.scale
+        """x: (..., in) → (..., out). With the kernel option lora_addmm the update's GEMM adds s · h Bᵀ onto the
+        frozen output in its epilogue (one addmm), instead of writing the update and adding it after."""
+        h = F.linear(self.lora_dropout(x), self.lora_A)                        # (..., rank)
+        y = F.linear(x, self.weight, self.bias)                                 # (..., out)
+        if kernels.options.get().lora_addmm:
+            out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_B.t(),
+                              alpha=self.scale)                                 # (N, out)
+            return out.view(y.shape)
+        return y + F.linear(h, self.lora_B) * self.scale
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"

@@ -80,6 +80,31 @@ def test_wrapped_model_starts_at_the_base_trains_only_the_updates_and_merges(fam
     assert any(p.grad.abs().max() > 0 for n, p in wrapped.named_parameters() if n.endswith("lora_A"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_update_added_in_the_gemm_epilogue_computes_the_same(dtype):
+    """Kernel option lora_addmm: the update added by addmm onto the frozen output gives the same outputs and the
+    same gradients of A and B and of the input as the update as its own tensor."""
+    from kernels import options
+    torch.manual_seed(3)
+    layer = LoRALinear(torch.nn.Linear(24, 40).to(dtype).requires_grad_(False), LoRASettings(rank=4, alpha=12.0))
+    with torch.no_grad():
+        layer.lora_B.normal_()  # a trained update (B starts at zeros)
+    x = torch.randn(3, 5, 24, dtype=dtype)
+    results = []
+    for on in (False, True):
+        xi = x.clone().requires_grad_(True)
+        with options.use(lora_addmm=on):
+            y = layer(xi)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+        layer.lora_A.grad = layer.lora_B.grad = None
+    tol = 1e-12 if dtype == torch.float64 else 1e-4  # float32: other summation orders (gradients ~100)
+    assert results[0][0].shape == (3, 5, 40)
+    for plain, fused in zip(*results):
+        torch.testing.assert_close(fused, plain, atol=tol, rtol=tol)
+    assert layer.weight.grad is None and layer.bias.grad is None  # the base stays frozen
+
+
 def test_merged_state_names_a_missing_half():
     state = double_model("gpt2", 0)
     apply_lora(state, LoRASettings(rank=2, alpha=2.0))

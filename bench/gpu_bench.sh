@@ -4,6 +4,10 @@
 #   bash bench/gpu_bench.sh                       # attention, train, generate, decode, loss, llama
 #   bash bench/gpu_bench.sh train_smollm2 generate_smollm2 varlen   # the Llama-family and document-mask figures
 #   bash bench/gpu_bench.sh attention generate    # some of them
+#   bash bench/gpu_bench.sh generate_qwen3 decode_window   # Qwen3's fused step (q and k norms in the QKV kernel);
+#                                                 # the split-KV kernel with a 4096-token window against SDPA
+#   FLASHGPT_LORA_ADDMM=1 bash bench/gpu_bench.sh train_lora   # the LoRA step with the update added by addmm
+#                                                 # (run it without the variable too, in the same call)
 #   BASE=../other-checkout bash bench/gpu_bench.sh attention   # each benchmark in BASE first, then here, in the
 #                                                 # same run: a change measured against the tree before it
 #   ATTENTION_ARGS="--shapes 4,16,4096,64 --providers flash,sdpa-cudnn" bash bench/gpu_bench.sh attention
@@ -29,10 +33,14 @@ declare -A ARGS=(
   [train_smollm2]="${TRAIN_SMOLLM2_ARGS:---model configs/smollm2_135m.toml --block 2048 --steps 20 --repeats 3 --variants flash+compile,sdpa+compile,flash+graphs,sdpa+graphs}"
   [generate_smollm2]="${GENERATE_SMOLLM2_ARGS:---model smollm2 --no-kernel-sweep}"
   [varlen]="${VARLEN_ARGS:---varlen}"
+  [generate_qwen3]="${GENERATE_QWEN3_ARGS:---model qwen3 --no-kernel-sweep}"
+  [decode_window]="${DECODE_WINDOW_ARGS:---window 4096 --heads 16 --kv-heads 8 --head-dim 128 --providers split,nosplit,sdpa,sdpa-mask,copy}"
+  [train_lora]="${TRAIN_LORA_ARGS:---model configs/smollm2_135m.toml --block 2048 --steps 20 --repeats 1 --variants flash+graphs --lora-rank 16}"
 )
 declare -A SCRIPT=([attention]=attention.py [train]=train.py [generate]=generate.py [decode]=decode_attention.py
                    [loss]=cross_entropy.py [llama]=llama_kernels.py
-                   [train_smollm2]=train.py [generate_smollm2]=generate.py [varlen]=attention.py)
+                   [train_smollm2]=train.py [generate_smollm2]=generate.py [varlen]=attention.py
+                   [generate_qwen3]=generate.py [decode_window]=decode_attention.py [train_lora]=train.py)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(attention train generate decode loss llama)
 
@@ -49,7 +57,7 @@ bench() {  # NAME TREE SUFFIX
   [ $rc -eq 0 ] || status=1
 }
 for name in "${names[@]}"; do
-  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss, llama, train_smollm2, generate_smollm2, varlen)"; exit 2; }
+  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss, llama, train_smollm2, generate_smollm2, varlen, generate_qwen3, decode_window, train_lora)"; exit 2; }
   [ -z "${BASE:-}" ] || bench "$name" "$BASE" _base
   bench "$name" "$ROOT" ""
 done

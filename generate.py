@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     smp.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set with mass p")
+    smp.add_argument("--min-p", type=float, default=0.0,
+                     help="keep the tokens at least min-p times as likely as the most likely one (0 = off)")
     smp.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     smp.add_argument("--seed", type=int, default=1337)
     smp.add_argument("--no-stop", action="store_true",
@@ -173,6 +175,8 @@ def check_args(args) -> None:
         raise GenerateError(f"--temperature={args.temperature}: must be a finite number >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p={args.top_p}: must be in (0, 1]")
+    if not 0 <= args.min_p <= 1:
+        raise GenerateError(f"--min-p={args.min_p}: must be in [0, 1]")
     if args.top_k is not None and args.top_k < 1:
         raise GenerateError(f"--top-k={args.top_k}: must be >= 1")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -355,7 +359,7 @@ def run(args) -> int:
     if args.chat and not args.no_stop:  # a reply also ends at the template's end-of-turn token
         turn_end = end_of_turn_token(tok)
         stop = tuple(dict.fromkeys(stop + ((turn_end,) if turn_end is not None else ())))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, stop_tokens=stop)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     if is_conversation(args):
@@ -372,8 +376,9 @@ def run(args) -> int:
                    "naive": "naive attention"}[backend]
     if model.config.attention_window:  # model/kv_cache.py: the decode kernel's window, or a mask over the cache
         window = model.config.attention_window
+        masked = "naive attention" if backend == "naive" else "SDPA"
         decode_path = (f"split-KV decode kernel over the window ({window} tokens)" if backend == "flash" else
-                       f"{'naive attention' if backend == 'naive' else 'SDPA'} with the window's mask ({window} tokens)")
+                       f"{masked} with the window's mask ({window} tokens)")
     decode_path = f"fused LN/matmul kernels + {decode_path}" if fused else decode_path
     print(f"attention: {backend} (prefill: {backend}, decode: {decode_path}"
           f"{', CUDA graph' if cuda_graph else ''}{', torch.compile' if args.compile else ''}) on {device}, "

@@ -1,4 +1,4 @@
-"""Choosing the next token from logits: greedy, or temperature with top-k / top-p (nucleus) filtering.
+"""Choosing the next token from logits: greedy, or temperature with top-k, top-p (nucleus) and min-p filtering.
 
     sample(logits (B, V), SamplingParams(...), generator) -> tokens (B,)
 
@@ -7,6 +7,7 @@ keeps its argmax inside the graph instead).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,15 @@ class SamplingParams:
     temperature: float = 0.8   # 0 = greedy
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
+    min_p: float = 0.0         # 0 = off; else drop tokens less likely than min_p x the most likely one's probability
     max_new_tokens: int = 200
     stop_tokens: tuple[int, ...] = ()  # a sequence ends at the first of these (excluded from its output)
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) → next tokens (B,) int64: greedy, or temperature with top-k / top-p (nucleus) filtering."""
+    """logits (B, V) → next tokens (B,) int64: greedy, or temperature with top-k, top-p (nucleus) and min-p
+    filtering (applied in that order, each to what the one before kept; min-p on the temperature-scaled
+    probabilities: a token stays where p ≥ min_p · max p, i.e. logit ≥ max logit + log(min_p))."""
     if p.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / p.temperature
@@ -34,6 +38,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if p.min_p > 0.0:
+        floor = logits.max(dim=-1, keepdim=True).values + math.log(p.min_p)  # (B, 1)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # (B, V)
     if generator is not None and not same_device(generator.device, probs.device):
         # draw where the generator lives (its state is what makes runs reproducible), then come back

@@ -216,6 +216,21 @@ def test_top_k_and_top_p_keep_only_their_set_renormalised():
     assert got[3:].sum() == 0
 
 
+def test_min_p_keeps_the_tokens_near_the_most_likely_renormalised():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
+    got = frequencies(logits, SamplingParams(temperature=1.0, min_p=0.3))  # floor 0.12: 0.4, 0.3, 0.15 stay
+    assert got[3:].sum() == 0 and abs(got[2] - 0.15 / 0.85) < 0.015 and abs(got[0] - 0.4 / 0.85) < 0.015
+    got = frequencies(logits, SamplingParams(temperature=2.0, min_p=0.55))  # on the tempered probabilities,
+    tempered = torch.softmax(logits.double() / 2.0, -1)  # ∝ p^½: 1, 0.87, 0.61 of the largest stay, 0.5, 0.35 go
+    kept = tempered >= 0.55 * tempered.max()
+    assert kept.tolist() == [True, True, True, False, False]
+    want = torch.where(kept, tempered, 0.0) / tempered[kept].sum()
+    assert (got - want).abs().max() < 0.015 and got[3:].sum() == 0
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits[None].expand(4, -1), SamplingParams(temperature=1.0, min_p=1.0), g),
+                       torch.zeros(4, dtype=torch.long))  # only the most likely token
+
+
 # ---------------------------------------------------------------------------------- generate.py, the CLI
 
 @pytest.fixture(scope="module")
@@ -314,6 +329,8 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--prompt", "hi", "--top-p", "nan"], None, "--top-p=nan: must be in (0, 1]"),
     (["--prompt", "hi", "--top-p", "0"], None, "--top-p=0.0: must be in (0, 1]"),
     (["--prompt", "hi", "--top-p", "1.5"], None, "--top-p=1.5: must be in (0, 1]"),
+    (["--prompt", "hi", "--min-p", "1.5"], None, "--min-p=1.5: must be in [0, 1]"),
+    (["--prompt", "hi", "--min-p", "nan"], None, "--min-p=nan: must be in [0, 1]"),
     (["--prompt", "hi", "--top-k", "0"], None, "--top-k=0: must be >= 1"),
     (["--prompt", "hi", "--max-new-tokens", "32"], None, "leaves no room for a prompt"),
     (["--prompt-file", "/nonexistent/prompt.txt"], None, "cannot read prompt file"),
@@ -321,8 +338,8 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--ckpt", "{tmp}/corrupt.pt", "--prompt", "hi"], None, "corrupt or truncated checkpoint"),
     (["--ckpt", "{tmp}/wrong_shapes.pt", "--prompt", "hi"], None, "size mismatch for transformer.wpe.weight"),
     (["--prompt", "hi", "--device", "cuda:7"], None, "--device=cuda:7"),
-], ids=["empty", "empty-stdin", "temperature", "temperature-nan", "top-p-nan", "top-p-0", "top-p-1.5", "top-k", "max-new-tokens", "prompt-file",
-        "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "device"])
+], ids=["empty", "empty-stdin", "temperature", "temperature-nan", "top-p-nan", "top-p-0", "top-p-1.5", "min-p-1.5",
+        "min-p-nan", "top-k", "max-new-tokens", "prompt-file", "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "device"])
 def test_cli_errors_are_one_line(ckpt, args, stdin, message):
     args = [a.format(tmp=ckpt) for a in args]
     if "--ckpt" not in args:

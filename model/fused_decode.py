@@ -28,8 +28,9 @@ which is what bounds a small model's decode speed (bench/NOTES.md). The blocks c
                  (n_kv_head), head_size != n_embd / n_head, with or without biases, qkv_bias (Qwen2), tied or
                  untied LM head, a sliding window (attention_window, Mistral: the decode kernel reads only the
                  window's key blocks), qk_norm (Qwen3: each q and k head's RMSNorm in the QKV kernel, before
-                 RoPE); models with either take the per-layer launches, not the one-launch stack
-and unsupported_reason names what is not (NoPE layers, Gemma 3's pieces). Rounding follows the eager model in
+                 RoPE), NoPE layers (SmolLM3: those layers' QKV launch without the RoPE tables); models with
+                 any of these take the per-layer launches, not the one-launch stack
+and unsupported_reason names what is not (Gemma 3's pieces). Rounding follows the eager model in
 its dtype, so the logits agree to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA
 graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
 Each norm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so no kernel
@@ -97,8 +98,6 @@ def rope_tables(model, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
     c = model.config
-    if c.nope_interval:
-        return f"nope_interval={c.nope_interval}: the fused kernels rotate q and k in every layer"
     if c.norm == "rmsnorm1p" or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim:
         return ("Gemma's pieces (rmsnorm1p, sandwich_norm, geglu, embed_scale, query_scale_dim) are not fused")
     if c.qk_norm and (c.pos_emb != "rope" or c.head_dim < 32 or c.head_dim & (c.head_dim - 1)):
@@ -155,15 +154,15 @@ def _stack_layers(model) -> list[dict]:
 def stack_plan(model) -> StackPlan | None:
     """The model's plan for kernels.decode_stack (one launch for every layer of a one-sequence step), or None
     where it is wider than STACK_MAX_C, its shape does not fit (decode_stack.fits), its norms mix kinds or it has
-    a sliding window or qk_norm (the stack's attention phase reads every cached key and its QKV phase has no
-    per-head norm; the per-layer launches take both)."""
+    a sliding window, qk_norm or NoPE layers (the stack's attention phase reads every cached key, and its QKV
+    phase has no per-head norm and rotates every layer or none; the per-layer launches take all three)."""
     tr, c = model.transformer, model.config
     attn = tr.h[0].attn
     device = model.lm_head.weight.device
     programs = INTERPRETER_PROGRAMS if interpreting() else _triton.sm_count(device)
     kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
     mixed_norms = len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]
-    if c.attention_window or c.qk_norm or c.n_embd > STACK_MAX_C or mixed_norms:
+    if c.attention_window or c.qk_norm or c.nope_interval or c.n_embd > STACK_MAX_C or mixed_norms:
         return None
     if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
                   programs):
@@ -226,7 +225,8 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
         q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, ln_1, cache.k, cache.v, p,
                             attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True, rms=rms_1,
-                            rope=rope, qk_norm=qk_norm)         # (B, Hq·D), rotated; k (rotated), v in the cache
+                            rope=rope if attn.use_rope else None,  # (SmolLM3's NoPE layers rotate nothing)
+                            qk_norm=qk_norm)                    # (B, Hq·D), rotated; k (rotated), v in the cache
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
                              check_lens=False, window=cache.window)  # (B, Hq, 1, D); the layer's window, if any
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,

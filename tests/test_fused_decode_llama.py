@@ -359,6 +359,8 @@ SHAPES = {
                        rope_original_max_pos=8, rope_attention_factor=1.2),
     # Qwen3: each q and k head RMS-normalised (own gains) before RoPE, head dim 32 != n_embd / n_head
     "qwen3": dict(n_head=4, n_kv_head=2, n_embd=48, head_size=32, qk_norm=True, intermediate_size=80, rope_theta=1e6),
+    # SmolLM3: the second layer without RoPE (NoPE), its queries and keys as projected
+    "smollm3": dict(n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, nope_interval=2, rope_theta=2e6),
 }
 
 
@@ -484,6 +486,8 @@ def test_unsupported_reason_for_llama_blocks():
     assert unsupported_reason(tiny_llama("llama", torch.float32), check_cache=False) is None
     qwen3 = tiny_llama("qwen3", torch.float32)
     assert unsupported_reason(qwen3, check_cache=False) is None and stack_plan(qwen3) is None  # per-layer launches
+    smollm3 = tiny_llama("smollm3", torch.float32)
+    assert unsupported_reason(smollm3, check_cache=False) is None and stack_plan(smollm3) is None
     narrow = GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, qk_norm=True,
                            **LLAMA))  # head dim 16: a tile of 8 pairs
     assert "qk_norm with head dim 16" in unsupported_reason(narrow, check_cache=False)
@@ -494,7 +498,7 @@ def test_unsupported_reason_for_llama_blocks():
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "smollm3"])
 @torch.no_grad()
 def test_greedy_generation_with_the_fused_step_equals_without(name):
     """The same tokens with the fused decode step as with the model's own (float32, prompts of different

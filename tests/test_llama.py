@@ -340,13 +340,14 @@ def test_autocast_keeps_the_packed_projection_in_its_dtype():
     assert seen[0].dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
-def test_fused_decode_step_covers_llama_blocks_but_not_qk_norm():
-    """(tests/test_fused_decode_llama.py checks the fused step's numbers.)"""
+def test_fused_decode_step_covers_llama_blocks():
+    """Llama blocks, NoPE layers and qk_norm at head dims the QKV kernel's per-head norm takes (tests/
+    test_fused_decode_llama.py checks the fused step's numbers)."""
     from model.fused_decode import unsupported_reason
-    assert "qk_norm" in unsupported_reason(GPT(tiny(qk_norm=True)), check_cache=False)
-    assert "nope_interval=2" in unsupported_reason(GPT(tiny(nope_interval=2)), check_cache=False)
-    reason = unsupported_reason(GPT(tiny()), check_cache=False)
-    assert reason is None or reason.startswith("the model is on cpu")  # a GPU machine runs the step on CUDA only
+    for model in (GPT(tiny()), GPT(tiny(nope_interval=2)), GPT(tiny(qk_norm=True, head_size=32))):
+        reason = unsupported_reason(model, check_cache=False)
+        assert reason is None or reason.startswith("the model is on cpu")  # a GPU machine runs the step on CUDA only
+    assert "qk_norm with head dim 16" in unsupported_reason(GPT(tiny(qk_norm=True, head_size=16)), check_cache=False)
 
 
 # --------------------------------------------------------------------------------- greedy: cache = recompute

@@ -40,14 +40,15 @@ DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_ke
 
 
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
-    """fused_decode_step on a GPT-2-like, a Llama-like and a Qwen2-like (qkv_bias) model, the MLP blocks in
-    one launch where the default takes them (kernels/decode_mlp.py) and in two."""
+    """fused_decode_step on a GPT-2-like, a Llama-like, a Qwen2-like (qkv_bias) and a SmolLM3-like (its second
+    layer without RoPE) model, the MLP blocks in one launch where the default takes them (kernels/decode_mlp.py)
+    and in two."""
     import torch
 
     from kernels import options
     from model import GPT, GPTConfig
     from model.fused_decode import fused_decode_step
-    for kw in (GPT2, LLAMA, dict(LLAMA, qkv_bias=True)):
+    for kw in (GPT2, LLAMA, dict(LLAMA, qkv_bias=True), dict(LLAMA, nope_interval=2)):
         model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **kw)).to(dtype).eval()
         model.setup_kv_cache(batch, 64)
         for fused_mlp in (True, False):
@@ -240,6 +241,7 @@ LN_LINEAR_MODES = [  # each launched with and without PDL, in each dtype
     # (under PDL the paired launches are always split: LLAMA_MODEL_MODES)
     "rmsnorm no_ln_bias no_bias qkv_cache rope stats_in",
     "rmsnorm no_ln_bias bias qkv_cache rope stats_in",
+    "rmsnorm no_ln_bias no_bias qkv_cache no_rope stats_in",  # SmolLM3's NoPE layers
     "no_norm no_bias residual stats_out one_split",
     "rmsnorm no_bias swiglu no_gelu stats_in no_residual",
     "no_norm no_bias residual stats_out split_k",

@@ -424,8 +424,7 @@ def _decode_merge_kernel(O_PART, LSE, OUT, LENS, H_Q, stride_ob, stride_oh, stri
     """grid = (B * Hq * N_Q,): merge one output row's used splits with their log-sum-exps (_merge_splits).
 
     The used count comes from the same _first_key and split_plan as the split kernel's (BLOCK_N is the split
-    kernel's); a
-    row whose sequence used one split was written by that split, and is left alone here.
+    kernel's); a row whose sequence used one split was written by that split, and is left alone here.
     """
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()

@@ -314,6 +314,8 @@ def forced_config(cfg: tuple):
     """Run every launch with one config (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): tests, sweeps.
 
     BLOCK_N is the kernel's: column pairs in the paired modes (SwiGLU, RoPE), as pick_config(paired=True) gives it.
+    A qk_norm launch (ln_qkv_to_cache) still takes a tile of one head: its BLOCK_N, and BLOCK_K and SPLIT_K in
+    proportion, are set from the head dim as for any config.
     """
     global _forced
     old, _forced = _forced, cfg

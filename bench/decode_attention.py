@@ -362,7 +362,8 @@ class Run:
             date=datetime.datetime.now().isoformat(timespec="seconds"), smoke=args.smoke,
             device=torch.cuda.get_device_name(self.device) if cuda else f"CPU interpreter ({platform.machine()})",
             torch=torch.__version__, triton=triton.__version__, dtype=str(self.dtype).replace("torch.", ""), Nq=1,
-            H=self.H, Hkv=self.Hkv, D=self.D, capacity=self.capacity, window=args.window, l2_bytes=self.l2, default_tile=str(self.default),
+            H=self.H, Hkv=self.Hkv, D=self.D, capacity=self.capacity, window=args.window, l2_bytes=self.l2,
+            default_tile=str(self.default),
             min_keys_per_split=self.min_keys, single_split_max_len=decode.SINGLE_SPLIT_MAX_LEN,
             timing=("graph: CUDA-graph replays of back-to-back calls over rotating cache copies (median of 10); "
                     "eager: median of 3 do_bench medians" if cuda else "perf_counter medians (smoke)"),
@@ -449,7 +450,8 @@ class Run:
             "copy": lambda i: copy_dst.copy_(copy_src[i * n_el:(i + 1) * n_el]),
         }
         row = dict(B=B, H=self.H, Hkv=Hkv, D=D, L=L, capacity=self.capacity, rotation=n_views,
-                   grid_splits=grid_splits, fit_splits=dec.auto_num_splits(B * Hkv, span, self.device), used_splits=used,
+                   grid_splits=grid_splits, fit_splits=dec.auto_num_splits(B * Hkv, span, self.device),
+                   used_splits=used,
                    nbytes=shape.nbytes, sdpa_err=shape.sdpa_err, providers={})
         for name, fn in providers.items():
             if name not in self.args.providers or (name == "sdpa-mask" and not W):

@@ -30,9 +30,10 @@ which is what bounds a small model's decode speed (bench/NOTES.md). The blocks c
                  window's key blocks), qk_norm (Qwen3: each q and k head's RMSNorm in the QKV kernel, before
                  RoPE), NoPE layers (SmolLM3: those layers' QKV launch without the RoPE tables); models with
                  any of these take the per-layer launches, not the one-launch stack
-and unsupported_reason names what is not (Gemma 3's pieces). Rounding follows the eager model in
-its dtype, so the logits agree to within the usual reduction-order differences (tests compare them). Meant to be captured in a CUDA
-graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where `supported(model)`.
+and unsupported_reason names what is not (Gemma 3's pieces). Rounding follows the eager model in its dtype, so
+the logits agree to within the usual reduction-order differences (tests compare them). Meant to be captured in a
+CUDA graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where
+`supported(model)`.
 Each norm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so no kernel
 waits on a pass over the residual stream before streaming its weights. On Hopper the fused kernels are launched
 with programmatic dependent launch (pdl=True: nothing in this chain writes a weight), so each streams its

@@ -94,7 +94,8 @@ def test_bad_window_is_refused_before_launch(window):
         decode_attention(q, k, v, lens, window=window)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="--smoke is the CPU (interpreter) path; a GPU runs the real benchmark")
 def test_bench_with_a_window(tmp_path):
     """bench/decode_attention.py --window: the decode providers with the window, SDPA on the window's slice and
     with its mask over the capacity, each checked against the windowed reference; bytes count the window."""

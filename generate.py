@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set with mass p")
     smp.add_argument("--min-p", type=float, default=0.0,
                      help="keep the tokens at least min-p times as likely as the most likely one (0 = off)")
+    smp.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 makes the tokens of the prompt and of the reply so far less likely (1 = off)")
     smp.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     smp.add_argument("--seed", type=int, default=1337)
     smp.add_argument("--no-stop", action="store_true",
@@ -177,6 +179,8 @@ def check_args(args) -> None:
         raise GenerateError(f"--top-p={args.top_p}: must be in (0, 1]")
     if not 0 <= args.min_p <= 1:
         raise GenerateError(f"--min-p={args.min_p}: must be in [0, 1]")
+    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+        raise GenerateError(f"--repetition-penalty={args.repetition_penalty}: must be a finite number > 0 (1 = off)")
     if args.top_k is not None and args.top_k < 1:
         raise GenerateError(f"--top-k={args.top_k}: must be >= 1")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -360,7 +364,8 @@ def run(args) -> int:
         turn_end = end_of_turn_token(tok)
         stop = tuple(dict.fromkeys(stop + ((turn_end,) if turn_end is not None else ())))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p, min_p=args.min_p,
-                            max_new_tokens=args.max_new_tokens, stop_tokens=stop)
+                            repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
+                            stop_tokens=stop)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     if is_conversation(args):
         conv, room = start_conversation(tok, args.system, args.max_new_tokens, model.config.block_size)

@@ -22,7 +22,7 @@ import torch
 import kernels
 
 from .fused_decode import fused_decode_step, supported, unsupported_reason
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, penalize, sample
 
 
 LOOKAHEAD = 2  # decode steps the generation loop keeps queued on the GPU ahead of the host
@@ -173,7 +173,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     (inside the graph when both are on). fused: decode with model/fused_decode.py (a few fused Triton kernels
     per layer); None = automatically on CUDA with the flash backend and without compile; True where it cannot
     run raises ValueError. Returns stats with `sequences`: each prompt's new tokens, stopping at
-    the first of params.stop_tokens (excluded); stats.decode_path says which step ran.
+    the first of params.stop_tokens (excluded); stats.decode_path says which step ran. A repetition penalty
+    (params.repetition_penalty != 1) keeps a (B, V) mask of the tokens each sequence holds on the device and
+    penalises their logits before each choice (greedy then chooses outside the CUDA graph too).
     """
     device = model.lm_head.weight.device
     B = len(prompts)
@@ -197,7 +199,18 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
         stats.decode_path = "fused" if use_fused else "model"
         step_fn = fused_decode_step if use_fused else decode_one_token
         step_fn = torch.compile(step_fn, dynamic=False) if compile else step_fn
-        in_graph_argmax = cuda_graph and params.temperature == 0
+        # the tokens each sequence holds (prompt and reply), for the repetition penalty: (B, V) bool
+        seen = _prompt_tokens(idx, lengths, model.config.vocab_size) if params.repetition_penalty != 1.0 else None
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:  # (B, V) → the next tokens (B,), on the device
+            if seen is not None:
+                logits = penalize(logits, seen, params.repetition_penalty)
+            chosen = sample(logits, params, generator)
+            if seen is not None:
+                seen.scatter_(1, chosen[:, None], True)
+            return chosen
+
+        in_graph_argmax = cuda_graph and params.temperature == 0 and seen is None
         if cuda_graph:  # before prefill: see DecodeGraph
             step_fn = DecodeGraph(model, B, device, step_fn, greedy=in_graph_argmax)
         _sync(device)
@@ -206,7 +219,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
         logits = prefill(model, idx, lengths, prefill_chunk)  # (B, V)
         _sync(device)
         stats.prefill_seconds = time.perf_counter() - t0
-        tok = sample(logits, params, generator)  # (B,) on the device
+        tok = choose(logits)                     # (B,) on the device
         tokens = tok.tolist()                    # (B,) on the host
         t1 = time.perf_counter()
         stats.time_to_first_token = t1 - t0
@@ -222,7 +235,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
             nonlocal tok, pos
             if in_graph_argmax:
                 return step_fn.advance()  # the graph feeds itself: no sampling or copies out here
-            tok = sample(step_fn(model, tok[:, None], pos), params, generator)  # (B,)
+            tok = choose(step_fn(model, tok[:, None], pos))  # (B,)
             pos = pos + 1
             return tok
 
@@ -255,3 +268,10 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     finally:
         model.clear_kv_cache()
     return stats
+
+
+def _prompt_tokens(idx: torch.Tensor, lengths: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) bool: the tokens of each right-padded prompt in idx (B, T), its padding left out."""
+    real = torch.arange(idx.shape[1], device=idx.device)[None, :] < lengths[:, None]  # (B, T)
+    counts = torch.zeros(idx.shape[0], vocab, dtype=torch.int32, device=idx.device)
+    return counts.scatter_add_(1, idx, real.to(torch.int32)) > 0

@@ -1,6 +1,8 @@
-"""Choosing the next token from logits: greedy, or temperature with top-k, top-p (nucleus) and min-p filtering.
+"""Choosing the next token from logits: greedy, or temperature with top-k, top-p (nucleus) and min-p filtering;
+a repetition penalty on the tokens a sequence already holds.
 
     sample(logits (B, V), SamplingParams(...), generator) -> tokens (B,)
+    penalize(logits (B, V), seen (B, V) bool, penalty) -> logits (B, V)   (before sample, as the loop does)
 
 The generation engine (model/generation.py) calls it once per decode step outside a CUDA graph (greedy decoding
 keeps its argmax inside the graph instead).
@@ -19,6 +21,7 @@ class SamplingParams:
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     min_p: float = 0.0         # 0 = off; else drop tokens less likely than min_p x the most likely one's probability
+    repetition_penalty: float = 1.0  # 1 = off; > 1 makes the tokens of the prompt and of the reply so far less likely
     max_new_tokens: int = 200
     stop_tokens: tuple[int, ...] = ()  # a sequence ends at the first of these (excluded from its output)
 
@@ -46,6 +49,15 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         # draw where the generator lives (its state is what makes runs reproducible), then come back
         return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty (CTRL's, as transformers applies it): the logit of every token a sequence already
+    holds (seen (B, V) bool) divided by `penalty` where positive and multiplied by it where negative, so that
+    penalty > 1 makes those tokens less likely whatever their sign. logits (B, V) → a new (B, V) float32."""
+    logits = logits.float()
+    hit = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, hit, logits)
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:

@@ -331,6 +331,7 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--prompt", "hi", "--top-p", "1.5"], None, "--top-p=1.5: must be in (0, 1]"),
     (["--prompt", "hi", "--min-p", "1.5"], None, "--min-p=1.5: must be in [0, 1]"),
     (["--prompt", "hi", "--min-p", "nan"], None, "--min-p=nan: must be in [0, 1]"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], None, "--repetition-penalty=0.0: must be a finite number > 0"),
     (["--prompt", "hi", "--top-k", "0"], None, "--top-k=0: must be >= 1"),
     (["--prompt", "hi", "--max-new-tokens", "32"], None, "leaves no room for a prompt"),
     (["--prompt-file", "/nonexistent/prompt.txt"], None, "cannot read prompt file"),
@@ -339,7 +340,7 @@ def test_cli_long_prompt_is_truncated_with_a_note(ckpt):
     (["--ckpt", "{tmp}/wrong_shapes.pt", "--prompt", "hi"], None, "size mismatch for transformer.wpe.weight"),
     (["--prompt", "hi", "--device", "cuda:7"], None, "--device=cuda:7"),
 ], ids=["empty", "empty-stdin", "temperature", "temperature-nan", "top-p-nan", "top-p-0", "top-p-1.5", "min-p-1.5",
-        "min-p-nan", "top-k", "max-new-tokens", "prompt-file", "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "device"])
+        "min-p-nan", "repetition-penalty-0", "top-k", "max-new-tokens", "prompt-file", "missing-ckpt", "corrupt-ckpt", "wrong-shapes", "device"])
 def test_cli_errors_are_one_line(ckpt, args, stdin, message):
     args = [a.format(tmp=ckpt) for a in args]
     if "--ckpt" not in args:

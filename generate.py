@@ -34,6 +34,7 @@ if not torch.cuda.is_available():  # flash on a CPU runs in Triton's interpreter
 
 import kernels  # noqa: E402
 
+from data import stop_text  # noqa: E402
 from data.conversation import Conversation, ConversationError, end_of_turn_token  # noqa: E402
 from data.tokenizers import HFTokenizer, TokenizerError, tokenizer_from_spec  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set with mass p")
     smp.add_argument("--min-p", type=float, default=0.0,
                      help="keep the tokens at least min-p times as likely as the most likely one (0 = off)")
+    smp.add_argument("--stop", action="append", metavar="TEXT",
+                     help="end a reply where its text first holds TEXT (excluded); repeat for several")
     smp.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="> 1 makes the tokens of the prompt and of the reply so far less likely (1 = off)")
     smp.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
@@ -179,6 +182,8 @@ def check_args(args) -> None:
         raise GenerateError(f"--top-p={args.top_p}: must be in (0, 1]")
     if not 0 <= args.min_p <= 1:
         raise GenerateError(f"--min-p={args.min_p}: must be in [0, 1]")
+    if args.stop and not all(args.stop):
+        raise GenerateError("--stop: a stop string must not be empty")
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise GenerateError(f"--repetition-penalty={args.repetition_penalty}: must be a finite number > 0 (1 = off)")
     if args.top_k is not None and args.top_k < 1:
@@ -217,10 +222,16 @@ def fit_context(ids: list[int], max_new: int, block_size: int) -> list[int]:
 
 
 class Printer:
-    """Prints replies (streamed token by token where one sequence is generated) and the stats line of each."""
+    """Prints replies (streamed token by token where one sequence is generated) and the stats line of each; with
+    stop strings, each reply ends before the first of them (data/stop_text.py), and a stream holds back the
+    characters that may still become one."""
 
-    def __init__(self, tok, label: str, stream: bool):
-        self.tok, self.label, self.stream = tok, label, stream
+    def __init__(self, tok, label: str, stream: bool, stops: tuple[str, ...] = ()):
+        self.tok, self.label, self.stream, self.stops = tok, label, stream, stops
+
+    def text(self, reply: list[int]) -> str:
+        """A reply's text, up to its first stop string."""
+        return stop_text.cut(self.tok.decode(reply), self.stops)
 
     def generate(self, model, batch: list[list[int]], params, gen, opts: dict, shown: list[str],
                  headers: bool = True):
@@ -237,6 +248,7 @@ class Printer:
             streamed.append(tokens[0])
             text = tok.decode(streamed)
             if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                text = text[:len(text) - stop_text.held_back(text, self.stops)]  # (what may become a stop string)
                 sys.stdout.write(text[len(printed[0]):])
                 sys.stdout.flush()
                 printed[0] = text
@@ -244,15 +256,17 @@ class Printer:
         if stream:
             sys.stdout.write(shown[0])
             sys.stdout.flush()
-        stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None, **opts)
+        check = stop_text.stop_check(tok.decode, self.stops) if self.stops else None
+        stats = generate(model, batch, params, generator=gen, on_token=on_token if stream else None,
+                         stop_check=check, **opts)
         if stream:
-            sys.stdout.write(tok.decode(stats.sequences[0])[len(printed[0]):] + "\n")
+            sys.stdout.write(self.text(stats.sequences[0])[len(printed[0]):] + "\n")
         else:
             per_prompt = len(batch) // len(shown)
             for i, seq in enumerate(stats.sequences):
                 if headers:
                     print(f"--- sample {i + 1} (prompt {i // per_prompt + 1}) ---")
-                print(shown[i // per_prompt] + tok.decode(seq))
+                print(shown[i // per_prompt] + self.text(seq))
         sys.stdout.flush()
         print(f"[{len(batch)} sequence(s), {stats.prompt_tokens} prompt tokens, {stats.new_tokens} new] "
               f"time to first token {stats.time_to_first_token * 1e3:.1f} ms, prefill "
@@ -336,7 +350,7 @@ def converse(model, tok, conv: Conversation, room: int, params, gen, opts: dict,
             print(f"note: the {dropped} oldest exchange(s) of the conversation left out to fit the context of "
                   f"{model.config.block_size} tokens", file=sys.stderr, flush=True)
         stats = printer.generate(model, [ids], params, gen, opts, [""], headers=False)
-        conv.add_exchange(user, tok.decode(stats.sequences[0]))
+        conv.add_exchange(user, printer.text(stats.sequences[0]))
         turns += 1
     return 2 if refused else 0
 
@@ -389,7 +403,7 @@ def run(args) -> int:
           f"{', CUDA graph' if cuda_graph else ''}{', torch.compile' if args.compile else ''}) on {device}, "
           f"{str(dtype).replace('torch.', '')}", file=sys.stderr, flush=True)
     printer = Printer(tok, f"{backend} attention, {device}, {str(dtype).replace('torch.', '')}",
-                      stream=not args.no_stream)
+                      stream=not args.no_stream, stops=tuple(args.stop or ()))
     if is_conversation(args):
         return converse(model, tok, conv, room, params, gen, opts, printer)
     printer.generate(model, batch, params, gen, opts, shown)

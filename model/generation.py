@@ -166,7 +166,7 @@ def _start_host_copy(t: torch.Tensor):
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, generator=None, on_token=None,
              cuda_graph: bool = False, compile: bool = False, prefill_chunk: int = 0,
-             fused: bool | None = None) -> GenerationStats:
+             fused: bool | None = None, stop_check=None) -> GenerationStats:
     """Generate for a batch of token-id prompts. on_token(step, tokens (B,) list, done (B,) list) streams.
 
     cuda_graph: replay the decode step as a CUDA graph (CUDA only). compile: torch.compile the decode step
@@ -175,7 +175,9 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     run raises ValueError. Returns stats with `sequences`: each prompt's new tokens, stopping at
     the first of params.stop_tokens (excluded); stats.decode_path says which step ran. A repetition penalty
     (params.repetition_penalty != 1) keeps a (B, V) mask of the tokens each sequence holds on the device and
-    penalises their logits before each choice (greedy then chooses outside the CUDA graph too).
+    penalises their logits before each choice (greedy then chooses outside the CUDA graph too). stop_check(b,
+    reply tokens so far) -> bool, called after each token a sequence keeps: True ends sequence b there, that
+    token kept (data/stop_text.py's stop strings).
     """
     device = model.lm_head.weight.device
     B = len(prompts)
@@ -257,6 +259,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
                         out[b].append(tokens[b])
                         stats.new_tokens += 1
                         stats.decode_tokens += step > 0
+                        if stop_check is not None and stop_check(b, out[b]):
+                            done[b] = True
             if on_token is not None:
                 on_token(step, tokens, done)
             if not pending or all(done):

@@ -377,6 +377,28 @@ def test_cli_windowed_model_on_the_decode_kernel_and_the_fused_step(ckpt):
     assert f.stdout == s.stdout == fused.stdout and s.stdout.startswith("the king and the queen")
 
 
+def test_cli_stop_strings_end_the_reply(ckpt):
+    """--stop TEXT: the reply ends before the first occurrence of TEXT in its text, streamed or not, and the
+    generation stops there (fewer new tokens)."""
+    common = ["--ckpt", ckpt / "run", "--prompt", "the king", "--max-new-tokens", "24", "--temperature", "0",
+              "--no-stop"]  # (a context of 32 tokens)
+    plain = gen(*common)
+    assert plain.returncode == 0, plain.stderr
+    reply = plain.stdout[len("the king"):-1]
+    space = reply.index(" ", 2)  # GPT-2's tokens start with their space: a stop across two tokens' texts
+    stop = reply[space - 2:space + 2]
+    assert len(stop) == 4 and len(reply) > 20, reply
+    first = reply.find(stop)
+    for extra, header in (((), ""), (("--no-stream",), "--- sample 1 (prompt 1) ---\n")):
+        r = gen(*common, "--stop", stop, "--stop", "never in this text \u2603", *extra)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == header + "the king" + reply[:first] + "\n", (r.stdout, reply, stop)
+        new = int(r.stderr.split(" new]")[0].rsplit(", ", 1)[1])
+        assert new < 24, r.stderr
+    r = gen(*common, "--stop", "")
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == ["error: --stop: a stop string must not be empty"]
+
+
 def test_cli_streams_token_by_token_in_process(ckpt, monkeypatch):
     """Batch 1 streams: many small writes whose concatenation is the final text."""
     import generate as gen_mod

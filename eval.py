@@ -129,7 +129,7 @@ def load(args):
             raise EvalError("--attention flash on the CPU needs Triton's interpreter (TRITON_INTERPRET=1) and "
                             "float32: use --attention sdpa")
     try:
-        model, tokenizer = load_model(args, device)
+        model, tokenizer, _ = load_model(args, device)  # (generation_config.json: generation only)
     except GenerateError as e:
         raise EvalError(str(e)) from None
     model.set_attention_backend(backend)

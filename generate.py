@@ -43,7 +43,7 @@ from model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from model.device import pick_device, pick_dtype  # noqa: E402
 from model.generation import generate, use_fused_decode  # noqa: E402
 from model.lora import inference_weights  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
+from model.sampling import SAMPLING_FIELDS, SamplingParams, from_generation_config  # noqa: E402
 
 
 DEFAULT_MAX_NEW_TOKENS = 200  # capped at block_size // 2 so that a prompt fits too
@@ -91,15 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens to generate per sample (default: 200, at most half the model's context); prompt "
                           "+ these must fit in the context, so a longer prompt keeps only its last "
                           "(block_size - max_new_tokens) tokens, with a note")
-    smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    smp.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-    smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set with mass p")
-    smp.add_argument("--min-p", type=float, default=0.0,
-                     help="keep the tokens at least min-p times as likely as the most likely one (0 = off)")
+    smp.add_argument("--temperature", type=float, default=None,
+                     help="0 = greedy (default 0.8, or what a Hugging Face model's generation_config.json sets, "
+                          "as for the options below)")
+    smp.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default off)")
+    smp.add_argument("--top-p", type=float, default=None,
+                     help="nucleus sampling: keep the smallest set with mass p (default 1 = off)")
+    smp.add_argument("--min-p", type=float, default=None,
+                     help="keep the tokens at least min-p times as likely as the most likely one (default 0 = off)")
     smp.add_argument("--stop", action="append", metavar="TEXT",
                      help="end a reply where its text first holds TEXT (excluded); repeat for several")
-    smp.add_argument("--repetition-penalty", type=float, default=1.0,
-                     help="> 1 makes the tokens of the prompt and of the reply so far less likely (1 = off)")
+    smp.add_argument("--repetition-penalty", type=float, default=None,
+                     help="> 1 makes the tokens of the prompt and of the reply so far less likely (default 1 = off)")
     smp.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     smp.add_argument("--seed", type=int, default=1337)
     smp.add_argument("--no-stop", action="store_true",
@@ -110,17 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model(args, device: torch.device):
-    """(model, tokenizer) from --ckpt or --init-from."""
+    """(model, tokenizer, generation_config.json's settings ({} but for a Hugging Face folder or repo)) from
+    --ckpt or --init-from."""
     if args.init_from:
         from model.hf import HF_NAMES, build, load_hf_gpt2
         if args.init_from in HF_NAMES:
-            return load_hf_gpt2(args.init_from), tokenizer_from_spec({"kind": "gpt2"})
+            return load_hf_gpt2(args.init_from), tokenizer_from_spec({"kind": "gpt2"}), {}
         if not args.init_from.startswith("hf:") or args.init_from == "hf:":
             raise GenerateError(f"--init-from={args.init_from!r}: expected hf:<repo-or-dir> (a Hugging Face hub id "
                                 f"or model folder) or one of {', '.join(HF_NAMES)}")
         from training.pretrained import load_pretrained
         pre = load_pretrained(args.init_from, what="--init-from")
-        return build(pre.config, pre.state), pre.tokenizer
+        return build(pre.config, pre.state), pre.tokenizer, pre.generation
     if not args.ckpt:
         raise GenerateError("give --ckpt RUN_DIR_OR_FILE or --init-from hf:REPO_OR_DIR")
     ckpt = load_checkpoint(args.ckpt, map_location="cpu", prefer="best" if args.best else "latest")
@@ -136,7 +140,27 @@ def load_model(args, device: torch.device):
     except (TypeError, KeyError, RuntimeError, ValueError) as e:
         detail = " ".join(str(e).replace("Error(s) in loading state_dict for GPT:", "").split())  # one line
         raise CheckpointError(f"incompatible checkpoint {ckpt['path']}: {detail[:400]}") from None
-    return model, tokenizer
+    return model, tokenizer, {}
+
+
+def sampling_settings(args, generation: dict) -> tuple[dict, list[str]]:
+    """The sampling fields of SamplingParams: each option given on the command line, else what the model's
+    generation_config.json asks for (model.sampling.from_generation_config), else SamplingParams' default; and
+    the names of the fields the model's file set."""
+    given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 repetition_penalty=args.repetition_penalty)
+    model_own = from_generation_config(generation) or {}
+    base = SamplingParams()
+    out, from_model = {}, []
+    for name in SAMPLING_FIELDS:
+        if given[name] is not None:
+            out[name] = given[name]
+        elif name in model_own:
+            out[name] = model_own[name]
+            from_model.append(name)
+        else:
+            out[name] = getattr(base, name)
+    return out, from_model
 
 
 def read_prompts(args) -> list[str]:
@@ -176,15 +200,16 @@ def new_conversation(tok, system: str | None) -> Conversation:
 
 
 def check_args(args) -> None:
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise GenerateError(f"--temperature={args.temperature}: must be a finite number >= 0 (0 = greedy)")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p={args.top_p}: must be in (0, 1]")
-    if not 0 <= args.min_p <= 1:
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
         raise GenerateError(f"--min-p={args.min_p}: must be in [0, 1]")
     if args.stop and not all(args.stop):
         raise GenerateError("--stop: a stop string must not be empty")
-    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+    if args.repetition_penalty is not None and not (math.isfinite(args.repetition_penalty)
+                                                    and args.repetition_penalty > 0):
         raise GenerateError(f"--repetition-penalty={args.repetition_penalty}: must be a finite number > 0 (1 = off)")
     if args.top_k is not None and args.top_k < 1:
         raise GenerateError(f"--top-k={args.top_k}: must be >= 1")
@@ -368,7 +393,7 @@ def run(args) -> int:
         if dtype == torch.bfloat16:
             raise GenerateError("--attention flash on CPU runs in Triton's interpreter, which gets bfloat16 wrong: "
                                 "use --dtype float32 or --attention sdpa")
-    model, tok = load_model(args, device)
+    model, tok, generation = load_model(args, device)
     model.set_attention_backend(backend)
     model = model.to(device=device, dtype=dtype).eval()
     if args.max_new_tokens is None:
@@ -377,9 +402,11 @@ def run(args) -> int:
     if args.chat and not args.no_stop:  # a reply also ends at the template's end-of-turn token
         turn_end = end_of_turn_token(tok)
         stop = tuple(dict.fromkeys(stop + ((turn_end,) if turn_end is not None else ())))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-                            stop_tokens=stop)
+    sampling, from_model = sampling_settings(args, generation)
+    if from_model:
+        print("sampling: " + ", ".join(f"{name.replace('_', '-')} {sampling[name]:g}" for name in from_model)
+              + " (the model's generation_config.json; options given override it)", file=sys.stderr, flush=True)
+    params = SamplingParams(**sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     if is_conversation(args):
         conv, room = start_conversation(tok, args.system, args.max_new_tokens, model.config.block_size)

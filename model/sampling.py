@@ -3,6 +3,7 @@ a repetition penalty on the tokens a sequence already holds.
 
     sample(logits (B, V), SamplingParams(...), generator) -> tokens (B,)
     penalize(logits (B, V), seen (B, V) bool, penalty) -> logits (B, V)   (before sample, as the loop does)
+    from_generation_config(dict) -> {field: value} | None                  a Hugging Face model's own settings
 
 The generation engine (model/generation.py) calls it once per decode step outside a CUDA graph (greedy decoding
 keeps its argmax inside the graph instead).
@@ -58,6 +59,34 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.
     logits = logits.float()
     hit = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, hit, logits)
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# transformers' GenerationConfig defaults for sampling, which a generation_config.json with do_sample leaves out
+HF_SAMPLING_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+
+
+def from_generation_config(gen: dict) -> dict | None:
+    """The sampling a Hugging Face model's generation_config.json asks for, as SamplingParams fields, or None where
+    it does not say (no boolean do_sample): do_sample false is greedy (temperature 0); true takes its temperature,
+    top_k, top_p, min_p and repetition_penalty, transformers' defaults for those it leaves out. A value out of
+    its range (or of the wrong type) is left out too."""
+    do_sample = gen.get("do_sample")
+    if not isinstance(do_sample, bool):
+        return None
+    out = dict(HF_SAMPLING_DEFAULTS)  # (keys: SAMPLING_FIELDS)
+    if not do_sample:
+        out["temperature"] = 0.0
+    ok = dict(temperature=lambda v: math.isfinite(v) and v > 0, top_k=lambda v: v >= 0 and float(v).is_integer(),
+              top_p=lambda v: 0 < v <= 1, min_p=lambda v: 0 <= v <= 1,
+              repetition_penalty=lambda v: math.isfinite(v) and v > 0)
+    for key, valid in ok.items():
+        v = gen.get(key)
+        if key == "temperature" and not do_sample:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and valid(v):
+            out[key] = int(v) if key == "top_k" else float(v)
+    return out
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:

@@ -127,3 +127,27 @@ def test_eval_takes_the_same_init_from(llama, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["n"] == 2 and res["checkpoint"] == f"hf:{folder}" and 0 <= res["acc"] <= 1
+
+
+def test_sampling_defaults_from_generation_config(llama, tmp_path):
+    """A model's generation_config.json sets the sampling the command line leaves open: do_sample false is
+    greedy (transformers' text); an option given overrides it; do_sample absent says nothing."""
+    from model.sampling import from_generation_config
+    folder, hf = llama
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "the king and"
+    greedy = prompt + greedy_text(hf, tok, tok(prompt).input_ids, 12) + "\n"
+    own = shutil.copytree(folder, tmp_path / "own")
+    (own / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+    common = ["generate.py", "--init-from", f"hf:{own}", "--prompt", prompt, "--max-new-tokens", "12", "--no-stop",
+              "--device", "cpu"]
+    r = run_entry(*common)
+    assert r.returncode == 0 and r.stdout == greedy, r.stderr
+    assert "sampling: temperature 0, top-k 50, top-p 1, min-p 0, repetition-penalty 1 (the model's" in r.stderr
+    (own / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_k": 20}))
+    r = run_entry(*common, "--temperature", "0")  # given: greedy, whatever the file says
+    assert r.returncode == 0 and r.stdout == greedy, r.stderr
+    assert "sampling: top-k 20," in r.stderr and "temperature" not in r.stderr.split("sampling:")[1].split("\n")[0]
+    assert from_generation_config({"temperature": 0.6}) is None  # no do_sample: the file says nothing
+    assert from_generation_config({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 1.5, "min_p": True}) == \
+        dict(temperature=0.6, top_k=20, top_p=1.0, min_p=0.0, repetition_penalty=1.0)  # bad values left out

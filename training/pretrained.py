@@ -35,6 +35,7 @@ class Pretrained:
     config: GPTConfig    # the shape of its weights
     state: dict          # our parameter names → tensors (CPU), lm_head.weight included (the embedding when tied)
     tokenizer: object    # the model's own tokenizer (data/tokenizers.py)
+    generation: dict = dataclasses.field(default_factory=dict)  # a Hugging Face model's generation_config.json
 
     def state_for(self, cfg: GPTConfig) -> dict:
         """The weights for GPT(cfg), cfg from settle_run_config: a learned position table cut to cfg.block_size."""
@@ -60,6 +61,7 @@ def _from_hf(source: str) -> Pretrained:
     from data.tokenizers import HFTokenizer
     from model.hf import read_weights
     from model.hf_adapter import resolve_model_files
+    from model.hf_files import read_json_object
     path_or_repo = source[len("hf:"):]
     files = resolve_model_files(path_or_repo, repr(source), need="config.json, *.safetensors and tokenizer.json")
     # first: a missing tokenizer.json fails before the weights
@@ -68,7 +70,9 @@ def _from_hf(source: str) -> Pretrained:
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["transformer.wte.weight"]
     _check_vocab(source, tokenizer, cfg)
-    return Pretrained(source, cfg, state, tokenizer)
+    generation = os.path.join(files.folder, "generation_config.json")
+    return Pretrained(source, cfg, state, tokenizer,
+                      read_json_object(generation) if os.path.isfile(generation) else {})
 
 
 def _from_checkpoint(path: str, what: str) -> Pretrained:

@@ -201,7 +201,7 @@ def test_compiled_model_has_no_graph_break():
 
 def test_fused_decode_step_refuses_gemma_blocks():
     from model.fused_decode import unsupported_reason
-    assert "qk_norm" in unsupported_reason(random_model())
+    assert "Gemma's pieces" in unsupported_reason(random_model())
     reason = unsupported_reason(random_model(qk_norm=False, attention_window=0, full_attention_interval=0,
                                              rope_local_theta=0.0))
     assert "Gemma's pieces" in reason

@@ -4,6 +4,7 @@
                                               # decode-kernel sweep
     python bench/generate.py --model smollm2  # GPU, SmolLM2-135M shape: the same variants and transformers
     python bench/generate.py --model qwen3    # GPU, Qwen3-0.6B shape (q and k norms): the same
+    python bench/generate.py --model gemma3   # GPU, Gemma 3 270M shape (sandwich norms, GeGLU, windows): the same
     python bench/generate.py --compile        # + a torch.compile'd decode step inside the CUDA graph (~1 min more)
     python bench/generate.py --smoke [--model smollm2]   # CPU, tiny model, Triton interpreter: checks the script
 
@@ -15,6 +16,9 @@ One randomly initialised model (random weights cost the same time as trained one
               RoPE (theta 100000), RMSNorm, no biases, tied LM head
     qwen3     Qwen3-0.6B (configs/qwen3_0_6b.toml): n_layer 28, n_embd 1024, n_head 16 over n_kv_head 8 of 128,
               qk_norm, SwiGLU 3072 wide, vocab 151936, RoPE (theta 1e6), RMSNorm, no biases, tied LM head
+    gemma3    Gemma 3 270M (configs/gemma3_270m.toml): n_layer 18, n_embd 640, n_head 4 over n_kv_head 1 of 256,
+              RMSNorms scaled by 1 + weight (sandwich norms, q and k norms), GeGLU 2048 wide, vocab 262144,
+              embeddings times sqrt(640), five of six layers windowed (512, RoPE theta 1e4), the rest global (1e6)
 
 and `model.generation.generate` for every flashgpt variant, so all of them share the static KV cache, the
 prefill/decode split and the host loop:
@@ -43,7 +47,7 @@ prefill/decode split and the host loop:
                      with a mask), eager
     sdpa+graph       the same plain PyTorch decode step under a CUDA graph
     flashgpt+compile+graph   (--compile) torch.compile'd decode step inside the CUDA graph
-    transformers-static+compile   (smollm2 and qwen3 by default; needs transformers, skipped with a note without it) the
+    transformers-static+compile   (every model but gpt2 by default; needs transformers, skipped with a note without it) the
                      same weights in transformers' own architecture (model/export.py's config and tensor names),
                      `generate(cache_implementation="static")`, greedy, its decode forward under torch.compile:
                      where transformers has CompileConfig it compiles that forward itself (mode "reduce-overhead":
@@ -88,7 +92,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-MODELS = ("gpt2", "smollm2", "qwen3")
+MODELS = ("gpt2", "smollm2", "qwen3", "gemma3")
 
 
 def _positive_int(text: str) -> int:
@@ -139,6 +143,9 @@ COPY_BW = 4.30e12  # bytes/s, the H200's device-to-device copy (ANCHORS.md): the
 TARGETS = {1: 3000.0, 16: 40000.0}  # gpt2: decode tok/s of the best flashgpt graph variant on the H200
 RATIO_TARGETS = {1: 2.0, 16: 1.5}  # smollm2: that variant's decode tok/s over transformers-static+compile's
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+GEMMA3 = dict(pos_emb="rope", norm="rmsnorm1p", mlp="geglu", bias=False, sandwich_norm=True, embed_scale=True,
+              qk_norm=True, norm_eps=1e-6, attention_window=512, full_attention_interval=6, rope_theta=1e6,
+              rope_local_theta=1e4)
 SHAPES = {  # (full size, --smoke)
     "gpt2": (dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
              dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)),
@@ -150,6 +157,10 @@ SHAPES = {  # (full size, --smoke)
                    vocab_size=151936, block_size=2048, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, **LLAMA),
               dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=48, head_size=32, intermediate_size=64, vocab_size=128,
                    block_size=64, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, **LLAMA)),
+    "gemma3": (dict(n_layer=18, n_head=4, n_kv_head=1, n_embd=640, head_size=256, intermediate_size=2048,
+                    vocab_size=262144, block_size=2048, **GEMMA3),
+               dict(n_layer=3, n_head=2, n_kv_head=1, n_embd=48, head_size=32, intermediate_size=64, vocab_size=128,
+                    block_size=64, **{**GEMMA3, "attention_window": 8, "full_attention_interval": 3})),
 }
 HF_VARIANTS = ("transformers-static+compile", "transformers-static")  # GPU (compiled), CPU (--smoke)
 

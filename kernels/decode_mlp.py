@@ -170,12 +170,12 @@ def _ln_mlp_kernel(X, W_FC, B_FC, W_DN, B_DN, LN_W, LN_B, OUT, WS, CNT, STATS_IN
     dtype = W_FC.dtype.element_ty
     acc1 = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)                            # SwiGLU: the up rows
-    xk = _x_tile(x_rows, LN_W, LN_B, offs_a, a_ok, m_ok, mean, rstd, dtype, True, LN_HAS_BIAS, RMS)
+    xk = _x_tile(x_rows, LN_W, LN_B, offs_a, a_ok, m_ok, mean, rstd, dtype, True, LN_HAS_BIAS, RMS, False)
     if SWIGLU:
         acc1, acc2 = _fc_tile(xk, wa1, wa2, acc1, acc2, PRECISION, True)
     else:
         acc1, acc2 = _fc_tile(xk, wa1, wa1, acc1, acc2, PRECISION, False)
-    xk = _x_tile(x_rows, LN_W, LN_B, offs_b, b_ok, m_ok, mean, rstd, dtype, True, LN_HAS_BIAS, RMS)
+    xk = _x_tile(x_rows, LN_W, LN_B, offs_b, b_ok, m_ok, mean, rstd, dtype, True, LN_HAS_BIAS, RMS, False)
     if SWIGLU:
         acc1, acc2 = _fc_tile(xk, wb1, wb2, acc1, acc2, PRECISION, True)
     else:

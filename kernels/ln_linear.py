@@ -55,12 +55,15 @@ BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode step has batch-size
 
 @triton.jit
 def _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, dtype: tl.constexpr,
-            HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr, RMS: tl.constexpr):
-    """The (BLOCK_M, BLOCK_K) activation tile at columns offs_k, normalised and rounded to dtype if HAS_LN."""
+            HAS_LN: tl.constexpr, LN_HAS_BIAS: tl.constexpr, RMS: tl.constexpr, OFFSET: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) activation tile at columns offs_k, normalised and rounded to dtype if HAS_LN
+    (OFFSET: an RMSNorm whose gain is 1 + LN_W, all in fp32 and rounded once, as Gemma's)."""
     xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
     if HAS_LN:
         g = tl.load(LN_W + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        if RMS:  # eager rounds x / rms to dtype, then the product with the gain
+        if OFFSET:  # Gemma: x / rms · (1 + w) in fp32, rounded once
+            xk = (xk.to(tl.float32) * rstd[:, None] * (1.0 + g[None, :])).to(dtype)
+        elif RMS:  # eager rounds x / rms to dtype, then the product with the gain
             xn = (xk.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
             xk = (xn * g[None, :]).to(dtype)
         else:
@@ -73,7 +76,7 @@ def _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, dtype: tl.conste
 
 @triton.jit(do_not_specialize=["M"])  # one binary serves every batch size
 def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, STATS_IN, STATS_OUT, COS, SIN,
-                      QN, KN, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps, qk_eps,
+                      QN, KN, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps, qk_eps, q_scale,
                       N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos, stride_rope, PAIR_H,
                       stride_ws,
                       HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT_ON: tl.constexpr,
@@ -82,7 +85,8 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ONE_TILE: tl.constexpr,
                       USE_GDC: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
-                      PAIRED: tl.constexpr, QK_NORM: tl.constexpr):
+                      PAIRED: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr, GEGLU: tl.constexpr,
+                      Q_SCALED: tl.constexpr):
     """grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K): BLOCK_N output columns of BLOCK_M rows per program,
     over the program's share of K.
 
@@ -108,6 +112,11 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
     QK_NORM (with ROPE, BLOCK_N = HEAD_DIM / 2: a tile is one head): a q or k head is RMS-normalised over its
     HEAD_DIM lanes (eps qk_eps) and scaled by the QN (q heads) or KN (k heads) gain (HEAD_DIM,) before the
     rotation, each step rounded as the eager model rounds it (Qwen3's q_norm and k_norm).
+    OFFSET (with RMS): every norm gain, LN_W and (QK_NORM) QN and KN, is stored as its offset from 1: the norm is
+    x / rms · (1 + w) in fp32, rounded once (Gemma's RMSNorm).
+    GEGLU (with SWIGLU's pairing): GELU(gate) (tanh approximation) in SiLU's place (Gemma's MLP).
+    Q_SCALED (with ROPE): the q heads multiplied by q_scale (rounded) after their norm, before the rotation
+    (Gemma's query_pre_attn_scalar, as the model's q_scale).
 
     QKV_CACHE: columns [0, N_Q) go to OUT (the queries); [N_Q, N_Q + N_KV) are keys and [N_Q + N_KV, ...)
     values, column c of them being head c // HEAD_DIM, lane c % HEAD_DIM, written into KC / VC
@@ -166,7 +175,7 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)                            # paired modes: the second rows
     if ONE_TILE:
         xk = _x_tile(x_rows, LN_W, LN_B, offs_k1, k_ok1, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN, LN_HAS_BIAS,
-                     RMS)
+                     RMS, OFFSET)
         acc = tl.dot(xk, tl.trans(w1), acc, input_precision=PRECISION)        # (BLOCK_M, BLOCK_N)
         if PAIRED:
             acc2 = tl.dot(xk, tl.trans(w1b), acc2, input_precision=PRECISION)
@@ -176,18 +185,18 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
             k_ok = offs_k < k_hi
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
             xk = _x_tile(x_rows, LN_W, LN_B, offs_k, k_ok, m_ok, mean, rstd, W.dtype.element_ty, HAS_LN,
-                         LN_HAS_BIAS, RMS)                                      # (BLOCK_M, BLOCK_K)
+                         LN_HAS_BIAS, RMS, OFFSET)                              # (BLOCK_M, BLOCK_K)
             acc = tl.dot(xk, tl.trans(w), acc, input_precision=PRECISION)      # (BLOCK_M, BLOCK_N)
             if PAIRED:
                 w2 = tl.load(w_rows2 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 = tl.dot(xk, tl.trans(w2), acc2, input_precision=PRECISION)
 
-    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, offs_m, offs_n, rows1, rows2, m_ok,
+    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, q_scale, offs_m, offs_n, rows1, rows2, m_ok,
            n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
            stride_rope)
     if SPLIT_K == 1:
         _epilogue(acc, acc2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU, ROPE,
-                  QK_NORM)
+                  QK_NORM, OFFSET, GEGLU, Q_SCALED)
     else:
         ws_ptrs = WS + offs_m.to(tl.int64)[:, None] * stride_ws + offs_n[None, :]  # (BLOCK_M, BLOCK_N)
         mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -210,13 +219,20 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                 tl.store(ws_ptrs + N, zero, mask=mn_ok)
             tl.atomic_xchg(CNT + tile, 0)
             _epilogue(total, total2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU,
-                      ROPE, QK_NORM)
+                      ROPE, QK_NORM, OFFSET, GEGLU, Q_SCALED)
 
 
 @triton.jit
 def _rounded(y, dtype: tl.constexpr):
     """y rounded to dtype (as eager stores an intermediate), back in fp32."""
     return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gelu_tanh(y):
+    """GELU's tanh approximation in fp32; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway."""
+    z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+    return 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
 
 
 @triton.jit
@@ -243,11 +259,13 @@ def _store_qkv(y, OUT, KC, VC, pos, offs_m, cols, ok, stride_om, N_Q, N_KV, stri
 
 
 @triton.jit
-def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, offs_m, offs_n, rows1,
+def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, q_scale, offs_m, offs_n,
+              rows1,
               rows2, m_ok, n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd,
               stride_pos, stride_rope, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr,
               QKV_CACHE: tl.constexpr, HEAD_DIM: tl.constexpr, STATS_OUT_ON: tl.constexpr, SWIGLU: tl.constexpr,
-              ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+              ROPE: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr, GEGLU: tl.constexpr,
+              Q_SCALED: tl.constexpr):
     """bias, activation, residual, store (or q / k norms, RoPE and the q / k-cache / v-cache split) of one
     (BLOCK_M, BLOCK_N) fp32 tile (acc2: the second rows of each pair in the paired modes)."""
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -265,10 +283,18 @@ def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, K
                           tl.load(KN + lane, mask=n_ok, other=0.0)[None, :]).to(tl.float32)  # (1, BLOCK_N)
             g2 = tl.where(is_q, tl.load(QN + lane + HEAD_DIM // 2, mask=n_ok, other=0.0)[None, :],
                           tl.load(KN + lane + HEAD_DIM // 2, mask=n_ok, other=0.0)[None, :]).to(tl.float32)
-            n1 = _rounded(_rounded(y1 * rstd[:, None], OUT.dtype.element_ty) * g1, OUT.dtype.element_ty)
-            n2 = _rounded(_rounded(y2 * rstd[:, None], OUT.dtype.element_ty) * g2, OUT.dtype.element_ty)
+            if OFFSET:  # Gemma: x / rms · (1 + w) in fp32, rounded once
+                n1 = _rounded(y1 * rstd[:, None] * (1.0 + g1), OUT.dtype.element_ty)
+                n2 = _rounded(y2 * rstd[:, None] * (1.0 + g2), OUT.dtype.element_ty)
+            else:
+                n1 = _rounded(_rounded(y1 * rstd[:, None], OUT.dtype.element_ty) * g1, OUT.dtype.element_ty)
+                n2 = _rounded(_rounded(y2 * rstd[:, None], OUT.dtype.element_ty) * g2, OUT.dtype.element_ty)
             y1 = tl.where(turn, n1, y1)                                         # v heads as they are
             y2 = tl.where(turn, n2, y2)
+        if Q_SCALED:  # q · q_scale, rounded as eager multiplies it (RoPE is linear: before it is the same)
+            scaled = mn_ok & (rows1 < N_Q)[None, :]
+            y1 = tl.where(scaled, _rounded(y1 * q_scale, OUT.dtype.element_ty), y1)
+            y2 = tl.where(scaled, _rounded(y2 * q_scale, OUT.dtype.element_ty), y2)
         angle = pos[:, None] * stride_rope + lane[None, :]                      # (BLOCK_M, BLOCK_N)
         cos = tl.load(COS + angle, mask=turn, other=1.0).to(tl.float32)
         sin = tl.load(SIN + angle, mask=turn, other=0.0).to(tl.float32)
@@ -280,18 +306,20 @@ def _epilogue(acc, acc2, BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, K
         _store_qkv(r2.to(OUT.dtype.element_ty), OUT, KC, VC, pos, offs_m, rows2, mn_ok, stride_om, N_Q, N_KV,
                    stride_cb, stride_ch, stride_cn, stride_cd, HEAD_DIM)
     else:
-        if SWIGLU:  # SiLU(gate) · up, each step rounded as eager
+        if SWIGLU:  # SiLU(gate) · up (GEGLU: GELU(gate) · up), each step rounded as eager
             gate = _biased(acc, BIAS, rows1, n_ok, OUT.dtype.element_ty, HAS_BIAS)  # (BLOCK_M, BLOCK_N)
             up = _biased(acc2, BIAS, rows2, n_ok, OUT.dtype.element_ty, HAS_BIAS)
-            silu = _rounded(gate / (1.0 + tl.exp(-gate)), OUT.dtype.element_ty)
-            y = silu * up
+            if GEGLU:
+                act = _rounded(_gelu_tanh(gate), OUT.dtype.element_ty)
+            else:
+                act = _rounded(gate / (1.0 + tl.exp(-gate)), OUT.dtype.element_ty)
+            y = act * up
         else:
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             y = acc.to(OUT.dtype.element_ty).to(tl.float32)                   # the linear's output dtype
-        if GELU:  # tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1), 2z clamped where tanh is 1 anyway
-            z = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-            y = 0.5 * y * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 60.0)) + 1.0))
+        if GELU:
+            y = _gelu_tanh(y)
         if HAS_RES:
             y = y.to(OUT.dtype.element_ty).to(tl.float32) + tl.load(
                 RES + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0).to(tl.float32)
@@ -451,7 +479,7 @@ def _check_stats(x, ln_stats, stats_out, ln) -> None:
 
 
 def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, stats_out=None, pdl=False,
-            rms=False, swiglu=False, rope=None, qk_norm=None):
+            rms=False, swiglu=False, rope=None, qk_norm=None, norm_offset=False, geglu=False, q_scale=1.0):
     M, K = x.shape
     N = out.shape[1] if qkv is None else weight.shape[0]  # output columns (SwiGLU: half the weight's rows)
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
@@ -474,14 +502,15 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
     args = (x, weight, bias if bias is not None else dummy, ln_w if ln_w is not None else dummy,
             ln_b if ln_b is not None else dummy, residual if residual is not None else dummy, out, kc, vc, pos)
     scalars = (M, n_cols, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-               out.stride(0), float(eps), float(qk_eps), n_q, n_kv, *cache_strides, stride_pos,
+               out.stride(0), float(eps), float(qk_eps), float(q_scale), n_q, n_kv, *cache_strides, stride_pos,
                cos.stride(0) if rope is not None else 0, pair_h)
     flags = dict(HAS_LN=ln is not None, LN_STATS_IN=ln_stats is not None, STATS_OUT_ON=stats_out is not None,
                  LN_HAS_BIAS=ln_b is not None, HAS_BIAS=bias is not None, GELU=bool(gelu),
                  HAS_RES=residual is not None, QKV_CACHE=qkv is not None, HEAD_DIM=head_dim,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M,
                  RMS=bool(rms), SWIGLU=bool(swiglu), ROPE=rope is not None, PAIRED=paired,
-                 QK_NORM=qk_norm is not None)
+                 QK_NORM=qk_norm is not None, OFFSET=bool(norm_offset), GEGLU=bool(geglu),
+                 Q_SCALED=q_scale != 1.0)
     row_blocks = triton.cdiv(M, BLOCK_M)
     pdl = bool(pdl) and pdl_enabled(x.device)
     block_n, block_k, warps, stages, split = pick_config(M, n_cols, K, x.device, pdl, paired)  # paired: in pairs
@@ -505,9 +534,14 @@ def _launch(x, weight, bias, ln, residual, out, gelu, qkv=None, ln_stats=None, s
     return out
 
 
-def _check_modes(x, weight, ln, rms, gelu, swiglu, what: str) -> None:
+def _check_modes(x, weight, ln, rms, gelu, swiglu, what: str, norm_offset: bool = False,
+                 geglu: bool = False) -> None:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or (ln is not None and len(ln) != 3):
         return  # _check names the problem
+    if norm_offset and not rms:
+        raise ValueError(f"{what}: norm_offset (gains stored as offsets from 1) is an RMSNorm's: it needs rms=True")
+    if geglu and not swiglu:
+        raise ValueError(f"{what}: geglu is the gated MLP's activation: it needs swiglu=True ([gate | up] rows)")
     if rms and ln is None:
         raise ValueError(f"{what}: rms=True without a norm (ln=None)")
     if rms and ln[1] is not None:
@@ -523,12 +557,14 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
               ln: tuple | None = None, rms: bool = False, gelu: bool = False, swiglu: bool = False,
               residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
               ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
-              pdl: bool = False) -> torch.Tensor:
+              pdl: bool = False, norm_offset: bool = False, geglu: bool = False) -> torch.Tensor:
     """x (M, K), weight (N, K) → act(N(x) @ weightᵀ + bias) + residual, (M, N) in x's dtype ((M, N/2) with swiglu).
 
     ln: (weight (K,), bias (K,) or None, eps) of a norm applied to x first, or None; a LayerNorm, or an RMSNorm
     with rms=True (bias None). gelu: GELU (tanh approximation). swiglu: weight holds [gate (N/2) | up (N/2)]
-    rows (MLP.c_fc of a SwiGLU model) and the result is SiLU(gate) · up. out: an optional buffer for the result
+    rows (MLP.c_fc of a SwiGLU model) and the result is SiLU(gate) · up; with geglu too, GELU(gate) · up (tanh
+    approximation, Gemma's MLP). norm_offset (with rms): the norm's gain is stored as its offset from 1 and the
+    norm is x / rms · (1 + w) in fp32, rounded once (Gemma's RMSNorm). out: an optional buffer for the result
     (unit stride along its columns; it must not overlap x).
     ln_stats: (M, 2) float32 row sums (Σx, Σx²) of x, used by the norm instead of a pass over x.
     stats_out: (M, 2) float32, zeros: receives the row sums (Σy, Σy²) of the result, for the next norm.
@@ -536,7 +572,7 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     loaded while the previous kernel in the stream may still run, so the caller guarantees that no kernel
     queued before this one writes weight (a decode step's chain: model/fused_decode.py). Off by default.
     """
-    _check_modes(x, weight, ln, rms, gelu, swiglu, "ln_linear")
+    _check_modes(x, weight, ln, rms, gelu, swiglu, "ln_linear", norm_offset, geglu)
     shape = (x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
     _check(x, weight, bias, ln, residual, (), n_out=shape[1])
     _check_stats(x, ln_stats, stats_out, ln)
@@ -547,13 +583,14 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"ln_linear: out must be a {x.dtype} tensor of shape {shape} on {x.device} with unit "
                          "stride along N")
     return _launch(x, weight, bias, ln, residual, out, gelu, ln_stats=ln_stats, stats_out=stats_out, pdl=pdl,
-                   rms=rms, swiglu=swiglu)
+                   rms=rms, swiglu=swiglu, norm_offset=norm_offset, geglu=geglu)
 
 
 def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ln: tuple | None,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, n_q: int,
                     ln_stats: torch.Tensor | None = None, pdl: bool = False, *, rms: bool = False,
-                    rope: tuple | None = None, qk_norm: tuple | None = None) -> torch.Tensor:
+                    rope: tuple | None = None, qk_norm: tuple | None = None, norm_offset: bool = False,
+                    q_scale: float = 1.0) -> torch.Tensor:
     """The attention input projection of one decode token per row, its keys and values written to the cache.
 
     x (B, K); weight (n_q + 2·Hkv·D, K) (queries, then keys, then values, as the model's c_attn); caches
@@ -563,10 +600,17 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     and k is cached. Positions are not range-checked here (the caller's KV cache owns them; L must cover them).
     qk_norm: (q gain, k gain, eps), each gain (D,) in x's dtype: every q and k head RMS-normalised and scaled by
     its gain before the rotation (Qwen3; with rope only, D / 2 a power of two >= 16: a tile of the launch is one
-    head). ln_stats, pdl, rms: as for ln_linear.
+    head). norm_offset (with rms): the gains of the input norm and of qk_norm are stored as offsets from 1
+    (Gemma's RMSNorm: x / rms · (1 + w), rounded once). q_scale (with rope): q multiplied by it (rounded) after its
+    norm, before the rotation (the model's q_scale, Gemma's query_pre_attn_scalar). ln_stats, pdl, rms: as for
+    ln_linear.
     """
     _check(x, weight, bias, ln, None, (k_cache, v_cache))
-    _check_modes(x, weight, ln, rms, False, False, "ln_qkv_to_cache")
+    _check_modes(x, weight, ln, rms, False, False, "ln_qkv_to_cache", norm_offset)
+    if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not q_scale > 0 \
+            or (q_scale != 1.0 and rope is None):
+        raise ValueError(f"ln_qkv_to_cache: q_scale must be a positive number (other than 1 only with rope), got "
+                         f"{q_scale!r}")
     _check_stats(x, ln_stats, None, ln)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("ln_qkv_to_cache: k_cache and v_cache must be (B, Hkv, max_len, D) with equal strides")
@@ -601,14 +645,16 @@ def ln_qkv_to_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                              f"{x.device}")
     q = _triton.empty((x.shape[0], n_q), x.dtype, x.device)
     return _launch(x, weight, bias, ln, None, q, False, qkv=(k_cache, v_cache, pos, n_q), ln_stats=ln_stats,
-                   pdl=pdl, rms=rms, rope=rope, qk_norm=qk_norm)
+                   pdl=pdl, rms=rms, rope=rope, qk_norm=qk_norm, norm_offset=norm_offset, q_scale=q_scale)
 
 
 @triton.jit
 def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_pos, stride_wte, stride_wpe,
-                  stride_slot, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WPE: tl.constexpr):
-    """grid = (B,): x[b] = wte[tok[b]] + wpe[pos[b]] (rounded as eager; wte[tok[b]] alone without HAS_WPE), its
-    (Σx, Σx²) into STATS[0, b], and STATS[1:, b] zeroed for the producers of the later norms' statistics."""
+                  stride_slot, scale, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WPE: tl.constexpr,
+                  SCALED: tl.constexpr):
+    """grid = (B,): x[b] = wte[tok[b]] + wpe[pos[b]] (rounded as eager; wte[tok[b]] alone without HAS_WPE;
+    SCALED: wte[tok[b]] · scale, rounded, before the positions), its (Σx, Σx²) into STATS[0, b], and STATS[1:, b]
+    zeroed for the producers of the later norms' statistics."""
     b = tl.program_id(0)
     t = tl.load(TOK + b * stride_tok).to(tl.int64)
     p = tl.load(POS + b * stride_pos).to(tl.int64)
@@ -618,6 +664,8 @@ def _embed_kernel(TOK, POS, WTE, WPE, X, STATS, C, n_slots, stride_tok, stride_p
         offs = c0 + tl.arange(0, BLOCK_C)
         ok = offs < C
         e = tl.load(WTE + t * stride_wte + offs, mask=ok, other=0.0)
+        if SCALED:  # Gemma's embedding times sqrt(C), rounded to the dtype as eager multiplies it
+            e = (e.to(tl.float32) * scale).to(e.dtype)
         if HAS_WPE:
             x = (e.to(tl.float32) + tl.load(WPE + p * stride_wpe + offs, mask=ok, other=0.0).to(tl.float32)).to(e.dtype)
         else:
@@ -637,8 +685,10 @@ _triton.check_decorated(_ln_linear_kernel, _embed_kernel)
 
 
 def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor | None,
-                     stats: torch.Tensor) -> torch.Tensor:
+                     stats: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """tok, pos (B,) int → x (B, C) = wte[tok] + wpe[pos] in one launch (wpe None: wte[tok], a RoPE model).
+    scale: the embeddings multiplied by it first, rounded to their dtype (Gemma's sqrt(C), as the model's
+    embed_scales hold it), or None.
 
     stats (S, B, 2) float32: slot 0 receives x's row sums (Σx, Σx²) for the first norm; slots 1..S-1 are
     zeroed, ready for the ln_linear(stats_out=...) calls of the same step. Token ids and positions are not
@@ -658,14 +708,17 @@ def embed_with_stats(tok: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wp
         raise ValueError(f"embed_with_stats: stats must be float32 (S, {B}, 2), contiguous in its last two dims")
     if len({t.device for t in (tok, pos, wte, table, stats)}) != 1:
         raise ValueError("embed_with_stats: all tensors must be on one device")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"embed_with_stats: scale must be a positive number or None, got {scale!r}")
     _triton.check_device(wte.device, "embed_with_stats")
     x = _triton.empty((B, C), wte.dtype, wte.device)
     with _triton.device_guard(x):
         _embed_kernel[(B,)](tok, pos, wte, table, x, stats, C, stats.shape[0], tok.stride(0), pos.stride(0),
                             wte.stride(0), table.stride(0), stats.stride(0),
+                            float(scale) if scale is not None else 1.0,
                             BLOCK_C=min(1024, triton.next_power_of_2(C)),
                             BLOCK_S=triton.next_power_of_2(max(stats.shape[0], 2)), HAS_WPE=wpe is not None,
-                            num_warps=4)
+                            SCALED=scale is not None, num_warps=4)
     return x
 
 

@@ -1,4 +1,4 @@
-"""One decode step of a GPT or Llama-family model in few kernels: the fast path of generation on a GPU.
+"""One decode step of a GPT, Llama-family or Gemma 3 model in few kernels: the fast path of generation on a GPU.
 
     logits = fused_decode_step(model, tok, pos)   # same contract as generation.decode_one_token
 
@@ -28,10 +28,16 @@ which is what bounds a small model's decode speed (bench/NOTES.md). The blocks c
                  (n_kv_head), head_size != n_embd / n_head, with or without biases, qkv_bias (Qwen2), tied or
                  untied LM head, a sliding window (attention_window, Mistral: the decode kernel reads only the
                  window's key blocks), qk_norm (Qwen3: each q and k head's RMSNorm in the QKV kernel, before
-                 RoPE), NoPE layers (SmolLM3: those layers' QKV launch without the RoPE tables); models with
-                 any of these take the per-layer launches, not the one-launch stack
-and unsupported_reason names what is not (Gemma 3's pieces). Rounding follows the eager model in its dtype, so
-the logits agree to within the usual reduction-order differences (tests compare them). Meant to be captured in a
+                 RoPE), NoPE layers (SmolLM3: those layers' QKV launch without the RoPE tables)
+    Gemma 3      RMSNorms scaled by 1 + weight (the input, q and k norms inside the kernels), embeddings times
+                 sqrt(C) (in the embedding launch), q scaled for query_pre_attn_scalar (QKV epilogue), GeGLU
+                 (the SwiGLU epilogue with GELU), each layer's RoPE base (windowed layers: rope_local_theta),
+                 and the sandwich norms: the output projection and the down projection then store their
+                 result, and one row launch adds N(result) to the stream (kernels.residual_norm)
+Models with any of the Llama-family extras or Gemma's pieces take the per-layer launches, not the one-launch
+stack; unsupported_reason names what is not covered (LayerNorm sandwich norms, q scaled without RoPE).
+Rounding follows the eager model in its dtype, so the logits agree to within the usual reduction-order
+differences (tests compare them). Meant to be captured in a
 CUDA graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where
 `supported(model)`.
 Each norm takes its row statistics from the kernel that wrote its input (see ln_linear's stats_out), so no kernel
@@ -56,13 +62,14 @@ from kernels.decode_mlp import ln_mlp
 from kernels.decode_stack import StackPlan, decode_stack
 from kernels.decode_stack import fits as stack_fits
 from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
+from kernels.residual_norm import add_rms_norm
 
-from .norms import RMSNorm
+from .norms import OffsetRMSNorm, RMSNorm
 
 
 def _norm(norm) -> tuple[tuple, bool]:
-    """(weight, bias or None, eps) of a norm layer, and whether it is an RMSNorm."""
-    if isinstance(norm, RMSNorm):
+    """(weight, bias or None, eps) of a norm layer, and whether it is an RMSNorm (plain or offset)."""
+    if isinstance(norm, (RMSNorm, OffsetRMSNorm)):
         return (norm.weight, None, norm.eps), True
     return (norm.weight, norm.bias, norm.eps), False
 
@@ -75,20 +82,22 @@ _rope_tables: dict = {}
 MIN_ROPE_TABLE = 256
 
 
-def rope_tables(model, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(model, length: int, dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: (L, head_dim) in dtype for positions 0..L-1 with L >= length, computed by the model's own
-    RotaryEmbedding (the same formula, in the same dtype, as the eager model's per-step cos and sin).
+    RotaryEmbedding (the same formula, in the same dtype, as the eager model's per-step cos and sin); local: its
+    windowed layers' (model.rotary_local, rope_local_theta).
 
     A miss while a CUDA graph is being captured computes the tables inside the graph (every replay recomputes
     them) and keeps nothing; the warm-up steps before a capture (as DecodeGraph runs them) fill the cache.
     """
-    inv_freq = model.rotary.inv_freq
+    rotary = model.rotary_local if local else model.rotary
+    inv_freq = rotary.inv_freq
     L = max(MIN_ROPE_TABLE, 1 << max(length - 1, 0).bit_length())  # a power of two >= length
     key = (id(inv_freq), dtype, L)
     hit = _rope_tables.get(key)
     if hit is not None and hit[0]() is inv_freq:
         return hit[1], hit[2]
-    cos, sin = model.rotary(torch.arange(L, device=inv_freq.device), dtype)  # (L, D) each
+    cos, sin = rotary(torch.arange(L, device=inv_freq.device), dtype)  # (L, D) each
     if not (inv_freq.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         for k in [k for k, v in _rope_tables.items() if v[0]() is None]:  # the tables of models that are gone
             del _rope_tables[k]
@@ -99,8 +108,10 @@ def rope_tables(model, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
     c = model.config
-    if c.norm == "rmsnorm1p" or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim:
-        return ("Gemma's pieces (rmsnorm1p, sandwich_norm, geglu, embed_scale, query_scale_dim) are not fused")
+    if c.sandwich_norm and c.norm == "layernorm":
+        return "sandwich_norm with LayerNorm (the fused residual add normalises with an RMSNorm)"
+    if any(b.attn.q_scale != 1.0 and not b.attn.use_rope for b in model.transformer.h):
+        return "query_scale_dim in a layer without RoPE (the QKV kernel scales q in its RoPE epilogue)"
     if c.qk_norm and (c.pos_emb != "rope" or c.head_dim < 32 or c.head_dim & (c.head_dim - 1)):
         return (f"qk_norm with {'head dim ' + str(c.head_dim) if c.pos_emb == 'rope' else 'learned positions'}: "
                 "the QKV kernel normalises q and k heads of a power-of-two dim >= 32, with RoPE")
@@ -112,8 +123,9 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     if model.training and model.config.dropout > 0:
         return "the model is in training mode with dropout"
     for block in model.transformer.h:
-        for norm in (block.ln_1, block.ln_2):
-            if not isinstance(norm, (nn.LayerNorm, RMSNorm)) or norm.weight is None:
+        norms = (block.ln_1, block.ln_2) + ((block.ln_attn_out, block.ln_mlp_out) if block.sandwich_norm else ())
+        for norm in norms:
+            if not isinstance(norm, (nn.LayerNorm, RMSNorm, OffsetRMSNorm)) or norm.weight is None:
                 return f"a norm layer {type(norm).__name__} without a gain (LayerNorm or RMSNorm with weights)"
         if not 16 <= block.attn.head_dim <= 256:
             return f"head dim {block.attn.head_dim} outside the decode kernel's 16..256"
@@ -155,15 +167,17 @@ def _stack_layers(model) -> list[dict]:
 def stack_plan(model) -> StackPlan | None:
     """The model's plan for kernels.decode_stack (one launch for every layer of a one-sequence step), or None
     where it is wider than STACK_MAX_C, its shape does not fit (decode_stack.fits), its norms mix kinds or it has
-    a sliding window, qk_norm or NoPE layers (the stack's attention phase reads every cached key, and its QKV
-    phase has no per-head norm and rotates every layer or none; the per-layer launches take all three)."""
+    a sliding window, qk_norm, NoPE layers or Gemma's pieces (the stack's attention phase reads every cached key,
+    its QKV phase has no per-head norm and rotates every layer or none, and its phases have no sandwich norms;
+    the per-layer launches take them all)."""
     tr, c = model.transformer, model.config
     attn = tr.h[0].attn
     device = model.lm_head.weight.device
     programs = INTERPRETER_PROGRAMS if interpreting() else _triton.sm_count(device)
     kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
     mixed_norms = len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]
-    if c.attention_window or c.qk_norm or c.nope_interval or c.n_embd > STACK_MAX_C or mixed_norms:
+    if (c.attention_window or c.qk_norm or c.nope_interval or c.n_embd > STACK_MAX_C or mixed_norms
+            or c.norm == "rmsnorm1p" or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim):
         return None
     if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
                   programs):
@@ -189,6 +203,11 @@ def supported(model, check_cache: bool = True) -> bool:
     return unsupported_reason(model, check_cache) is None
 
 
+def _add_norm(x: torch.Tensor, y: torch.Tensor, norm, offset: bool, stats_out) -> torch.Tensor:
+    """x + norm(y) (a sandwich norm's residual add, one launch), its row sums into stats_out (or None)."""
+    return add_rms_norm(x, y, norm.weight, norm.eps, offset=offset, stats_out=stats_out, pdl=True)
+
+
 @torch.no_grad()
 def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """tok: (B, 1) the latest tokens, pos: (B, 1) their positions → logits (B, V) in float32.
@@ -197,11 +216,12 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     eager step does).
     """
     B = tok.shape[0]
-    tr = model.transformer
+    tr, c = model.transformer, model.config
     n_layer = len(tr.h)
-    swiglu = model.config.mlp == "swiglu"
-    one_mlp_launch = kernel_options.get().decode_fused_mlp and mlp_fusable(B, model.config.n_embd,
-                                                                           model.config.mlp_hidden, tok.device)
+    gated = c.mlp in ("swiglu", "geglu")                        # c_fc rows [gate | up]
+    offset = c.norm == "rmsnorm1p"                              # norm gains stored as offsets from 1 (Gemma)
+    one_mlp_launch = (kernel_options.get().decode_fused_mlp and not (c.sandwich_norm or c.mlp == "geglu" or offset)
+                      and mlp_fusable(B, c.n_embd, c.mlp_hidden, tok.device))
     p = pos[:, 0]                                               # (B,) positions of the new tokens
     lens = p + 1                                                # (B,) valid cache lengths after this step
     # stats[2l] / stats[2l + 1]: the row sums (Σx, Σx²) feeding layer l's first / second norm, written by the
@@ -209,36 +229,50 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     plan = stack_plan(model) if B == 1 and kernel_options.get().decode_stack else None
     stats = torch.empty(1 if plan else 2 * n_layer, B, 2, dtype=torch.float32, device=tok.device)
     wpe = tr.wpe.weight if "wpe" in tr else None                # RoPE models have no position table
-    x = embed_with_stats(tok[:, 0], p, tr.wte.weight, wpe, stats)  # (B, C); stats[0] set, rest zeroed
-    rope = None
-    if model.rotary is not None:                                # cos, sin (L, D) of positions 0..L-1
-        rope = rope_tables(model, tr.h[0].attn.kv_cache.max_len, x.dtype)
+    scale = model.embed_scales[tr.wte.weight.dtype] if model.embed_scales is not None else None  # Gemma's sqrt(C)
+    x = embed_with_stats(tok[:, 0], p, tr.wte.weight, wpe, stats, scale=scale)  # (B, C); stats[0] set, rest zeroed
+    tables = {}                                                 # cos, sin (L, D) of positions 0..L-1
+    if model.rotary is not None:
+        max_len = tr.h[0].attn.kv_cache.max_len
+        tables[False] = rope_tables(model, max_len, x.dtype)
+        if model.rotary_local is not None:                      # the windowed layers' own base (Gemma 3)
+            tables[True] = rope_tables(model, max_len, x.dtype, local=True)
     if plan is not None:  # one sequence: every layer and the final norm in one persistent launch
         ln_f, rms_f = _norm(tr.ln_f)
         if rms_f == plan.rms:
-            return model.lm_head(decode_stack(plan, x, p, rope, final_norm=ln_f)).float()  # (1, V)
-        return model.lm_head(tr.ln_f(decode_stack(plan, x, p, rope))).float()
+            return model.lm_head(decode_stack(plan, x, p, tables[False] if tables else None,
+                                              final_norm=ln_f)).float()  # (1, V)
+        return model.lm_head(tr.ln_f(decode_stack(plan, x, p, tables[False] if tables else None))).float()
 
     for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
         ln_1, rms_1 = _norm(block.ln_1)
         ln_2, rms_2 = _norm(block.ln_2)
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
+        rope = tables[attn.local_rope] if attn.use_rope else None  # (SmolLM3's NoPE layers rotate nothing)
         q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, ln_1, cache.k, cache.v, p,
-                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True, rms=rms_1,
-                            rope=rope if attn.use_rope else None,  # (SmolLM3's NoPE layers rotate nothing)
-                            qk_norm=qk_norm)                    # (B, Hq·D), rotated; k (rotated), v in the cache
+                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True, rms=rms_1, rope=rope,
+                            qk_norm=qk_norm, norm_offset=offset,
+                            q_scale=attn.q_scale)               # (B, Hq·D), rotated; k (rotated), v in the cache
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
                              check_lens=False, window=cache.window)  # (B, Hq, 1, D); the layer's window, if any
+        stats_next = stats[2 * i + 2] if i + 1 < n_layer else None
+        if block.sandwich_norm:  # each sub-block's output normalised again before it joins the stream (Gemma)
+            y = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, pdl=True)  # (B, C)
+            x = _add_norm(x, y, block.ln_attn_out, offset, stats[2 * i + 1])            # (B, C)
+            h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=ln_2, rms=rms_2, gelu=not gated, swiglu=gated,
+                          geglu=c.mlp == "geglu", norm_offset=offset, ln_stats=stats[2 * i + 1], pdl=True)  # (B, I)
+            y = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, pdl=True)              # (B, C)
+            x = _add_norm(x, y, block.ln_mlp_out, offset, stats_next)                    # (B, C)
+            continue
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 1], pdl=True)     # (B, C)
-        stats_next = stats[2 * i + 2] if i + 1 < n_layer else None
         if one_mlp_launch:  # the whole MLP block in one launch
             x = ln_mlp(x, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias, ln=ln_2, rms=rms_2,
-                       swiglu=swiglu, ln_stats=stats[2 * i + 1], stats_out=stats_next, pdl=True)  # (B, C)
+                       swiglu=gated, ln_stats=stats[2 * i + 1], stats_out=stats_next, pdl=True)  # (B, C)
             continue
-        h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=ln_2, rms=rms_2, gelu=not swiglu, swiglu=swiglu,
-                      ln_stats=stats[2 * i + 1], pdl=True)      # (B, I)
+        h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=ln_2, rms=rms_2, gelu=not gated, swiglu=gated,
+                      geglu=c.mlp == "geglu", norm_offset=offset, ln_stats=stats[2 * i + 1], pdl=True)  # (B, I)
         x = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x, stats_out=stats_next, pdl=True)  # (B, C)
     # The LM head (V x C, by far the largest matrix) is a bandwidth-bound GEMV that cuBLAS streams faster than
     # the fused kernel (bench/NOTES.md).

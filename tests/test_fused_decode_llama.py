@@ -361,6 +361,12 @@ SHAPES = {
     "qwen3": dict(n_head=4, n_kv_head=2, n_embd=48, head_size=32, qk_norm=True, intermediate_size=80, rope_theta=1e6),
     # SmolLM3: the second layer without RoPE (NoPE), its queries and keys as projected
     "smollm3": dict(n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, nope_interval=2, rope_theta=2e6),
+    # Gemma 3: norms scaled by 1 + weight, sandwich norms, GeGLU, embeddings times sqrt(C), offset q and k norms,
+    # q scaled for query_scale_dim, a windowed first layer with its own RoPE base, a global second one
+    "gemma3": dict(norm="rmsnorm1p", mlp="geglu", sandwich_norm=True, embed_scale=True, qk_norm=True, n_head=4,
+                   n_kv_head=2, n_embd=48, head_size=32, intermediate_size=80, attention_window=5,
+                   full_attention_interval=2, rope_theta=1e6, rope_local_theta=1e4, query_scale_dim=20,
+                   norm_eps=1e-6),
 }
 
 
@@ -385,11 +391,11 @@ def decode_three_ways(model, lengths: list[int], max_len: int, steps: int, seed:
     idx = torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     for m in (model, twin, exact):
         m.setup_kv_cache(B, max_len)
-    for block in twin.transformer.h:  # the fused path must never read past a sequence's length
-        block.attn.kv_cache.k.fill_(float("nan"))
-        block.attn.kv_cache.v.fill_(float("nan"))
-    for m in (model, twin, exact):
         prefill(m, idx, lens)
+    for block in twin.transformer.h:  # the fused path must never read past a sequence's length (poisoned after
+        for b, n in enumerate(lengths):  # the prefill: the eager prefill's masked attention multiplies the
+            block.attn.kv_cache.k[b, :, n:] = float("nan")  # masked-off positions by 0, and NaN · 0 is NaN)
+            block.attn.kv_cache.v[b, :, n:] = float("nan")
     assert unsupported_reason(twin) is None
     pos = lens[:, None].clone()                                              # (B, 1) each at its own position
     tok = torch.randint(0, 61, (B, 1), generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)

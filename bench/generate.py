@@ -47,7 +47,7 @@ prefill/decode split and the host loop:
                      with a mask), eager
     sdpa+graph       the same plain PyTorch decode step under a CUDA graph
     flashgpt+compile+graph   (--compile) torch.compile'd decode step inside the CUDA graph
-    transformers-static+compile   (every model but gpt2 by default; needs transformers, skipped with a note without it) the
+    transformers-static+compile   (all but gpt2 by default; needs transformers, skipped with a note without it) the
                      same weights in transformers' own architecture (model/export.py's config and tensor names),
                      `generate(cache_implementation="static")`, greedy, its decode forward under torch.compile:
                      where transformers has CompileConfig it compiles that forward itself (mode "reduce-overhead":

@@ -191,8 +191,8 @@ def _ln_linear_kernel(X, W, BIAS, LN_W, LN_B, RES, OUT, KC, VC, POS, WS, CNT, ST
                 w2 = tl.load(w_rows2 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 = tl.dot(xk, tl.trans(w2), acc2, input_precision=PRECISION)
 
-    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, q_scale, offs_m, offs_n, rows1, rows2, m_ok,
-           n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
+    epi = (BIAS, RES, OUT, KC, VC, POS, STATS_OUT, COS, SIN, QN, KN, qk_eps, q_scale, offs_m, offs_n, rows1, rows2,
+           m_ok, n_ok, N, stride_rm, stride_om, N_Q, N_KV, stride_cb, stride_ch, stride_cn, stride_cd, stride_pos,
            stride_rope)
     if SPLIT_K == 1:
         _epilogue(acc, acc2, *epi, HAS_BIAS, GELU, HAS_RES, QKV_CACHE, HEAD_DIM, STATS_OUT_ON, SWIGLU, ROPE,

@@ -91,8 +91,8 @@ def test_offset_norm_and_geglu_match_reference(M, N, K, bias, split, dtype):
 @pytest.mark.parametrize("Hq,Hkv,D,split", [(4, 2, 32, False), (2, 1, 64, True)], ids=["gqa-d32", "mqa-d64-split"])
 @torch.no_grad()
 def test_offset_qk_norms_and_q_scale_then_rope(Hq, Hkv, D, split, dtype):
-    """Gemma's attention input: offset input norm → c_attn → offset q and k norms → q · q_scale → RoPE; q out, k
-    and v into the cache at each row's position and nowhere else."""
+    """Gemma's attention input: offset input norm → c_attn → offset q and k norms → q · q_scale → RoPE; q out,
+    k and v into the cache at each row's position and nowhere else."""
     B, C, max_len, q_scale = 3, 40, 40, 1.2649110640673518   # sqrt(32 / 20): query_scale_dim 20 at head dim 32
     g = torch.Generator().manual_seed(Hq * D)
     cfg = GPTConfig(n_embd=C, n_head=Hq, head_size=D, pos_emb="rope", rope_theta=1e4)

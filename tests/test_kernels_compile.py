@@ -10,9 +10,10 @@ TRITON_INTERPRET=0 and an empty Triton cache; the child prints a JSON list with 
 
 The child stands in for an sm_90 device with programmatic dependent launch (pdl on and off through the pdl
 option) and 132 SMs (H100 / H200), and takes CPU tensors (device checks off; nothing is launched). It also runs
-a layer of SmolLM2-135M's, Qwen2-0.5B's and Qwen3-0.6B's shape in bf16 at batch 1, 8 and 16, and reports
-`ptxas -v`'s registers and spills of every paired (SwiGLU, RoPE-QKV) variant: none may spill but the whole-K tiles
-that the paired launches keep under PDL above PDL_FEW_ROWS rows (kernels/ln_linear.py: measured faster there).
+a layer of SmolLM2-135M's, Qwen2-0.5B's and Qwen3-0.6B's shape (and two of Gemma 3 270M's) in bf16 at batch 1,
+8 and 16, and reports `ptxas -v`'s registers and spills of every paired (SwiGLU, RoPE-QKV) variant: none may
+spill but the whole-K tiles that the paired launches keep under PDL above PDL_FEW_ROWS rows (kernels/ln_linear.py:
+measured faster there).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ LLAMA_MODELS = {  # one layer of each, as the paired tiles were chosen for (kern
 # --------------------------------------------------------------------- the child: compile what the path launches
 
 DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_kernel": "Q",
-             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X", "_decode_stack_kernel": "X0"}  # the argument whose pointer dtype is the variant's dtype
+             "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X", "_decode_stack_kernel": "X0",
+             "_add_rms_norm_kernel": "X"}  # the argument whose pointer dtype is the variant's dtype
 
 
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
@@ -74,6 +76,32 @@ def _llama_model_steps() -> None:
                 for fused_mlp in (True, False):
                     with options.use(pdl=pdl, decode_fused_mlp=fused_mlp, decode_stack=False):
                         fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 5))
+
+
+# Gemma 3 270M: a windowed layer (local RoPE base) and a global one; q and k norms over head dim 256 (a tile of
+# 128 pairs), offset norms, GeGLU, sandwich norms (the residual add's row launch); q scaled by Gemma 3 27B's
+# query_pre_attn_scalar (168; 270M's is its head dim, no scale) so that the scale compiles too
+GEMMA3_270M = dict(n_head=4, n_kv_head=1, n_embd=640, head_size=256, intermediate_size=2048, pos_emb="rope",
+                   norm="rmsnorm1p", mlp="geglu", bias=False, sandwich_norm=True, embed_scale=True, qk_norm=True,
+                   norm_eps=1e-6, attention_window=32, full_attention_interval=2, rope_theta=1e6,
+                   rope_local_theta=1e4, query_scale_dim=168)
+
+
+def _gemma_model_steps() -> None:
+    """fused_decode_step in bf16 on two layers of Gemma 3 270M's shape at batch 1, 8 and 16, with and without
+    PDL."""
+    import torch
+
+    from kernels import options
+    from model import GPT, GPTConfig
+    from model.fused_decode import fused_decode_step
+    model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **GEMMA3_270M))
+    model = model.to(torch.bfloat16).eval()
+    for batch in (1, 8, 16):
+        model.setup_kv_cache(batch, 64)
+        for pdl in (True, False):
+            with options.use(pdl=pdl):
+                fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 40))
 
 
 STACK_MODELS = {  # the whole stack in one launch (kernels/decode_stack.py) at batch 1
@@ -153,16 +181,18 @@ def compile_decode_launches() -> list[dict]:
     import kernels.decode_mlp as dm
     import kernels.decode_stack as dstack
     import kernels.ln_linear as ll
+    import kernels.residual_norm as rn
     from kernels import options
     from kernels.pdl import triton_has_gdc
     from tests.gpu_compile import compiling_instead_of_launching, describe, ptxas_usage
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
-    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = lambda device: triton_has_gdc() and options.get().pdl
+    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = rn.pdl_enabled = \
+        lambda device: triton_has_gdc() and options.get().pdl
     torch.manual_seed(0)
     kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel,
-               dm._ln_mlp_kernel, dstack._decode_stack_kernel)
+               dm._ln_mlp_kernel, dstack._decode_stack_kernel, rn._add_rms_norm_kernel)
     with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
         for dtype in (getattr(torch, name) for name in DTYPES):
             for pdl in (True, False):
@@ -172,11 +202,12 @@ def compile_decode_launches() -> list[dict]:
             _stack_steps(dtype)
         _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
         _llama_model_steps()
+        _gemma_model_steps()
     records = [describe(c, DTYPE_ARG) for c in compiled]
     for c, rec in zip(compiled, records):
         if rec["kernel"] == "_ln_linear_kernel" and (rec["consts"]["SWIGLU"] or rec["consts"]["ROPE"]):
             rec["ptxas"] = ptxas_usage(c)
-        if rec["kernel"] == "_ln_mlp_kernel":
+        if rec["kernel"] in ("_ln_mlp_kernel", "_add_rms_norm_kernel"):
             rec["ptxas"] = ptxas_usage(c)
         if rec["kernel"] == "_decode_stack_kernel":
             rec["ptxas"] = ptxas_usage(c)
@@ -209,7 +240,8 @@ def _tags(rec: dict) -> set[str]:
         tags.update(name.lower() if c[flag] else "no_" + name.lower() for flag, name in (
             ("LN_HAS_BIAS", "ln_bias"), ("GELU", "gelu"), ("SWIGLU", "swiglu"), ("ROPE", "rope"),
             ("QKV_CACHE", "qkv_cache"), ("HAS_RES", "residual"), ("LN_STATS_IN", "stats_in"),
-            ("STATS_OUT_ON", "stats_out"), ("QK_NORM", "qk_norm")))
+            ("STATS_OUT_ON", "stats_out"), ("QK_NORM", "qk_norm"), ("OFFSET", "offset"), ("GEGLU", "geglu"),
+            ("Q_SCALED", "q_scaled")))
     elif rec["kernel"] == "_ln_mlp_kernel":
         tags.update({"rmsnorm" if c["RMS"] else "layernorm", "swiglu" if c["SWIGLU"] else "gelu",
                      "bias" if c["HAS_FC_BIAS"] else "no_bias", "stats_out" if c["STATS_OUT_ON"] else "no_stats_out",
@@ -221,6 +253,10 @@ def _tags(rec: dict) -> set[str]:
                      "gqa" if c["HKV"] < c["HQ"] else "mha", "merged_sums" if c["MERGED"] else "sums"})
     elif rec["kernel"] == "_embed_kernel":
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
+        tags.add("scaled" if c["SCALED"] else "no_scale")
+    elif rec["kernel"] == "_add_rms_norm_kernel":
+        tags.update({"offset" if c["OFFSET"] else "no_offset", "stats_out" if c["STATS_OUT_ON"] else "no_stats_out",
+                     f"block_c{c['BLOCK_C']}"})
     else:
         tags.update({f"d{c['HEAD_DIM']}", "split" if c.get("SPLIT", True) else "no_split",
                      "gqa" if c.get("GROUP", 1) > 1 else "mha", "dot" if c.get("DOT", True) else "vec",
@@ -307,6 +343,13 @@ LLAMA_MODEL_MODES = [  # bf16, LLAMA_MODELS: the paired launches' own PDL tiles 
     "pdl rmsnorm no_bias qkv_cache rope qk_norm block_n64 block_k512 splits2",
     "no_pdl rmsnorm no_bias qkv_cache rope qk_norm block_n64 block_k64 one_split",
 ]
+GEMMA_MODEL_MODES = [  # bf16, GEMMA3_270M at batch 1, 8 and 16, with and without PDL
+    "_ln_linear_kernel rmsnorm offset qkv_cache rope qk_norm q_scaled block_n128",   # a tile of one d256 head
+    "_ln_linear_kernel rmsnorm offset swiglu geglu",
+    "_ln_linear_kernel no_norm no_residual no_stats_out",                            # the projections' outputs
+    "_add_rms_norm_kernel offset stats_out block_c1024", "_add_rms_norm_kernel offset no_stats_out block_c1024",
+    "_decode_split_kernel gqa d256",
+]
 
 
 def required_modes() -> list[set[str]]:
@@ -320,6 +363,8 @@ def required_modes() -> list[set[str]]:
     out += [{"bf16", "pdl", *m.split()} for m in WIDE_PDL_MODES]
     out += [{"_ln_linear_kernel", "bf16", *m.split()} for m in LLAMA_MODEL_MODES]
     out += [{"_ln_mlp_kernel", "bf16", p, *m.split()} for m in MLP_MODEL_MODES for p in ("pdl", "no_pdl")]
+    out += [{"bf16", p, *m.split()} for m in GEMMA_MODEL_MODES for p in ("pdl", "no_pdl")]
+    out.append({"_embed_kernel", "bf16", "no_wpe", "scaled"})
     return out
 
 
@@ -330,7 +375,9 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
     (the automatic count's four-stage tile at batch 1 included, in both split orders); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
-    faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape); the MLP block in one launch (kernels/decode_mlp.py) does not spill."""
+    faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
+    the MLP block in one launch (kernels/decode_mlp.py) and the sandwich norms' row launch
+    (kernels/residual_norm.py) do not spill."""
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path)
@@ -352,6 +399,9 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     spilled = [(tags, usage) for tags, usage in spills
                if not {"pdl", "one_split"} <= set(tags.split()) or "qk_norm" in tags.split()]
     assert not spilled, f"paired launches that spill at sm_90: {spilled}"
+    rows = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
+            if rec["kernel"] == "_add_rms_norm_kernel"]
+    assert rows and not [r for r in rows if r[1]["spill_stores"] or r[1]["spill_loads"]], rows
     mlp = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if rec["kernel"] == "_ln_mlp_kernel"]
     assert len(mlp) >= len(MLP_MODES) + len(MLP_MODEL_MODES)
     assert not [m for m in mlp if m[1]["spill_stores"] or m[1]["spill_loads"]], f"MLP launches that spill: {mlp}"

@@ -5,7 +5,11 @@ and checkpoints written before the Llama-family options exist load unchanged. A 
 
     pos_emb = "rope", norm = "rmsnorm", mlp = "swiglu", bias = false   (+ n_kv_head for GQA)
 
-and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true; SmolLM3 adds nope_interval = 4. Gemma 3 is
+and Qwen2 adds qkv_bias = true; Qwen3 adds qk_norm = true; SmolLM3 adds nope_interval = 4. OLMo 2 is Llama's with
+
+    norm = "rmsnorm_fp32", pre_norm = false, sandwich_norm = true, qk_norm = true, qk_norm_scope = "all"
+
+and Gemma 3 is
 
     norm = "rmsnorm1p", sandwich_norm = true, mlp = "geglu", embed_scale = true, qk_norm = true,
     attention_window = 512, full_attention_interval = 6, rope_local_theta = 10000, rope_theta = 1e6
@@ -21,7 +25,8 @@ from kernels import BACKEND_CHOICES, LLAMA_KERNELS, LOSS_KERNELS
 
 MAX_BLOCK_SIZE = 1 << 17  # learned position embeddings: the table must fit comfortably in memory
 POS_EMBS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm", "rmsnorm1p")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm1p", "rmsnorm_fp32")
+QK_NORM_SCOPES = ("head", "all")
 MLPS = ("gelu", "swiglu", "geglu")
 ROPE_SCALINGS = ("", "llama3", "linear", "yarn")
 SWIGLU_MULTIPLE = 64  # the default SwiGLU width is rounded up to a multiple of this
@@ -58,11 +63,15 @@ class GPTConfig:
     rope_local_theta: float = 0.0  # RoPE base of the windowed layers of full_attention_interval, which then
                                # take no rope_scaling (Gemma 3: 10000 there, rope_theta 1e6 in the full layers);
                                # 0 = every layer as rope_theta and rope_scaling say
-    norm: str = "layernorm"    # "layernorm" (GPT-2) | "rmsnorm" (Llama) | "rmsnorm1p" (Gemma: RMSNorm scaled by
-                               # 1 + weight in float32, the weight stored as its offset from 1)
+    norm: str = "layernorm"    # "layernorm" (GPT-2) | "rmsnorm" (Llama: x / rms rounded, then times the weight) |
+                               # "rmsnorm1p" (Gemma: RMSNorm scaled by 1 + weight in float32, the weight stored as
+                               # its offset from 1) | "rmsnorm_fp32" (OLMo 2: times the weight in float32, then
+                               # rounded once)
     norm_eps: float = 1e-5     # epsilon of every norm layer
     sandwich_norm: bool = False  # a norm on the attention's and the MLP's outputs too, before each joins the
                                # residual stream (Gemma 2/3)
+    pre_norm: bool = True      # a norm on the attention's and the MLP's inputs; false: on their outputs only
+                               # (OLMo 2; needs sandwich_norm, the norms after)
     mlp: str = "gelu"          # "gelu" (GPT-2: GELU(x W_fc) W_proj) | "swiglu" (Llama: (SiLU(x W_g) * x W_u) W_d)
                                # | "geglu" (Gemma: (GELU_tanh(x W_g) * x W_u) W_d)
     intermediate_size: int = 0  # MLP hidden width; 0 = 4·n_embd (gelu) or 8·n_embd/3 rounded up to 64 (swiglu,
@@ -73,6 +82,8 @@ class GPTConfig:
     qkv_bias: bool = False     # biases on the QKV projection even when bias = false (Qwen2)
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False      # RMSNorm over each head's q and k (weights of head_size), before RoPE (Qwen3)
+    qk_norm_scope: str = "head"  # qk_norm over "head" (each head's q and k) | "all" (the whole q and k
+                               # projections, n_head·head_size and n_kv_head·head_size weights: OLMo 2)
     nope_interval: int = 0     # RoPE models: every nope_interval-th layer (for 4: the 4th, 8th, ...) has no position
                                # encoding at all (NoPE, SmolLM3); 0 = RoPE in every layer
     llama_kernels: str = "auto"  # RMSNorm, SwiGLU, RoPE: "triton" | "torch"; "auto" = the llama_kernels option
@@ -196,6 +207,10 @@ class GPTConfig:
             bad("norm", f"must be one of {', '.join(NORMS)}")
         if not (math.isfinite(self.norm_eps) and 0 < self.norm_eps < 1):
             bad("norm_eps", "must be in (0, 1)")
+        if not self.pre_norm and not self.sandwich_norm:
+            bad("pre_norm", "false needs sandwich_norm = true (the norms on the sub-blocks' outputs)")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            bad("qk_norm_scope", f"must be one of {', '.join(QK_NORM_SCOPES)}")
         if self.mlp not in MLPS:
             bad("mlp", f"must be one of {', '.join(MLPS)}")
         if self.intermediate_size < 0:

@@ -34,7 +34,7 @@ from .hf_weights import tensor_rules
 
 ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                "gemma3": "Gemma3ForCausalLM"}
+                "olmo2": "Olmo2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MODEL_TYPE = {"gemma3": "gemma3_text"}  # where config.json's model_type is not the family's name
 
 
@@ -83,7 +83,7 @@ def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, 
             rope_local_base_freq=local if local is not None else cfg.rope_theta,
             final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
         return out
-    if family == "llama":
+    if family in ("llama", "olmo2"):  # (OLMo 2: no biases, hf_family checked)
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     elif family == "mistral":
         out["sliding_window"] = window

@@ -35,7 +35,8 @@ which is what bounds a small model's decode speed (bench/NOTES.md). The blocks c
                  and the sandwich norms: the output projection and the down projection then store their
                  result, and one row launch adds N(result) to the stream (kernels.residual_norm)
 Models with any of the Llama-family extras or Gemma's pieces take the per-layer launches, not the one-launch
-stack; unsupported_reason names what is not covered (LayerNorm sandwich norms, q scaled without RoPE).
+stack; unsupported_reason names what is not covered (OLMo 2's blocks, LayerNorm sandwich norms, q scaled
+without RoPE).
 Rounding follows the eager model in its dtype, so the logits agree to within the usual reduction-order
 differences (tests compare them). Meant to be captured in a
 CUDA graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where
@@ -108,6 +109,9 @@ def rope_tables(model, length: int, dtype: torch.dtype, local: bool = False) -> 
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
     c = model.config
+    if not c.pre_norm or c.norm == "rmsnorm_fp32" or (c.qk_norm and c.qk_norm_scope != "head"):
+        return ("OLMo 2's pieces (norms on the sub-blocks' outputs only, applied in float32; q and k normalised "
+                "over all heads) are not fused")
     if c.sandwich_norm and c.norm == "layernorm":
         return "sandwich_norm with LayerNorm (the fused residual add normalises with an RMSNorm)"
     if any(b.attn.q_scale != 1.0 and not b.attn.use_rope for b in model.transformer.h):
@@ -177,7 +181,7 @@ def stack_plan(model) -> StackPlan | None:
     kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
     mixed_norms = len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]
     if (c.attention_window or c.qk_norm or c.nope_interval or c.n_embd > STACK_MAX_C or mixed_norms
-            or c.norm == "rmsnorm1p" or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim):
+            or c.norm in ("rmsnorm1p", "rmsnorm_fp32") or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim):
         return None
     if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
                   programs):

@@ -4,9 +4,10 @@ Parameter names follow GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...)
 
     transformer.wte                 token embedding (V, C)
     transformer.wpe                 learned positions (block_size, C); absent with pos_emb = "rope"
-    transformer.h.N.ln_1, ln_2      LayerNorm or RMSNorm (cfg.norm)
+    transformer.h.N.ln_1, ln_2      LayerNorm or RMSNorm (cfg.norm); no weights without pre_norm (OLMo 2)
     transformer.h.N.attn.c_attn     fused QKV projection: rows [q heads | k heads | v heads], head_dim rows each
-    transformer.h.N.attn.q_norm, k_norm   per-head RMSNorm of q and k (head_dim weights; only with qk_norm)
+    transformer.h.N.attn.q_norm, k_norm   per-head RMSNorm of q and k (head_dim weights; only with qk_norm; with
+                                    qk_norm_scope "all" over all heads: n_head·head_dim, n_kv_head·head_dim)
     transformer.h.N.attn.c_proj     attention output projection (C, n_head·head_dim)
     transformer.h.N.mlp.c_fc        GELU: up (I, C); SwiGLU, GeGLU: gate and up fused, rows [gate (I) | up (I)]
     transformer.h.N.mlp.c_proj      down projection (C, I)
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 import kernels
 from .config import GPTConfig
-from .norms import OffsetRMSNorm, RMSNorm, make_norm
+from .norms import Fp32GainRMSNorm, OffsetRMSNorm, RMSNorm, make_norm
 from .rope import RotaryEmbedding, apply_rope
 from .shard_adamw import ShardLocalAdamW
 
@@ -52,11 +53,17 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim,
                                 bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
+        # over each head (Qwen3, Gemma 3) or over the whole q and k projections (qk_norm_scope "all": OLMo 2)
+        self.qk_norm_all = cfg.qk_norm and cfg.qk_norm_scope == "all"
+        q_dim, k_dim = (cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim) if self.qk_norm_all else \
+            (cfg.head_dim, cfg.head_dim)
         if cfg.qk_norm and cfg.norm == "rmsnorm1p":
-            self.q_norm, self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.norm_eps), OffsetRMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm, self.k_norm = OffsetRMSNorm(q_dim, cfg.norm_eps), OffsetRMSNorm(k_dim, cfg.norm_eps)
+        elif cfg.qk_norm and cfg.norm == "rmsnorm_fp32":
+            self.q_norm, self.k_norm = Fp32GainRMSNorm(q_dim, cfg.norm_eps), Fp32GainRMSNorm(k_dim, cfg.norm_eps)
         elif cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
+            self.q_norm = RMSNorm(q_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
+            self.k_norm = RMSNorm(k_dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
         self.qk_norm = cfg.qk_norm
         # q multiplied by this, so that the kernels' 1/sqrt(head_dim) gives config.softmax_scale (query_scale_dim);
         # exactly 1.0 without it (a product of the two square roots need not be)
@@ -108,7 +115,10 @@ class CausalSelfAttention(nn.Module):
         qk, v = heads[:, :, :nh + nkv], heads[:, :, nh + nkv:]  # (B, T, nh + nkv, hd), (B, T, nkv, hd)
         if self.qk_norm or self.q_scale != 1.0:
             q, k = qk[:, :, :nh], qk[:, :, nh:]  # (B, T, nh, hd), (B, T, nkv, hd)
-            if self.qk_norm:
+            if self.qk_norm_all:  # one norm over all heads of q, one over all of k
+                q = self.q_norm(q.reshape(B, T, nh * self.head_dim)).view(B, T, nh, self.head_dim)
+                k = self.k_norm(k.reshape(B, T, nkv * self.head_dim)).view(B, T, nkv, self.head_dim)
+            elif self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.q_scale != 1.0:
                 q = q * self.q_scale  # RoPE is linear: scaling before the rotation is the same
@@ -153,13 +163,14 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """x + attn(ln_1(x)), then + mlp(ln_2(·)); with sandwich_norm each output is normalised again (ln_attn_out,
-    ln_mlp_out) before it joins the residual stream."""
+    ln_mlp_out) before it joins the residual stream; without pre_norm (OLMo 2) ln_1 and ln_2 are identities, with
+    no weights."""
 
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        self.ln_1 = make_norm(cfg)
+        self.ln_1 = make_norm(cfg) if cfg.pre_norm else nn.Identity()
         self.attn = CausalSelfAttention(cfg, layer)
-        self.ln_2 = make_norm(cfg)
+        self.ln_2 = make_norm(cfg) if cfg.pre_norm else nn.Identity()
         self.mlp = MLP(cfg)
         if cfg.sandwich_norm:
             self.ln_attn_out = make_norm(cfg)
@@ -225,7 +236,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None) -> "GPT":
-        """A Hugging Face model folder or hub id (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3)
+        """A Hugging Face model folder or hub id (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, OLMo 2,
+        Gemma 3)
         → GPT in eval mode, with the same logits as transformers gives; float32 on the CPU unless dtype/device
         say otherwise. Raises model.hf.HFError with one line on anything it cannot load. See model/hf.py."""
         from .hf import from_pretrained

@@ -14,6 +14,10 @@ Families and the options they map:
                                 that pattern) → nope_interval; rope_theta 2e6 when config.json leaves it out
     (qwen2, qwen3 and smollm3 with use_sliding_window: a window on every layer → attention_window; on some
     layers only: refused, attention_window being one window for the whole model)
+    olmo2   Olmo2ForCausalLM    as llama without biases (attention_bias refused: OLMo 2's MLP has none), its RMSNorm
+                                applied in float32 (rmsnorm_fp32) on the attention's and the MLP's outputs only
+                                (pre_norm false, sandwich_norm), and over the whole q and k projections
+                                (qk_norm, qk_norm_scope "all")
     gemma3  Gemma3ForCausalLM   (model_type gemma3_text) RoPE, RMSNorm scaled by 1 + weight (rmsnorm1p) before
                                 and after the attention and the MLP (sandwich_norm), GeGLU (tanh), embeddings
                                 times sqrt(hidden_size), qk_norm, query_pre_attn_scalar → query_scale_dim; its
@@ -41,7 +45,7 @@ from .hf_files import HFError
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Phi3ForCausalLM": "phi3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "SmolLM3ForCausalLM": "smollm3", "Gemma3ForCausalLM": "gemma3",
+                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Gemma3ForCausalLM": "gemma3",
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # model_type, when architectures is absent
 MODEL_TYPES = {**{family: family for family in ARCHITECTURES.values() if family != "gemma3"},
@@ -62,6 +66,7 @@ DEFAULTS = {
     "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
     "smollm3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None,
                     rope_theta=2e6, no_rope_layer_interval=4),
+    "olmo2": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=2048, head_dim=None),
     "gemma3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
                    sliding_window=4096, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4,
                    sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh"),
@@ -205,7 +210,8 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu: SwiGLU)")
     # qwen2: biases on q, k, v only; mistral, phi3: none
-    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3", "smollm3") else False
+    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3", "smollm3", "olmo2") \
+        else False
     mlp_bias = bool(hf.get("mlp_bias", False)) if family in ("llama", "smollm3") else False
     if attention_bias != mlp_bias:
         problems.append(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (biases on all projections "
@@ -216,11 +222,14 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
     _refuse(family, problems)
     head_dim = hf.get("head_dim", d["head_dim"]) or n_embd // n_head
     head_size = head_dim if head_dim * n_head != n_embd else 0
+    olmo2 = family == "olmo2"  # norms after the sub-blocks only, in float32, q and k normalised over all heads
     return GPTConfig(block_size=hf.get("max_position_embeddings", d["max_position_embeddings"]), vocab_size=vocab,
                      n_layer=n_layer, n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
                      n_embd=n_embd, dropout=0.0, bias=attention_bias, head_size=head_size, pos_emb="rope",
-                     norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])), mlp="swiglu",
-                     intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+                     norm="rmsnorm_fp32" if olmo2 else "rmsnorm",
+                     norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])), mlp="swiglu",
+                     intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "olmo2"),
+                     qk_norm_scope="all" if olmo2 else "head", pre_norm=not olmo2, sandwich_norm=olmo2,
                      tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])),
                      attention_window=window, nope_interval=nope, **rope)
 
@@ -263,7 +272,8 @@ def _window(hf: dict, family: str, n_layer: int, nope: int, problems: list[str])
             return 0
         return window
     layer_types = hf.get("layer_types") or []
-    window = hf.get("sliding_window") if family != "llama" and hf.get("use_sliding_window", False) else None
+    window = (hf.get("sliding_window") if family not in ("llama", "olmo2") and hf.get("use_sliding_window", False)
+              else None)
     if window is None:
         if "sliding_attention" in layer_types:
             problems.append("sliding-window attention in layer_types without a sliding_window")

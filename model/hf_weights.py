@@ -9,12 +9,15 @@ along dim 0 in that order, transposed when `transpose` (GPT-2's Conv1D stores (i
     transformer.h.N.ln_1.*            h.N.ln_1.{weight,bias}            layers.N.input_layernorm.weight
     transformer.h.N.attn.c_attn.*     h.N.attn.c_attn.{weight ᵀ,bias}   layers.N.self_attn.[q_proj | k_proj | v_proj]
                                                                         (phi3: layers.N.self_attn.qkv_proj)
-    transformer.h.N.attn.q_norm/k_norm  —                               layers.N.self_attn.q_norm / k_norm (qwen3)
+    transformer.h.N.attn.q_norm/k_norm  —                               layers.N.self_attn.q_norm / k_norm (qwen3,
+                                                                        gemma3; olmo2: over all heads)
     transformer.h.N.attn.c_proj.*     h.N.attn.c_proj.{weight ᵀ,bias}   layers.N.self_attn.o_proj
     transformer.h.N.ln_2.*            h.N.ln_2.{weight,bias}            layers.N.post_attention_layernorm.weight
                                                                         (gemma3: layers.N.pre_feedforward_layernorm)
-    transformer.h.N.ln_attn_out.*     —                                 layers.N.post_attention_layernorm (gemma3)
-    transformer.h.N.ln_mlp_out.*      —                                 layers.N.post_feedforward_layernorm (gemma3)
+    transformer.h.N.ln_attn_out.*     —                                 layers.N.post_attention_layernorm (gemma3,
+                                                                        olmo2; olmo2 has no ln_1 and ln_2)
+    transformer.h.N.ln_mlp_out.*      —                                 layers.N.post_feedforward_layernorm (gemma3,
+                                                                        olmo2)
     transformer.h.N.mlp.c_fc.*        h.N.mlp.c_fc.{weight ᵀ,bias}      layers.N.mlp.[gate_proj | up_proj]
                                                                         (phi3: layers.N.mlp.gate_up_proj)
     transformer.h.N.mlp.c_proj.*      h.N.mlp.c_proj.{weight ᵀ,bias}    layers.N.mlp.down_proj
@@ -33,7 +36,7 @@ from .config import GPTConfig
 from .hf_files import HFError
 
 # one layout of names for these families: model.layers.N.self_attn.q_proj, ...
-LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "gemma3")
+LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3")
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}
@@ -94,12 +97,13 @@ def _llama_rules(cfg: GPTConfig, fused: bool = False) -> list[Rule]:
         # sandwich norms (Gemma): post_attention_layernorm is the attention output's norm, the MLP's input norm
         # is pre_feedforward_layernorm
         ln_2 = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
-        layer = [("ln_1.weight", [(hf + "input_layernorm.weight", (C,))]),
-                 ("attn.c_attn.weight", qkv),
+        layer = [("attn.c_attn.weight", qkv),
                  ("attn.c_proj.weight", [(a + "o_proj.weight", (C, q))]),
-                 ("ln_2.weight", [(hf + ln_2 + ".weight", (C,))]),
                  ("mlp.c_fc.weight", gate_up),
                  ("mlp.c_proj.weight", [(m + "down_proj.weight", (C, I))])]
+        if cfg.pre_norm:  # (OLMo 2 normalises the sub-blocks' outputs only)
+            layer += [("ln_1.weight", [(hf + "input_layernorm.weight", (C,))]),
+                      ("ln_2.weight", [(hf + ln_2 + ".weight", (C,))])]
         if cfg.sandwich_norm:
             layer += [("ln_attn_out.weight", [(hf + "post_attention_layernorm.weight", (C,))]),
                       ("ln_mlp_out.weight", [(hf + "post_feedforward_layernorm.weight", (C,))])]
@@ -110,9 +114,10 @@ def _llama_rules(cfg: GPTConfig, fused: bool = False) -> list[Rule]:
             layer += [("attn.c_proj.bias", [(a + "o_proj.bias", (C,))]),
                       ("mlp.c_fc.bias", [(m + "gate_proj.bias", (I,)), (m + "up_proj.bias", (I,))]),
                       ("mlp.c_proj.bias", [(m + "down_proj.bias", (C,))])]
-        if cfg.qk_norm:
-            layer += [("attn.q_norm.weight", [(a + "q_norm.weight", (D,))]),
-                      ("attn.k_norm.weight", [(a + "k_norm.weight", (D,))])]
+        if cfg.qk_norm:  # over each head, or (OLMo 2) over all of q's and all of k's heads
+            q_dim, k_dim = (q, kv) if cfg.qk_norm_scope == "all" else (D, D)
+            layer += [("attn.q_norm.weight", [(a + "q_norm.weight", (q_dim,))]),
+                      ("attn.k_norm.weight", [(a + "k_norm.weight", (k_dim,))])]
         rules += [Rule(ours + name, tuple(parts)) for name, parts in layer]
     rules.append(Rule("transformer.ln_f.weight", (("model.norm.weight", (C,)),)))
     return rules

@@ -1,4 +1,5 @@
-"""The norm layers: LayerNorm (GPT-2), RMSNorm (Llama) or RMSNorm scaled by 1 + weight (Gemma), picked by cfg.norm."""
+"""The norm layers: LayerNorm (GPT-2), RMSNorm (Llama), RMSNorm scaled by 1 + weight (Gemma) or RMSNorm with its
+weight applied in float32 (OLMo 2), picked by cfg.norm."""
 from __future__ import annotations
 
 import torch
@@ -49,6 +50,25 @@ class OffsetRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, scale=1+weight"
 
 
+class Fp32GainRMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, all in float32 (float64 for float64 x), then rounded
+    to x's dtype (transformers' Olmo2RMSNorm: the weight multiplies before the one rounding, where LlamaRMSNorm
+    rounds first). Runs on torch (compiled with the model under torch.compile)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)  # (..., dim)
+        return (y * self.weight.to(wide)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, weight in float32"
+
+
 def make_norm(cfg, dim: int | None = None) -> nn.Module:
     """A norm over `dim` (default n_embd) of the config's kind; LayerNorm has a bias when cfg.bias."""
     dim = dim or cfg.n_embd
@@ -56,4 +76,6 @@ def make_norm(cfg, dim: int | None = None) -> nn.Module:
         return RMSNorm(dim, eps=cfg.norm_eps, kernel=cfg.llama_kernels)
     if cfg.norm == "rmsnorm1p":
         return OffsetRMSNorm(dim, eps=cfg.norm_eps)
+    if cfg.norm == "rmsnorm_fp32":
+        return Fp32GainRMSNorm(dim, eps=cfg.norm_eps)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)

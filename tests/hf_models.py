@@ -50,8 +50,8 @@ def randomised(model, seed: int = 0):
 
 def tiny_llama(folder, vocab_size: int, family: str = "llama", **overrides):
     """A random LlamaForCausalLM (2 layers, 64 wide, GQA 4/2 heads; or the Mistral (a sliding window of 8 tokens),
-    Phi-3, Qwen2, Qwen3, SmolLM3 (layer 2 without RoPE) or Gemma 3 (a window of 8 tokens in layer 1, its own RoPE
-    base there) model of that shape, or a GPT-2 of 2 layers, 64 wide) saved in `folder` with save_pretrained."""
+    Phi-3, Qwen2, Qwen3, SmolLM3 (layer 2 without RoPE), OLMo 2 or Gemma 3 (a window of 8 tokens in layer 1, its
+    own RoPE base there) model of that shape, or a GPT-2 of 2 layers, 64 wide) saved in `folder` with save_pretrained."""
     import transformers
     cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                num_hidden_layers=2, vocab_size=vocab_size, max_position_embeddings=256, bos_token_id=None,
@@ -63,12 +63,12 @@ def tiny_llama(folder, vocab_size: int, family: str = "llama", **overrides):
         cfg["sliding_window"] = 8
     if family == "smollm3":
         cfg.update(no_rope_layer_interval=2, pad_token_id=None)
-    if family == "phi3":
+    if family in ("phi3", "olmo2"):
         cfg.update(pad_token_id=None)
     if family == "gemma3":
         cfg.update(pad_token_id=None, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2)
     names = {"llama": "Llama", "mistral": "Mistral", "phi3": "Phi3", "qwen2": "Qwen2", "qwen3": "Qwen3",
-             "smollm3": "SmolLM3", "gemma3": "Gemma3", "gpt2": "GPT2"}[family]
+             "smollm3": "SmolLM3", "olmo2": "Olmo2", "gemma3": "Gemma3", "gpt2": "GPT2"}[family]
     config_cls = getattr(transformers, "Gemma3TextConfig" if family == "gemma3" else f"{names}Config")
     model_cls = getattr(transformers, "GPT2LMHeadModel" if family == "gpt2" else f"{names}ForCausalLM")
     hf = randomised(model_cls(config_cls(**{**cfg, **overrides})))

@@ -25,6 +25,8 @@ LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_layer=2
              block_size=64, vocab_size=VOCAB)
 GEMMA3 = dict(LLAMA, norm="rmsnorm1p", mlp="geglu", sandwich_norm=True, embed_scale=True, qk_norm=True, head_size=32,
               intermediate_size=80)
+OLMO2 = dict(LLAMA, norm="rmsnorm_fp32", pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all",
+             tie_embeddings=False)
 SHAPES = {
     # name: (GPTConfig fields, the architecture transformers must build)
     "gpt2": (dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=VOCAB), "GPT2LMHeadModel"),
@@ -50,6 +52,11 @@ SHAPES = {
     "smollm3-nope-2": (dict(LLAMA, nope_interval=2, rope_theta=2e6), "SmolLM3ForCausalLM"),
     "smollm3-nope-1-biases-window": (dict(LLAMA, nope_interval=1, bias=True, attention_window=6, tie_embeddings=False),
                                      "SmolLM3ForCausalLM"),
+    # OLMo 2: norms after the attention and the MLP only, applied in float32, q and k normalised over all heads;
+    # with a tied head, MHA and llama3 scaling
+    "olmo2": (dict(OLMO2, rope_theta=5e5, norm_eps=1e-6), "Olmo2ForCausalLM"),
+    "olmo2-mha-tied-llama3": (dict(OLMO2, n_kv_head=4, tie_embeddings=True, rope_scaling="llama3",
+                                   rope_original_max_pos=16), "Olmo2ForCausalLM"),
     # Gemma 3: windows in all but every 3rd layer, their own RoPE base, the full layers' scaled; a window in every
     # layer; none; query_scale_dim other than the head dim
     "gemma3-every-3rd-full": (dict(GEMMA3, n_layer=3, attention_window=5, full_attention_interval=3,
@@ -104,9 +111,11 @@ def test_round_trip_is_bit_identical(name, tmp_path, char_spec):
     assert set(ours) <= set(theirs)
     c, b = model.config, back.config
     assert (b.n_layer, b.n_head, b.kv_heads, b.head_dim, b.mlp_hidden, b.block_size, b.vocab_size, b.norm_eps,
-            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm, b.attention_window, b.nope_interval) == \
+            b.rope_theta, b.rope_scaling, b.tie_embeddings, b.qk_norm, b.attention_window, b.nope_interval, b.norm,
+            b.pre_norm, b.sandwich_norm, b.qk_norm_scope) == \
         (c.n_layer, c.n_head, c.kv_heads, c.head_dim, c.mlp_hidden, c.block_size, c.vocab_size, c.norm_eps,
-         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm, c.attention_window, c.nope_interval)
+         c.rope_theta, c.rope_scaling, c.tie_embeddings, c.qk_norm, c.attention_window, c.nope_interval, c.norm,
+         c.pre_norm, c.sandwich_norm, c.qk_norm_scope)
     scaling = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos"), "linear": ("factor",),
                "yarn": ("factor", "original_max_pos", "beta_fast", "beta_slow", "attention_factor", "yarn_truncate"),
                "": ()}[c.rope_scaling]
@@ -166,6 +175,11 @@ def test_bfloat16_export(tmp_path, char_spec):
     (dict(LLAMA, embed_scale=True), "represents embed_scale=True without Gemma 3's blocks"),
     (dict(LLAMA, attention_window=4, full_attention_interval=2), "full_attention_interval=2 without Gemma 3's"),
     (dict(GEMMA3, attention_window=4, rope_scaling="linear"), "rope_scaling='linear' on windowed layers"),
+    (dict(OLMO2, qk_norm_scope="head"), "OLMo 2 blocks (norm 'rmsnorm_fp32') need pre_norm false, sandwich_norm and "
+                                        "qk_norm over all heads"),
+    (dict(OLMO2, attention_window=8), "got attention_window=8"),
+    (dict(LLAMA, qk_norm=True, qk_norm_scope="all"), "qk_norm_scope='all' without OLMo 2's blocks"),
+    (dict(LLAMA, pre_norm=False, sandwich_norm=True), "represents pre_norm=False"),
 ])
 def test_shapes_without_an_architecture_are_refused(fields, needle):
     with pytest.raises(ExportError) as e:

@@ -182,19 +182,19 @@ def test_supervised_finetune_on_conversations_then_chat(pretrained, tmp_path):
     assert r.stdout.startswith("crown crown crown<|im_end|>\n<|endoftext|>"), r.stdout  # the turn, end of text
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3"])
 def test_each_family_finetunes(family, pretrained, tmp_path):
     """The other families (llama: above) start from their weights and learn: the loss falls. Mistral's sliding
     window (8 tokens, in a 32-token context) trains as attention_window and exports as sliding_window again;
-    SmolLM3's NoPE layers as nope_interval; Gemma 3's window in its first layer only as full_attention_interval,
-    exported as its layer_types again."""
+    SmolLM3's NoPE layers as nope_interval; OLMo 2's norms after the sub-blocks only (exported as OLMo 2 again);
+    Gemma 3's window in its first layer only as full_attention_interval, exported as its layer_types again."""
     folder = str(tmp_path / family)
     os.makedirs(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(pretrained[0], name), folder)
     tiny_llama(folder, MODEL_VOCAB, family)
     cfg = finetune_cfg(pretrained, tmp_path, f"--init_from=hf:{folder}",
-                       f"--export_hf={family in ('mistral', 'gemma3')}",
+                       f"--export_hf={family in ('mistral', 'olmo2', 'gemma3')}",
                        "--eval_iters=4")
     summary = train_mod.train(cfg)
     start = load_checkpoint(os.path.join(cfg.train.out_dir, "ckpt_0000000.pt"))["config"]["model"]
@@ -203,13 +203,19 @@ def test_each_family_finetunes(family, pretrained, tmp_path):
         "gpt2": ("learned", False, False, 0, 0), "mistral": ("rope", False, False, 8, 0),
         "phi3": ("rope", False, False, 0, 0),
         "qwen2": ("rope", True, False, 0, 0), "qwen3": ("rope", False, True, 0, 0),
-        "smollm3": ("rope", False, False, 0, 2), "gemma3": ("rope", False, True, 8, 0)}[family]
+        "smollm3": ("rope", False, False, 0, 2), "olmo2": ("rope", False, True, 0, 0),
+        "gemma3": ("rope", False, True, 8, 0)}[family]
     val = rows(cfg.train.out_dir, "val_loss")
     assert val[-1][1] < val[0][1] - 0.3
     if family == "mistral":
         with open(os.path.join(summary["export"], "config.json")) as f:
             exported = json.load(f)
         assert (exported["architectures"], exported["sliding_window"]) == (["MistralForCausalLM"], 8)
+    if family == "olmo2":
+        assert (start["pre_norm"], start["sandwich_norm"], start["norm"], start["qk_norm_scope"]) == (
+            False, True, "rmsnorm_fp32", "all")
+        with open(os.path.join(summary["export"], "config.json")) as f:
+            assert json.load(f)["architectures"] == ["Olmo2ForCausalLM"]
     if family == "gemma3":
         assert start["full_attention_interval"] == 2 and start["sandwich_norm"] and start["norm"] == "rmsnorm1p"
         with open(os.path.join(summary["export"], "config.json")) as f:

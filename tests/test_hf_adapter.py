@@ -24,6 +24,7 @@ VOCAB = 320
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "mistral": ["k_proj", "o_proj", "up_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"],
            "phi3": ["qkv_proj", "gate_up_proj"], "gemma3": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+           "olmo2": ["q_proj", "k_proj", "up_proj", "down_proj"],
            "gpt2": ["c_attn", "c_proj", "c_fc"]}
 
 
@@ -64,9 +65,9 @@ def logits_close(ours, theirs, idx, tol=1e-4):
 
 
 @pytest.mark.parametrize("family, lora", [("llama", {}), ("qwen2", {"use_rslora": True}), ("mistral", {}),
-                                          ("phi3", {}), ("gemma3", {}), ("gpt2", {}),
+                                          ("phi3", {}), ("gemma3", {}), ("olmo2", {}), ("gpt2", {}),
                                           ("llama", {"rank_pattern": {"q_proj": 2}})],
-                         ids=["llama", "qwen2-rslora", "mistral-window", "phi3-fused", "gemma3", "gpt2",
+                         ids=["llama", "qwen2-rslora", "mistral-window", "phi3-fused", "gemma3", "olmo2", "gpt2",
                               "llama-rank-pattern"])
 def test_adapter_loads_as_its_merged_base(family, lora, tokenizer_folder, tmp_path):
     base = base_model(tmp_path / "base", family, tokenizer_folder)

@@ -14,7 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from model import GPT  # noqa: E402
@@ -70,6 +71,12 @@ FAMILIES = {
     "smollm3-biases-rope-everywhere": lambda: SmolLM3ForCausalLM(SmolLM3Config(
         **LLAMA, no_rope_layer_interval=4, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
         pad_token_id=None)),
+    # OLMo 2: norms after the attention and the MLP only, q and k normalised over all heads; GQA untied, and MHA
+    # with a tied head and llama3 scaling
+    "olmo2-gqa-untied": lambda: Olmo2ForCausalLM(Olmo2Config(**LLAMA, pad_token_id=None)),
+    "olmo2-mha-tied-llama3": lambda: Olmo2ForCausalLM(Olmo2Config(
+        **{**LLAMA, "num_key_value_heads": 4}, tie_word_embeddings=True, pad_token_id=None,
+        rope_parameters=dict(LLAMA3_ROPE))),
     # Gemma 3: windows on all layers but every 2nd, whose RoPE (linear-scaled) differs from the windowed layers',
     # query_pre_attn_scalar unlike the head dim; a window on every layer (the pattern beyond the 2 layers), MQA,
     # an untied head; no window at all
@@ -114,7 +121,9 @@ def test_same_logits_and_greedy_tokens_as_transformers(family, tmp_path):
     assert want.abs().max() > 1  # not a degenerate comparison
     assert (got - want).abs().max() <= 1e-4
     prompt = torch.randint(0, VOCAB, (1, 9))
-    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 9:].tolist()
+    # the mask given: transformers would otherwise take any token 0 in the prompt for padding (pad_token_id)
+    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
+                           pad_token_id=0)[0, 9:].tolist()
     for backend in ("naive", "sdpa"):
         model.set_attention_backend(backend)
         ours = generate(model, prompt.tolist(), SamplingParams(temperature=0.0, max_new_tokens=20)).sequences[0]

@@ -8,7 +8,7 @@
     python generate.py --init-from hf:HuggingFaceTB/SmolLM2-135M-Instruct --chat    # a conversation on stdin
 
 --init-from hf:<repo-or-dir> loads a Hugging Face model (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3,
-OLMo 2, Gemma 3 families, or a PEFT LoRA adapter on one of them) with its own tokenizer.json (training/pretrained.py); --chat wraps
+OLMo 2/3, Gemma 3 families, or a PEFT LoRA adapter on one of them) with its own tokenizer.json (training/pretrained.py); --chat wraps
 each prompt as a user message in the tokenizer's chat template (rendered in a Jinja sandbox, data/chat.py) and
 prints only the reply, which ends at the template's end-of-turn token (data/conversation.py) as well as at end of
 text. --chat without --prompt or --prompt-file is a conversation: each line on stdin is a user message, answered in
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--best", action="store_true", help="with a run folder: use best.pt instead of the latest")
     src.add_argument("--init-from", metavar="hf:REPO_OR_DIR | gpt2[-medium|-large|-xl]",
                      help="Hugging Face weights instead of a checkpoint: hf:<hub id or local folder> (GPT-2, Llama, "
-                          "Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, OLMo 2, Gemma 3 families, with the model's "
+                          "Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, OLMo 2/3, Gemma 3 families, with the model's "
                           "tokenizer.json; or a "
                           "PEFT LoRA adapter: its base model with the updates merged), or a GPT-2 size (with the "
                           "GPT-2 tokenizer); hub ids are read from the local cache first")

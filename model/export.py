@@ -34,7 +34,7 @@ from .hf_weights import tensor_rules
 
 ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                "olmo2": "Olmo2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 MODEL_TYPE = {"gemma3": "gemma3_text"}  # where config.json's model_type is not the family's name
 
 
@@ -82,6 +82,14 @@ def hf_config(family: str, cfg: GPTConfig, dtype: torch.dtype, bos: int | None, 
             layer_types=["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.n_layer)],
             rope_local_base_freq=local if local is not None else cfg.rope_theta,
             final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
+        return out
+    if family == "olmo3":  # the window's layers written out; each layer type's RoPE (its rope_parameters)
+        full = {**(out.pop("rope_scaling") or {"rope_type": "default"}), "rope_theta": out.pop("rope_theta")}
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta} if cfg.rope_local_theta else full
+        out.update(attention_bias=False, sliding_window=window,
+                   layer_types=["sliding_attention" if cfg.layer_window(i) else "full_attention"
+                                for i in range(cfg.n_layer)],
+                   rope_parameters={"full_attention": full, "sliding_attention": dict(local)})
         return out
     if family in ("llama", "olmo2"):  # (OLMo 2: no biases, hf_family checked)
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)

@@ -237,7 +237,7 @@ class GPT(nn.Module):
     @staticmethod
     def from_pretrained(path_or_repo: str, *, dtype: torch.dtype | None = None, device=None) -> "GPT":
         """A Hugging Face model folder or hub id (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, OLMo 2,
-        Gemma 3)
+        OLMo 3, Gemma 3)
         → GPT in eval mode, with the same logits as transformers gives; float32 on the CPU unless dtype/device
         say otherwise. Raises model.hf.HFError with one line on anything it cannot load. See model/hf.py."""
         from .hf import from_pretrained

@@ -8,7 +8,7 @@
 A model folder holds config.json and model.safetensors (or model.safetensors.index.json and its shards); a PEFT
 LoRA adapter (adapter_config.json + adapter_model.safetensors) loads as its base model with the updates merged.
 Supported: GPT-2, Llama (SmolLM2, Llama-3.x with its rope scaling), Mistral, Phi-3, Qwen2/2.5, Qwen3, SmolLM3,
-OLMo 2, Gemma 3 (text) — see model/hf_config.py for what maps to which GPTConfig field and model/hf_weights.py for the
+OLMo 2, OLMo 3, Gemma 3 (text) — see model/hf_config.py for what maps to which GPTConfig field and model/hf_weights.py for the
 tensor names.
 Everything that cannot be loaded is an HFError with one line.
 """

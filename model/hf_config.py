@@ -18,6 +18,10 @@ Families and the options they map:
                                 applied in float32 (rmsnorm_fp32) on the attention's and the MLP's outputs only
                                 (pre_norm false, sandwich_norm), and over the whole q and k projections
                                 (qk_norm, qk_norm_scope "all")
+    olmo3   Olmo3ForCausalLM    as olmo2, with a sliding window on all layers but every N-th (layer_types; by
+                                default every 4th layer full) → attention_window with full_attention_interval N,
+                                and each layer type's RoPE (rope_parameters): the windowed layers' base →
+                                rope_local_theta where it differs from the full layers' (which may be scaled)
     gemma3  Gemma3ForCausalLM   (model_type gemma3_text) RoPE, RMSNorm scaled by 1 + weight (rmsnorm1p) before
                                 and after the attention and the MLP (sandwich_norm), GeGLU (tanh), embeddings
                                 times sqrt(hidden_size), qk_norm, query_pre_attn_scalar → query_scale_dim; its
@@ -38,6 +42,7 @@ rotary, biases on attention without the MLP's.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .config import ConfigError, GPTConfig
@@ -45,7 +50,8 @@ from .hf_files import HFError
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Phi3ForCausalLM": "phi3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Gemma3ForCausalLM": "gemma3",
+                 "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                 "Gemma3ForCausalLM": "gemma3",
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # model_type, when architectures is absent
 MODEL_TYPES = {**{family: family for family in ARCHITECTURES.values() if family != "gemma3"},
@@ -67,6 +73,8 @@ DEFAULTS = {
     "smollm3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=None,
                     rope_theta=2e6, no_rope_layer_interval=4),
     "olmo2": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=2048, head_dim=None),
+    "olmo3": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=2048, head_dim=None,
+                  rope_theta=5e5, sliding_window=4096, full_attention_every=4),
     "gemma3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256,
                    sliding_window=4096, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=1e4,
                    sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh"),
@@ -93,7 +101,8 @@ def gpt_config_from_hf(hf: dict) -> tuple[str, GPTConfig]:
     """(family, GPTConfig) for a config.json dict; HFError with one line for what does not map."""
     family = family_of(hf)
     hf = text_config(hf)
-    cfg = _gpt2(hf) if family == "gpt2" else _gemma3(hf) if family == "gemma3" else _llama_like(hf, family)
+    cfg = (_gpt2(hf) if family == "gpt2" else _gemma3(hf) if family == "gemma3" else _olmo3(hf) if family == "olmo3"
+           else _llama_like(hf, family))
     try:
         cfg.validate(prefix="config: ")
     except ConfigError as e:
@@ -210,7 +219,8 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu: SwiGLU)")
     # qwen2: biases on q, k, v only; mistral, phi3: none
-    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3", "smollm3", "olmo2") \
+    olmo = family in ("olmo2", "olmo3")  # norms after the sub-blocks only, in float32, q and k over all heads
+    attention_bias = bool(hf.get("attention_bias", False)) if family in ("llama", "qwen3", "smollm3") or olmo \
         else False
     mlp_bias = bool(hf.get("mlp_bias", False)) if family in ("llama", "smollm3") else False
     if attention_bias != mlp_bias:
@@ -218,18 +228,17 @@ def _llama_like(hf: dict, family: str) -> GPTConfig:
                         "or none)")
     nope = _nope_interval(hf, n_layer, problems) if family == "smollm3" else 0
     window = _window(hf, family, n_layer, nope, problems)
-    rope = _rope_fields(hf, problems, d.get("rope_theta", 10000.0))
+    rope = _rope_fields(hf, problems, d.get("rope_theta", 10000.0)) if family != "olmo3" else {}  # (_olmo3's own)
     _refuse(family, problems)
     head_dim = hf.get("head_dim", d["head_dim"]) or n_embd // n_head
     head_size = head_dim if head_dim * n_head != n_embd else 0
-    olmo2 = family == "olmo2"  # norms after the sub-blocks only, in float32, q and k normalised over all heads
     return GPTConfig(block_size=hf.get("max_position_embeddings", d["max_position_embeddings"]), vocab_size=vocab,
                      n_layer=n_layer, n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
                      n_embd=n_embd, dropout=0.0, bias=attention_bias, head_size=head_size, pos_emb="rope",
-                     norm="rmsnorm_fp32" if olmo2 else "rmsnorm",
+                     norm="rmsnorm_fp32" if olmo else "rmsnorm",
                      norm_eps=float(hf.get("rms_norm_eps", d["rms_norm_eps"])), mlp="swiglu",
-                     intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "olmo2"),
-                     qk_norm_scope="all" if olmo2 else "head", pre_norm=not olmo2, sandwich_norm=olmo2,
+                     intermediate_size=inter, qkv_bias=family == "qwen2", qk_norm=family == "qwen3" or olmo,
+                     qk_norm_scope="all" if olmo else "head", pre_norm=not olmo, sandwich_norm=olmo,
                      tie_embeddings=bool(hf.get("tie_word_embeddings", d["tie_word_embeddings"])),
                      attention_window=window, nope_interval=nope, **rope)
 
@@ -272,6 +281,8 @@ def _window(hf: dict, family: str, n_layer: int, nope: int, problems: list[str])
             return 0
         return window
     layer_types = hf.get("layer_types") or []
+    if family == "olmo3":
+        return 0  # (_olmo3 reads its layer_types)
     window = (hf.get("sliding_window") if family not in ("llama", "olmo2") and hf.get("use_sliding_window", False)
               else None)
     if window is None:
@@ -316,7 +327,7 @@ def _gemma3(hf: dict) -> GPTConfig:
             problems.append(f"sliding_window_pattern={pattern!r} (a positive number of layers)")
             pattern = 1
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
-    window, interval = _gemma3_windows(hf, layer_types, n_layer, problems)
+    window, interval = _layer_type_windows(hf, layer_types, n_layer, d["sliding_window"], problems)
     # RoPE: the full layers' (theta, scaling) and the windowed layers' (theta alone)
     rp = hf.get("rope_parameters")
     if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
@@ -346,9 +357,11 @@ def _gemma3(hf: dict) -> GPTConfig:
                      attention_window=window, full_attention_interval=interval, rope_local_theta=local_theta, **rope)
 
 
-def _gemma3_windows(hf: dict, layer_types, n_layer: int, problems: list[str]) -> tuple[int, int]:
-    """(attention_window, full_attention_interval) from Gemma 3's layer_types and sliding_window: the window on
-    every "sliding_attention" layer, which must be all layers but every N-th (N = the first full layer's number)."""
+def _layer_type_windows(hf: dict, layer_types, n_layer: int, default_window: int,
+                        problems: list[str]) -> tuple[int, int]:
+    """(attention_window, full_attention_interval) from layer_types and sliding_window (Gemma 3, OLMo 3): the
+    window on every "sliding_attention" layer, which must be all layers but every N-th (N = the first full
+    layer's number)."""
     if (not isinstance(layer_types, list) or len(layer_types) != n_layer
             or any(t not in ("sliding_attention", "full_attention") for t in layer_types)):
         problems.append(f"layer_types must be {n_layer} of 'sliding_attention' or 'full_attention'")
@@ -356,7 +369,7 @@ def _gemma3_windows(hf: dict, layer_types, n_layer: int, problems: list[str]) ->
     full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
     if len(full) == n_layer:
         return 0, 0
-    window = hf.get("sliding_window", DEFAULTS["gemma3"]["sliding_window"])
+    window = hf.get("sliding_window", default_window)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         problems.append(f"sliding_window={window!r} (a positive number of tokens)")
         return 0, 0
@@ -367,3 +380,40 @@ def _gemma3_windows(hf: dict, layer_types, n_layer: int, problems: list[str]) ->
         problems.append(f"full attention on layers {full} (only on every N-th layer)")
         return 0, 0
     return window, n
+
+
+def _olmo3(hf: dict) -> GPTConfig:
+    """OLMo 3 (Olmo3ForCausalLM): OLMo 2's blocks, windows by layer_types, RoPE by layer type (module docstring)."""
+    d = DEFAULTS["olmo3"]
+    cfg = _llama_like(hf, "olmo3")  # the sizes, OLMo 2's blocks; its window and RoPE are set below
+    n_layer = cfg.n_layer
+    problems = []
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        every = d["full_attention_every"]
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layer)]
+    window, interval = _layer_type_windows(hf, layer_types, n_layer, d["sliding_window"], problems)
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    else:  # the older keys: rope_theta in every layer, rope_scaling on the full-attention layers only
+        theta = hf.get("rope_theta", d["rope_theta"])
+        full = {**(hf.get("rope_scaling") or rp or {}), "rope_theta": theta}
+        local = {"rope_type": "default", "rope_theta": theta}
+    rope = _rope_fields(hf, problems, d["rope_theta"], rp=full)
+    local_rope = _rope_fields(hf, problems, d["rope_theta"], rp=local)
+    local_theta = 0.0
+    if window and not interval:  # every layer windowed: the windowed layers' RoPE is the model's
+        rope = local_rope
+    elif window and local_rope != rope:  # the windowed layers rotate otherwise than the full ones
+        if local_rope.get("rope_scaling"):
+            problems.append(f"rope scaling {local_rope['rope_scaling']!r} on the sliding-window layers unlike the "
+                            "full-attention layers' (only an unscaled base of their own)")
+        local_theta = local_rope.get("rope_theta", 0.0)
+    _refuse("olmo3", problems)
+    defaults = GPTConfig()
+    rope_keys = {k: rope.get(k, getattr(defaults, k)) for k in (
+        "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+        "rope_original_max_pos", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_yarn_truncate")}
+    return dataclasses.replace(cfg, attention_window=window, full_attention_interval=interval,
+                               rope_local_theta=local_theta, **rope_keys)

@@ -22,8 +22,9 @@ EXPORTABLE = ("GPT-2 blocks (pos_emb 'learned', norm 'layernorm', mlp 'gelu': GP
               "blocks (pos_emb 'rope', norm 'rmsnorm', mlp 'swiglu': LlamaForCausalLM, MistralForCausalLM with "
               "attention_window, Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm, SmolLM3ForCausalLM "
               "with nope_interval), OLMo 2 blocks (pos_emb 'rope', norm 'rmsnorm_fp32', mlp 'swiglu' with pre_norm "
-              "false, sandwich_norm and qk_norm over all heads: Olmo2ForCausalLM) and Gemma 3 blocks (pos_emb "
-              "'rope', norm 'rmsnorm1p', mlp 'geglu' with sandwich_norm, embed_scale and qk_norm: Gemma3ForCausalLM)")
+              "false, sandwich_norm and qk_norm over all heads: Olmo2ForCausalLM, Olmo3ForCausalLM with "
+              "attention_window) and Gemma 3 blocks (pos_emb 'rope', norm 'rmsnorm1p', mlp 'geglu' with "
+              "sandwich_norm, embed_scale and qk_norm: Gemma3ForCausalLM)")
 
 
 class ExportError(HFError):
@@ -32,14 +33,15 @@ class ExportError(HFError):
 
 def hf_family(cfg: GPTConfig) -> str:
     """The Hugging Face family whose architecture computes exactly GPT(cfg): "gpt2" | "llama" | "mistral" | "qwen2" |
-    "qwen3" | "smollm3" | "olmo2" | "gemma3".
+    "qwen3" | "smollm3" | "olmo2" | "olmo3" | "gemma3".
 
     GPT-2 blocks without biases export as GPT2LMHeadModel with zero biases (the same function; read back, the
     config says bias = true). Llama-family blocks: biases everywhere → Llama with attention_bias and mlp_bias;
     biases on q, k, v only → Qwen2; qk_norm → Qwen3; none of those and no biases → Llama, or Mistral with a
     sliding window (attention_window; Qwen2 and Qwen3 carry theirs as use_sliding_window on every layer); NoPE
     layers (nope_interval) → SmolLM3. OLMo 2 blocks (norms after the sub-blocks only, q and k normalised over all
-    heads, norms applied in float32) → Olmo2ForCausalLM. Gemma 3 blocks (every one of its pieces) →
+    heads, norms applied in float32) → Olmo2ForCausalLM, or with a sliding window Olmo3ForCausalLM (its
+    layer_types and per-layer-type RoPE carry the window pattern and rope_local_theta). Gemma 3 blocks (every one of its pieces) →
     Gemma3ForCausalLM, whose layer_types carry any window pattern.
     ExportError names what no architecture represents.
     """
@@ -47,13 +49,13 @@ def hf_family(cfg: GPTConfig) -> str:
     if blocks == ("rope", "rmsnorm_fp32", "swiglu"):
         problems = [f"{k}={getattr(cfg, k)!r}" for k, want in (
             ("pre_norm", False), ("sandwich_norm", True), ("qk_norm", True), ("qk_norm_scope", "all"), ("bias", False),
-            ("qkv_bias", False), ("attention_window", 0), ("nope_interval", 0), ("embed_scale", False),
-            ("query_scale_dim", 0)) if getattr(cfg, k) != want]
+            ("qkv_bias", False), ("nope_interval", 0), ("embed_scale", False), ("query_scale_dim", 0))
+            if getattr(cfg, k) != want]
         if problems:
             raise ExportError("no Hugging Face architecture represents this model: OLMo 2 blocks (norm "
                               "'rmsnorm_fp32') need pre_norm false, sandwich_norm and qk_norm over all heads, "
-                              "without biases, windows, NoPE layers or Gemma's scales; got " + ", ".join(problems))
-        return "olmo2"
+                              "without biases, NoPE layers or Gemma's scales; got " + ", ".join(problems))
+        return "olmo3" if cfg.attention_window else "olmo2"  # OLMo 3: the same blocks with windows
     if not cfg.pre_norm or (cfg.qk_norm and cfg.qk_norm_scope != "head"):
         raise ExportError(f"no Hugging Face architecture represents pre_norm={cfg.pre_norm}, qk_norm_scope="
                           f"{cfg.qk_norm_scope!r} without OLMo 2's blocks (pos_emb 'rope', norm 'rmsnorm_fp32', mlp "

@@ -36,7 +36,7 @@ from .config import GPTConfig
 from .hf_files import HFError
 
 # one layout of names for these families: model.layers.N.self_attn.q_proj, ...
-LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3")
+LLAMA_LIKE = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "olmo2", "olmo3", "gemma3")
 # tensors some files hold that are not weights: GPT-2's causal-mask buffers, old Llama files' RoPE frequencies
 DROPPED = {"gpt2": (".attn.bias", ".attn.masked_bias"), **{f: (".rotary_emb.inv_freq",) for f in LLAMA_LIKE}}
 PREFIX = {"gpt2": "transformer.", **{f: "model." for f in LLAMA_LIKE}}

@@ -57,6 +57,12 @@ SHAPES = {
     "olmo2": (dict(OLMO2, rope_theta=5e5, norm_eps=1e-6), "Olmo2ForCausalLM"),
     "olmo2-mha-tied-llama3": (dict(OLMO2, n_kv_head=4, tie_embeddings=True, rope_scaling="llama3",
                                    rope_original_max_pos=16), "Olmo2ForCausalLM"),
+    # OLMo 3: windows in all but every 2nd layer with their own RoPE base, the full layers' scaled; a window in every
+    # layer (its RoPE scaled too)
+    "olmo3-every-2nd-full": (dict(OLMO2, n_layer=4, attention_window=5, full_attention_interval=2,
+                                  rope_local_theta=1e3, rope_scaling="linear", rope_factor=2.0), "Olmo3ForCausalLM"),
+    "olmo3-window-everywhere": (dict(OLMO2, attention_window=6, rope_scaling="yarn", rope_factor=4.0,
+                                     rope_original_max_pos=16), "Olmo3ForCausalLM"),
     # Gemma 3: windows in all but every 3rd layer, their own RoPE base, the full layers' scaled; a window in every
     # layer; none; query_scale_dim other than the head dim
     "gemma3-every-3rd-full": (dict(GEMMA3, n_layer=3, attention_window=5, full_attention_interval=3,
@@ -177,7 +183,7 @@ def test_bfloat16_export(tmp_path, char_spec):
     (dict(GEMMA3, attention_window=4, rope_scaling="linear"), "rope_scaling='linear' on windowed layers"),
     (dict(OLMO2, qk_norm_scope="head"), "OLMo 2 blocks (norm 'rmsnorm_fp32') need pre_norm false, sandwich_norm and "
                                         "qk_norm over all heads"),
-    (dict(OLMO2, attention_window=8), "got attention_window=8"),
+    (dict(OLMO2, bias=True), "got bias=True"),
     (dict(LLAMA, qk_norm=True, qk_norm_scope="all"), "qk_norm_scope='all' without OLMo 2's blocks"),
     (dict(LLAMA, pre_norm=False, sandwich_norm=True), "represents pre_norm=False"),
 ])

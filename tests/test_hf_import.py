@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
-                          Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from model import GPT  # noqa: E402
@@ -77,6 +77,14 @@ FAMILIES = {
     "olmo2-mha-tied-llama3": lambda: Olmo2ForCausalLM(Olmo2Config(
         **{**LLAMA, "num_key_value_heads": 4}, tie_word_embeddings=True, pad_token_id=None,
         rope_parameters=dict(LLAMA3_ROPE))),
+    # OLMo 3: OLMo 2's blocks with windows in all layers but every 2nd, whose RoPE (linear-scaled) differs from the
+    # windowed layers'; its default pattern (every 4th layer full: here, 2 layers, a window in both)
+    "olmo3-window-every-2nd-full": lambda: Olmo3ForCausalLM(Olmo3Config(
+        **{**LLAMA, "num_hidden_layers": 4}, sliding_window=5, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e5),
+            "sliding_attention": dict(rope_type="default", rope_theta=1e3)})),
+    "olmo3-window-every-layer": lambda: Olmo3ForCausalLM(Olmo3Config(**LLAMA, sliding_window=6, pad_token_id=None)),
     # Gemma 3: windows on all layers but every 2nd, whose RoPE (linear-scaled) differs from the windowed layers',
     # query_pre_attn_scalar unlike the head dim; a window on every layer (the pattern beyond the 2 layers), MQA,
     # an untied head; no window at all
@@ -416,6 +424,29 @@ def test_gemma3_options_it_cannot_reproduce_are_named(tmp_path, changes, needle)
     _, folder = saved("gemma3-window-every-2nd-full", tmp_path / "g")
     edit_config(folder, **changes)
     assert needle in one_line_error(folder)
+
+
+@torch.no_grad()
+def test_olmo3_layer_types_and_rope_by_layer_type(tmp_path):
+    """OLMo 3's windows and RoPE by layer type as GPTConfig fields; the older rope_theta + rope_scaling keys
+    (scaling on the full layers only) load the same way; options it cannot reproduce are named."""
+    hf, folder = saved("olmo3-window-every-2nd-full", tmp_path / "o")
+    c = GPT.from_pretrained(folder).config
+    assert (c.attention_window, c.full_attention_interval, c.rope_local_theta, c.rope_theta, c.rope_scaling,
+            c.rope_factor) == (5, 2, 1e3, 1e5, "linear", 2.0)
+    assert (c.pre_norm, c.sandwich_norm, c.norm, c.qk_norm_scope) == (False, True, "rmsnorm_fp32", "all")
+    edit_config(folder, rope_parameters=None, rope_theta=1e3, rope_scaling=dict(rope_type="linear", factor=2.0))
+    c = GPT.from_pretrained(folder).config  # both layer types at base 1e3, the full ones scaled
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e3, 1e3, "linear")
+    for changes, needle in [
+        (dict(layer_types=["full_attention", "sliding_attention"] * 2), "full attention on layers [0, 2]"),
+        (dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e5),
+                               "sliding_attention": dict(rope_type="linear", rope_theta=1e3, factor=2.0)}),
+         "rope scaling 'linear' on the sliding-window layers"),
+        (dict(attention_bias=True), "attention_bias=True with mlp_bias=False")]:
+        _, other = saved("olmo3-window-every-2nd-full", tmp_path / needle[:12].replace(" ", "_"))
+        edit_config(other, **changes)
+        assert needle in one_line_error(other), (changes, one_line_error(other))
 
 
 def test_wrong_shape_names_tensor_expected_and_got(llama_dir, tmp_path):

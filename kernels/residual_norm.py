@@ -1,11 +1,12 @@
 """x + N(y) for the few rows of a decode step: a sandwich norm's residual add (Gemma's post-attention and
 post-MLP norms), leaving the new stream's row sums for the next norm.
 
-    add_rms_norm(x, y, weight, eps, *, offset=False, stats_out=None, pdl=False) -> x + N(y)   (M, C)
+    add_rms_norm(x, y, weight, eps, *, kind="rmsnorm", stats_out=None, pdl=False) -> x + N(y)   (M, C)
 
-N is an RMSNorm over the row of y: round(round(y / rms) · w) (Llama's, model/norms.py RMSNorm) or, with
-offset=True, round(y / rms · (1 + w)) all in fp32 (Gemma's OffsetRMSNorm, the weight stored as its offset from
-1); the sum with x is rounded once, as eager adds two tensors of the dtype. One program per row: the row of y is
+N is an RMSNorm over the row of y, by kind (config.norm's names, model/norms.py): "rmsnorm" round(round(y / rms)
+· w) (Llama's), "rmsnorm1p" round(y / rms · (1 + w)) all in fp32 (Gemma's, the weight stored as its offset from
+1), "rmsnorm_fp32" round(y / rms · w) all in fp32 (OLMo's); the sum with x is rounded once, as eager adds two
+tensors of the dtype. One program per row: the row of y is
 read twice (its sum of squares, then the norm), which for a decode step's C of a few thousand stays in L1/L2.
 stats_out (M, 2) float32 receives the result's row sums (Σ, Σ²), stored (not accumulated): the statistics the
 next fused norm reads instead of a pass over the stream (kernels/ln_linear.py ln_stats).
@@ -28,11 +29,12 @@ from . import _triton
 from .pdl import pdl_enabled
 
 MAX_BLOCK_C = 4096  # columns a program holds per pass
+KINDS = {"rmsnorm": 0, "rmsnorm1p": 1, "rmsnorm_fp32": 2}  # the norm's rounding and gain (KIND)
 
 
 @triton.jit
 def _add_rms_norm_kernel(X, Y, W, OUT, STATS_OUT, C, stride_x, stride_y, stride_o, eps,
-                         BLOCK_C: tl.constexpr, OFFSET: tl.constexpr, STATS_OUT_ON: tl.constexpr,
+                         BLOCK_C: tl.constexpr, KIND: tl.constexpr, STATS_OUT_ON: tl.constexpr,
                          USE_GDC: tl.constexpr):
     """grid = (M,): OUT[m] = X[m] + N(Y[m]) rounded to OUT's dtype; STATS_OUT[m] = (Σ OUT[m], Σ OUT[m]²).
     USE_GDC (launched with programmatic dependent launch): the next kernel may start at once; this one waits for
@@ -55,9 +57,11 @@ def _add_rms_norm_kernel(X, Y, W, OUT, STATS_OUT, C, stride_x, stride_y, stride_
         ok = offs < C
         y = tl.load(Y + m * stride_y + offs, mask=ok, other=0.0).to(tl.float32)  # (BLOCK_C,)
         g = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
-        if OFFSET:  # Gemma: y / rms · (1 + w) in fp32, rounded once
+        if KIND == 1:    # Gemma: y / rms · (1 + w) in fp32, rounded once
             n = (y * rstd * (1.0 + g)).to(dtype).to(tl.float32)
-        else:       # Llama: y / rms rounded, then times w, rounded
+        elif KIND == 2:  # OLMo: y / rms · w in fp32, rounded once
+            n = (y * rstd * g).to(dtype).to(tl.float32)
+        else:            # Llama: y / rms rounded, then times w, rounded
             n = ((y * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
         x = tl.load(X + m * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         out = (x + n).to(dtype)
@@ -73,11 +77,13 @@ def _add_rms_norm_kernel(X, Y, W, OUT, STATS_OUT, C, stride_x, stride_y, stride_
 _triton.check_decorated(_add_rms_norm_kernel)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool = False,
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, *, kind: str = "rmsnorm",
                  stats_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """x, y (M, C) → x + N(y) (M, C) in x's dtype, a new tensor (N: RMSNorm with weight (C,), eps; offset: the
-    weight is the gain's offset from 1, Gemma's). stats_out: (M, 2) float32 for the result's row sums (Σ, Σ²),
-    or None. pdl: launch with programmatic dependent launch where the device has it (kernels/pdl.py)."""
+    """x, y (M, C) → x + N(y) (M, C) in x's dtype, a new tensor (N: an RMSNorm of `kind`, KINDS, with weight (C,)
+    and eps). stats_out: (M, 2) float32 for the result's row sums (Σ, Σ²), or None. pdl: launch with
+    programmatic dependent launch where the device has it (kernels/pdl.py)."""
+    if kind not in KINDS:
+        raise ValueError(f"add_rms_norm: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     for name, t in (("x", x), ("y", y), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"add_rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -107,7 +113,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     pdl = bool(pdl) and pdl_enabled(x.device)
     with _triton.device_guard(x):
         _add_rms_norm_kernel[(M,)](x, y, weight, out, stats_out if stats_out is not None else out, C, x.stride(0),
-                                   y.stride(0), out.stride(0), float(eps), BLOCK_C=block_c, OFFSET=bool(offset),
+                                   y.stride(0), out.stride(0), float(eps), BLOCK_C=block_c, KIND=KINDS[kind],
                                    STATS_OUT_ON=stats_out is not None, USE_GDC=pdl,
                                    num_warps=4 if block_c <= 1024 else 8, **(dict(launch_pdl=True) if pdl else {}))
     return out

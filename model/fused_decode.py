@@ -1,4 +1,4 @@
-"""One decode step of a GPT, Llama-family or Gemma 3 model in few kernels: the fast path of generation on a GPU.
+"""One decode step of a GPT, Llama-family, Gemma 3 or OLMo model in few kernels: the fast path of generation on a GPU.
 
     logits = fused_decode_step(model, tok, pos)   # same contract as generation.decode_one_token
 
@@ -34,9 +34,13 @@ which is what bounds a small model's decode speed (bench/NOTES.md). The blocks c
                  (the SwiGLU epilogue with GELU), each layer's RoPE base (windowed layers: rope_local_theta),
                  and the sandwich norms: the output projection and the down projection then store their
                  result, and one row launch adds N(result) to the stream (kernels.residual_norm)
-Models with any of the Llama-family extras or Gemma's pieces take the per-layer launches, not the one-launch
-stack; unsupported_reason names what is not covered (OLMo 2's blocks, LayerNorm sandwich norms, q scaled
-without RoPE).
+    OLMo 2, 3    no input norms (pre_norm false: the QKV and MLP launches without a norm), the sandwich norms as
+                 Gemma's with the weight applied in float32, and q and k normalised over all their heads: the
+                 QKV launch stores them as projected and one more launch a layer normalises and rotates them
+                 (kernels.qk_norm_rope)
+Models with any of the Llama-family extras or Gemma's or OLMo's pieces take the per-layer launches, not the
+one-launch stack; unsupported_reason names what is not covered (LayerNorm sandwich norms, q scaled without RoPE,
+an OLMo norm elsewhere than OLMo has it).
 Rounding follows the eager model in its dtype, so the logits agree to within the usual reduction-order
 differences (tests compare them). Meant to be captured in a
 CUDA graph (`DecodeGraph(..., step=fused_decode_step)`); generation picks it automatically where
@@ -63,14 +67,15 @@ from kernels.decode_mlp import ln_mlp
 from kernels.decode_stack import StackPlan, decode_stack
 from kernels.decode_stack import fits as stack_fits
 from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
+from kernels.qk_norm_rope import qk_norm_rope
 from kernels.residual_norm import add_rms_norm
 
-from .norms import OffsetRMSNorm, RMSNorm
+from .norms import Fp32GainRMSNorm, OffsetRMSNorm, RMSNorm
 
 
 def _norm(norm) -> tuple[tuple, bool]:
-    """(weight, bias or None, eps) of a norm layer, and whether it is an RMSNorm (plain or offset)."""
-    if isinstance(norm, (RMSNorm, OffsetRMSNorm)):
+    """(weight, bias or None, eps) of a norm layer, and whether it is an RMSNorm (of any kind)."""
+    if isinstance(norm, (RMSNorm, OffsetRMSNorm, Fp32GainRMSNorm)):
         return (norm.weight, None, norm.eps), True
     return (norm.weight, norm.bias, norm.eps), False
 
@@ -109,14 +114,19 @@ def rope_tables(model, length: int, dtype: torch.dtype, local: bool = False) -> 
 def unsupported_reason(model, check_cache: bool = True) -> str | None:
     """Why fused_decode_step cannot run this model, or None when it can (check_cache: its KV caches too)."""
     c = model.config
-    if not c.pre_norm or c.norm == "rmsnorm_fp32" or (c.qk_norm and c.qk_norm_scope != "head"):
-        return ("OLMo 2's pieces (norms on the sub-blocks' outputs only, applied in float32; q and k normalised "
-                "over all heads) are not fused")
+    qk_all = c.qk_norm and c.qk_norm_scope == "all"
+    if c.norm == "rmsnorm_fp32" and (c.pre_norm or (c.qk_norm and not qk_all)):
+        return ("norm 'rmsnorm_fp32' on the sub-blocks' inputs or on each head (the fused kernels' norms there are "
+                "Llama's or Gemma's)")
+    if qk_all and (c.norm != "rmsnorm_fp32" or any(b.attn.q_scale != 1.0 or not b.attn.use_rope
+                                                   for b in model.transformer.h)):
+        return ("qk_norm over all heads other than OLMo's (its launch normalises with the weight applied in "
+                "float32, then rotates, in every layer, and scales no q)")
     if c.sandwich_norm and c.norm == "layernorm":
         return "sandwich_norm with LayerNorm (the fused residual add normalises with an RMSNorm)"
     if any(b.attn.q_scale != 1.0 and not b.attn.use_rope for b in model.transformer.h):
         return "query_scale_dim in a layer without RoPE (the QKV kernel scales q in its RoPE epilogue)"
-    if c.qk_norm and (c.pos_emb != "rope" or c.head_dim < 32 or c.head_dim & (c.head_dim - 1)):
+    if c.qk_norm and not qk_all and (c.pos_emb != "rope" or c.head_dim < 32 or c.head_dim & (c.head_dim - 1)):
         return (f"qk_norm with {'head dim ' + str(c.head_dim) if c.pos_emb == 'rope' else 'learned positions'}: "
                 "the QKV kernel normalises q and k heads of a power-of-two dim >= 32, with RoPE")
     w = model.lm_head.weight
@@ -127,9 +137,10 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
     if model.training and model.config.dropout > 0:
         return "the model is in training mode with dropout"
     for block in model.transformer.h:
-        norms = (block.ln_1, block.ln_2) + ((block.ln_attn_out, block.ln_mlp_out) if block.sandwich_norm else ())
+        norms = ((block.ln_1, block.ln_2) if c.pre_norm else ()) + (
+            (block.ln_attn_out, block.ln_mlp_out) if block.sandwich_norm else ())
         for norm in norms:
-            if not isinstance(norm, (nn.LayerNorm, RMSNorm, OffsetRMSNorm)) or norm.weight is None:
+            if not isinstance(norm, (nn.LayerNorm, RMSNorm, OffsetRMSNorm, Fp32GainRMSNorm)) or norm.weight is None:
                 return f"a norm layer {type(norm).__name__} without a gain (LayerNorm or RMSNorm with weights)"
         if not 16 <= block.attn.head_dim <= 256:
             return f"head dim {block.attn.head_dim} outside the decode kernel's 16..256"
@@ -181,7 +192,8 @@ def stack_plan(model) -> StackPlan | None:
     kinds = {(type(b.ln_1), type(b.ln_2)) for b in tr.h}
     mixed_norms = len(kinds) != 1 or next(iter(kinds))[0] is not next(iter(kinds))[1]
     if (c.attention_window or c.qk_norm or c.nope_interval or c.n_embd > STACK_MAX_C or mixed_norms
-            or c.norm in ("rmsnorm1p", "rmsnorm_fp32") or c.sandwich_norm or c.mlp == "geglu" or c.embed_scale or c.query_scale_dim):
+            or c.norm in ("rmsnorm1p", "rmsnorm_fp32") or c.sandwich_norm or not c.pre_norm or c.mlp == "geglu"
+            or c.embed_scale or c.query_scale_dim):
         return None
     if stack_fits(c.n_embd, c.mlp_hidden, attn.head_dim, attn.n_head, attn.n_kv_head, model.lm_head.weight.dtype,
                   programs):
@@ -207,9 +219,10 @@ def supported(model, check_cache: bool = True) -> bool:
     return unsupported_reason(model, check_cache) is None
 
 
-def _add_norm(x: torch.Tensor, y: torch.Tensor, norm, offset: bool, stats_out) -> torch.Tensor:
-    """x + norm(y) (a sandwich norm's residual add, one launch), its row sums into stats_out (or None)."""
-    return add_rms_norm(x, y, norm.weight, norm.eps, offset=offset, stats_out=stats_out, pdl=True)
+def _add_norm(x: torch.Tensor, y: torch.Tensor, norm, kind: str, stats_out) -> torch.Tensor:
+    """x + norm(y) (a sandwich norm's residual add, one launch; kind: config.norm), its row sums into stats_out
+    (or None)."""
+    return add_rms_norm(x, y, norm.weight, norm.eps, kind=kind, stats_out=stats_out, pdl=True)
 
 
 @torch.no_grad()
@@ -224,6 +237,7 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     n_layer = len(tr.h)
     gated = c.mlp in ("swiglu", "geglu")                        # c_fc rows [gate | up]
     offset = c.norm == "rmsnorm1p"                              # norm gains stored as offsets from 1 (Gemma)
+    qk_all = c.qk_norm and c.qk_norm_scope == "all"             # q and k normalised over all heads (OLMo)
     one_mlp_launch = (kernel_options.get().decode_fused_mlp and not (c.sandwich_norm or c.mlp == "geglu" or offset)
                       and mlp_fusable(B, c.n_embd, c.mlp_hidden, tok.device))
     p = pos[:, 0]                                               # (B,) positions of the new tokens
@@ -250,24 +264,27 @@ def fused_decode_step(model, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
     for i, block in enumerate(tr.h):
         attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
-        ln_1, rms_1 = _norm(block.ln_1)
-        ln_2, rms_2 = _norm(block.ln_2)
-        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
+        # the input norms (none without pre_norm, OLMo: then no statistics are read)
+        (ln_1, rms_1), (ln_2, rms_2) = (_norm(block.ln_1), _norm(block.ln_2)) if c.pre_norm else ((None, False),) * 2
+        stats_1, stats_2 = (stats[2 * i], stats[2 * i + 1]) if c.pre_norm else (None, None)
+        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm and not qk_all else None
         rope = tables[attn.local_rope] if attn.use_rope else None  # (SmolLM3's NoPE layers rotate nothing)
         q = ln_qkv_to_cache(x, attn.c_attn.weight, attn.c_attn.bias, ln_1, cache.k, cache.v, p,
-                            attn.n_head * attn.head_dim, ln_stats=stats[2 * i], pdl=True, rms=rms_1, rope=rope,
-                            qk_norm=qk_norm, norm_offset=offset,
+                            attn.n_head * attn.head_dim, ln_stats=stats_1, pdl=True, rms=rms_1,
+                            rope=None if qk_all else rope, qk_norm=qk_norm, norm_offset=offset,
                             q_scale=attn.q_scale)               # (B, Hq·D), rotated; k (rotated), v in the cache
+        if qk_all:  # q and k as projected, normalised over all heads and rotated by a launch of their own
+            q = qk_norm_rope(q, cache.k, p, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, rope, pdl=True)
         y = decode_attention(q.view(B, attn.n_head, 1, attn.head_dim), cache.k[:B], cache.v[:B], lens,
                              check_lens=False, window=cache.window)  # (B, Hq, 1, D); the layer's window, if any
-        stats_next = stats[2 * i + 2] if i + 1 < n_layer else None
-        if block.sandwich_norm:  # each sub-block's output normalised again before it joins the stream (Gemma)
+        stats_next = stats[2 * i + 2] if i + 1 < n_layer and c.pre_norm else None
+        if block.sandwich_norm:  # each sub-block's output normalised again before it joins the stream (Gemma, OLMo)
             y = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, pdl=True)  # (B, C)
-            x = _add_norm(x, y, block.ln_attn_out, offset, stats[2 * i + 1])            # (B, C)
+            x = _add_norm(x, y, block.ln_attn_out, c.norm, stats_2)                      # (B, C)
             h = ln_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, ln=ln_2, rms=rms_2, gelu=not gated, swiglu=gated,
-                          geglu=c.mlp == "geglu", norm_offset=offset, ln_stats=stats[2 * i + 1], pdl=True)  # (B, I)
+                          geglu=c.mlp == "geglu", norm_offset=offset, ln_stats=stats_2, pdl=True)  # (B, I)
             y = ln_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, pdl=True)              # (B, C)
-            x = _add_norm(x, y, block.ln_mlp_out, offset, stats_next)                    # (B, C)
+            x = _add_norm(x, y, block.ln_mlp_out, c.norm, stats_next)                    # (B, C)
             continue
         x = ln_linear(y.view(B, -1), attn.c_proj.weight, attn.c_proj.bias, residual=x,
                       stats_out=stats[2 * i + 1], pdl=True)     # (B, C)

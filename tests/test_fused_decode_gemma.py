@@ -44,6 +44,13 @@ def offset_norm_ref(x, w, eps, dtype):
     return (y * (1.0 + w.to(dtype).to(wide))).to(dtype)
 
 
+def fp32_norm_ref(x, w, eps, dtype):
+    """model/norms.py's Fp32GainRMSNorm in `dtype`: x / rms · w in float32 (float64 for float64), rounded once."""
+    wide = torch.promote_types(dtype, torch.float32)
+    y = F.rms_norm(x.to(dtype).to(wide), (x.shape[-1],), eps=eps)
+    return (y * w.to(dtype).to(wide)).to(dtype)
+
+
 def rms_norm_ref(x, w, eps, dtype):
     """model/norms.py's RMSNorm in `dtype`: x / rms rounded, times the gain."""
     y = F.rms_norm(x.to(dtype).to(torch.promote_types(dtype, torch.float32)), (x.shape[-1],), eps=eps)
@@ -147,17 +154,18 @@ def test_scaled_embedding_and_its_row_sums(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("offset", [True, False], ids=["offset", "plain"])
+@pytest.mark.parametrize("kind", ["rmsnorm1p", "rmsnorm", "rmsnorm_fp32"])
 @pytest.mark.parametrize("M,C", [(1, 37), (4, 640), (2, 4100)], ids=["odd", "gemma-270m", "two-tiles"])
 @torch.no_grad()
-def test_add_rms_norm_matches_reference(M, C, offset, dtype):
-    """x + N(y) with N an offset (Gemma) or plain (Llama) RMSNorm, its row sums stored for the next norm."""
+def test_add_rms_norm_matches_reference(M, C, kind, dtype):
+    """x + N(y) with N an offset (Gemma), plain (Llama) or float32-weight (OLMo) RMSNorm, its row sums stored for
+    the next norm."""
     g = torch.Generator().manual_seed(C + M)
     x, y = rand(g, M, C, scale=2.0, dtype=dtype), rand(g, M, C, scale=5.0, shift=1.0, dtype=dtype)
-    w = rand(g, C, scale=0.4, shift=0.0 if offset else 1.0, dtype=dtype)
-    norm = offset_norm_ref if offset else rms_norm_ref
+    w = rand(g, C, scale=0.4, shift=0.0 if kind == "rmsnorm1p" else 1.0, dtype=dtype)
+    norm = {"rmsnorm1p": offset_norm_ref, "rmsnorm": rms_norm_ref, "rmsnorm_fp32": fp32_norm_ref}[kind]
     stats = torch.full((M, 2), float("nan"), device=DEVICE)
-    got = add_rms_norm(x, y, w, 1e-6, offset=offset, stats_out=stats)
+    got = add_rms_norm(x, y, w, 1e-6, kind=kind, stats_out=stats)
     exact = cpu(x).double() + norm(cpu(y), cpu(w), 1e-6, torch.float64)
     plain = x + norm(y, w, 1e-6, dtype)
     assert_within_budget("x + N(y)", got, exact, plain)
@@ -175,6 +183,8 @@ def test_add_rms_norm_input_checks():
         add_rms_norm(x, x, torch.zeros(8, device=DEVICE), 1e-6, stats_out=torch.zeros(2, 3, device=DEVICE))
     with pytest.raises(ValueError, match="eps must be"):
         add_rms_norm(x, x, torch.zeros(8, device=DEVICE), -1.0)
+    with pytest.raises(ValueError, match="kind must be one of rmsnorm, rmsnorm1p, rmsnorm_fp32"):
+        add_rms_norm(x, x, torch.zeros(8, device=DEVICE), 1e-6, kind="layernorm")
 
 
 def test_gemma_modes_need_their_partners():
@@ -262,11 +272,11 @@ def test_gemma3_fused_step_launches(monkeypatch):
     launches: list = []
     keys = ("OFFSET", "GEGLU", "Q_SCALED", "ROPE", "QK_NORM", "HAS_RES")
     monkeypatch.setattr(ll, "_ln_linear_kernel", LaunchLog(ll._ln_linear_kernel, keys, into=launches))
-    monkeypatch.setattr(rn, "_add_rms_norm_kernel", LaunchLog(rn._add_rms_norm_kernel, ("OFFSET",), into=launches))
+    monkeypatch.setattr(rn, "_add_rms_norm_kernel", LaunchLog(rn._add_rms_norm_kernel, ("KIND",), into=launches))
     model = tiny_gemma(torch.float32)
     model.setup_kv_cache(1, 16)
     fused_decode_step(model, torch.tensor([[1]], device=DEVICE), torch.tensor([[0]], device=DEVICE))
     off = dict(OFFSET=False, GEGLU=False, Q_SCALED=False, ROPE=False, QK_NORM=False, HAS_RES=False)
     qkv = {**off, "OFFSET": True, "Q_SCALED": True, "ROPE": True, "QK_NORM": True}
     fc = {**off, "OFFSET": True, "GEGLU": True}
-    assert launches == [qkv, off, {"OFFSET": True}, fc, off, {"OFFSET": True}] * 3
+    assert launches == [qkv, off, {"KIND": 1}, fc, off, {"KIND": 1}] * 3

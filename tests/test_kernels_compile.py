@@ -38,7 +38,7 @@ LLAMA_MODELS = {  # one layer of each, as the paired tiles were chosen for (kern
 
 DTYPE_ARG = {"_ln_linear_kernel": "X", "_embed_kernel": "WTE", "_decode_split_kernel": "Q",
              "_decode_merge_kernel": "OUT", "_ln_mlp_kernel": "X", "_decode_stack_kernel": "X0",
-             "_add_rms_norm_kernel": "X"}  # the argument whose pointer dtype is the variant's dtype
+             "_add_rms_norm_kernel": "X", "_qk_norm_rope_kernel": "Q"}  # the argument whose pointer dtype is the variant's dtype
 
 
 def _steps(dtype, pdl: bool, batch: int = 1) -> None:
@@ -98,6 +98,30 @@ def _gemma_model_steps() -> None:
     model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **GEMMA3_270M))
     model = model.to(torch.bfloat16).eval()
     for batch in (1, 8, 16):
+        model.setup_kv_cache(batch, 64)
+        for pdl in (True, False):
+            with options.use(pdl=pdl):
+                fused_decode_step(model, torch.full((batch, 1), 3), torch.full((batch, 1), 40))
+
+
+# OLMo 2 1B: no input norms, the sandwich norms' row launches with the weight in float32, q and k normalised over
+# all 16 heads of 128 by a launch of their own; and one OLMo 3-like windowed layer
+OLMO2_1B = dict(n_head=16, n_kv_head=16, n_embd=2048, intermediate_size=8192, pos_emb="rope", norm="rmsnorm_fp32",
+                mlp="swiglu", bias=False, pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all",
+                rope_theta=5e5, norm_eps=1e-6, tie_embeddings=False, attention_window=32, full_attention_interval=2)
+
+
+def _olmo_model_steps() -> None:
+    """fused_decode_step in bf16 on two layers of OLMo 2 1B's shape (the first windowed, as OLMo 3's) at batch 1
+    and 16, with and without PDL."""
+    import torch
+
+    from kernels import options
+    from model import GPT, GPTConfig
+    from model.fused_decode import fused_decode_step
+    model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, attention="naive", **OLMO2_1B))
+    model = model.to(torch.bfloat16).eval()
+    for batch in (1, 16):
         model.setup_kv_cache(batch, 64)
         for pdl in (True, False):
             with options.use(pdl=pdl):
@@ -181,6 +205,7 @@ def compile_decode_launches() -> list[dict]:
     import kernels.decode_mlp as dm
     import kernels.decode_stack as dstack
     import kernels.ln_linear as ll
+    import kernels.qk_norm_rope as qr
     import kernels.residual_norm as rn
     from kernels import options
     from kernels.pdl import triton_has_gdc
@@ -188,11 +213,11 @@ def compile_decode_launches() -> list[dict]:
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
-    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = rn.pdl_enabled = \
+    ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = rn.pdl_enabled = qr.pdl_enabled = \
         lambda device: triton_has_gdc() and options.get().pdl
     torch.manual_seed(0)
     kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel,
-               dm._ln_mlp_kernel, dstack._decode_stack_kernel, rn._add_rms_norm_kernel)
+               dm._ln_mlp_kernel, dstack._decode_stack_kernel, rn._add_rms_norm_kernel, qr._qk_norm_rope_kernel)
     with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
         for dtype in (getattr(torch, name) for name in DTYPES):
             for pdl in (True, False):
@@ -203,11 +228,12 @@ def compile_decode_launches() -> list[dict]:
         _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
         _llama_model_steps()
         _gemma_model_steps()
+        _olmo_model_steps()
     records = [describe(c, DTYPE_ARG) for c in compiled]
     for c, rec in zip(compiled, records):
         if rec["kernel"] == "_ln_linear_kernel" and (rec["consts"]["SWIGLU"] or rec["consts"]["ROPE"]):
             rec["ptxas"] = ptxas_usage(c)
-        if rec["kernel"] in ("_ln_mlp_kernel", "_add_rms_norm_kernel"):
+        if rec["kernel"] in ("_ln_mlp_kernel", "_add_rms_norm_kernel", "_qk_norm_rope_kernel"):
             rec["ptxas"] = ptxas_usage(c)
         if rec["kernel"] == "_decode_stack_kernel":
             rec["ptxas"] = ptxas_usage(c)
@@ -254,8 +280,10 @@ def _tags(rec: dict) -> set[str]:
     elif rec["kernel"] == "_embed_kernel":
         tags.add("wpe" if c["HAS_WPE"] else "no_wpe")
         tags.add("scaled" if c["SCALED"] else "no_scale")
+    elif rec["kernel"] == "_qk_norm_rope_kernel":
+        tags.add(f"d{c['D']}")
     elif rec["kernel"] == "_add_rms_norm_kernel":
-        tags.update({"offset" if c["OFFSET"] else "no_offset", "stats_out" if c["STATS_OUT_ON"] else "no_stats_out",
+        tags.update({("rmsnorm", "offset", "fp32_gain")[c["KIND"]], "stats_out" if c["STATS_OUT_ON"] else "no_stats_out",
                      f"block_c{c['BLOCK_C']}"})
     else:
         tags.update({f"d{c['HEAD_DIM']}", "split" if c.get("SPLIT", True) else "no_split",
@@ -350,6 +378,10 @@ GEMMA_MODEL_MODES = [  # bf16, GEMMA3_270M at batch 1, 8 and 16, with and withou
     "_add_rms_norm_kernel offset stats_out block_c1024", "_add_rms_norm_kernel offset no_stats_out block_c1024",
     "_decode_split_kernel gqa d256",
 ]
+OLMO_MODEL_MODES = [  # bf16, OLMO2_1B at batch 1 and 16, with and without PDL
+    "_ln_linear_kernel no_norm qkv_cache no_rope no_qk_norm", "_ln_linear_kernel no_norm swiglu",
+    "_qk_norm_rope_kernel d128", "_add_rms_norm_kernel fp32_gain no_stats_out block_c2048",
+]
 
 
 def required_modes() -> list[set[str]]:
@@ -365,6 +397,7 @@ def required_modes() -> list[set[str]]:
     out += [{"_ln_mlp_kernel", "bf16", p, *m.split()} for m in MLP_MODEL_MODES for p in ("pdl", "no_pdl")]
     out += [{"bf16", p, *m.split()} for m in GEMMA_MODEL_MODES for p in ("pdl", "no_pdl")]
     out.append({"_embed_kernel", "bf16", "no_wpe", "scaled"})
+    out += [{"bf16", p, *m.split()} for m in OLMO_MODEL_MODES for p in ("pdl", "no_pdl")]
     return out
 
 
@@ -376,8 +409,9 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     (the automatic count's four-stage tile at batch 1 included, in both split orders); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
-    the MLP block in one launch (kernels/decode_mlp.py) and the sandwich norms' row launch
-    (kernels/residual_norm.py) do not spill."""
+    the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch
+    (kernels/residual_norm.py) and OLMo's q / k norm launch (kernels/qk_norm_rope.py, OLMo 2 1B's shape) do not
+    spill."""
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path)
@@ -400,7 +434,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
                if not {"pdl", "one_split"} <= set(tags.split()) or "qk_norm" in tags.split()]
     assert not spilled, f"paired launches that spill at sm_90: {spilled}"
     rows = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
-            if rec["kernel"] == "_add_rms_norm_kernel"]
+            if rec["kernel"] in ("_add_rms_norm_kernel", "_qk_norm_rope_kernel")]
     assert rows and not [r for r in rows if r[1]["spill_stores"] or r[1]["spill_loads"]], rows
     mlp = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged) if rec["kernel"] == "_ln_mlp_kernel"]
     assert len(mlp) >= len(MLP_MODES) + len(MLP_MODEL_MODES)

@@ -1,8 +1,7 @@
 """OLMo 2's options of GPTConfig on our side: norms on the sub-blocks' outputs only (pre_norm = false with
 sandwich_norm), RMSNorm with its weight applied in float32 (rmsnorm_fp32), q and k normalised over all heads
 (qk_norm_scope = "all"): the pieces against formulas of their own, flash (the interpreter on the CPU) against the
-naive reference forward and backward, compile, training, the fused decode step's refusal (generation takes the
-model's own step), validation and the real shape's config. Against transformers' own Olmo2ForCausalLM:
+naive reference forward and backward, compile, training, cached generation, validation and the real shape's config. Against transformers' own Olmo2ForCausalLM:
 tests/test_hf_import.py, test_export.py, test_finetune.py, test_hf_adapter.py."""
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 
 from config import ConfigError, load_config
 from model import GPT, GPTConfig
-from model.fused_decode import stack_plan, unsupported_reason
+from model.fused_decode import stack_plan
 from model.generation import generate
 from model.norms import Fp32GainRMSNorm, RMSNorm
 from model.rope import apply_rope
@@ -126,11 +125,13 @@ def test_compiled_model_has_no_graph_break_and_training_lowers_the_loss():
 
 
 @torch.no_grad()
-def test_fused_step_refuses_it_and_generation_takes_the_models_step():
+def test_cached_generation_equals_recomputing_and_the_stack_refuses_it():
+    """Greedy tokens with the KV cache (the model's own step) equal the no-cache recompute; the one-launch decode
+    stack has no OLMo pieces (the fused step's per-layer launches do: tests/test_fused_decode_olmo.py)."""
     model = random_model()
-    assert "OLMo 2's pieces" in unsupported_reason(model, check_cache=False) and stack_plan(model) is None
+    assert stack_plan(model) is None
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(1)).tolist()
-    out = generate(model, [prompt], SamplingParams(temperature=0.0, max_new_tokens=8))
+    out = generate(model, [prompt], SamplingParams(temperature=0.0, max_new_tokens=8), fused=False)
     assert out.decode_path == "model"
     assert out.sequences[0] == recompute_greedy(model, prompt, 8)
 

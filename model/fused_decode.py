@@ -70,12 +70,12 @@ from kernels.ln_linear import embed_with_stats, ln_linear, ln_qkv_to_cache
 from kernels.qk_norm_rope import qk_norm_rope
 from kernels.residual_norm import add_rms_norm
 
-from .norms import Fp32GainRMSNorm, OffsetRMSNorm, RMSNorm
+from .norms import Fp32GainRMSNorm, RMSNorm  # (OffsetRMSNorm, Gemma's, is a Fp32GainRMSNorm)
 
 
 def _norm(norm) -> tuple[tuple, bool]:
     """(weight, bias or None, eps) of a norm layer, and whether it is an RMSNorm (of any kind)."""
-    if isinstance(norm, (RMSNorm, OffsetRMSNorm, Fp32GainRMSNorm)):
+    if isinstance(norm, (RMSNorm, Fp32GainRMSNorm)):
         return (norm.weight, None, norm.eps), True
     return (norm.weight, norm.bias, norm.eps), False
 
@@ -140,7 +140,7 @@ def unsupported_reason(model, check_cache: bool = True) -> str | None:
         norms = ((block.ln_1, block.ln_2) if c.pre_norm else ()) + (
             (block.ln_attn_out, block.ln_mlp_out) if block.sandwich_norm else ())
         for norm in norms:
-            if not isinstance(norm, (nn.LayerNorm, RMSNorm, OffsetRMSNorm, Fp32GainRMSNorm)) or norm.weight is None:
+            if not isinstance(norm, (nn.LayerNorm, RMSNorm, Fp32GainRMSNorm)) or norm.weight is None:
                 return f"a norm layer {type(norm).__name__} without a gain (LayerNorm or RMSNorm with weights)"
         if not 16 <= block.attn.head_dim <= 256:
             return f"head dim {block.attn.head_dim} outside the decode kernel's 16..256"

@@ -31,42 +31,32 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-class OffsetRMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · (1 + weight) over the last dim, all in float32 (float64 for float64 x), then
-    rounded to x's dtype (transformers' Gemma3RMSNorm): the weight is stored as its offset from 1 and starts at
-    zeros. Runs on torch (compiled with the model under torch.compile)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)  # (..., dim)
-        return (y * (1.0 + self.weight.to(wide))).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, scale=1+weight"
-
-
 class Fp32GainRMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight over the last dim, all in float32 (float64 for float64 x), then rounded
-    to x's dtype (transformers' Olmo2RMSNorm: the weight multiplies before the one rounding, where LlamaRMSNorm
-    rounds first). Runs on torch (compiled with the model under torch.compile)."""
+    """x / sqrt(mean(x²) + eps) · (OFFSET + weight) over the last dim, all in float32 (float64 for float64 x),
+    then rounded to x's dtype: the gain multiplies before the one rounding, where LlamaRMSNorm rounds first.
+    OFFSET 0 here (transformers' Olmo2RMSNorm, the weight starts at ones); OffsetRMSNorm's 1 (Gemma's). Runs on
+    torch (compiled with the model under torch.compile)."""
+    OFFSET = 0.0
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.OFFSET))  # a gain of 1 at the start
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = torch.promote_types(x.dtype, torch.float32)
         y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)  # (..., dim)
-        return (y * self.weight.to(wide)).to(x.dtype)
+        gain = self.weight.to(wide) + self.OFFSET if self.OFFSET else self.weight.to(wide)
+        return (y * gain).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, weight in float32"
+        return f"{self.weight.shape[0]}, eps={self.eps}, gain {self.OFFSET:g}+weight in float32"
+
+
+class OffsetRMSNorm(Fp32GainRMSNorm):
+    """x / sqrt(mean(x²) + eps) · (1 + weight), all in float32, then rounded (transformers' Gemma3RMSNorm): the
+    weight is stored as its offset from 1 and starts at zeros."""
+    OFFSET = 1.0
 
 
 def make_norm(cfg, dim: int | None = None) -> nn.Module:

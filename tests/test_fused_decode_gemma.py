@@ -23,12 +23,10 @@ from kernels.ln_linear import embed_with_stats, forced_config, ln_linear, ln_qkv
 from kernels.residual_norm import add_rms_norm  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, stack_plan, unsupported_reason  # noqa: E402
-from model.generation import generate  # noqa: E402
 from model.rope import RotaryEmbedding, apply_rope  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
 from tests.error_budget import assert_within_budget  # noqa: E402
 from tests.test_fused_decode import DEVICE, DTYPES  # noqa: E402
-from tests.test_fused_decode_llama import decode_three_ways  # noqa: E402
+from tests.test_fused_decode_llama import assert_fused_generation_equals_the_models, decode_three_ways  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -242,19 +240,7 @@ def test_gemma3_pieces_one_at_a_time(variant):
 def test_gemma3_greedy_generation_with_the_fused_step_equals_without():
     """The same tokens with the fused step as with the model's own (prompts across the window, each sequence at
     its own positions). On a GPU: generate()'s own choice with the flash backend, in a CUDA graph and without."""
-    model = tiny_gemma(torch.float32)
-    prompts = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 5, 17)]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-    plain = generate(model, prompts, greedy, fused=False)
-    assert plain.decode_path == "model" and all(len(s) == greedy.max_new_tokens for s in plain.sequences)
-    if DEVICE.type == "cpu":
-        fused = generate(model, prompts, greedy, fused=True)
-        assert fused.decode_path == "fused" and fused.sequences == plain.sequences
-        return
-    model.set_attention_backend("flash")
-    for graph in (False, True):
-        auto = generate(model, prompts, greedy, cuda_graph=graph)
-        assert auto.decode_path == "fused" and auto.sequences == plain.sequences, f"cuda_graph={graph}"
+    assert_fused_generation_equals_the_models(tiny_gemma(torch.float32))
 
 
 def test_sandwich_norm_with_layernorm_is_refused():

@@ -19,13 +19,12 @@ import torch.nn.functional as F  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.fused_decode import fused_decode_step, stack_plan, unsupported_reason  # noqa: E402
-from model.generation import generate  # noqa: E402
 from model.rope import RotaryEmbedding, apply_rope  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
 from tests.error_budget import assert_within_budget  # noqa: E402
 from tests.test_fused_decode import DEVICE, DTYPES  # noqa: E402
 from tests.test_fused_decode_gemma import fp32_norm_ref  # noqa: E402
-from tests.test_fused_decode_llama import LaunchLog, decode_three_ways  # noqa: E402
+from tests.test_fused_decode_llama import (LaunchLog, assert_fused_generation_equals_the_models,  # noqa: E402
+                                          decode_three_ways)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -110,19 +109,7 @@ def test_olmo_fused_step_equals_the_models_step(family, dtype):
 
 @torch.no_grad()
 def test_olmo_greedy_generation_with_the_fused_step_equals_without():
-    model = tiny_olmo(torch.float32, **OLMO3)
-    prompts = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 5, 17)]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-    plain = generate(model, prompts, greedy, fused=False)
-    assert plain.decode_path == "model"
-    if DEVICE.type == "cpu":
-        fused = generate(model, prompts, greedy, fused=True)
-        assert fused.decode_path == "fused" and fused.sequences == plain.sequences
-        return
-    model.set_attention_backend("flash")
-    for graph in (False, True):
-        auto = generate(model, prompts, greedy, cuda_graph=graph)
-        assert auto.decode_path == "fused" and auto.sequences == plain.sequences, f"cuda_graph={graph}"
+    assert_fused_generation_equals_the_models(tiny_olmo(torch.float32, **OLMO3))
 
 
 @torch.no_grad()

@@ -132,3 +132,15 @@ def train_losses(model, data, steps: int = 25, weight_decay: float = 0.0, lr: fl
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def assert_compiles_as_one_graph(model, idx) -> None:
+    """model(idx, idx) under torch.compile(fullgraph=True, aot_eager) gives the eager logits and loss (no graph
+    break: fullgraph raises on one)."""
+    import torch
+    eager_logits, eager_loss = model(idx, idx)
+    torch._dynamo.reset()
+    logits, loss = torch.compile(model, fullgraph=True, backend="aot_eager")(idx, idx)
+    torch.testing.assert_close(logits, eager_logits)
+    torch.testing.assert_close(loss, eager_loss)
+    torch._dynamo.reset()

@@ -5,6 +5,8 @@
     python bench/generate.py --model smollm2  # GPU, SmolLM2-135M shape: the same variants and transformers
     python bench/generate.py --model qwen3    # GPU, Qwen3-0.6B shape (q and k norms): the same
     python bench/generate.py --model gemma3   # GPU, Gemma 3 270M shape (sandwich norms, GeGLU, windows): the same
+    python bench/generate.py --model olmo2    # GPU, OLMo 2 1B shape (norms after the sub-blocks, q/k norms over all
+                                              # heads): the same
     python bench/generate.py --compile        # + a torch.compile'd decode step inside the CUDA graph (~1 min more)
     python bench/generate.py --smoke [--model smollm2]   # CPU, tiny model, Triton interpreter: checks the script
 
@@ -19,6 +21,9 @@ One randomly initialised model (random weights cost the same time as trained one
     gemma3    Gemma 3 270M (configs/gemma3_270m.toml): n_layer 18, n_embd 640, n_head 4 over n_kv_head 1 of 256,
               RMSNorms scaled by 1 + weight (sandwich norms, q and k norms), GeGLU 2048 wide, vocab 262144,
               embeddings times sqrt(640), five of six layers windowed (512, RoPE theta 1e4), the rest global (1e6)
+    olmo2     OLMo 2 1B (configs/olmo2_1b.toml): n_layer 16, n_embd 2048, n_head 16 of 128 (no GQA), SwiGLU 8192
+              wide, vocab 100352, RMSNorms (weight in float32) only after the attention and the MLP, one q norm and
+              one k norm over all heads, RoPE (theta 5e5), no biases, untied LM head
 
 and `model.generation.generate` for every flashgpt variant, so all of them share the static KV cache, the
 prefill/decode split and the host loop:
@@ -64,8 +69,8 @@ Per variant and batch, medians over --reps runs after one warm-up run (two for t
     weight GB/s  the weights' bytes / step time: the decode speed per byte of weights, comparable across shapes
     graph replay µs   (graph variants) the GPU time of one bare replay of the captured step, at cache length
                  prompt + new/2, without the host loop or sampling: what the loop could reach
-Targets: gpt2, decode tok/s of the best flashgpt graph variant (TARGETS); smollm2 (and qwen3, reported the same
-way), that variant's decode tok/s over transformers-static+compile's (RATIO_TARGETS: >= 2x at batch 1, >= 1.5x at 16).
+Targets: gpt2, decode tok/s of the best flashgpt graph variant (TARGETS); smollm2 (and qwen3, gemma3, olmo2,
+reported the same way), that variant's decode tok/s over transformers-static+compile's (RATIO_TARGETS: >= 2x at batch 1, >= 1.5x at 16).
 Correctness first: the greedy tokens of flashgpt-fused+graph (flashgpt-fused on CPU) against plain PyTorch (sdpa,
 eager) and against transformers (the same weights); bf16 rounding may flip a near-tie and the sequences then
 diverge, so the agreement is reported, not required. Each variant runs in its own try/except: a failure is
@@ -92,7 +97,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-MODELS = ("gpt2", "smollm2", "qwen3", "gemma3")
+MODELS = ("gpt2", "smollm2", "qwen3", "gemma3", "olmo2")
 
 
 def _positive_int(text: str) -> int:
@@ -146,6 +151,8 @@ LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 GEMMA3 = dict(pos_emb="rope", norm="rmsnorm1p", mlp="geglu", bias=False, sandwich_norm=True, embed_scale=True,
               qk_norm=True, norm_eps=1e-6, attention_window=512, full_attention_interval=6, rope_theta=1e6,
               rope_local_theta=1e4)
+OLMO2 = dict(pos_emb="rope", norm="rmsnorm_fp32", mlp="swiglu", bias=False, pre_norm=False, sandwich_norm=True,
+             qk_norm=True, qk_norm_scope="all", norm_eps=1e-6, rope_theta=5e5, tie_embeddings=False)
 SHAPES = {  # (full size, --smoke)
     "gpt2": (dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
              dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)),
@@ -161,6 +168,10 @@ SHAPES = {  # (full size, --smoke)
                     vocab_size=262144, block_size=2048, **GEMMA3),
                dict(n_layer=3, n_head=2, n_kv_head=1, n_embd=48, head_size=32, intermediate_size=64, vocab_size=128,
                     block_size=64, **{**GEMMA3, "attention_window": 8, "full_attention_interval": 3})),
+    "olmo2": (dict(n_layer=16, n_head=16, n_kv_head=16, n_embd=2048, intermediate_size=8192, vocab_size=100352,
+                   block_size=2048, **OLMO2),
+              dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=48, intermediate_size=64, vocab_size=128, block_size=64,
+                   **OLMO2)),
 }
 HF_VARIANTS = ("transformers-static+compile", "transformers-static")  # GPU (compiled), CPU (--smoke)
 

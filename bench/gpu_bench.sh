@@ -7,6 +7,7 @@
 #   bash bench/gpu_bench.sh generate_qwen3 decode_window   # Qwen3's fused step (q and k norms in the QKV kernel);
 #                                                 # the split-KV kernel with a 4096-token window against SDPA
 #   bash bench/gpu_bench.sh generate_gemma3       # Gemma 3 270M's fused step (sandwich norms, GeGLU, windows)
+#   bash bench/gpu_bench.sh generate_olmo2        # OLMo 2 1B's fused step (norms after the sub-blocks, q/k norms)
 #   FLASHGPT_LORA_ADDMM=1 bash bench/gpu_bench.sh train_lora   # the LoRA step with the update added by addmm
 #                                                 # (run it without the variable too, in the same call)
 #   BASE=../other-checkout bash bench/gpu_bench.sh attention   # each benchmark in BASE first, then here, in the
@@ -36,13 +37,14 @@ declare -A ARGS=(
   [varlen]="${VARLEN_ARGS:---varlen}"
   [generate_qwen3]="${GENERATE_QWEN3_ARGS:---model qwen3 --no-kernel-sweep}"
   [generate_gemma3]="${GENERATE_GEMMA3_ARGS:---model gemma3 --no-kernel-sweep}"
+  [generate_olmo2]="${GENERATE_OLMO2_ARGS:---model olmo2 --no-kernel-sweep}"
   [decode_window]="${DECODE_WINDOW_ARGS:---window 4096 --heads 16 --kv-heads 8 --head-dim 128 --providers split,nosplit,sdpa,sdpa-mask,copy}"
   [train_lora]="${TRAIN_LORA_ARGS:---model configs/smollm2_135m.toml --block 2048 --steps 20 --repeats 1 --variants flash+graphs --lora-rank 16}"
 )
 declare -A SCRIPT=([attention]=attention.py [train]=train.py [generate]=generate.py [decode]=decode_attention.py
                    [loss]=cross_entropy.py [llama]=llama_kernels.py
                    [train_smollm2]=train.py [generate_smollm2]=generate.py [varlen]=attention.py
-                   [generate_qwen3]=generate.py [generate_gemma3]=generate.py [decode_window]=decode_attention.py [train_lora]=train.py)
+                   [generate_qwen3]=generate.py [generate_gemma3]=generate.py [generate_olmo2]=generate.py [decode_window]=decode_attention.py [train_lora]=train.py)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(attention train generate decode loss llama)
 
@@ -59,7 +61,7 @@ bench() {  # NAME TREE SUFFIX
   [ $rc -eq 0 ] || status=1
 }
 for name in "${names[@]}"; do
-  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss, llama, train_smollm2, generate_smollm2, varlen, generate_qwen3, generate_gemma3, decode_window, train_lora)"; exit 2; }
+  [ -n "${SCRIPT[$name]:-}" ] || { echo "error: unknown benchmark '$name' (attention, train, generate, decode, loss, llama, train_smollm2, generate_smollm2, varlen, generate_qwen3, generate_gemma3, generate_olmo2, decode_window, train_lora)"; exit 2; }
   [ -z "${BASE:-}" ] || bench "$name" "$BASE" _base
   bench "$name" "$ROOT" ""
 done

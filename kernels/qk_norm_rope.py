@@ -14,7 +14,8 @@ Supported (a ValueError before any launch otherwise):
     dtypes     q, the cache and the RoPE tables of one dtype (float16, bfloat16, float32); the gains of any of
                them; sums in float32
     shapes     q (M, Hq·D) with unit stride along its columns; k_cache (B', Hkv, L, D) with B' >= M; pos (M,)
-               int; gains (Hq·D,) and (Hkv·D,); cos, sin (L', D) with unit stride along D; D even, any Hq, Hkv
+               int; gains (Hq·D,) and (Hkv·D,); cos, sin (L', D) with unit stride along D; any even D (96,
+               24: the half-lanes' tile padded to a power of 2 and masked), any Hq, Hkv
     devices    CUDA; CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, for tests)
 Positions are not range-checked (the caller's KV cache owns them). Inference only (no backward).
 """
@@ -36,9 +37,10 @@ def _rounded(y, dtype: tl.constexpr):
 @triton.jit
 def _qk_norm_rope_kernel(Q, KC, POS, QG, KG, COS, SIN, stride_q, stride_cb, stride_ch, stride_cn, stride_cd,
                          stride_pos, stride_rope, eps, HQ, HKV, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                         USE_GDC: tl.constexpr):
+                         BLOCK_I: tl.constexpr, USE_GDC: tl.constexpr):
     """grid = (M, 2): program (m, 0) normalises and rotates q[m] (HQ heads), program (m, 1) the k of row m at
-    its position in KC (HKV heads); each in place, a (BLOCK_H, D/2) tile of lane pairs (i, i + D/2) per head."""
+    its position in KC (HKV heads); each in place, a (BLOCK_H, BLOCK_I) tile of lane pairs (i, i + D/2) per head
+    (BLOCK_I = D/2 rounded up to a power of 2, the lanes past D/2 masked)."""
     m = tl.program_id(0)
     is_k = tl.program_id(1) == 1
     if USE_GDC:
@@ -47,8 +49,9 @@ def _qk_norm_rope_kernel(Q, KC, POS, QG, KG, COS, SIN, stride_q, stride_cb, stri
     pos = tl.load(POS + m * stride_pos).to(tl.int64)
     heads = tl.where(is_k, HKV, HQ)
     h = tl.arange(0, BLOCK_H)                                                   # (BLOCK_H,)
-    i = tl.arange(0, D // 2)                                                    # (D/2,)
-    ok = (h < heads)[:, None] & (i < D // 2)[None, :]                          # (BLOCK_H, D/2)
+    i = tl.arange(0, BLOCK_I)                                                   # (BLOCK_I,)
+    in_half = i < D // 2
+    ok = (h < heads)[:, None] & in_half[None, :]                               # (BLOCK_H, BLOCK_I)
     if is_k:  # the raw k the QKV kernel cached at the row's position
         base = KC + m.to(tl.int64) * stride_cb + pos * stride_cn
         ptr1 = base + h[:, None].to(tl.int64) * stride_ch + i[None, :] * stride_cd
@@ -68,8 +71,8 @@ def _qk_norm_rope_kernel(Q, KC, POS, QG, KG, COS, SIN, stride_q, stride_cb, stri
     g2 = tl.load(gain + lane + D // 2, mask=ok, other=0.0).to(tl.float32)
     n1 = _rounded(x1 * rstd * g1, dtype)                                        # the weight in fp32, rounded once
     n2 = _rounded(x2 * rstd * g2, dtype)
-    cos = tl.load(COS + pos * stride_rope + i).to(tl.float32)[None, :]          # (1, D/2): one angle, all heads
-    sin = tl.load(SIN + pos * stride_rope + i).to(tl.float32)[None, :]
+    cos = tl.load(COS + pos * stride_rope + i, mask=in_half, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_I)
+    sin = tl.load(SIN + pos * stride_rope + i, mask=in_half, other=0.0).to(tl.float32)[None, :]  # all heads' angle
     r1 = _rounded(n1 * cos, dtype) + _rounded(-n2 * sin, dtype)
     r2 = _rounded(n2 * cos, dtype) + _rounded(n1 * sin, dtype)
     tl.store(ptr1, r1.to(dtype), mask=ok)
@@ -116,7 +119,8 @@ def qk_norm_rope(q: torch.Tensor, k_cache: torch.Tensor, pos: torch.Tensor, q_ga
     with _triton.device_guard(q):
         _qk_norm_rope_kernel[(M, 2)](q, k_cache, pos, q_gain, k_gain, cos, sin, q.stride(0), *k_cache.stride(),
                                      pos.stride(0), cos.stride(0), float(eps), Hq, Hkv, D=D,
-                                     BLOCK_H=triton.next_power_of_2(max(Hq, Hkv)), USE_GDC=pdl,
+                                     BLOCK_H=triton.next_power_of_2(max(Hq, Hkv)),
+                                     BLOCK_I=triton.next_power_of_2(D // 2), USE_GDC=pdl,
                                      num_warps=4 if max(Hq, Hkv) * D <= 2048 else 8,
                                      **(dict(launch_pdl=True) if pdl else {}))
     return q

@@ -28,7 +28,8 @@ from tests.test_fused_decode_llama import (LaunchLog, assert_fused_generation_eq
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 16), (3, 3, 32), (5, 1, 8)], ids=["gqa", "mha", "mqa-d8"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 16), (3, 3, 32), (5, 1, 8), (2, 2, 24), (3, 1, 6)],
+                         ids=["gqa", "mha", "mqa-d8", "mha-d24", "gqa-d6"])
 @torch.no_grad()
 def test_qk_norm_over_all_heads_then_rope(Hq, Hkv, D, dtype):
     """q and each row's cached k: x / rms over all heads · w (float32, rounded once), then RoPE at the row's
@@ -98,11 +99,12 @@ def tiny_olmo(dtype, **kw) -> GPT:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "olmo2-d24"])
 @torch.no_grad()
 def test_olmo_fused_step_equals_the_models_step(family, dtype):
-    """Sequences from positions 1, 6 and 14 decode 4 steps (OLMo 3: across its 5-token window)."""
-    model = tiny_olmo(dtype, **(OLMO3 if family == "olmo3" else {}))
+    """Sequences from positions 1, 6 and 14 decode 4 steps (OLMo 3: across its 5-token window; d24: a head dim whose
+    half is no power of 2, as 96 is)."""
+    model = tiny_olmo(dtype, **{"olmo3": OLMO3, "olmo2-d24": dict(head_size=24)}.get(family, {}))
     assert unsupported_reason(model, check_cache=False) is None and stack_plan(model) is None
     decode_three_ways(model, [1, 6, 14], max_len=24, steps=4)
 

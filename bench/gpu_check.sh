@@ -179,11 +179,18 @@ spawn doc_mask_window_train sampled train_then_generate "$RUN/docmask" "$PY" tra
 spawn llama_train_and_generate sampled train_then_generate "$RUN/llama" "$PY" train.py configs/llama_demo.toml \
   --out_dir="$RUN/llama" --max_iters=200 --eval_interval=100 --max_time=0 --llama_kernels=triton "${XARGS[@]}"
 # Gemma 3 blocks (GeGLU, sandwich norms, 1 + weight RMSNorm, scaled embeddings, a window in every other layer
-# with its own RoPE base), compiled, then generated from (the model's step: a window per layer in the cache)
+# with its own RoPE base), compiled, then generated from (the fused step: a window per layer in the cache)
 spawn gemma_train_and_generate sampled train_then_generate "$RUN/gemma" "$PY" train.py configs/llama_demo.toml \
   --out_dir="$RUN/gemma" --max_iters=200 --eval_interval=100 --max_time=0 --norm=rmsnorm1p --mlp=geglu \
   --sandwich_norm=true --embed_scale=true --qk_norm=true --attention_window=48 --full_attention_interval=2 \
   --rope_local_theta=1000 --compile=true "${XARGS[@]}"
+# OLMo 3 blocks (norms after the sub-blocks only with the weight in float32, q and k normalised over all heads, a
+# window in every other layer), then generated from on the fused step (kernels/qk_norm_rope.py, the sandwich norms'
+# row launch)
+spawn olmo_train_and_generate sampled train_then_generate "$RUN/olmo" "$PY" train.py configs/llama_demo.toml \
+  --out_dir="$RUN/olmo" --max_iters=200 --eval_interval=100 --max_time=0 --norm=rmsnorm_fp32 --pre_norm=false \
+  --sandwich_norm=true --qk_norm=true --qk_norm_scope=all --attention_window=48 --full_attention_interval=2 \
+  --rope_local_theta=1000 --tie_embeddings=false "${XARGS[@]}"
 
 # evaluation of the trained GPT-2-tokenizer run: perplexity on two of the corpus's works, HellaSwag on the fixture
 scored_ppl() { has "$1" "bits per byte"; }

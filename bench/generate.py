@@ -7,6 +7,7 @@
     python bench/generate.py --model gemma3   # GPU, Gemma 3 270M shape (sandwich norms, GeGLU, windows): the same
     python bench/generate.py --model olmo2    # GPU, OLMo 2 1B shape (norms after the sub-blocks, q/k norms over all
                                               # heads): the same
+    python bench/generate.py --model configs/llama_demo.toml   # GPU, the [model] shape of any training config
     python bench/generate.py --compile        # + a torch.compile'd decode step inside the CUDA graph (~1 min more)
     python bench/generate.py --smoke [--model smollm2]   # CPU, tiny model, Triton interpreter: checks the script
 
@@ -110,13 +111,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _model(text: str) -> str:
+    if text in MODELS:
+        return text
+    if text.endswith(".toml"):
+        if not Path(text).is_file():
+            raise argparse.ArgumentTypeError(f"no config file {text}")
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a shape ({', '.join(MODELS)}) nor a .toml config")
+
+
 def _batches(text: str) -> list[int]:
     return [_positive_int(x) for x in text.split(",")]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="gpt2", help="the shape to decode (default gpt2)")
+    p.add_argument("--model", type=_model, default="gpt2",
+                   help=f"the shape to decode: one of {', '.join(MODELS)} (default gpt2), or a training config's "
+                        "TOML file (its [model] section; results named after the file)")
     p.add_argument("--out", default=None, help="directory for JSON + markdown (default bench/results/)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter): seconds")
     p.add_argument("--batches", type=_batches, default=None, help="comma-separated batch sizes (default 1,16)")
@@ -176,9 +189,19 @@ SHAPES = {  # (full size, --smoke)
 HF_VARIANTS = ("transformers-static+compile", "transformers-static")  # GPU (compiled), CPU (--smoke)
 
 
+def shape_config(name: str, smoke: bool) -> GPTConfig:
+    """The model config of `name`: a shape of SHAPES (its --smoke size with smoke), or a training config's TOML
+    file, whose [model] section is taken as it is (vocab_size 0, the GPT-2 tokenizer's padded 50304)."""
+    if name in SHAPES:
+        return GPTConfig(**SHAPES[name][1 if smoke else 0])
+    from config import load_config
+    cfg = load_config(name, []).model
+    return cfg if cfg.vocab_size else GPTConfig(**{**vars(cfg), "vocab_size": 50304})
+
+
 def build_model(name: str, smoke: bool, device, dtype) -> GPT:
-    """The benchmark's model of shape `name` (SHAPES), randomly initialised (seed 0), in eval mode."""
-    cfg = GPTConfig(**SHAPES[name][1 if smoke else 0])
+    """The benchmark's model of shape `name` (shape_config), randomly initialised (seed 0), in eval mode."""
+    cfg = shape_config(name, smoke)
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
@@ -495,7 +518,11 @@ def main() -> int:
     prompt_len = ARGS.prompt_len or (8 if smoke else 128)
     new_tokens = ARGS.new_tokens or (6 if smoke else 256)
     reps = 1 if smoke else ARGS.reps
-    block_size = GPTConfig(**SHAPES[ARGS.model][1 if smoke else 0]).block_size
+    try:
+        block_size = shape_config(ARGS.model, smoke).block_size
+    except (ValueError, KeyError, TypeError) as e:  # a bad config file: its one line
+        print(f"error: {ARGS.model}: {e}", file=sys.stderr)
+        return 2
     if new_tokens < 2 or prompt_len + new_tokens > block_size:
         print(f"error: --new-tokens must be at least 2 (decode steps to time) and prompt + new tokens at most the "
               f"{ARGS.model} shape's block_size {block_size}, got {prompt_len} + {new_tokens}", file=sys.stderr)
@@ -505,7 +532,8 @@ def main() -> int:
         out_dirs.append(Path(os.environ["OUT"]))
     for d in out_dirs:
         d.mkdir(parents=True, exist_ok=True)
-    name = "generate" + ("" if ARGS.model == "gpt2" else f"_{ARGS.model}") + ("_smoke" if smoke else "")
+    label = Path(ARGS.model).stem if ARGS.model.endswith(".toml") else ARGS.model
+    name = "generate" + ("" if label == "gpt2" else f"_{label}") + ("_smoke" if smoke else "")
     wanted = ARGS.variants.split(",") if ARGS.variants else None
 
     model = build_model(ARGS.model, smoke, device, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,31 @@ def test_smoke_runs_the_normed_shapes_through_the_fused_step_and_transformers(tm
     if importlib.util.find_spec("transformers") is not None:
         assert compared["flashgpt-fused vs transformers-static"]["fraction"] == 1.0
     assert feature in (tmp_path / f"generate_{name}_smoke.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU (interpreter) path; a GPU runs the real "
+                    "benchmark")
+def test_smoke_takes_a_training_configs_shape(tmp_path):
+    """--model FILE.toml: the [model] section of a training config (llama_demo's, narrowed for the interpreter),
+    results named after the file."""
+    demo = (Path(ROOT) / "configs" / "llama_demo.toml").read_text()
+    assert "n_embd = 128" in demo and "vocab_size" not in demo
+    toml = tmp_path / "narrow_llama.toml"
+    toml.write_text(demo.replace("n_embd = 128", "n_embd = 64\nvocab_size = 96").replace("n_layer = 4", "n_layer = 1"))
+    r = run_entry("bench/generate.py", "--smoke", "--model", toml, "--no-kernel-sweep",
+                  "--out", tmp_path, "--variants", "flashgpt-fused,sdpa", "--batches", "1", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads((tmp_path / "generate_narrow_llama_smoke.json").read_text())
+    assert "n_layer 1, n_head 4, n_kv_head 2" in data["meta"]["shape"] and "vocab 96" in data["meta"]["shape"]
+    compared = {c["compared"]: c for c in data["correctness"] if "error" not in c}
+    assert compared["flashgpt-fused vs sdpa"]["fraction"] == 1.0
+
+
+def test_a_bad_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nn_head = 3\nn_embd = 64\n")
+    r = run_entry("bench/generate.py", "--smoke", "--model", bad, "--out", tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {bad}: model.n_embd=64: must be divisible by n_head=3 (or set head_size)"]
+    r = run_entry("bench/generate.py", "--model", tmp_path / "absent.toml", timeout=120)
+    assert r.returncode == 2 and "no config file" in r.stderr

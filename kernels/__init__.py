@@ -122,12 +122,14 @@ def resolve_backend(name: str, device) -> str:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -1,
                   kernel: str | None = None) -> torch.Tensor:
     """Mean cross-entropy of logits (N, V) against targets (N,) over the rows whose target is not ignore_index,
-    computed in fp32 whatever the logits' dtype. kernel: "triton" (kernels/ce_loss.py: one read of the
-    logits forward, one read and one write backward), "torch" (F.cross_entropy on logits.float()), "auto" /
-    None: resolve_loss_kernel's choice."""
-    if resolve_loss_kernel(kernel, logits.device) == "triton":
+    computed in fp32 (float64 logits: in float64) whatever the logits' dtype. kernel: "triton"
+    (kernels/ce_loss.py: one read of the logits forward, one read and one write backward; float16, bfloat16,
+    float32), "torch" (F.cross_entropy on logits.float()), "auto" / None: resolve_loss_kernel's choice, except that
+    float64 logits (a reference model's) always take the torch path."""
+    wide = logits.dtype == torch.float64
+    if (kernel == "triton" or not wide) and resolve_loss_kernel(kernel, logits.device) == "triton":
         return triton_cross_entropy(logits, targets, ignore_index)
-    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+    return F.cross_entropy(logits if wide else logits.float(), targets, ignore_index=ignore_index)
 
 
 def resolve_loss_kernel(kernel: str | None, device) -> str:

@@ -266,3 +266,18 @@ def test_kernels_compile_for_hopper():
                           text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["_ce_fwd", "True", "_ce_bwd", "True"]
+
+
+def test_float64_logits_take_the_torch_loss_whatever_the_option(request):
+    """A float64 reference model's loss (on a GPU, where "auto" means the Triton kernel) is computed in float64 by
+    PyTorch; asking for the Triton kernel by name still refuses float64."""
+    g = seeded_generator(request)
+    logits = torch.randn(7, 33, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 33, (7,), generator=g)
+    targets[2] = -1
+    with options.use(loss_kernel="triton"):
+        got = kernels.cross_entropy(logits, targets)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, F.cross_entropy(logits, targets, ignore_index=-1))
+    with pytest.raises(ValueError, match="float64"):
+        kernels.cross_entropy(logits, targets, kernel="triton")

@@ -198,7 +198,7 @@ def test_fused_decode_step_serves_gemma_blocks_in_per_layer_launches():
     """The fused step takes Gemma 3 (tests/test_fused_decode_gemma.py checks it against the model's step); the
     one-launch stack does not (no sandwich norms in its phases)."""
     from model.fused_decode import stack_plan, unsupported_reason
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: under the interpreter (set above)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: under the interpreter (tests/conftest.py)
     for model in (random_model(), random_model(qk_norm=False, attention_window=0, full_attention_interval=0,
                                                rope_local_theta=0.0)):
         model.to(device)

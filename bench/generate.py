@@ -194,9 +194,8 @@ def shape_config(name: str, smoke: bool) -> GPTConfig:
     file, whose [model] section is taken as it is (vocab_size 0, the GPT-2 tokenizer's padded 50304)."""
     if name in SHAPES:
         return GPTConfig(**SHAPES[name][1 if smoke else 0])
-    from config import load_config
-    cfg = load_config(name, []).model
-    return cfg if cfg.vocab_size else GPTConfig(**{**vars(cfg), "vocab_size": 50304})
+    from bench.train import toml_model_config  # here: after --smoke has chosen the interpreter
+    return toml_model_config(name)
 
 
 def build_model(name: str, smoke: bool, device, dtype) -> GPT:

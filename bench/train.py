@@ -182,9 +182,15 @@ def model_config(attention: str, block: int, model_toml: str = "", llama_kernels
     if not model_toml:
         return GPTConfig(block_size=block, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=False,
                          attention=attention)
+    return toml_model_config(model_toml, [f"--model.block_size={block}", f"--model.attention={attention}",
+                                          f"--model.llama_kernels={llama_kernels}"])
+
+
+def toml_model_config(model_toml: str, overrides: list[str] | None = None) -> GPTConfig:
+    """The [model] section of the training config `model_toml` (with --key=value overrides); vocab_size 0, which
+    train.py takes from the tokenizer, as the GPT-2 tokenizer's padded 50304."""
     from config import load_config
-    cfg = load_config(model_toml, [f"--model.block_size={block}", f"--model.attention={attention}",
-                                   f"--model.llama_kernels={llama_kernels}"]).model
+    cfg = load_config(model_toml, overrides or []).model
     return cfg if cfg.vocab_size else GPTConfig(**{**vars(cfg), "vocab_size": 50304})
 
 

@@ -126,10 +126,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     (kernels/ce_loss.py: one read of the logits forward, one read and one write backward; float16, bfloat16,
     float32), "torch" (F.cross_entropy on logits.float()), "auto" / None: resolve_loss_kernel's choice, except that
     float64 logits (a reference model's) always take the torch path."""
-    wide = logits.dtype == torch.float64
-    if (kernel == "triton" or not wide) and resolve_loss_kernel(kernel, logits.device) == "triton":
+    if logits.dtype == torch.float64 and kernel != "triton":  # a reference model's: in float64
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    if resolve_loss_kernel(kernel, logits.device) == "triton":
         return triton_cross_entropy(logits, targets, ignore_index)
-    return F.cross_entropy(logits if wide else logits.float(), targets, ignore_index=ignore_index)
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
 
 
 def resolve_loss_kernel(kernel: str | None, device) -> str:

@@ -239,7 +239,8 @@ def check_step(got, want, oracle, twin, model, exact, pos, what: str) -> None:
     """The fused step's logits (got) and the caches it wrote (twin's) against the float64 model (exact, its
     logits: oracle), with the model's own step in the same dtype (want, model's caches) as the error budget."""
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    assert_within_budget(f"logits, {what}", got, oracle, want)
+    # both steps' logits leave the LM head in the model's dtype: one unit of it is rounding alone
+    assert_within_budget(f"logits, {what}", got, oracle, want, rounded_to=model.lm_head.weight.dtype)
     for which in ("k", "v"):
         assert_within_budget(f"cache {which}, {what}", valid_cache(twin, pos, which),
                              valid_cache(exact, pos, which), valid_cache(model, pos, which))

@@ -106,7 +106,9 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         frozen output, alpha = s), so no tensor of
                                                                         the update's size is written and re-read;
                                                                         off: the update as its own tensor, added
-                                                                        after (model/lora.py; not yet timed)
+                                                                        after (model/lora.py; on an H100 0.8%
+                                                                        slower, bench/results/train_smollm2/lora/
+                                                                        addmm_h100/)
     hopper_tile_lists          FLASHGPT_HOPPER_TILE_LISTS=0|1    True   the Gluon forward's causal tiles come from a
                                                                         list per program (longest first within
                                                                         groups of heads whose K/V fit in L2,

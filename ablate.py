@@ -182,7 +182,7 @@ def _train_part(args, cfg, device, results, t0) -> int:
     from ablation.matched import probe_context, run_matched
     from data.errors import DataError
     from data.tokenizers import TokenizerError
-    from train import TrainError
+    from training.errors import TrainError
     backends = args.train_backends
     if args.budget:
         share = max(5.0, (t0 + 0.7 * args.budget - time.time()) / len(backends))

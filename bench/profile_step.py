@@ -6,8 +6,8 @@
         --case sdpa:--attention=sdpa --batch_size=16 --block_size=2048 --grad_accum_steps=1
 
 Each --case NAME:OVERRIDES (space-separated --key=value, added after the common ones) runs in a process of its
-own: train.py's Trainer is set up as for a real run (one GPU, no torchrun; FSDP2 starts its own one-process
-group), takes --warmup steps (compilation included), then --timed steps timed with the device synchronised at
+own: the Trainer (training/trainer.py) is set up as for a real run (one GPU, no torchrun; FSDP2 starts its own
+one-process group), takes --warmup steps (compilation included), then --timed steps timed with the device synchronised at
 both ends (ms per step), then --profiled steps under torch.profiler. Every CUDA kernel of the profiled steps is
 summed by name and by kind (matmul, attention, Inductor's fused kernels, loss, optimizer, communication,
 copies, other ATen kernels); "GPU busy" is the union of the kernels' intervals, so the step time minus it is
@@ -189,7 +189,7 @@ def host_profile(steps, n: int, top: int = 25) -> dict:
 
 
 def profile_one(args, overrides: list[str]) -> dict:
-    """Runs in the case's own process: set up train.py's Trainer, warm up, time, profile."""
+    """Runs in the case's own process: set up a Trainer (training/trainer.py), warm up, time, profile."""
     import torch
     sys.path.insert(0, str(ROOT))
     import train

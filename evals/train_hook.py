@@ -45,8 +45,9 @@ class HellaSwagHook:
 
     @classmethod
     def for_trainer(cls, trainer) -> "HellaSwagHook":
-        """The hook of a train.Trainer after its setup(): data from train.eval_hellaswag_data (or the cached
-        download, fetched by rank 0 while the others wait), the data's tokenizer, the run's micro-batch size.
+        """The hook of a Trainer (training/trainer.py) after its setup(): data from train.eval_hellaswag_data (or
+        the cached download, fetched by rank 0 while the others wait), the data's tokenizer, the run's micro-batch
+        size.
         Raises ConfigError with one line when the data cannot be had or read."""
         from data.tokenizers import tokenizer_from_spec
         t, cfg = trainer.t, trainer.cfg

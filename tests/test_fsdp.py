@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import train as train_mod
+import training.trainer as trainer_mod
 from config import load_config
 from model import GPT, GPTConfig
 from model.checkpoint import CheckpointError, load_checkpoint
@@ -201,8 +202,8 @@ def test_fsdp_on_one_process_matches_ddp_and_checkpointing_changes_nothing(tmp_p
 
     monkeypatch.setattr(Block, "forward", counted)
     switches = []  # gradient sync is switched off at a step's first micro-batch and on at its last, not between
-    real_switch = train_mod.set_gradient_sync
-    monkeypatch.setattr(train_mod, "set_gradient_sync", lambda model, sync: (switches.append(sync),
+    real_switch = trainer_mod.set_gradient_sync
+    monkeypatch.setattr(trainer_mod, "set_gradient_sync", lambda model, sync: (switches.append(sync),
                                                                              real_switch(model, sync)))
     common = ["--grad_accum_steps=3", "--dropout=0.1"]
     block_calls = {}

@@ -14,6 +14,7 @@ import torch
 
 from training import runlog
 import train as train_mod
+import training.trainer as trainer_mod
 from config import ConfigError, load_config
 from model.checkpoint import load_checkpoint
 from training.runfolder import LOCK_NAME, RunFolderError, RunLock, _proc_start
@@ -151,13 +152,13 @@ def test_lock_is_released_only_if_still_its_own(tmp_path):
 
 def test_run_holds_the_lock_and_releases_it_on_every_exit(tmp_path, monkeypatch):
     seen = []
-    real = train_mod.estimate_loss
+    real = trainer_mod.estimate_loss
 
     def spy(*a, **k):
         seen.append(json.loads(open(os.path.join(run_dir(tmp_path), LOCK_NAME)).read()))
         return real(*a, **k)
 
-    monkeypatch.setattr(train_mod, "estimate_loss", spy)
+    monkeypatch.setattr(trainer_mod, "estimate_loss", spy)
     train_mod.train(cfg_for(tmp_path, "--max_iters=2", "--eval_interval=2"))
     assert seen and all(h["pid"] == os.getpid() and h["host"] == socket.gethostname() for h in seen)
     assert not os.path.exists(os.path.join(run_dir(tmp_path), LOCK_NAME))  # normal end
@@ -165,7 +166,7 @@ def test_run_holds_the_lock_and_releases_it_on_every_exit(tmp_path, monkeypatch)
         train_mod.train(cfg_for(tmp_path, "--max_iters=2"))
     assert not os.path.exists(os.path.join(run_dir(tmp_path), LOCK_NAME))  # error
     handler = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(train_mod, "prepare", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(trainer_mod, "prepare", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
     with pytest.raises(train_mod.Interrupted):  # a signal during setup stops at once
         train_mod.train(cfg_for(tmp_path / "b", "--max_iters=2"))
     assert not os.path.exists(os.path.join(run_dir(tmp_path / "b"), LOCK_NAME))  # signal

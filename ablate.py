@@ -40,6 +40,7 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
+from training.runfolder import write_text_atomic  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(ROOT, "ablation", "ablate.toml")  # installed with the ablation package
 # Reduced mode: a tiny model and few steps (flash runs through the interpreter on a CPU). The user's own
@@ -142,8 +143,7 @@ def write_outputs(results: dict, out: str, t0: float) -> list[str]:
         images.append(report.plot_training(results["matched"], out))
     if results.get("probe"):
         images.append(report.plot_probe(results["probe"], out))
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    write_text_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1, default=str))
     report.write_report(results, out)
     report.write_readme_section(results, out)
     return images

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from training.runfolder import atomic_file, write_text_atomic
+
 from .io_model import fmt_bytes
 
 COLORS = {"naive": "tab:red", "flash": "tab:blue", "sdpa": "tab:green"}
@@ -133,9 +135,11 @@ def _finish(ax, xlabel, ylabel, title, log=False):
 
 def _save(fig, plt, out, name) -> str:
     fig.tight_layout()
-    path = os.path.join(out, name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_file(os.path.join(out, name), "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return name
 
 
@@ -301,8 +305,7 @@ def write_report(results: dict, out: str) -> str:
     lines += probe_section(results.get("probe"), results.get("probe_note", ""))
     lines += [IO_MODEL_TEXT, "Data: `results.json` in this folder holds every number above."]
     path = os.path.join(out, "report.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text_atomic(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -325,8 +328,7 @@ def write_readme_section(results: dict, out: str, plot_dir: str = "bench/results
              f"Full report: [{plot_dir}/report.md]({plot_dir}/report.md). Without a GPU, `python ablate.py` runs a "
              "reduced version in about two minutes (flash through Triton's interpreter), so anyone can try it.", ""]
     path = os.path.join(out, "readme_section.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    write_text_atomic(path, "\n".join(lines))
     return path
 
 

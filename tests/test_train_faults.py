@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import train as train_mod
 import training.trainer as trainer_mod
 from config import ConfigError, load_config
 from model.checkpoint import load_checkpoint
-from training.runfolder import LOCK_NAME, RunFolderError, RunLock, _proc_start
+from training.runfolder import LOCK_NAME, RunFolderError, RunLock, _proc_start, atomic_file
 from tests.test_train import metrics
 from tests.util import ROOT, TINY_MODEL, write_corpus
 
@@ -148,6 +149,26 @@ def test_lock_is_released_only_if_still_its_own(tmp_path):
     write_lock(tmp_path, pid=12345, host="elsewhere", started="t1")  # replaced behind its back
     lock.__exit__(None, None, None)
     assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == "elsewhere"
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
+    """A failed write leaves the old file and no temporary one; a finished one has the umask's permissions (as
+    open() gives), not a private temp file's 0600."""
+    path = tmp_path / "report.md"
+    path.write_text("old")
+    with pytest.raises(OSError, match="No space left"):
+        with atomic_file(str(path)) as f:
+            f.write("half")
+            raise os_error(errno.ENOSPC)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["report.md"]
+    umask = os.umask(0o022)
+    try:
+        with atomic_file(str(path), "wb") as f:
+            f.write(b"new")
+    finally:
+        os.umask(umask)
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["report.md"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
 
 
 def test_run_holds_the_lock_and_releases_it_on_every_exit(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@
         if lock.took_over: ...                   # replaced a lock left by a process that no longer runs
         remove_stale_temp_files(out_dir)         # -> (count, bytes) of ".tmp-*" files a killed write left
         write_text_atomic(path, text)            # temp file in the same folder, fsync, rename
+        with atomic_file(path, "wb") as f: ...   # the same for any writer (a figure's savefig)
 
 The lock file holds one JSON line {"pid", "host", "started", "proc_start"} (proc_start: the kernel's start
 time of the process, where /proc has it, so that a reused pid is not mistaken for the holder). Acquiring it:
@@ -24,8 +25,8 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import socket
-import tempfile
 import time
 
 LOCK_NAME = ".lock"
@@ -192,14 +193,17 @@ def remove_stale_temp_files(folder: str) -> tuple[int, int]:
     return count, size
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Replace `path` with `text` whole or not at all: a temp file in the same folder, fsync, rename.
-    Raises OSError (the temp file removed) when the write fails."""
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "w"):
+    """Open a new TEMP_PREFIX file in `path`'s folder for writing ("w" or "wb"); when the block ends cleanly it is
+    flushed, fsynced and renamed over `path` (created with the umask's permissions, as open() would); on any error
+    it is removed and `path` is left as it was."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".txt", dir=folder)
+    tmp = os.path.join(folder, f"{TEMP_PREFIX}{secrets.token_hex(8)}-{os.path.basename(path)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -207,6 +211,13 @@ def write_text_atomic(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace `path` with `text` whole or not at all (atomic_file). Raises OSError (the temp file removed) when
+    the write fails."""
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 def format_bytes(n: int) -> str:

@@ -9,13 +9,11 @@ raised as OSError for the caller to report.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-import tempfile
 
-from training.runfolder import TEMP_PREFIX, write_text_atomic
+from training.runfolder import atomic_file, write_text_atomic
 
 
 def wandb_mode() -> str:
@@ -126,14 +124,8 @@ def plot_loss_curves(metrics_path: str, png_path: str, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".png", dir=os.path.dirname(os.path.abspath(png_path)))
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(png_path, "wb") as f:
             fig.savefig(f, dpi=110, format="png")
-        os.replace(tmp, png_path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
     finally:
         plt.close(fig)

@@ -62,6 +62,9 @@ class DataConfig:
         return self
 
 
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # training/schedule.py: lr_at
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = "runs/default"   # run directory: checkpoints, metrics.jsonl, config
@@ -75,7 +78,11 @@ class TrainConfig:
     learning_rate: float = 1e-3
     min_lr: float = 1e-4
     warmup_iters: int = 100
-    lr_decay_iters: int = 0         # cosine decay length; 0 = max_iters
+    lr_decay_iters: int = 0         # the step the decay ends at (min_lr from there on); 0 = max_iters
+    lr_schedule: str = "cosine"     # after warmup: "cosine" | "linear" (to min_lr at lr_decay_iters) | "wsd"
+                                    # (warmup-stable-decay: learning_rate, then linear to min_lr over the last
+                                    # lr_decay_frac of lr_decay_iters) | "constant" (learning_rate throughout)
+    lr_decay_frac: float = 0.2      # wsd: the share of the steps that decays
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -123,6 +130,10 @@ class TrainConfig:
             raise ConfigError(f"train.learning_rate={self.learning_rate!r}: must be positive")
         if not 0 <= self.min_lr <= self.learning_rate:
             raise ConfigError(f"train.min_lr={self.min_lr!r}: must be in [0, learning_rate]")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"train.lr_schedule={self.lr_schedule!r}: must be one of {', '.join(LR_SCHEDULES)}")
+        if not 0 < self.lr_decay_frac <= 1:
+            raise ConfigError(f"train.lr_decay_frac={self.lr_decay_frac!r}: must be in (0, 1]")
         for key in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "max_time"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r}: must not be negative")

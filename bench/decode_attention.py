@@ -331,7 +331,7 @@ class Run:
         import triton
 
         import kernels.decode as decode
-        from kernels import options
+        from kernels import _triton, options
         self.args, self.torch, self.F, self.decode, self.options = args, torch, F, decode, options
         if args.smoke:
             self.device, self.dtype = torch.device("cpu"), torch.float32  # the interpreter's tl.dot: not bf16
@@ -355,7 +355,8 @@ class Run:
         self.l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 64 << 20) if cuda \
             else 1 << 16
         self.elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.default = decode.default_tile(triton.next_power_of_2(self.D), self.elem, self.H // self.Hkv)
+        self.default = decode.default_tile(triton.next_power_of_2(self.D), self.elem, self.H // self.Hkv,
+                                           _triton.smem_per_sm(self.device))
         self.min_keys = options.get().decode_min_keys_per_split
         self.meta = dict(
             command="python " + " ".join(["bench/decode_attention.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -110,6 +110,8 @@ MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
 SHORT_SPLITS_MAX_LEN = 2048  # up to this many keys a sequence may get a split per block (short_grid_splits)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
+SMEM_MARGIN = 8 << 10  # a split program's shared memory beyond its pipelined K/V tiles (measured 5-7 KB)
+WIDE_ROW_SMEM = 2 * 2 * 128 * 256 + SMEM_MARGIN  # 128-key tiles of 256-byte rows, 3 stages: 2 K and V tiles
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
 
@@ -145,17 +147,21 @@ class DecodeTile:
 
 
 @functools.lru_cache(maxsize=None)
-def default_tile(block_d: int, elem_size: int, rows: int) -> DecodeTile:
-    """The split kernel's config for a padded head dim, an element size in bytes and the query rows per kv head.
+def default_tile(block_d: int, elem_size: int, rows: int, smem: int | None = None) -> DecodeTile:
+    """The split kernel's config for a padded head dim, an element size in bytes, the query rows per kv head and
+    the shared memory of one SM in bytes (None: not known, as on the CPU).
 
     128 keys per step where a tile row is at most 128 bytes (16-bit, D <= 64: the H200 sweep in
-    bench/results/decode_attention/ timed it faster than 64 keys at every batch and cache length), else 64
-    (32 above a head dim of 128); three K/V tiles in flight, two when a tile row is wide (fp32 or D > 128) to
-    stay within shared memory.
+    bench/results/decode_attention/ timed it faster than 64 keys at every batch and cache length), and for
+    16-bit rows of 256 bytes (D = 128) where an SM holds one such program (WIDE_ROW_SMEM: the H100 sweeps in
+    bench/results/decode_attention/d128_tiles_h100/ timed it faster than 64 keys); else 64 (32 above a head dim
+    of 128); three K/V tiles in flight, two when a tile row is wide (fp32 or D > 128) to stay within shared
+    memory.
     """
     del rows  # one table for every row count (dot products throughout)
     row_bytes = block_d * elem_size
-    block_n = 128 if row_bytes <= 128 else 64 if block_d <= 128 else 32
+    wide_ok = row_bytes == 256 and elem_size == 2 and smem is not None and smem >= WIDE_ROW_SMEM
+    block_n = 128 if row_bytes <= 128 or wide_ok else 64 if block_d <= 128 else 32
     return DecodeTile(block_n=block_n, num_warps=4 if block_d <= 128 else 8,
                       num_stages=3 if row_bytes <= 256 else 2, dot=True)
 
@@ -511,14 +517,12 @@ def _even_share(programs: int, sms: int) -> float:
     return programs / (_cdiv(programs, sms) * sms)
 
 
-SMEM_MARGIN = 8 << 10  # a split program's shared memory beyond its pipelined K/V tiles (measured 5-7 KB)
-
-
 def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device) -> int:
     """Split programs of this tile that one SM holds at once, for the automatic split count: the SM's shared
     memory over a program's (its num_stages - 1 K and V tiles in flight, as Triton's software pipeline keeps
     them, plus SMEM_MARGIN), at most PROGRAMS_PER_SM (PROGRAMS_PER_SM off CUDA). The H200 gives 3 for the
-    default tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each)."""
+    64-key tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each), 1 for the 128-key tile of
+    head dim 128."""
     smem = _triton.smem_per_sm(device)
     if smem is None:
         return PROGRAMS_PER_SM
@@ -672,7 +676,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_D = _next_pow2(D)
     default = tile is None
     if default:
-        tile = default_tile(BLOCK_D, q.element_size(), group * Nq)
+        tile = default_tile(BLOCK_D, q.element_size(), group * Nq, _triton.smem_per_sm(q.device))
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
     full = fills_gpu(B * Hkv * row_blocks, q.device)

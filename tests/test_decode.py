@@ -186,6 +186,41 @@ def test_programs_per_sm_from_shared_memory(monkeypatch):
     assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, torch.device("cpu")) == dec.PROGRAMS_PER_SM
 
 
+
+def test_default_tile_takes_128_keys_of_wide_rows_where_shared_memory_holds_one():
+    import kernels.decode as dec
+    h100 = 233472  # 228 KB per SM
+    assert default_tile(128, 2, 2, h100).block_n == 128                       # 16-bit D = 128: 256-byte rows
+    assert default_tile(128, 2, 2, dec.WIDE_ROW_SMEM - 1).block_n == 64       # too little shared memory
+    assert default_tile(128, 2, 2, None).block_n == 64                        # not known (CPU)
+    assert default_tile(64, 4, 2, h100).block_n == 64                         # fp32 D = 64: 256-byte rows too
+    assert default_tile(128, 4, 2, h100) == default_tile(128, 4, 2, None)     # fp32 D = 128: unchanged
+    assert default_tile(256, 2, 2, h100) == default_tile(256, 2, 2, None)     # D = 256: unchanged
+    assert default_tile(64, 2, 2, None).block_n == 128                        # narrow rows: 128 as before
+    tile = default_tile(128, 2, 2, h100)
+    assert (tile.num_warps, tile.num_stages, tile.dot) == (4, 3, True)
+
+
+def test_launch_passes_the_devices_shared_memory_to_the_default_tile(monkeypatch):
+    """With an SM of 228 KB the default launch at 16-bit D = 128 takes 128-key tiles, with its size unknown 64;
+    the result is the reference's either way."""
+    import kernels.decode as dec
+    tiles = []
+    real = dec._launch
+
+    def recording(kernel, grid, tensors, scalars, consts, launch):
+        if kernel is dec._decode_split_kernel:
+            tiles.append(consts["BLOCK_N"])
+        return real(kernel, grid, tensors, scalars, consts, launch)
+    monkeypatch.setattr(dec, "_launch", recording)
+    q, k, v, lens = make_case(2, 4, 2, 1, 128, [700, 333], max_len=1024, dtype=torch.float16, seed=5)
+    monkeypatch.setattr(kt, "smem_per_sm", lambda device: None)
+    check(q, k, v, lens, torch.float16, check_lens=False)
+    monkeypatch.setattr(kt, "smem_per_sm", lambda device: 233472)
+    check(q, k, v, lens, torch.float16, check_lens=False)
+    assert tiles[0] == 64 and tiles[-1] == 128, tiles
+
+
 def _good():
     q = torch.randn(2, 4, 2, 32, device=DEVICE)
     k = torch.randn(2, 2, 64, 32, device=DEVICE)

@@ -111,9 +111,17 @@ SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit 
 SHORT_SPLITS_MAX_LEN = 2048  # up to this many keys a sequence may get a split per block (short_grid_splits)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 SMEM_MARGIN = 8 << 10  # a split program's shared memory beyond its pipelined K/V tiles (measured 5-7 KB)
-WIDE_ROW_SMEM = 2 * 2 * 128 * 256 + SMEM_MARGIN  # 128-key tiles of 256-byte rows, 3 stages: 2 K and V tiles
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
+
+
+def program_smem(block_n: int, num_stages: int, block_d: int, elem_size: int) -> int:
+    """Shared memory of one split program in bytes: its num_stages - 1 K and V tiles in flight (as Triton's
+    software pipeline keeps them) plus SMEM_MARGIN."""
+    return max(num_stages - 1, 0) * 2 * block_n * block_d * elem_size + SMEM_MARGIN
+
+
+WIDE_ROW_SMEM = program_smem(128, 3, 128, 2)  # the 128-key, 3-stage tile of 16-bit D = 128 (256-byte rows)
 
 
 # The host's integer helpers are plain Python: triton.cdiv and triton.next_power_of_2 cost microseconds per call,
@@ -519,14 +527,13 @@ def _even_share(programs: int, sms: int) -> float:
 
 def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device) -> int:
     """Split programs of this tile that one SM holds at once, for the automatic split count: the SM's shared
-    memory over a program's (its num_stages - 1 K and V tiles in flight, as Triton's software pipeline keeps
-    them, plus SMEM_MARGIN), at most PROGRAMS_PER_SM (PROGRAMS_PER_SM off CUDA). The H200 gives 3 for the
-    64-key tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each), 1 for the 128-key tile of
-    head dim 128."""
+    memory over a program's (program_smem), at most PROGRAMS_PER_SM (PROGRAMS_PER_SM off CUDA). The H200 gives 3
+    for the 64-key tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each), 1 for the 128-key tile
+    of head dim 128."""
     smem = _triton.smem_per_sm(device)
     if smem is None:
         return PROGRAMS_PER_SM
-    per_program = max(tile.num_stages - 1, 0) * 2 * tile.block_n * block_d * elem_size + SMEM_MARGIN
+    per_program = program_smem(tile.block_n, tile.num_stages, block_d, elem_size)
     return max(1, min(PROGRAMS_PER_SM, smem // per_program))
 
 

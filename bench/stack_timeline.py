@@ -1,6 +1,7 @@
 """Where the one-launch decode step (kernels/decode_stack.py) spends its time: a phase-by-phase timeline.
 
-    python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--no-merged-sums] [--out DIR]
+    python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--no-merged-sums]
+                                   [--mlp-weights-after A|B|C] [--out DIR]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
 --pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 from bench.generate import build_model  # noqa: E402
 from model.fused_decode import rope_tables, stack_plan  # noqa: E402
 from kernels import options as kernel_options  # noqa: E402
-from kernels.decode_stack import decode_stack, early_mlp, every_warp_polls  # noqa: E402
+from kernels.decode_stack import decode_stack, every_warp_polls, mlp_weights_after  # noqa: E402
 
 PHASES = [("A qkv", 0, 1, 2), ("B attention", 2, 3, 4), ("C out-proj", 4, 5, 6), ("D mlp", 6, 7, 0)]
 
@@ -44,8 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
     p.add_argument("--pos", type=int, default=255, help="the token's position (cache length - 1), default 255")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--early-mlp", action="store_true", help="phase D's weights loaded after phase A "
-                   "(kernels.decode_stack.early_mlp) instead of after phase C")
+    p.add_argument("--mlp-weights-after", choices=("A", "B", "C"), default="C",
+                   help="the phase after whose arrival each program loads phase D's weights "
+                   "(kernels.decode_stack.mlp_weights_after; default C)")
+    p.add_argument("--early-mlp", action="store_const", const="A", dest="mlp_weights_after",
+                   help="the same as --mlp-weights-after A")
     p.add_argument("--every-warp-polls", action="store_true", help="every warp of a program polls the barrier "
                    "counter (kernels.decode_stack.every_warp_polls) instead of warp 0 alone")
     p.add_argument("--merged-sums", action=argparse.BooleanOptionalAction, default=True,
@@ -77,7 +81,7 @@ def analyse(times: torch.Tensor, n_layers: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with early_mlp(args.early_mlp), every_warp_polls(args.every_warp_polls), \
+    with mlp_weights_after(args.mlp_weights_after), every_warp_polls(args.every_warp_polls), \
             kernel_options.use(decode_stack_merged_sums=args.merged_sums):
         return run(args, argv)
 
@@ -129,7 +133,7 @@ def run(args, argv) -> int:
         torch.cuda.synchronize()
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
-    meta = dict(model=args.model, pos=args.pos, early_mlp=args.early_mlp, every_warp_polls=args.every_warp_polls,
+    meta = dict(model=args.model, pos=args.pos, mlp_weights_after=args.mlp_weights_after, every_warp_polls=args.every_warp_polls,
                 merged_sums=args.merged_sums,
                 runs=args.runs, programs=plan.programs, layers=plan.n_layers,
                 blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
@@ -139,7 +143,7 @@ def run(args, argv) -> int:
              f"{meta['gpu']}, torch {meta['torch']}; {plan.programs} programs, {plan.n_layers} layers, tiles "
              f"{plan.blocks}, up to {plan.max_splits} key shares per kv group. Medians over layers 1..L-2 and "
              f"{args.runs} runs (bench/stack_timeline.py explains the columns). Phase D's weights loaded "
-             f"{'after phase A' if args.early_mlp else 'after phase C'}; "
+             f"after phase {args.mlp_weights_after}; "
              f"{'every warp polls' if args.every_warp_polls else 'warp 0 polls'} a barrier's counter; "
              f"decode_stack_merged_sums {'on' if args.merged_sums else 'off'}.", "",
              "| phase | work µs (median program) | work µs (slowest) | barrier µs | phase µs |",
@@ -152,7 +156,7 @@ def run(args, argv) -> int:
               f"(CUDA graph of 20 launches, median of 5 replays)."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (f"stack_timeline_{args.model}{'_early_mlp' if args.early_mlp else ''}"
+    name = (f"stack_timeline_{args.model}{'' if args.mlp_weights_after == 'C' else '_mlp_after_' + args.mlp_weights_after}"
             f"{'_every_warp_polls' if args.every_warp_polls else ''}{'' if args.merged_sums else '_unmerged_sums'}")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,

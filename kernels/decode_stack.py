@@ -46,7 +46,7 @@ GPT-2 124M's 254 against 296. The timeline (bench/stack_timeline.py) gives each 
 it the barrier: 11.3 µs a layer against ~23 in launches. Loads that need nothing from the phase before (the
 RoPE angles, attention's first key tile, phase C's residual) are issued before the barrier, and only warp 0
 of a program polls a barrier (one launch 350 against 365 µs with every warp polling). Loading phase D's
-weights during attention (early_mlp) spilled and was slower (525 against 439 µs a launch).
+weights during attention (mlp_weights_after("A")) spilled and was slower (525 against 439 µs a launch).
 
 Fewer CTA-wide reductions (kernel option decode_stack_merged_sums, on by default; widths up to MERGED_MAX_C):
 each tl.sum across the warps and each layout change is a round trip through shared memory with its bar.syncs,
@@ -78,7 +78,7 @@ from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
-MLP_EARLY = False  # phase D's weights load during attention (MLP_AT 1) rather than after phase C (early_mlp)
+MLP_AFTER = "C"    # the phase after whose arrival phase D's weights load: "A", "B" or "C" (mlp_weights_after)
 ONE_POLLER = True  # only warp 0 of a program polls a barrier's counter (every_warp_polls: all warps)
 MERGED_MAX_C = 576  # widest C the option decode_stack_merged_sums applies to (768's one-block tiles spill 216 B)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
@@ -106,15 +106,18 @@ N_PTRS: tl.constexpr = tl.constexpr(len(TABLE))
 
 
 @contextlib.contextmanager
-def early_mlp(on: bool = True):
-    """Inside the block, launches load phase D's weights right after phase A (they stream in during attention,
-    held in registers through phases B and C) instead of after phase C: benchmark A/B runs."""
-    global MLP_EARLY
-    old, MLP_EARLY = MLP_EARLY, bool(on)
+def mlp_weights_after(phase: str):
+    """Inside the block, launches load phase D's weights right after arriving from phase `phase`: "A" (they
+    stream in during attention, held in registers through phases B and C), "B" (during the barrier after
+    attention and phase C) or "C" (the default: during the barrier before phase D). Benchmark A/B runs."""
+    global MLP_AFTER
+    if phase not in ("A", "B", "C"):
+        raise ValueError(f"mlp_weights_after: phase must be 'A', 'B' or 'C', not {phase!r}")
+    old, MLP_AFTER = MLP_AFTER, phase
     try:
         yield
     finally:
-        MLP_EARLY = old
+        MLP_AFTER = old
 
 
 @contextlib.contextmanager
@@ -597,7 +600,7 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch. FINAL: the output is the
     final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the last residual stream.
     At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
-    load after phase A (they stream in during attention), 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
+    load after phase A (they stream in during attention), 2: after phase B, 3: after phase C (PHASE >= 0: 3). TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
     D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
     the barrier counter (_wait). MERGED (CW the width's power of two): phases A and D take their norm's sums in
@@ -680,6 +683,10 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
         if ALL:
             _stamp(TIMES, pid, layer, 3, TIMELINE)
             _arrive(BAR)
+            if MLP_AT == 2:  # the MLP's weights stream in during this barrier and phase C
+                fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
+                    PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C, I, LN_BIAS, SWIGLU,
+                    FC_BIAS, MERGED, dtype)
             epoch += 1
             _wait(BAR, epoch * nprog, ONE_POLLER)                            # partials written
             _stamp(TIMES, pid, layer, 4, TIMELINE)
@@ -917,7 +924,7 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
                   BLOCK_N=BLOCK_N, MAX_S=plan.max_splits, RMS=plan.rms, LN_BIAS=plan.ln_bias, SWIGLU=plan.swiglu,
                   ROPE=plan.rope, QKV_BIAS=plan.has["b_qkv"], O_BIAS=plan.has["b_o"],
                   FC_BIAS=plan.has["b_fc"], DN_BIAS=plan.has["b_down"], **plan.blocks)
-    _mlp_at = 1 if MLP_EARLY else 3
+    _mlp_at = "ABC".index(MLP_AFTER) + 1
     consts["PRECISION"] = "ieee" if plan.dtype == torch.float32 else "tf32"  # fp32 models: exact dots
     qk_scale = _triton.LOG2E / math.sqrt(plan.D)
     gf, bf, eps_f = final_norm if final_norm is not None else (x, None, 0.0)
@@ -946,4 +953,4 @@ def decode_stack(plan: StackPlan, x: torch.Tensor, pos: torch.Tensor, rope: tupl
     return out
 
 
-__all__ = ["StackPlan", "decode_stack", "fits", "early_mlp", "every_warp_polls", "MAX_C", "MAX_SPLITS"]
+__all__ = ["StackPlan", "decode_stack", "fits", "mlp_weights_after", "every_warp_polls", "MAX_C", "MAX_SPLITS"]

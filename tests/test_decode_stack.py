@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 import model.fused_decode as fd  # noqa: E402
 from kernels import options  # noqa: E402
-from kernels.decode_stack import StackPlan, decode_stack, fits  # noqa: E402
+from kernels.decode_stack import StackPlan, decode_stack, fits, mlp_weights_after  # noqa: E402
 from model.fused_decode import fused_decode_step, stack_plan  # noqa: E402
 from model.generation import decode_one_token, prefill  # noqa: E402
 from tests.test_fused_decode import DEVICE, check_step, oracle_step, tiny_gpt  # noqa: E402
@@ -128,17 +128,19 @@ FULL_WIDTHS = {  # the benchmark models' widths (two layers each): their tiles a
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="full-width models are for the GPU")
 @MERGED
+@pytest.mark.parametrize("mlp_after", ["A", "B", "C"], ids=lambda p: f"mlp_weights_after_{p}")
 @pytest.mark.parametrize("name", list(FULL_WIDTHS))
 @torch.no_grad()
-def test_full_width_models_through_the_stack(name, merged, monkeypatch):
+def test_full_width_models_through_the_stack(name, mlp_after, merged, monkeypatch):
     """GPT-2 124M's widths (16 lane pairs, 8 output and 32 h columns a program) and SmolLM2-135M's (4, 8, 16) in
     bf16: steps through the stack (served by default at both widths) against the float64 model, as the small
-    families; merged sums take effect up to MERGED_MAX_C (SmolLM2's width)."""
+    families; merged sums take effect up to MERGED_MAX_C (SmolLM2's width). Phase D's weights loaded after each
+    phase they can load after (mlp_weights_after: the registers they hold live through different phases)."""
     from model import GPT, GPTConfig
     calls = Calls(monkeypatch)
     torch.manual_seed(11)
     model = GPT(GPTConfig(block_size=96, vocab_size=61, n_layer=2, attention="naive", **FULL_WIDTHS[name]))
-    with options.use(decode_stack_merged_sums=merged):
+    with options.use(decode_stack_merged_sums=merged), mlp_weights_after(mlp_after):
         decode_one_sequence(model.to(DEVICE, torch.bfloat16).eval(), 40, max_len=96, steps=2)
     assert calls.n == 2
 
@@ -218,6 +220,7 @@ def test_bad_input_one_line_each():
         (lambda: decode_stack(plan, x, pos, rope, final_norm=(torch.ones(C, device=DEVICE),
                                                                torch.zeros(C, device=DEVICE), 1e-5)),
          "final_norm must be"),  # RMSNorm: no bias
+        (lambda: mlp_weights_after("D").__enter__(), "phase must be 'A', 'B' or 'C'"),
     ]:
         with pytest.raises(ValueError, match=match) as err:
             call()

@@ -1,7 +1,7 @@
 """Where the one-launch decode step (kernels/decode_stack.py) spends its time: a phase-by-phase timeline.
 
     python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--no-merged-sums]
-                                   [--mlp-weights-after A|B|C] [--out DIR]
+                                   [--mlp-weights-after A|B|C|C-inputs] [--out DIR]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
 --pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
     p.add_argument("--pos", type=int, default=255, help="the token's position (cache length - 1), default 255")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--mlp-weights-after", choices=("A", "B", "C"), default="C",
+    p.add_argument("--mlp-weights-after", choices=("A", "B", "C", "C-inputs"), default="C",
                    help="the phase after whose arrival each program loads phase D's weights "
                    "(kernels.decode_stack.mlp_weights_after; default C)")
     p.add_argument("--early-mlp", action="store_const", const="A", dest="mlp_weights_after",

@@ -174,7 +174,7 @@ def test_supervised_finetune_on_conversations_then_chat(pretrained, tmp_path):
     r = run_entry("generate.py", "--ckpt", cfg.train.out_dir, "--chat", "--prompt", "repeat crown",
                   "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    assert r.stdout == "crown crown crown\n", r.stdout  # the reply ends at the template's end-of-turn token
+    assert r.stdout == "crown crown crown\n", (r.stdout, r.stderr)  # the reply ends at the template's end-of-turn token
     new = int(r.stderr.split(" new]")[0].rsplit(", ", 1)[1])
     assert new < 12, r.stderr  # stopped there
     r = run_entry("generate.py", "--ckpt", cfg.train.out_dir, "--chat", "--prompt", "repeat crown", "--no-stop",

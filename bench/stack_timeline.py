@@ -1,7 +1,7 @@
 """Where the one-launch decode step (kernels/decode_stack.py) spends its time: a phase-by-phase timeline.
 
     python bench/stack_timeline.py [--model smollm2|gpt2] [--pos 255] [--runs 5] [--no-merged-sums]
-                                   [--mlp-weights-after A|B|C|C-inputs] [--out DIR]
+                                   [--mlp-weights-after A|B|C] [--out DIR]
 
 One sequence of the benchmark's model (bench/generate.py's shapes, random weights, bf16) with its cache filled to
 --pos positions; the stack runs once per run with its timeline on: every program stamps the GPU's global timer
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
     p.add_argument("--pos", type=int, default=255, help="the token's position (cache length - 1), default 255")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--mlp-weights-after", choices=("A", "B", "C", "C-inputs"), default="C",
+    p.add_argument("--mlp-weights-after", choices=("A", "B", "C"), default="C",
                    help="the phase after whose arrival each program loads phase D's weights "
                    "(kernels.decode_stack.mlp_weights_after; default C)")
     p.add_argument("--early-mlp", action="store_const", const="A", dest="mlp_weights_after",
@@ -133,8 +133,8 @@ def run(args, argv) -> int:
         torch.cuda.synchronize()
         per_launch.append(start.elapsed_time(end) * 1e3 / 20)
     launch_us = statistics.median(per_launch)
-    meta = dict(model=args.model, pos=args.pos, mlp_weights_after=args.mlp_weights_after, every_warp_polls=args.every_warp_polls,
-                merged_sums=args.merged_sums,
+    meta = dict(model=args.model, pos=args.pos, mlp_weights_after=args.mlp_weights_after,
+                every_warp_polls=args.every_warp_polls, merged_sums=args.merged_sums,
                 runs=args.runs, programs=plan.programs, layers=plan.n_layers,
                 blocks=plan.blocks, max_splits=plan.max_splits, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python bench/stack_timeline.py " + " ".join(argv or sys.argv[1:]))
@@ -156,7 +156,8 @@ def run(args, argv) -> int:
               f"(CUDA graph of 20 launches, median of 5 replays)."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (f"stack_timeline_{args.model}{'' if args.mlp_weights_after == 'C' else '_mlp_after_' + args.mlp_weights_after}"
+    after = "" if args.mlp_weights_after == "C" else "_mlp_after_" + args.mlp_weights_after
+    name = (f"stack_timeline_{args.model}{after}"
             f"{'_every_warp_polls' if args.every_warp_polls else ''}{'' if args.merged_sums else '_unmerged_sums'}")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, phases=rows,

@@ -78,8 +78,8 @@ from .decode_mlp import _parts  # C as two power-of-two column blocks
 
 MAX_C = 768        # C held in registers as two power-of-two blocks, as decode_mlp's
 WARPS = 8
-MLP_AFTER = "C"    # where phase D's weights load: after arriving from "A", "B" or "C", or "C-inputs" (mlp_weights_after)
-MLP_POINTS = {"A": 1, "B": 2, "C": 3, "C-inputs": 4}  # ... as the kernel's MLP_AT
+MLP_AFTER = "C"    # the phase after whose arrival phase D's weights load: "A", "B" or "C" (mlp_weights_after)
+MLP_POINTS = {"A": 1, "B": 2, "C": 3}  # ... as the kernel's MLP_AT
 ONE_POLLER = True  # only warp 0 of a program polls a barrier's counter (every_warp_polls: all warps)
 MERGED_MAX_C = 576  # widest C the option decode_stack_merged_sums applies to (768's one-block tiles spill 216 B)
 MAX_SPLITS = 16    # key shares per kv group in phase B (C merges at most this many partials per head)
@@ -110,8 +110,8 @@ N_PTRS: tl.constexpr = tl.constexpr(len(TABLE))
 def mlp_weights_after(phase: str):
     """Inside the block, launches load phase D's weights right after arriving from phase `phase`: "A" (they
     stream in during attention, held in registers through phases B and C), "B" (during the barrier after
-    attention and phase C), "C" (the default: during the barrier before phase D), or "C-inputs": after phase
-    C's own input loads are issued (behind them, during C's work and its barrier). Benchmark A/B runs."""
+    attention and phase C) or "C" (the default: during the barrier before phase D). Benchmark A/B runs
+    (bench/results/generate_smollm2/stack/weights_after_a09248b_h100/: no point beats C)."""
     global MLP_AFTER
     if phase not in MLP_POINTS:
         raise ValueError(f"mlp_weights_after: phase must be one of {', '.join(MLP_POINTS)}, not {phase!r}")
@@ -611,8 +611,8 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
     (HQ, MAX_S, D + 2) fp32 partials; BAR (2,) int32 zeros before and after a launch. FINAL: the output is the
     final norm (gain LNF_W, bias LNF_B where LN_BIAS, eps_f) of the last residual stream.
     At each barrier a program arrives, loads the next phase's weights, then waits; MLP_AT 1: phase D's weights
-    load after phase A (they stream in during attention), 2: after phase B, 3: after phase C (PHASE >= 0: 3), 4:
-    after phase C's input loads are issued. TIMELINE (PHASE -1 only):
+    load after phase A (they stream in during attention), 2: after phase B, 3: after phase C (PHASE >= 0: 3).
+    TIMELINE (PHASE -1 only):
     TIMES (programs, 1024, 8) int64 receives the global timer at each phase's end (k = 1, 3, 5, 7 for A, B, C,
     D) and after each wait (k = 0 before A, 2, 4, 6), per program and layer. ONE_POLLER: only warp 0 polls
     the barrier counter (_wait). MERGED (CW the width's power of two): phases A and D take their norm's sums in
@@ -704,11 +704,6 @@ def _decode_stack_kernel(PTRS, X0, XM, XA, WS, QBUF, PART, POS, COS, SIN, OUT, B
             _stamp(TIMES, pid, layer, 4, TIMELINE)
         if ALL or PHASE == 2:
             ms, ls, ps = _partials(PART, S, D, HQ, HP, MAX_S)
-        if MLP_AT == 4:  # the MLP's weights stream in behind phase C's inputs, during its work and barrier
-            fa, fb, ua, ub, da, db, g2a, g2b, l2a, l2b, bf1, bf2 = _mlp_weights(
-                PTRS, layer, offs_i, i_ok, offs_a, a_ok, offs_b, b_ok, offs_w, w_ok, C, I, LN_BIAS, SWIGLU,
-                FC_BIAS, MERGED, dtype)
-        if ALL or PHASE == 2:
             _phase_out(res, XM, ms, ls, ps, S, wo, bo, cols, c_ok, D, HQ, HP, MAX_S, dtype)
         if ALL:
             _stamp(TIMES, pid, layer, 5, TIMELINE)

@@ -294,12 +294,12 @@ H200_SMS = 132
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 # ptxas spill bytes (stores and loads, per thread) each default variant of the Gluon kernel may have: none at
 # d64; at d128 the consumers sit at their 240 registers. Measured when this was written (stores / loads, GQA):
-# Triton 3.9 causal 76 / 100, not causal 0 / 0; Triton 3.6 causal 12 / 12, not causal 12 / 12 (without GQA:
-# 40 / 64 and 24 / 24).
+# Triton 3.9 causal 76 / 100, not causal 0 / 0; Triton 3.6 causal 8 / 8, not causal 12 / 12 (without GQA:
+# 44 / 44 and 24 / 24).
 MAX_SPILL = {64: 0, 128: 128}
 # the fused forms at d128 hold dQ's half-tile and the shared dS buffers besides dK and dV: Triton 3.6 (the
-# H200's, where they were timed) spills 120-292 B per thread in form 3 and 144-344 B in form 4; Triton 3.9
-# 364-480 B and 552-784 B
+# H200's, where they were timed) spills 120-248 B per thread in form 3 and 144-324 B in form 4; Triton 3.9
+# 364-528 B and 552-792 B
 MAX_SPILL_FUSED_D128 = 800
 
 

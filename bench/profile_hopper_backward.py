@@ -1,6 +1,7 @@
-"""One call of each attention backward at one shape, for Nsight Compute: the kernels to profile, once each.
+r"""One call of each attention backward at one shape, for Nsight Compute: the kernels to profile, once each.
 
-    ncu --profile-from-start off --set full -o REPORT python bench/profile_hopper_backward.py --shape 4,16,4096,128 --causal no
+    ncu --profile-from-start off --set full -o REPORT \
+        python bench/profile_hopper_backward.py --shape 4,16,4096,128 --causal no
 
 For (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd), every backward below runs once
 to compile and warm up, and then, between cudaProfilerStart and cudaProfilerStop (what `ncu --profile-from-start

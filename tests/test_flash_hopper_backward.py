@@ -140,6 +140,24 @@ def test_other_schedule_matches_reference(case, D, request, poisoned):
         assert_within_budget(name, got, r, n)
 
 
+@on_sm90
+@pytest.mark.parametrize("fused", [None, 3])
+@pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16)) for case in CASES
+                                    for D in (64, 128)])
+def test_rows_through_tma_match_reference(case, D, fused, request, poisoned):
+    """With rows_through_tma (each step's lse and delta brought into the stage by the producer's TMA, rows past Nq
+    being the next head's and masked in the consumers): the split and the fused form 3 on every case, bf16."""
+    causal = case[-1]
+    q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
+    o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
+    with backward_launch.rows_through_tma():
+        grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, fused=fused)
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    low = _naive_grads(q, k, v, do, causal)
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert_within_budget(name, got, r, n)
+
+
 def _fwd_bwd(q, k, v, do, causal):
     """o, dq, dk, dv of kernels.flash_attention."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -315,6 +333,7 @@ def _record(c) -> dict:
         rec.update(dtype=desc[desc.index("<") + 1:desc.index("[")], wgmma="wgmma.mma_async" in ptx,
                    tma_load="cp.async.bulk.tensor.4d.shared" in ptx,
                    tma_store="cp.async.bulk.tensor.4d.global.shared" in ptx, mbarrier="mbarrier.try_wait" in ptx,
+                   rows_tma="cp.async.bulk.tensor.1d.shared" in ptx,
                    setmaxnreg=re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx) is not None
                    and re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx) is not None)
     return rec
@@ -349,6 +368,14 @@ def compile_hopper_backward() -> list[dict]:
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                     launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                        torch.zeros(2, 4, 113), causal, fused=fused)
+        with backward_launch.rows_through_tma():  # lse and delta through the producer's TMA: split and form 3
+            for causal in (True, False):
+                for D in (64, 128):
+                    for fused in (None, 3):
+                        q = torch.randn(2, 4, 113, D).to(torch.bfloat16)
+                        kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
+                        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                           torch.zeros(2, 4, 113), causal, fused=fused)
     return [_record(c) for c in compiled]
 
 
@@ -383,6 +410,10 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     want = {(dt, D, causal, True) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)}
     assert got == want | {("bf16", 128, causal, False) for causal in (True, False)}
     assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
+    rows_tma = [r for r in gluon if r["consts"].get("ROWS_TMA")]
+    assert all(r["rows_tma"] for r in rows_tma) and not any(r["rows_tma"] for r in gluon if r not in rows_tma)
+    assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"]) for r in rows_tma} == {
+        (D, causal, mode) for D in (64, 128) for causal in (True, False) for mode in (0, 3)}
     assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon
             if r["consts"].get("DQ")} == {(D, causal, mode) for causal in (True, False)
                                           for D, modes in ((64, (1, 2, 3, 4)), (128, (3, 4))) for mode in modes}

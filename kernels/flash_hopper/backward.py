@@ -19,7 +19,10 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
       dV += Pᵀ dO                (BLOCK_N, HEAD_D)    Pᵀ in registers (the A operand), dO in shared memory
       dSᵀ = Pᵀ (dPᵀ - delta)
       dK += dSᵀ Q                (BLOCK_N, HEAD_D)    dSᵀ in registers
-  The lse and delta of the block's rows are plain global loads issued while the matmuls run. With AHEAD (FA3's
+  The lse and delta of the block's rows are plain global loads issued while the matmuls run, or with ROWS_TMA
+  (FA3's way) TMA loads by the producer into the stage beside Q and dO, read from shared memory: under Triton 3.6
+  at sm_90 the fused form's spills at d128 go from 120 to 68 B per thread (causal 204 to 96); not yet timed on
+  a GPU, so off (kernels/flash_hopper/backward_launch.py: rows_through_tma). With AHEAD (FA3's
   intra-warpgroup overlap) the next block's sT and dPᵀ are issued before this block's Pᵀ and dSᵀ are
   computed. Every block is masked (the causal mask elementwise, rows past Nq through lse = +inf) in one loop
   without a branch: loops or branches per kind of block spilled at d128.
@@ -114,8 +117,9 @@ def _step_coords(i, first, n_blocks, GQA: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_steps(q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk, GROUP, first, n_blocks,
-                BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr):
+def _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, hk,
+                Hq, GROUP, Nq, first, n_blocks, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                GQA: gl.constexpr, ROWS_TMA: gl.constexpr):
     """Q and dO of the n_blocks query blocks from row `first` of each of the group's heads into the ring (step
     i: stage i % STAGES), each stage once both consumers released it."""
     q_bytes: gl.constexpr = BLOCK_M * HEAD_D * q_desc.dtype.primitive_bitwidth // 8
@@ -123,15 +127,23 @@ def _load_steps(q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk, GROUP, fi
         g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-        mbarrier.expect(ready.index(s), 2 * q_bytes)
+        if ROWS_TMA:  # the step's lse and delta too: rows of the flat (B·Hq·Nq) buffers, BLOCK_M fp32 each
+            mbarrier.expect(ready.index(s), 2 * q_bytes + 2 * BLOCK_M * 4)
+        else:
+            mbarrier.expect(ready.index(s), 2 * q_bytes)
         _tma_load(q_desc, [b, hk * GROUP + g, start_m, 0], ready.index(s), q_smem.index(s))
         _tma_load(do_desc, [b, hk * GROUP + g, start_m, 0], ready.index(s), do_smem.index(s))
+        if ROWS_TMA:
+            row = (b * Hq + hk * GROUP + g) * Nq + start_m  # rows past Nq (the next head's) are masked by the user
+            _tma_load(lse_desc, [row], ready.index(s), lse_smem.index(s))
+            _tma_load(delta_desc, [row], ready.index(s), delta_smem.index(s))
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty, GROUP,
-              Nq, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+              v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
+              ROWS_TMA: gl.constexpr):
     """K and V of each consumer's keys (once), then Q and dO of every step into the ring. Out-of-range rows
     (past Nq or Nk: the 4-d descriptors' bounds) arrive as zeros."""
     pid_n = gl.program_id(0)
@@ -144,8 +156,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         _tma_load(k_desc, [b, hk, start_n + w * BLOCK_N, 0], kv_ready.index(w), k_smem.index(w))
         _tma_load(v_desc, [b, hk, start_n + w * BLOCK_N, 0], kv_ready.index(w), v_smem.index(w))
     lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
-    _load_steps(q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk, GROUP, lo, n_blocks, BLOCK_M, HEAD_D,
-                STAGES, GQA)
+    _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, hk, Hq,
+                GROUP, Nq, lo, n_blocks, BLOCK_M, HEAD_D, STAGES, GQA, ROWS_TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -229,11 +241,12 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
 
 
 @gluon.jit
-def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq, offset, qk_scale, i,
+def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
+               lse_smem, delta_smem, rows0, keys, Nq, offset, qk_scale, i,
                first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, AHEAD: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
-               PREV: gl.constexpr = False):
+               PREV: gl.constexpr = False, ROWS_TMA: gl.constexpr = False):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
     dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
     releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
@@ -259,7 +272,10 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
     cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)  # (BLOCK_M,) query rows of this step
     col_ok = cols < Nq
     row_ptr = rows0 + g * Nq + cols  # (BLOCK_M,) their lse and delta
-    lse = gl.load(lse_ptr + row_ptr, mask=col_ok, other=float("inf"))  # (BLOCK_M,) +inf: Pᵀ = 0
+    if ROWS_TMA:  # brought into the stage by the producer; rows past Nq hold another head's values
+        lse = gl.where(col_ok, lse_smem.index(s).load(col_s), float("inf"))  # (BLOCK_M,) +inf: Pᵀ = 0
+    else:
+        lse = gl.load(lse_ptr + row_ptr, mask=col_ok, other=float("inf"))  # (BLOCK_M,) +inf: Pᵀ = 0
     sT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(sT, ))  # sT done, dPᵀ (and later ones) may run
     if CAUSAL:
         # key j <= query i + offset, as (i - start_m) >= j - offset - start_m: a per-row bound against the
@@ -274,7 +290,10 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
         pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))  # (BLOCK_N, BLOCK_M) fp32
     pT_op = gl.convert_layout(pT.to(dtype), op_layout)  # (BLOCK_N, BLOCK_M) the A operand of dV's matmul
     dv = warpgroup_mma(pT_op, do, dv, is_async=True)  # (BLOCK_N, HEAD_D)
-    delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
+    if ROWS_TMA:
+        delta = gl.where(col_ok, delta_smem.index(s).load(col_s), 0.0)  # (BLOCK_M,)
+    else:
+        delta = gl.load(delta_ptr + row_ptr, mask=col_ok, other=0.0)  # (BLOCK_M,)
     dpT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
     dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
@@ -311,10 +330,12 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys
 
 
 @gluon.jit
-def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq, offset,
+def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
+                lse_smem, delta_smem, rows0, keys, Nq, offset,
                 qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr):
+                CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
+                ROWS_TMA: gl.constexpr = False):
     """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
     tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
     order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
@@ -338,38 +359,42 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
         for i in range(n - 1):
             sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, i + 1, STAGES, BLOCK_M, HEAD_D,
                                               s_zero)
-            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
+            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
+                                               lse_smem, delta_smem, rows0, keys,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG)
+                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
             # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
             # values are taken by the next step's waits)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
             mbarrier.arrive(empty.index(i % STAGES), count=1)
             sT = sT_next
             dpT = dpT_next
-        dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
+        dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
+                                           lse_smem, delta_smem, rows0, keys, Nq,
                                            offset, qk_scale, n - 1, first, n_blocks, k_dq, ds_smem, ds_bars,
                                            dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                           CAUSAL, GQA, DQ, WG)
+                                           CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
     elif DQ == 4:
         # dQ one step behind: step 0 only publishes its dSᵀ, step i computes dQ of step i - 1 after issuing its
         # own dK, and the last step's dQ follows the loop
         sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
-        dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys, Nq,
+        dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
+                                           lse_smem, delta_smem, rows0, keys, Nq,
                                            offset, qk_scale, 0, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr,
                                            dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG,
-                                           False)
+                                           False, ROWS_TMA=ROWS_TMA)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index(0), count=1)
         for i in range(1, n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
-            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
+            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
+                                               lse_smem, delta_smem, rows0, keys,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, True)
+                                               CAUSAL, GQA, DQ, WG, True, ROWS_TMA=ROWS_TMA)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
             mbarrier.arrive(empty.index(i % STAGES), count=1)
         _dq_of_step(n - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
@@ -377,10 +402,11 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
     else:
         for i in range(n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
-            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr, rows0, keys,
+            dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
+                                               lse_smem, delta_smem, rows0, keys,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG)
+                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
             # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
             # operands
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -389,10 +415,11 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
+def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
+              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
               ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
+              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
     the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -426,9 +453,11 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
         dq_mine = dq_smem.index(WG)  # (1, BLOCK_M, HEAD_D // 2) fp32
     else:
         dq_mine = dq_smem  # (not used)
-    dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr, rows0, keys, Nq,
+    dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
+                         lse_smem, delta_smem, rows0, keys, Nq,
                          offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, dq_mine,
-                         b * Hq + hk * GROUP, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG)
+                         b * Hq + hk * GROUP, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG,
+                         ROWS_TMA=ROWS_TMA)
     if DQ >= 2:  # the other warpgroup's last dQ matmuls read this one's K, which the epilogue overwrites
         last = n_blocks * GROUP - 1
         mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
@@ -446,25 +475,31 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do
 
 
 @gluon.jit
-def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
+def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr,
+                      lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                       empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
+                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
+                      ROWS_TMA: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
-    _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+    _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr,
+              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
               Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ)
+              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)
 
 
 @gluon.jit
-def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
+def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr,
+                     lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr):
+                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
+                     ROWS_TMA: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
-    _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+    _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr,
+              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
               Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ)
+              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -473,10 +508,11 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_sm
 
 
 @gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset"])
-def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, Hq, GROUP, Nq,
+def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_desc, delta_desc,
+                          Hq, GROUP, Nq,
                           offset, qk_scale, sm_scale, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-                          AHEAD: gl.constexpr, DQ: gl.constexpr):
+                          AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr):
     """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
     that read them.
 
@@ -495,7 +531,9 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
     off). DQ (1, 2, 3 or 4; 0: not; 4 not with AHEAD): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32,
     contiguous, zeroed; not read without DQ; with DQ >= 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D),
-    blocks (1, BLOCK_M, HEAD_D / 2) fp32).
+    blocks (1, BLOCK_M, HEAD_D / 2) fp32). ROWS_TMA: lse_desc, delta_desc are 1-d TMA descriptors over the same
+    lse and delta flattened to (B·Hq·Nq), blocks (BLOCK_M,), unswizzled (B·Hq·Nq < 2**31: the rows' coordinates
+    are int32); without it they are not read.
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
@@ -513,6 +551,12 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_D // 2], dqacc_ptr.layout)
     else:
         dq_smem = k_smem  # (not used)
+    if ROWS_TMA:  # each stage's lse and delta rows, BLOCK_M fp32 each
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    else:
+        lse_smem = q_smem  # (not used)
+        delta_smem = q_smem
     ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # DQ >= 2: ready x2, free x2
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -528,12 +572,15 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
 
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     gl.warp_specialize([
-        (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
+        (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr,
+                             lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                             dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
-        (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                             dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)),
+        (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr,
+                            lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                            dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                     GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA)),
+                            dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                     k_smem, v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     CAUSAL, GQA, ROWS_TMA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

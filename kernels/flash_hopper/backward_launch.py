@@ -19,6 +19,7 @@ capability 9.0), with do and o TMA-aligned as well.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -40,6 +41,22 @@ STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 s
 AHEAD = {64: False, 128: False}
 MAX_STAGES = {64: 6, 128: 4}  # what fits in 227 KB of shared memory (a stage: Q and dO, 16 KB at d64, 32 at d128)
 NUM_WARPS = 4  # the default partition: consumer 0
+# each step's lse and delta brought into the ring by the producer's TMA beside Q and dO, instead of global loads
+# in the consumers (the largest consumer stall under Nsight Compute: bench/results/flash_hopper/backward/
+# profile_d128_h100/); off until it is timed on a GPU (rows_through_tma)
+ROWS_TMA = False
+
+
+@contextlib.contextmanager
+def rows_through_tma(on: bool = True):
+    """Inside the block, Gluon dK/dV launches take each step's lse and delta rows through TMA into the stage
+    (ROWS_TMA): benchmark A/B runs and tests."""
+    global ROWS_TMA
+    old, ROWS_TMA = ROWS_TMA, bool(on)
+    try:
+        yield
+    finally:
+        ROWS_TMA = old
 
 
 def unsupported_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -92,13 +109,22 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
                              f"{tuple(t.shape)} {t.dtype}")
     grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
+    # the rows through TMA: 1-d descriptors over the flat buffers (any Nq), int32 coordinates, 16-byte starts
+    rows_tma = ROWS_TMA and lse.numel() < 2 ** 31 and lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
-        _desc(dv, BLOCK_N), lse, delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
+        _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse, _rows_desc(delta) if rows_tma else delta,
+        Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
         lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc,  # (not read without DQ)
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
-        AHEAD=ahead, DQ=0 if dqacc is None else int(dq_mode),
+        AHEAD=ahead, DQ=0 if dqacc is None else int(dq_mode), ROWS_TMA=rows_tma,
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+
+
+def _rows_desc(rows: torch.Tensor):
+    """A 1-d TMA descriptor over the flat (B·Hq·Nq) float32 rows of lse or delta, read in BLOCK_M blocks."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(rows.view(-1), [rows.numel()], [1], [BLOCK_M], layout)
 
 
 def _dq_desc(dqacc: torch.Tensor):

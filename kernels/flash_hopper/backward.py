@@ -134,7 +134,7 @@ def _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem
         _tma_load(q_desc, [b, hk * GROUP + g, start_m, 0], ready.index(s), q_smem.index(s))
         _tma_load(do_desc, [b, hk * GROUP + g, start_m, 0], ready.index(s), do_smem.index(s))
         if ROWS_TMA:
-            row = (b * Hq + hk * GROUP + g) * Nq + start_m  # rows past Nq (the next head's) are masked by the user
+            row = (b * Hq + hk * GROUP + g) * Nq + start_m  # rows past Nq (the next head's): masked by the consumers
             _tma_load(lse_desc, [row], ready.index(s), lse_smem.index(s))
             _tma_load(delta_desc, [row], ready.index(s), delta_smem.index(s))
 

@@ -306,6 +306,17 @@ def test_fused_form_arguments_are_checked_before_the_launch():
         backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
                                   dqacc=dqacc, dq_mode=4)
 
+def test_rows_through_tma_only_where_a_box_fits():
+    """The lse and delta rows go through a 1-d TMA descriptor only when the flat buffer holds at least one
+    BLOCK_M box and starts on 16 bytes; smaller or misaligned buffers keep the consumers' global loads."""
+    m = backward_launch.BLOCK_M
+    assert backward_launch.rows_fit_tma(torch.zeros(1, 1, m))
+    assert backward_launch.rows_fit_tma(torch.zeros(1, 2, 1023))
+    assert not backward_launch.rows_fit_tma(torch.zeros(1, 2, 1))  # the single-row case: 2 floats
+    assert not backward_launch.rows_fit_tma(torch.zeros(1, 1, m - 1))
+    assert not backward_launch.rows_fit_tma(torch.zeros(4 * m + 1)[1:])  # starts 4 bytes past 16
+
+
 # --------------------------------------------------------------------- compiled for sm_90 (any machine)
 
 H200_SMS = 132

@@ -109,8 +109,7 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
                              f"{tuple(t.shape)} {t.dtype}")
     grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
-    # the rows through TMA: 1-d descriptors over the flat buffers (any Nq), int32 coordinates, 16-byte starts
-    rows_tma = ROWS_TMA and lse.numel() < 2 ** 31 and lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
+    rows_tma = ROWS_TMA and rows_fit_tma(lse) and rows_fit_tma(delta)
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse, _rows_desc(delta) if rows_tma else delta,
@@ -119,6 +118,13 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), GQA=Hq > Hkv,
         AHEAD=ahead, DQ=0 if dqacc is None else int(dq_mode), ROWS_TMA=rows_tma,
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+
+
+def rows_fit_tma(rows: torch.Tensor) -> bool:
+    """Whether the flat (B·Hq·Nq) float32 rows of lse or delta can be read through a 1-d TMA descriptor: a 16-byte
+    start, int32 coordinates, and at least one BLOCK_M box of elements (a box wider than the tensor's only dimension
+    makes an invalid tensor map, which faults at the copy)."""
+    return BLOCK_M <= rows.numel() < 2 ** 31 and rows.data_ptr() % 16 == 0
 
 
 def _rows_desc(rows: torch.Tensor):

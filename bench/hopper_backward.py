@@ -1,7 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
-                                    [--ahead auto|on|off] [--fused 1 2 3 4] [--rep 100] [--rows-tma]
+                                    [--ahead auto|on|off] [--fused 1 2 3 4] [--rep 100] [--rows-loads]
                                     [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
@@ -116,9 +116,10 @@ def main(argv=None) -> int:
     p.add_argument("--fused", nargs="*", type=int, choices=FUSED_MODES, default=list(FUSED_MODES),
                    help="the fused forms to time (hopper_backward's fused=)")
     p.add_argument("--rep", type=int, default=100, help="do_bench's time budget per measurement (ms)")
-    p.add_argument("--rows-tma", action="store_true",
-                   help="the Gluon kernel takes each step's lse and delta through the producer's TMA "
-                        "(kernels.flash_hopper.backward_launch.rows_through_tma) in every hopper and fused column")
+    p.add_argument("--rows-loads", action="store_true",
+                   help="the Gluon kernel loads each step's lse and delta from global memory in its consumers "
+                        "instead of through the producer's TMA (the default; kernels.flash_hopper.backward_launch."
+                        "rows_through_tma) in every hopper and fused column")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     if args.rep < 1:
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
-            with rows_through_tma(args.rows_tma):
+            with rows_through_tma(not args.rows_loads):
                 row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 

@@ -144,13 +144,13 @@ def test_other_schedule_matches_reference(case, D, request, poisoned):
 @pytest.mark.parametrize("fused", [None, 3])
 @pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16)) for case in CASES
                                     for D in (64, 128)])
-def test_rows_through_tma_match_reference(case, D, fused, request, poisoned):
-    """With rows_through_tma (each step's lse and delta brought into the stage by the producer's TMA, rows past Nq
-    being the next head's and masked in the consumers): the split and the fused form 3 on every case, bf16."""
+def test_rows_through_loads_match_reference(case, D, fused, request, poisoned):
+    """With rows_through_tma off (each step's lse and delta loaded from global memory by the consumers, as the
+    default does for buffers smaller than one TMA box): the split and the fused form 3 on every case, bf16."""
     causal = case[-1]
     q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
     o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
-    with backward_launch.rows_through_tma():
+    with backward_launch.rows_through_tma(False):
         grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, fused=fused)
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
     low = _naive_grads(q, k, v, do, causal)
@@ -379,7 +379,7 @@ def compile_hopper_backward() -> list[dict]:
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                     launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                        torch.zeros(2, 4, 113), causal, fused=fused)
-        with backward_launch.rows_through_tma():  # lse and delta through the producer's TMA: split and form 3
+        with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):
                     for fused in (None, 3):
@@ -423,7 +423,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     assert any(r["kernel"] == "_attn_bwd_dq" for r in records)
     rows_tma = [r for r in gluon if r["consts"].get("ROWS_TMA")]
     assert all(r["rows_tma"] for r in rows_tma) and not any(r["rows_tma"] for r in gluon if r not in rows_tma)
-    assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"]) for r in rows_tma} == {
+    loads = [r for r in gluon if r not in rows_tma]  # the other variant: only where rows_through_tma was off
+    assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"]) for r in loads} == {
         (D, causal, mode) for D in (64, 128) for causal in (True, False) for mode in (0, 3)}
     assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon
             if r["consts"].get("DQ")} == {(D, causal, mode) for causal in (True, False)

@@ -61,12 +61,15 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         dQ by TMA reduce-adds in one kernel) on
                                                                         sm_90: auto = for the inputs it takes where
                                                                         it was measured faster than the tl
-                                                                        backward (head dim 128, not causal,
-                                                                        >= 4096 queries and keys;
+                                                                        backward (head dim 128 from 2048
+                                                                        queries and keys, head dim 64 not causal
+                                                                        from 4096, causal from 16384; other
+                                                                        lengths than multiples of 4: head dim
+                                                                        128 not causal from 4096;
                                                                         kernels/flash/launch.py:
-                                                                        HOPPER_BWD_AUTO_*), on = for every input
-                                                                        it takes (no window, documents or RoPE
-                                                                        tables), off = never
+                                                                        HOPPER_BWD_AUTO_MIN_LEN), on = for every
+                                                                        input it takes (no window, documents or
+                                                                        RoPE tables), off = never
     decode_merge_in_split      FLASHGPT_DECODE_MERGE_IN_SPLIT=0|1   False   the split-KV decode's last split
                                                                         program of each row block merges the
                                                                         parts (one launch); off: a merge launch

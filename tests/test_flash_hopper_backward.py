@@ -56,6 +56,19 @@ CASES = [
     (1, 8, 1, 257, 257, False),
 ]
 
+# cases whose Nq is a multiple of 4, so that every head's lse and delta rows start on 16 bytes and go through the
+# producer's TMA (backward_launch.rows_through_tma_for): partial last query blocks whose box runs into the next
+# head's rows or past the buffer, Nq != Nk both ways, rows that see no key, GQA and MQA
+TMA_CASES = [
+    (1, 2, 2, 1020, 1023, True),
+    (1, 2, 2, 1020, 1023, False),
+    (2, 4, 2, 116, 116, True),
+    (1, 6, 2, 332, 777, True),
+    (1, 2, 2, 772, 113, True),
+    (1, 8, 1, 260, 257, False),
+    (1, 2, 2, 64, 64, True),
+]
+
 
 def _id(case, D, dtype):
     B, Hq, Hkv, Nq, Nk, causal = case
@@ -142,8 +155,28 @@ def test_other_schedule_matches_reference(case, D, request, poisoned):
 
 @on_sm90
 @pytest.mark.parametrize("fused", [None, 3])
-@pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16)) for case in CASES
-                                    for D in (64, 128)])
+@pytest.mark.parametrize("case,D,dtype", [pytest.param(case, D, dtype, id=_id(case, D, dtype)) for case in TMA_CASES
+                                          for D in (64, 128) for dtype in DTYPES])
+def test_rows_through_tma_match_reference(case, D, dtype, fused, request, poisoned):
+    """The default form where it applies (Nq a multiple of 4): each step's lse and delta brought into the stage by
+    the producer's TMA; rows past Nq (the next head's, or past the buffer as zeros) masked in the consumers. The
+    split and the fused form 3, both dtypes."""
+    causal = case[-1]
+    B, Hq, _, Nq, _, _ = case
+    assert backward_launch.rows_through_tma_for(Nq) and backward_launch.rows_fit_tma(torch.zeros(B, Hq, Nq))
+    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
+    o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
+    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, fused=fused)
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    low = _naive_grads(q, k, v, do, causal)
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert_within_budget(name, got, r, n)
+
+
+@on_sm90
+@pytest.mark.parametrize("fused", [None, 3])
+@pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
+                                    for case in CASES + TMA_CASES for D in (64, 128)])
 def test_rows_through_loads_match_reference(case, D, fused, request, poisoned):
     """With rows_through_tma off (each step's lse and delta loaded from global memory by the consumers, as the
     default does for buffers smaller than one TMA box): the split and the fused form 3 on every case, bf16."""
@@ -207,19 +240,21 @@ def test_switch_runs_the_fused_gluon_backward(case, D, dtype, request, monkeypat
 @on_sm90
 @pytest.mark.parametrize("causal", [True, False])
 def test_default_backward_dispatch_at_the_measured_shapes(causal, request, monkeypatch):
-    """With the default option (auto), head dim 128 at 4096 tokens runs the Gluon backward when not causal, the
-    tl backward when causal and at head dim 64; each within the float64-reference budget, with GQA."""
+    """With the default option (auto), kernels.flash_attention's backward runs the Gluon kernel's fused form where
+    launch.HOPPER_BWD_AUTO_MIN_LEN says, the tl backward elsewhere; each within the float64-reference budget, with
+    GQA: head dim 128 at 4096 and 2048 tokens (rows through TMA) always, at 4097 (rows loaded) only not causal;
+    head dim 64 at 4096 only not causal."""
     assert options.get().hopper_backward == "auto"
-    for D, want_gluon in ((128, not causal), (64, False)):
-        q, k, v, do = _inputs((1, 4, 2, 4096, 4096, causal), D, torch.bfloat16, seeded_generator(request))
+    for N, D, want_gluon in ((4096, 128, True), (2048, 128, True), (4097, 128, not causal), (4096, 64, not causal)):
+        q, k, v, do = _inputs((1, 4, 2, N, N, causal), D, torch.bfloat16, seeded_generator(request))
         gluon, tl = _spy(monkeypatch)
         grads = _fwd_bwd(q, k, v, do, causal)[1:]
         monkeypatch.undo()
-        assert (gluon == [3]) is want_gluon and ("dkdv" in tl) is not want_gluon, (D, gluon, tl)
+        assert (gluon == [3]) is want_gluon and ("dkdv" in tl) is not want_gluon, (N, D, gluon, tl)
         ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
         low = _naive_grads(q, k, v, do, causal)
         for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
-            assert_within_budget(f"{name} d{D}", got, r, n)
+            assert_within_budget(f"{name} N{N} d{D}", got, r, n)
 
 
 @on_sm90
@@ -307,14 +342,31 @@ def test_fused_form_arguments_are_checked_before_the_launch():
                                   dqacc=dqacc, dq_mode=4)
 
 def test_rows_through_tma_only_where_a_box_fits():
-    """The lse and delta rows go through a 1-d TMA descriptor only when the flat buffer holds at least one
-    BLOCK_M box and starts on 16 bytes; smaller or misaligned buffers keep the consumers' global loads."""
+    """The lse and delta rows go through a 1-d TMA descriptor only where every head's rows start on 16 bytes (Nq
+    a multiple of 4), the flat buffer holds at least one BLOCK_M box and starts on 16 bytes; elsewhere the
+    consumers keep their global loads."""
     m = backward_launch.BLOCK_M
     assert backward_launch.rows_fit_tma(torch.zeros(1, 1, m))
-    assert backward_launch.rows_fit_tma(torch.zeros(1, 2, 1023))
-    assert not backward_launch.rows_fit_tma(torch.zeros(1, 2, 1))  # the single-row case: 2 floats
-    assert not backward_launch.rows_fit_tma(torch.zeros(1, 1, m - 1))
-    assert not backward_launch.rows_fit_tma(torch.zeros(4 * m + 1)[1:])  # starts 4 bytes past 16
+    assert backward_launch.rows_fit_tma(torch.zeros(1, 2, 1020))
+    assert not backward_launch.rows_fit_tma(torch.zeros(1, 2, 1023))  # the second head's rows start at byte 4092
+    assert not backward_launch.rows_fit_tma(torch.zeros(1, 2, 4))  # 8 floats: less than one box
+    assert not backward_launch.rows_fit_tma(torch.zeros(4 * m + 4)[1:].view(1, 1, 4 * m + 3)[..., :-3])  # 4 B past 16
+    assert backward_launch.rows_through_tma_for(4096) and not backward_launch.rows_through_tma_for(4097)
+    with backward_launch.rows_through_tma(False):
+        assert not backward_launch.rows_through_tma_for(4096)
+
+
+@pytest.mark.parametrize("N,D,causal,want", [
+    (4096, 128, True, True), (2048, 128, True, True), (2047, 128, False, False), (2044, 128, True, False),
+    (4097, 128, False, True), (4097, 128, True, False), (4096, 64, False, True), (4096, 64, True, False),
+    (16384, 64, True, True), (2048, 64, False, False),
+])
+def test_backward_auto_dispatch_by_shape(N, D, causal, want):
+    """hopper_backward = "auto": the Gluon backward for the shapes launch.HOPPER_BWD_AUTO_MIN_LEN names (head dim,
+    causal, the shorter length, and whether the rows go through TMA), the tl backward for the others."""
+    q = torch.empty(1, 2, N, D, device="meta")
+    assert launch._hopper_bwd_auto(q, q, causal) is want
+    assert launch._hopper_bwd_auto(q, q[:, :, :N // 2 - 1], causal) is False  # the shorter length counts
 
 
 # --------------------------------------------------------------------- compiled for sm_90 (any machine)

@@ -211,11 +211,15 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, causal
 @pytest.mark.parametrize("mode, D, Nq, Nk, extra, takes", [
     ("auto", 128, 4096, 4096, {}, True),
     ("auto", 128, 16384, 16384, {}, True),
-    ("auto", 128, 4096, 4096, {"causal": True}, False),  # causal: level with the tl backward
-    ("on", 128, 4096, 4096, {"causal": True}, True),
-    ("auto", 128, 4095, 4096, {}, False),     # shorter than measured
+    ("auto", 128, 4096, 4096, {"causal": True}, True),  # rows through TMA: faster causal too
+    ("auto", 128, 4097, 4097, {"causal": True}, False),  # rows loaded: causal level with the tl backward
+    ("on", 128, 4097, 4097, {"causal": True}, True),
+    ("auto", 128, 2048, 2048, {}, True),
+    ("auto", 128, 2044, 4096, {}, False),     # shorter than measured
+    ("auto", 128, 4095, 4096, {}, False),     # rows loaded: from 4096
     ("auto", 128, 4096, 1024, {}, False),
-    ("auto", 64, 4096, 4096, {}, False),      # head dim 64: the fused Gluon backward was slower there
+    ("auto", 64, 4096, 4096, {}, True),
+    ("auto", 64, 4096, 4096, {"causal": True}, False),  # head dim 64 causal: level at 4096
     ("on", 64, 113, 113, {}, True),
     ("on", 128, 4096, 4096, {"window": 256}, False),  # masks and RoPE tables are the tl kernels'
     ("on", 128, 4096, 4096, {"docs": torch.zeros(2, dtype=torch.int32)}, False),
@@ -223,8 +227,10 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, causal
     ("off", 128, 4096, 4096, {}, False),
 ])
 def test_backward_dispatch_rule(mode, D, Nq, Nk, extra, takes, monkeypatch):
-    """The backward's rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes head dim 128,
-    not causal, with at least 4096 queries and keys, on whatever the kernel takes, off nothing; windows,
+    """The backward's rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes the shapes of
+    launch.HOPPER_BWD_AUTO_MIN_LEN (head dim 128 from 2048 queries and keys, causal or not, where the rows go
+    through TMA; not causal from 4096 otherwise; head dim 64 not causal from 4096), on whatever the kernel takes,
+    off nothing; windows,
     documents and RoPE tables stay with the tl kernels, and so does any input the kernel refuses."""
     from kernels.flash import launch
     q = torch.empty(1, 2, Nq, D)

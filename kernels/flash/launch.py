@@ -384,11 +384,22 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 # hopper_backward = "auto" sends the backward to the Gluon kernel's fused form (dQ added by TMA reduce-adds) where
-# the H200 timed it faster than the tl backward: head dim 128, not causal, at 4096 and 16384 tokens (1.08-1.20x,
-# bench/results/flash_hopper/fused_backward/). Causal it is level (0.96-1.09x across runs), at head dim 64
-# slower (0.88-0.95x), and shorter lengths were not measured: the tl backward keeps those.
-HOPPER_BWD_AUTO_HEAD_DIM = 128
-HOPPER_BWD_AUTO_MIN_LEN = 4096
+# it was timed faster than the tl backward. With each step's lse and delta through the producer's TMA (Nq a
+# multiple of 4), on an H100 (bench/results/flash_hopper/backward/rows_through_tma/): head dim 128 from 2048 tokens,
+# causal or not (1.10-1.26x); head dim 64 not causal from 4096 (1.05-1.09x) and causal at 16384 (1.09x; level at
+# 4096, slower at 1024 and 2048). Without it (other Nq), head dim 128 not causal from 4096 tokens (1.08-1.20x on
+# the H200, bench/results/flash_hopper/fused_backward/). The tl backward keeps the rest.
+HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the Gluon backward takes
+    True: {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 16384},  # rows through TMA
+    False: {(128, False): 4096},  # rows loaded by the consumers
+}
+
+
+def _hopper_bwd_auto(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether hopper_backward = "auto" gives these shapes to the Gluon backward (HOPPER_BWD_AUTO_MIN_LEN)."""
+    rows_tma = _hopper_bwd_launch.rows_through_tma_for(q.shape[-2])
+    min_len = HOPPER_BWD_AUTO_MIN_LEN[rows_tma].get((q.shape[-1], bool(causal)))
+    return min_len is not None and min(q.shape[-2], k.shape[-2]) >= min_len
 
 
 def _hopper_bwd_takes(mode: str, do, q, k, v, o, causal: bool, window: int, docs, rope, out) -> bool:
@@ -396,8 +407,7 @@ def _hopper_bwd_takes(mode: str, do, q, k, v, o, causal: bool, window: int, docs
     window, documents or RoPE tables, inputs (and out's dk, dv) the kernel takes."""
     if mode == "off" or window or docs is not None or rope is not None:
         return False
-    if mode == "auto" and (causal or q.shape[-1] != HOPPER_BWD_AUTO_HEAD_DIM
-                           or min(q.shape[-2], k.shape[-2]) < HOPPER_BWD_AUTO_MIN_LEN):
+    if mode == "auto" and not _hopper_bwd_auto(q, k, causal):
         return False
     if _hopper_bwd_launch.unsupported_backward(do, q, k, v, o) is not None:
         return False

@@ -14,8 +14,8 @@ The backward: backward_launch.py launches a Gluon dK/dV kernel in FA3's structur
 inputs and outputs; kernels/flash/launch.py's _hopper_bwd runs the whole backward around it, after the tl dQ
 kernel (fused=0) or with dQ added by the kernel itself (fused=1, 2, 3; 3 by TMA reduce-adds, the fastest).
 kernels.flash_attention's backward runs fused=3 where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it
-the inputs: "auto" at head dim 128, not causal, with at least 4096 queries and keys (kernels/flash/launch.py:
-_hopper_bwd_takes), "on" always, "off" never; elsewhere the tl backward, which reads either forward's O and
+the inputs: "auto" where it was timed faster than the tl backward (kernels/flash/launch.py:
+HOPPER_BWD_AUTO_MIN_LEN, _hopper_bwd_takes), "on" always, "off" never; elsewhere the tl backward, which reads either forward's O and
 log-sum-exp.
 
 Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;

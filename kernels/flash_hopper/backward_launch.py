@@ -44,7 +44,8 @@ NUM_WARPS = 4  # the default partition: consumer 0
 # each step's lse and delta brought into the ring by the producer's TMA beside Q and dO, instead of global loads
 # in the consumers (the largest consumer stall under Nsight Compute: bench/results/flash_hopper/backward/
 # profile_d128_h100/): the dK/dV kernel 7-11 % less time, the fused form 5-12 % at N = 4096, on an H100
-# (bench/results/flash_hopper/backward/rows_through_tma/). Buffers smaller than one box keep the global loads.
+# (bench/results/flash_hopper/backward/rows_through_tma/). Where a head's rows do not start on 16 bytes (Nq not
+# a multiple of 4) or the buffer is smaller than one box, the consumers keep the global loads.
 ROWS_TMA = True
 
 
@@ -110,7 +111,7 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
                              f"{tuple(t.shape)} {t.dtype}")
     grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
-    rows_tma = ROWS_TMA and rows_fit_tma(lse) and rows_fit_tma(delta)
+    rows_tma = rows_through_tma_for(Nq) and rows_fit_tma(lse) and rows_fit_tma(delta)
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse, _rows_desc(delta) if rows_tma else delta,
@@ -121,11 +122,19 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 
+def rows_through_tma_for(Nq: int) -> bool:
+    """Whether a launch with Nq query rows per head takes its lse and delta through TMA (given 16-byte-aligned
+    buffers of at least one box): ROWS_TMA on and every head's rows starting on 16 bytes (Nq a multiple of 4;
+    the step's block start is a multiple of BLOCK_M). A 1-d box whose start is not 16-byte aligned faults at the
+    copy (an illegal instruction on an H100)."""
+    return ROWS_TMA and Nq % 4 == 0
+
+
 def rows_fit_tma(rows: torch.Tensor) -> bool:
-    """Whether the flat (B·Hq·Nq) float32 rows of lse or delta can be read through a 1-d TMA descriptor: a 16-byte
-    start, int32 coordinates, and at least one BLOCK_M box of elements (a box wider than the tensor's only dimension
-    makes an invalid tensor map, which faults at the copy)."""
-    return BLOCK_M <= rows.numel() < 2 ** 31 and rows.data_ptr() % 16 == 0
+    """Whether the flat (B·Hq·Nq) float32 rows of lse or delta can be read through a 1-d TMA descriptor: every
+    head's rows starting on 16 bytes (Nq a multiple of 4, a 16-byte base), int32 coordinates, and at least one
+    BLOCK_M box of elements."""
+    return (rows.shape[-1] % 4 == 0 and BLOCK_M <= rows.numel() < 2 ** 31 and rows.data_ptr() % 16 == 0)
 
 
 def _rows_desc(rows: torch.Tensor):

@@ -404,7 +404,8 @@ def _record(c) -> dict:
 
 def compile_hopper_backward() -> list[dict]:
     """Run in a process started with TRITON_INTERPRET=0: every variant _hopper_bwd launches (the tl dQ kernel
-    in its default config, the Gluon dK/dV kernel), compiled for sm_90."""
+    in its default config, the Gluon dK/dV kernel), compiled for sm_90: Nq = 116 takes the rows through TMA,
+    Nq = 113 (not a multiple of 4) or rows_through_tma off the consumers' loads."""
     from kernels import options
     from kernels.flash.backward import _attn_bwd_dq, _attn_bwd_dq_out, _attn_bwd_prep
     from kernels.flash_hopper import backward
@@ -420,17 +421,17 @@ def compile_hopper_backward() -> list[dict]:
             for D in (64, 128):
                 for causal in (True, False):
                     for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
-                        q = torch.randn(2, 4, 113, D).to(dtype)  # (B, Hq, Nq, D)
+                        q = torch.randn(2, 4, 116, D).to(dtype)  # (B, Hq, Nq, D)
                         kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
                         launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                           torch.zeros(2, 4, 113), causal)
+                                           torch.zeros(2, 4, 116), causal)
         for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 and 4 at d128
             for D, forms in ((64, (1, 2, 3, 4)), (128, (3, 4))):
                 for fused in forms:
-                    q = torch.randn(2, 4, 113, D).to(torch.bfloat16)
+                    q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                     launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                       torch.zeros(2, 4, 113), causal, fused=fused)
+                                       torch.zeros(2, 4, 116), causal, fused=fused)
         with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):

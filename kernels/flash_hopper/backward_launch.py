@@ -43,7 +43,7 @@ MAX_STAGES = {64: 6, 128: 4}  # what fits in 227 KB of shared memory (a stage: Q
 NUM_WARPS = 4  # the default partition: consumer 0
 # each step's lse and delta brought into the ring by the producer's TMA beside Q and dO, instead of global loads
 # in the consumers (the largest consumer stall under Nsight Compute: bench/results/flash_hopper/backward/
-# profile_d128_h100/): the dK/dV kernel 7-11 % less time, the fused form 5-12 % at N = 4096, on an H100
+# profile_d128_h100/): at N = 4096 the dK/dV kernel 5-11 % less time, the fused form 0-11 %, on an H100
 # (bench/results/flash_hopper/backward/rows_through_tma/). Where a head's rows do not start on 16 bytes (Nq not
 # a multiple of 4) or the buffer is smaller than one box, the consumers keep the global loads.
 ROWS_TMA = True

@@ -2,7 +2,7 @@
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
                                     [--ahead auto|on|off] [--fused 1 2 3 4] [--rep 100] [--rows-loads]
-                                    [--out DIR]
+                                    [--mask-skip] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -120,6 +120,10 @@ def main(argv=None) -> int:
                    help="the Gluon kernel loads each step's lse and delta from global memory in its consumers "
                         "instead of through the producer's TMA (the default; kernels.flash_hopper.backward_launch."
                         "rows_through_tma) in every hopper and fused column")
+    p.add_argument("--mask-skip", action="store_true",
+                   help="causal: the Gluon kernel skips the mask on blocks wholly below the diagonal "
+                        "(kernels.flash_hopper.backward_launch.skip_mask_below_diagonal) in every hopper and "
+                        "fused column")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     if args.rep < 1:
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
     if args.ahead == "on" and 4 in args.fused:
         print("error: --ahead on does not run with --fused 4 (dQ one step behind)", file=sys.stderr)
         return 2
-    from kernels.flash_hopper.backward_launch import MAX_STAGES, rows_through_tma
+    from kernels.flash_hopper.backward_launch import MAX_STAGES, rows_through_tma, skip_mask_below_diagonal
     for _, _, _, D in args.shapes:
         if args.stages is not None and not 2 <= args.stages <= MAX_STAGES.get(D, 2):
             print(f"error: --stages {args.stages}: the ring holds 2 to {MAX_STAGES.get(D, 2)} stages at head dim {D}",
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
-            with rows_through_tma(not args.rows_loads):
+            with rows_through_tma(not args.rows_loads), skip_mask_below_diagonal(args.mask_skip):
                 row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 

@@ -176,6 +176,23 @@ def test_rows_through_tma_match_reference(case, D, dtype, fused, request, poison
 @on_sm90
 @pytest.mark.parametrize("fused", [None, 3])
 @pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
+                                    for case in CASES + TMA_CASES if case[-1] for D in (64, 128)])
+def test_mask_skip_matches_reference(case, D, fused, request, poisoned):
+    """With skip_mask_below_diagonal (at d64, causal blocks wholly below the diagonal take the unmasked branch;
+    d128 keeps its mask): the split and the fused form 3 on every causal case, rows through TMA or loaded, bf16."""
+    q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
+    o, lse = launch._fwd(q, k, v, True, D ** -0.5)
+    with backward_launch.skip_mask_below_diagonal():
+        grads = launch._hopper_bwd(do, q, k, v, o, lse, True, D ** -0.5, fused=fused)
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), True)
+    low = _naive_grads(q, k, v, do, True)
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert_within_budget(name, got, r, n)
+
+
+@on_sm90
+@pytest.mark.parametrize("fused", [None, 3])
+@pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
                                     for case in CASES + TMA_CASES for D in (64, 128)])
 def test_rows_through_loads_match_reference(case, D, fused, request, poisoned):
     """With rows_through_tma off (each step's lse and delta loaded from global memory by the consumers, as the
@@ -432,6 +449,13 @@ def compile_hopper_backward() -> list[dict]:
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                     launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                        torch.zeros(2, 4, 116), causal, fused=fused)
+        with backward_launch.skip_mask_below_diagonal():  # causal blocks below the diagonal unmasked (CAUSAL = 2)
+            for D in (64, 128):
+                for fused in (None, 3):
+                    q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
+                    kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
+                    launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                       torch.zeros(2, 4, 116), True, fused=fused)
         with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):
@@ -445,7 +469,8 @@ def compile_hopper_backward() -> list[dict]:
 
 @needs_gluon
 def test_hopper_backward_compiles_for_sm90(tmp_path):
-    """Each variant of the Gluon kernel (bf16 and fp16, head dims 64 and 128, causal or not, GQA or not)
+    """Each variant of the Gluon kernel (bf16 and fp16, head dims 64 and 128, causal or not, GQA or not; the
+    causal d64 variants with the mask skipped below the diagonal, CAUSAL = 2)
     compiles to a cubin with wgmma, 4-d TMA loads and stores, mbarrier waits and the producer-to-consumer
     register reallocation; 12 warps; shared memory within sm_90's limit; spills within MAX_SPILL; ptxas does
     not serialise its wgmmas. The tl dQ
@@ -455,7 +480,9 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_flash_hopper_backward", tmp_path)
-    gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
+    every_gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
+    mask_skip = [r for r in every_gluon if r["consts"]["CAUSAL"] == 2]  # the option: checked alike, then set apart
+    gluon = [r for r in every_gluon if r not in mask_skip]
     for rec in records:
         c = rec["consts"]
         print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
@@ -463,7 +490,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
               f"dq={c.get('DQ', '-')}: "
               f"{rec['registers']} registers, spill stores {rec['spill_stores']} B, loads {rec['spill_loads']} B, "
               f"shared {rec['shared']} B")
-    for rec in gluon:
+    assert {(r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in mask_skip} == {(64, 0), (64, 3)}  # d64 only
+    for rec in every_gluon:
         assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
         assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec
         fused_d128 = rec["consts"]["HEAD_D"] == 128 and rec["consts"].get("DQ", 0) >= 1

@@ -15,8 +15,8 @@ inputs and outputs; kernels/flash/launch.py's _hopper_bwd runs the whole backwar
 kernel (fused=0) or with dQ added by the kernel itself (fused=1, 2, 3; 3 by TMA reduce-adds, the fastest).
 kernels.flash_attention's backward runs fused=3 where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it
 the inputs: "auto" where it was timed faster than the tl backward (kernels/flash/launch.py:
-HOPPER_BWD_AUTO_MIN_LEN, _hopper_bwd_takes), "on" always, "off" never; elsewhere the tl backward, which reads either forward's O and
-log-sum-exp.
+HOPPER_BWD_AUTO_MIN_LEN, _hopper_bwd_takes), "on" always, "off" never; elsewhere the tl backward, which reads
+either forward's O and log-sum-exp.
 
 Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;
 GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multiples and unit stride along the

@@ -242,8 +242,17 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
 
 
 @gluon.jit
+def _causal_p(sT, lse, keys, offset, start_m, qk_scale, BLOCK_M: gl.constexpr):
+    """Pᵀ (BLOCK_N, BLOCK_M) of a causal block: exp2(sT · qk_scale - lse), 0 where key j > query i + offset."""
+    col_s: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
+    first_row = gl.expand_dims(keys - offset - start_m, 1)  # (BLOCK_N, 1)
+    visible = gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_s), 0) >= first_row  # (BLOCK_N, BLOCK_M)
+    return gl.where(visible, gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0)), 0.0)
+
+
+@gluon.jit
 def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
-               lse_smem, delta_smem, rows0, keys, Nq, offset, qk_scale, i,
+               lse_smem, delta_smem, rows0, keys, key_last, Nq, offset, qk_scale, i,
                first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, AHEAD: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
@@ -256,7 +265,10 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
     Every block is masked the same way, without a branch: rows past Nq get lse = +inf (Pᵀ = 0) and delta = 0,
     and CAUSAL hides key j from query i unless j <= i + offset. (Separate loops for the diagonal, the Nq tail
     and the unmasked blocks spilled more at d128 (sm_90, both Triton versions), and so did one loop with a
-    runtime branch on the mask under Triton 3.6.)"""
+    runtime branch on the mask under Triton 3.6.) CAUSAL = 2 takes that branch all the same (the launcher's
+    option at d64, not yet timed): the blocks wholly below the diagonal skip the mask. At d64 it compiles
+    without spills (Triton 3.6 and 3.9); at d128 the split form with GQA spills 8 B per thread instead of 4
+    under Triton 3.6 and 124 instead of 76 under 3.9, the fused form 3 116 instead of 96 (3.6)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -284,9 +296,13 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
         # applies after the exponential: one FFMA per score as without a mask, instead of a multiply, a select
         # and a subtraction (hidden scores may overflow to +inf there; the select drops them): 5-6 % less time
         # for this kernel at d128 (bench/results/flash_hopper/backward/causal_mask_after_exp/)
-        first_row = gl.expand_dims(keys - offset - start_m, 1)  # (BLOCK_N, 1)
-        visible = gl.expand_dims(gl.arange(0, BLOCK_M, layout=col_s), 0) >= first_row  # (BLOCK_N, BLOCK_M)
-        pT = gl.where(visible, gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0)), 0.0)
+        if CAUSAL == 2:  # blocks below the diagonal skip the mask: a runtime branch
+            if start_m + offset >= key_last:  # every row of the block sees every key of this warpgroup
+                pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
+            else:
+                pT = _causal_p(sT, lse, keys, offset, start_m, qk_scale, BLOCK_M)
+        else:
+            pT = _causal_p(sT, lse, keys, offset, start_m, qk_scale, BLOCK_M)
     else:
         pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))  # (BLOCK_N, BLOCK_M) fp32
     pT_op = gl.convert_layout(pT.to(dtype), op_layout)  # (BLOCK_N, BLOCK_M) the A operand of dV's matmul
@@ -332,7 +348,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
 
 @gluon.jit
 def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
-                lse_smem, delta_smem, rows0, keys, Nq, offset,
+                lse_smem, delta_smem, rows0, keys, key_last, Nq, offset,
                 qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
@@ -361,7 +377,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, i + 1, STAGES, BLOCK_M, HEAD_D,
                                               s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
-                                               lse_smem, delta_smem, rows0, keys,
+                                               lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
                                                CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
@@ -372,7 +388,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
             sT = sT_next
             dpT = dpT_next
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
-                                           lse_smem, delta_smem, rows0, keys, Nq,
+                                           lse_smem, delta_smem, rows0, keys, key_last, Nq,
                                            offset, qk_scale, n - 1, first, n_blocks, k_dq, ds_smem, ds_bars,
                                            dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
                                            CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
@@ -383,7 +399,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
         # own dK, and the last step's dQ follows the loop
         sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
-                                           lse_smem, delta_smem, rows0, keys, Nq,
+                                           lse_smem, delta_smem, rows0, keys, key_last, Nq,
                                            offset, qk_scale, 0, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr,
                                            dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG,
                                            False, ROWS_TMA=ROWS_TMA)
@@ -392,7 +408,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
         for i in range(1, n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
-                                               lse_smem, delta_smem, rows0, keys,
+                                               lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
                                                CAUSAL, GQA, DQ, WG, True, ROWS_TMA=ROWS_TMA)
@@ -404,7 +420,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
         for i in range(n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
-                                               lse_smem, delta_smem, rows0, keys,
+                                               lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
                                                CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
@@ -437,6 +453,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
     row0 = start_n + WG * BLOCK_N  # this warpgroup's first key
     lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
     keys = row0 + gl.arange(0, BLOCK_N, layout=row_s)  # (BLOCK_N,) this warpgroup's keys
+    key_last = row0 + BLOCK_N - 1
     rows0 = (b * Hq + hk * GROUP).to(gl.int64) * Nq  # the group's first head in lse and delta (B, Hq, Nq)
     k = k_smem.index(WG).reshape([BLOCK_N, HEAD_D])  # (BLOCK_N, HEAD_D)
     v = v_smem.index(WG).reshape([BLOCK_N, HEAD_D])
@@ -455,7 +472,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
     else:
         dq_mine = dq_smem  # (not used)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
-                         lse_smem, delta_smem, rows0, keys, Nq,
+                         lse_smem, delta_smem, rows0, keys, key_last, Nq,
                          offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, dq_mine,
                          b * Hq + hk * GROUP, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG,
                          ROWS_TMA=ROWS_TMA)
@@ -520,7 +537,8 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Supports: float16 and bfloat16 (every tensor one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly: no
     padding lanes); any Nq, Nk >= 1 (tails: the descriptors' bounds, lse = +inf past Nq); causal (bottom-right
     aligned, offset = Nk - Nq) or not; GQA and MQA (GQA: GROUP > 1 query heads per kv head, h = hk·GROUP + g).
-    No sliding window, no documents, no RoPE tables, no dropout, no fp32, no fp8.
+    No sliding window, no documents, no RoPE tables, no dropout, no fp32, no fp8. CAUSAL: 0 or False none, 1 or
+    True every block masked, 2 the blocks wholly below the diagonal unmasked (a runtime branch per step).
 
     q_desc, do_desc: 4-d TMA descriptors over (B, Hq, Nq, HEAD_D), blocks (1, 1, BLOCK_M, HEAD_D); k_desc,
     v_desc, dk_desc, dv_desc: over (B, Hkv, Nk, HEAD_D), blocks (1, 1, BLOCK_N, HEAD_D), dk_desc's and dv_desc's

@@ -16,7 +16,6 @@ bytes per variant are printed (pytest -s) and bounded. And which inputs the laun
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 
@@ -101,20 +100,26 @@ def _naive_grads(q, k, v, do, causal):
     return q.grad, k.grad, v.grad
 
 
+def _assert_matches_reference(case, D, dtype, request, **launch_kw):
+    """dq, dk, dv of launch._hopper_bwd (launch_kw: its stages, ahead, fused) on fresh inputs of case, O and lse
+    from the tl forward: shaped and typed like q, k, v and within the float64-reference budget."""
+    causal = case[-1]
+    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
+    o, lse = launch._fwd(q, k, v, causal, D ** -0.5)  # (B, Hq, Nq, D), (B, Hq, Nq): what the backward reads
+    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, **launch_kw)
+    assert tuple(g.shape for g in grads) == (q.shape, k.shape, v.shape)
+    assert all(g.dtype == dtype for g in grads)
+    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    low = _naive_grads(q, k, v, do, causal)
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert_within_budget(name, got, r, n)
+
+
 @on_sm90
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_backward_matches_reference(case, D, dtype, request, poisoned):
-    causal = case[-1]
-    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
-    scale = 1.0 / math.sqrt(D)
-    o, lse = launch._fwd(q, k, v, causal, scale)  # (B, Hq, Nq, D), (B, Hq, Nq): what the backward reads
-    dq, dk, dv = launch._hopper_bwd(do, q, k, v, o, lse, causal, scale)
-    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
-    low = _naive_grads(q, k, v, do, causal)
-    for name, got, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, low):
-        assert_within_budget(name, got, r, n)
+    """The split form: the tl dQ kernel, then the Gluon dK/dV kernel, on every case in both dtypes."""
+    _assert_matches_reference(case, D, dtype, request)
 
 
 @on_sm90
@@ -125,16 +130,7 @@ def test_fused_backward_matches_reference(case, D, dtype, fused, request, poison
     warpgroup its own keys' part with atomics (1); half the columns over both warpgroups' keys through one
     shared dS buffer, with atomics (2) or a TMA reduce-add from shared memory (3). The same float64-reference
     criterion on every case."""
-    causal = case[-1]
-    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
-    scale = 1.0 / math.sqrt(D)
-    o, lse = launch._fwd(q, k, v, causal, scale)
-    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, scale, fused=fused)
-    assert tuple(g.shape for g in grads) == (q.shape, k.shape, v.shape)
-    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
-    low = _naive_grads(q, k, v, do, causal)
-    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
-        assert_within_budget(name, got, r, n)
+    _assert_matches_reference(case, D, dtype, request, fused=fused)
 
 
 @on_sm90
@@ -143,14 +139,7 @@ def test_fused_backward_matches_reference(case, D, dtype, fused, request, poison
 def test_other_schedule_matches_reference(case, D, request, poisoned):
     """The schedule the launcher does not take by default (the next block's score matmuls issued ahead) is
     right too: a launch option, for the benchmark's comparison."""
-    causal = case[-1]
-    q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
-    o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
-    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, ahead=not backward_launch.AHEAD[D])
-    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
-    low = _naive_grads(q, k, v, do, causal)
-    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
-        assert_within_budget(name, got, r, n)
+    _assert_matches_reference(case, D, torch.bfloat16, request, ahead=not backward_launch.AHEAD[D])
 
 
 @on_sm90
@@ -161,16 +150,9 @@ def test_rows_through_tma_match_reference(case, D, dtype, fused, request, poison
     """The default form where it applies (Nq a multiple of 4): each step's lse and delta brought into the stage by
     the producer's TMA; rows past Nq (the next head's, or past the buffer as zeros) masked in the consumers. The
     split and the fused form 3, both dtypes."""
-    causal = case[-1]
     B, Hq, _, Nq, _, _ = case
     assert backward_launch.rows_through_tma_for(Nq) and backward_launch.rows_fit_tma(torch.zeros(B, Hq, Nq))
-    q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
-    o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
-    grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, fused=fused)
-    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
-    low = _naive_grads(q, k, v, do, causal)
-    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
-        assert_within_budget(name, got, r, n)
+    _assert_matches_reference(case, D, dtype, request, fused=fused)
 
 
 @on_sm90
@@ -180,14 +162,8 @@ def test_rows_through_tma_match_reference(case, D, dtype, fused, request, poison
 def test_mask_skip_matches_reference(case, D, fused, request, poisoned):
     """With skip_mask_below_diagonal (at d64, causal blocks wholly below the diagonal take the unmasked branch;
     d128 keeps its mask): the split and the fused form 3 on every causal case, rows through TMA or loaded, bf16."""
-    q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
-    o, lse = launch._fwd(q, k, v, True, D ** -0.5)
     with backward_launch.skip_mask_below_diagonal():
-        grads = launch._hopper_bwd(do, q, k, v, o, lse, True, D ** -0.5, fused=fused)
-    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), True)
-    low = _naive_grads(q, k, v, do, True)
-    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
-        assert_within_budget(name, got, r, n)
+        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
 
 
 @on_sm90
@@ -196,16 +172,10 @@ def test_mask_skip_matches_reference(case, D, fused, request, poisoned):
                                     for case in CASES + TMA_CASES for D in (64, 128)])
 def test_rows_through_loads_match_reference(case, D, fused, request, poisoned):
     """With rows_through_tma off (each step's lse and delta loaded from global memory by the consumers, as the
-    default does for buffers smaller than one TMA box): the split and the fused form 3 on every case, bf16."""
-    causal = case[-1]
-    q, k, v, do = _inputs(case, D, torch.bfloat16, seeded_generator(request))
-    o, lse = launch._fwd(q, k, v, causal, D ** -0.5)
+    default does where Nq is not a multiple of 4 or the buffer is smaller than one TMA box): the split and the
+    fused form 3 on every case, bf16."""
     with backward_launch.rows_through_tma(False):
-        grads = launch._hopper_bwd(do, q, k, v, o, lse, causal, D ** -0.5, fused=fused)
-    ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
-    low = _naive_grads(q, k, v, do, causal)
-    for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
-        assert_within_budget(name, got, r, n)
+        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
 
 
 def _fwd_bwd(q, k, v, do, causal):

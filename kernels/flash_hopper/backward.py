@@ -20,8 +20,9 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
       dSᵀ = Pᵀ (dPᵀ - delta)
       dK += dSᵀ Q                (BLOCK_N, HEAD_D)    dSᵀ in registers
   The lse and delta of the block's rows come with ROWS_TMA (the default, FA3's way) as TMA loads by the producer
-  into the stage beside Q and dO, read from shared memory, and otherwise (flat buffers smaller than one 1-d TMA
-  box) as global loads issued while the matmuls run. Under Triton 3.6 at sm_90 the TMA form cuts the fused
+  into the stage beside Q and dO, read from shared memory, and otherwise (Nq not a multiple of 4, so that a head's
+  rows do not start on 16 bytes, or flat buffers smaller than one 1-d TMA box) as global loads issued while the
+  matmuls run. Under Triton 3.6 at sm_90 the TMA form cuts the fused
   form's spills at d128 from 120 to 68 B per thread (causal 204 to 96) and the kernel's time by 5-11 % on an
   H100 (kernels/flash_hopper/backward_launch.py: rows_through_tma). With AHEAD (FA3's
   intra-warpgroup overlap) the next block's sT and dPᵀ are issued before this block's Pᵀ and dSᵀ are

@@ -51,7 +51,9 @@ ROWS_TMA = True
 
 # at head dim 64, causal blocks wholly below the diagonal skip the mask through a runtime branch in the consumers'
 # loop (the kernel's CAUSAL = 2; at d128 it spills more under Triton 3.6 and 3.9, so d128 keeps the mask on
-# every block); built, not yet timed on a GPU, so off (skip_mask_below_diagonal)
+# every block). On an H100 it shortened the split form's dK/dV kernel by 6-8 % but lengthened the fused form 3,
+# the one flash_attention runs, by 3-4 % (bench/results/flash_hopper/backward/mask_skip_d64/), so off
+# (skip_mask_below_diagonal)
 MASK_SKIP = False
 
 

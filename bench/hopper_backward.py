@@ -1,7 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
-                                    [--ahead auto|on|off] [--fused 1 2 3 4] [--rep 100] [--rows-loads]
+                                    [--ahead auto|on|off] [--fused 1 2 3 4 5] [--rep 100] [--rows-loads]
                                     [--mask-skip] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
@@ -42,7 +42,7 @@ from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
-FUSED_MODES = (1, 2, 3, 4)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
+FUSED_MODES = (1, 2, 3, 4, 5)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -123,13 +123,13 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
-@pytest.mark.parametrize("fused", [1, 2, 3, 4])
+@pytest.mark.parametrize("fused", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
     """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator (no tl dQ kernel): each
     warpgroup its own keys' part with atomics (1); half the columns over both warpgroups' keys through one
-    shared dS buffer, with atomics (2) or a TMA reduce-add from shared memory (3). The same float64-reference
-    criterion on every case."""
+    shared dS buffer, with atomics (2) or a TMA reduce-add from shared memory (3); 3 with each step's dQ one step
+    later (4) or with dK's matmul issued after dQ's (5). The same float64-reference criterion on every case."""
     _assert_matches_reference(case, D, dtype, request, fused=fused)
 
 
@@ -322,8 +322,8 @@ def test_fused_form_arguments_are_checked_before_the_launch():
     B, Hq, Nq, D = q.shape
     lse = torch.zeros(B, Hq, Nq)
     dqacc = torch.zeros(B, Hq, Nq, D)
-    with pytest.raises(ValueError, match="dq_mode=5"):
-        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, dqacc=dqacc, dq_mode=5)
+    with pytest.raises(ValueError, match="dq_mode=6"):
+        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, dqacc=dqacc, dq_mode=6)
     with pytest.raises(ValueError, match="ahead"):
         backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
                                   dqacc=dqacc, dq_mode=4)
@@ -412,8 +412,8 @@ def compile_hopper_backward() -> list[dict]:
                         kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
                         launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                            torch.zeros(2, 4, 116), causal)
-        for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 and 4 at d128
-            for D, forms in ((64, (1, 2, 3, 4)), (128, (3, 4))):
+        for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 to 5 at d128
+            for D, forms in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))):
                 for fused in forms:
                     q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
@@ -479,7 +479,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
         (D, causal, mode) for D in (64, 128) for causal in (True, False) for mode in (0, 3)}
     assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon
             if r["consts"].get("DQ")} == {(D, causal, mode) for causal in (True, False)
-                                          for D, modes in ((64, (1, 2, 3, 4)), (128, (3, 4))) for mode in modes}
+                                          for D, modes in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))) for mode in modes}
 
 
 if __name__ == "__main__":

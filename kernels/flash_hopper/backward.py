@@ -210,10 +210,12 @@ def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.const
 @gluon.jit
 def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, GQA: gl.constexpr,
-                DQ: gl.constexpr, WG: gl.constexpr):
+                DQ: gl.constexpr, WG: gl.constexpr, dk=None, dsT_op=None, q=None):
     """This warpgroup's half of dQ's columns of step j, dS K over both warpgroups' 2·BLOCK_N keys, once both
     published their dSᵀ of step j (_publish_ds); added into dqacc_ptr with atomics (DQ = 2) or through dq_smem and
-    one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight."""
+    one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight, except with DQ = 5: there
+    it issues step j's dK += dSᵀ Q (BLOCK_N, HEAD_D) after dQ's matmuls and returns dk still in flight, so that
+    dK's matmul runs while dQ goes out (FlashAttention-3's order)."""
     g, start_m = _step_coords(j, first, n_blocks, GQA, BLOCK_M)
     par = j % 2
     buf = ds_smem.index(par)  # (2·BLOCK_N, BLOCK_M)
@@ -228,7 +230,11 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
     dq = warpgroup_mma(buf.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)),
                        k_dq.index(1).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1), dq,
                        is_async=True)  # ... and over warpgroup 1's
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    if DQ == 5:
+        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D), dSᵀ from registers
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dK's matmul may still run
+    else:
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
     mbarrier.arrive(ds_bars.index(2 + par), count=1)
     if DQ == 2:
         _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
@@ -240,6 +246,8 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
         dq_smem.reshape([BLOCK_M, HALF]).store(dq)  # (BLOCK_M, HALF) fp32
         fence_async_shared()
         _tma_reduce_add(dqacc_ptr, [bh0 + g, start_m, WG * HALF], dq_smem)
+    if DQ == 5:
+        return dk
 
 
 @gluon.jit
@@ -316,7 +324,12 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
     dpT = warpgroup_mma_wait(num_outstanding=1 + AHEAD, deps=(dpT, ))  # dPᵀ done, dV's matmul may still run
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
     dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
-    dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
+    if DQ == 5:  # form 3 with dK's matmul issued after dQ's (_dq_of_step): it runs while dQ goes out
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG)
+        dk = _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
+                         BLOCK_N, HEAD_D, GQA, DQ, WG, dk, dsT_op, q)
+    else:
+        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     if DQ == 1:
         # dSᵀ also goes to shared memory, read back transposed as the A operand of this warpgroup's part of dQ,
         # dS K (the previous step's dQ matmuls, its last readers, retired at that step's end). As dK's A operand
@@ -333,7 +346,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                is_async=True)  # (BLOCK_M, DQ_COLS)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))  # dK's and dV's matmuls retire with it
             _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, c * DQ_COLS, BLOCK_M, HEAD_D, DQ_COLS)
-    elif DQ >= 2:
+    elif DQ >= 2 and DQ < 5:
         # both warpgroups' dSᵀ in one shared buffer per step parity (2·BLOCK_N keys, BLOCK_M queries); each
         # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys (_dq_of_step): one add per element
         # and program instead of two. DQ = 4 takes the previous step's dQ here (PREV), so that neither warpgroup

@@ -107,9 +107,10 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
     the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both; 3, as 2
     with TMA reduce-adds instead of atomics; 4, as 3 with each step's dQ computed in the next step, after that
-    step's dK matmul is issued (not with ahead)."""
-    if dqacc is not None and dq_mode not in (1, 2, 3, 4):
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3 or 4")
+    step's dK matmul is issued (not with ahead); 5, as 3 with each step's dK matmul issued after its dQ
+    matmuls, so that it runs while dQ goes out (FlashAttention-3's order)."""
+    if dqacc is not None and dq_mode not in (1, 2, 3, 4, 5):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3, 4 or 5")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):

@@ -17,6 +17,8 @@ medians (it flushes L2 between runs):
           per step instead of atomics per element (FlashAttention-3's way);
 * fused4  fused=4: as fused3, each step's dQ computed in the next step, after that step's dK matmul is
           issued, so that neither warpgroup waits for the other's dS of the step it has just computed;
+* fused5  fused=5: as fused3, each step's dK matmul issued after its dQ matmuls, so that it runs while dQ goes
+          out (FlashAttention-3's order);
 * tl      kernels/flash/launch.py: _bwd with hopper_backward off: the tl split backward;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 

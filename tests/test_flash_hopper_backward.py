@@ -204,19 +204,21 @@ def _spy(monkeypatch):
     pytest.param((1, 2, 2, 1023, 113, True), 64, torch.bfloat16, id="causal-Nq>Nk-d64-bf16"),
 ])
 def test_switch_runs_the_fused_gluon_backward(case, D, dtype, request, monkeypatch, poisoned):
-    """kernels.flash_attention's backward with hopper_backward on runs the Gluon kernel's fused form (fused=3:
-    the tl delta and dQ passes around it, no tl dQ or dK/dV kernel); off, the tl backward. Both within the
-    float64-reference budget."""
+    """kernels.flash_attention's backward with hopper_backward on runs the Gluon kernel's fused form (fused=5 at
+    d128 causal and d64 not causal, 3 elsewhere: the tl delta and dQ passes around it, no tl dQ or dK/dV kernel);
+    off, the tl backward. Both within the float64-reference budget."""
     causal = case[-1]
+    form = {(128, True): 5, (64, False): 5}.get((D, causal), 3)
+    assert launch.hopper_bwd_form(D, causal) == form
     q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     gluon, tl = _spy(monkeypatch)
     with options.use(hopper_backward="on"):
         on = _fwd_bwd(q, k, v, do, causal)
-    assert gluon == [3] and {"prep", "dqout"} <= set(tl) and not {"dq", "dkdv", "dkdvq"} & set(tl), tl
+    assert gluon == [form] and {"prep", "dqout"} <= set(tl) and not {"dq", "dkdv", "dkdvq"} & set(tl), tl
     tl.clear()
     with options.use(hopper_backward="off"):
         off = _fwd_bwd(q, k, v, do, causal)
-    assert gluon == [3] and "dkdv" in tl
+    assert gluon == [form] and "dkdv" in tl
     ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
     low = _naive_grads(q, k, v, do, causal)
     for name, a, b, r, n in zip(("dq", "dk", "dv"), on[1:], off[1:], ref, low):
@@ -237,7 +239,8 @@ def test_default_backward_dispatch_at_the_measured_shapes(causal, request, monke
         gluon, tl = _spy(monkeypatch)
         grads = _fwd_bwd(q, k, v, do, causal)[1:]
         monkeypatch.undo()
-        assert (gluon == [3]) is want_gluon and ("dkdv" in tl) is not want_gluon, (N, D, gluon, tl)
+        want = [launch.hopper_bwd_form(D, causal)] if want_gluon else []
+        assert gluon == want and ("dkdv" in tl) is not want_gluon, (N, D, gluon, tl)
         ref = _naive_grads(q.double(), k.double(), v.double(), do.double(), causal)
         low = _naive_grads(q, k, v, do, causal)
         for name, got, r, n in zip(("dq", "dk", "dv"), grads, ref, low):
@@ -256,7 +259,7 @@ def test_packed_gradient_through_the_gluon_backward(D, request, monkeypatch):
     gluon, _ = _spy(monkeypatch)
     with options.use(hopper_backward="on"):
         flash_attention_qkvpacked(qkv, Hq, Hkv).backward(do)
-    assert gluon == [3]
+    assert gluon == [launch.hopper_bwd_form(D, True)]
     ref_qkv = qkv.detach().double().requires_grad_()
     naive_attention(*split_qkv(ref_qkv, Hq, Hkv), causal=True).backward(do.double())
     low_qkv = qkv.detach().clone().requires_grad_()

@@ -395,6 +395,18 @@ HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the 
 }
 
 
+# The fused form the Gluon backward runs per (head dim, causal): 5 (each step's dK matmul issued after its dQ
+# matmuls) where one H100 timed it faster than form 3 in both of two runs (bench/results/flash_hopper/backward/
+# dk_after_dq/): head dim 128 causal 1.3-3.0 % at 2048-16384 tokens, head dim 64 not causal 1.1-2.3 % at 4096 and
+# 16384; form 3 elsewhere (form 5 was 2-18 % slower at d128 without a mask and 2 % at d64 causal).
+HOPPER_BWD_FORM = {(128, True): 5, (64, False): 5}
+
+
+def hopper_bwd_form(head_dim: int, causal: bool) -> int:
+    """The fused form (_hopper_bwd's fused=) kernels.flash_attention's backward runs on the Gluon kernel."""
+    return HOPPER_BWD_FORM.get((int(head_dim), bool(causal)), 3)
+
+
 def _hopper_bwd_auto(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """Whether hopper_backward = "auto" gives these shapes to the Gluon backward (HOPPER_BWD_AUTO_MIN_LEN)."""
     rows_tma = _hopper_bwd_launch.rows_through_tma_for(q.shape[-2])
@@ -456,7 +468,8 @@ def _bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, window: int = 0, do
     opts = _options.get()
     if _hopper_bwd_takes(opts.hopper_backward, do, q, k, v, o, causal, window, docs, rope, out):
         with _triton.device_guard(q):  # (no launch plan: the Gluon launch builds its TMA descriptors per call)
-            return _hopper_bwd(do, q, k, v, o, lse, causal, sm_scale, fused=3, out=out)
+            return _hopper_bwd(do, q, k, v, o, lse, causal, sm_scale, fused=hopper_bwd_form(q.shape[-1], causal),
+                               out=out)
     key = _plan_key(_masked("bwd", window, docs, rope), opts,
                     _with_docs((do, q, k, v, o, lse, *(out or ())), docs, rope), causal, sm_scale)
     cos, sin = rope or (None, None)

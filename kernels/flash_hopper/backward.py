@@ -44,7 +44,11 @@ warpgroup's half stored into its own fp32 shared buffer and added by one TMA red
 backward, 1.3-1.7x DQ = 1's at 4096 tokens (bench/results/flash_hopper/fused_backward/). DQ = 4 is DQ = 3 with
 each step's dQ computed one step later, after the next step's dK matmul is issued, so that a warpgroup does not
 wait for the other's dSᵀ of the step it has just computed: 1.05-1.07x DQ = 3 at d64 without a mask, 0.81-0.89x
-at d128 without one (it spills more there), level causal; an option, not the default (same folder).
+at d128 without one (it spills more there), level causal; an option, not the default (same folder). DQ = 5 is
+DQ = 3 with each step's dK matmul issued after its two dQ matmuls (FA3's order), so that dK's matmul runs while
+dQ goes through shared memory to its reduce-add: 1.3-3.0 % shorter than DQ = 3 at d128 causal and 1.1-2.3 % at
+d64 without a mask, 2-18 % longer at the other two on an H100 (bench/results/flash_hopper/backward/dk_after_dq/);
+kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
@@ -563,7 +567,7 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
-    off). DQ (1, 2, 3 or 4; 0: not; 4 not with AHEAD): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32,
+    off). DQ (1 to 5; 0: not; 4 not with AHEAD): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32,
     contiguous, zeroed; not read without DQ; with DQ >= 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D),
     blocks (1, BLOCK_M, HEAD_D / 2) fp32). ROWS_TMA: lse_desc, delta_desc are 1-d TMA descriptors over the same
     lse and delta flattened to (B·Hq·Nq), blocks (BLOCK_M,), unswizzled (B·Hq·Nq < 2**31: the rows' coordinates

@@ -396,9 +396,9 @@ HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the 
 
 
 # The fused form the Gluon backward runs per (head dim, causal): 5 (each step's dK matmul issued after its dQ
-# matmuls) where one H100 timed it faster than form 3 in both of two runs (bench/results/flash_hopper/backward/
-# dk_after_dq/): head dim 128 causal 1.3-3.0 % at 2048-16384 tokens, head dim 64 not causal 1.1-2.3 % at 4096 and
-# 16384; form 3 elsewhere (form 5 was 2.1-18 % slower at d128 without a mask and 1.9-2.3 % at d64 causal).
+# matmuls) where one H100 timed it faster than form 3 in all of three runs, either form first (bench/results/
+# flash_hopper/backward/dk_after_dq/): head dim 128 causal 1.1-3.3 % at 2048-16384 tokens, head dim 64 not causal
+# 0.5-2.3 % at 4096 and 16384; form 3 elsewhere (form 5 longer in 13 of 15 pairs there, by 1.5-18 %).
 HOPPER_BWD_FORM = {(128, True): 5, (64, False): 5}
 
 

@@ -46,8 +46,9 @@ each step's dQ computed one step later, after the next step's dK matmul is issue
 wait for the other's dSᵀ of the step it has just computed: 1.05-1.07x DQ = 3 at d64 without a mask, 0.81-0.89x
 at d128 without one (it spills more there), level causal; an option, not the default (same folder). DQ = 5 is
 DQ = 3 with each step's dK matmul issued after its two dQ matmuls (FA3's order), so that dK's matmul runs while
-dQ goes through shared memory to its reduce-add: 1.3-3.0 % shorter than DQ = 3 at d128 causal and 1.1-2.3 % at
-d64 without a mask, 1.9-18 % longer at the other two on an H100 (bench/results/flash_hopper/backward/dk_after_dq/);
+dQ goes through shared memory to its reduce-add: 1.1-3.3 % shorter than DQ = 3 at d128 causal and 0.5-2.3 % at
+d64 without a mask in three runs on an H100, mostly longer at the other two (bench/results/flash_hopper/backward/
+dk_after_dq/);
 kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,

@@ -48,8 +48,7 @@ at d128 without one (it spills more there), level causal; an option, not the def
 DQ = 3 with each step's dK matmul issued after its two dQ matmuls (FA3's order), so that dK's matmul runs while
 dQ goes through shared memory to its reduce-add: 1.1-3.3 % shorter than DQ = 3 at d128 causal and 0.5-2.3 % at
 d64 without a mask in three runs on an H100, mostly longer at the other two (bench/results/flash_hopper/backward/
-dk_after_dq/);
-kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form).
+dk_after_dq/); kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute

@@ -24,6 +24,8 @@ def test_help_and_bad_input():
     assert r.stderr.strip() == "error: --shape 1,2,128,80: the Gluon backward takes head dims 64 and 128"
     r = run("--providers", "fa9")
     assert r.returncode == 2 and "invalid choice: 'fa9'" in r.stderr
+    r = run("--form", "6")
+    assert r.returncode == 2 and "invalid choice: 6" in r.stderr
 
 
 @pytest.mark.skipif(SM90, reason="an sm_90 GPU is here: the backwards would run")
@@ -38,4 +40,6 @@ def test_without_an_sm90_gpu_one_line():
 def test_each_backward_runs_once_on_the_gpu(causal):
     r = run("--shape", "1,2,300,128", "--causal", causal)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == f"profiled one backward each of split, fused, tl, cudnn at 1,2,300,128 causal={causal}"
+    form = 5 if causal == "yes" else 3  # kernels/flash/launch.py: hopper_bwd_form at head dim 128
+    assert r.stdout.strip() == (f"profiled one backward each of split, fused, tl, cudnn at 1,2,300,128 "
+                                f"causal={causal} (fused form {form})")

@@ -2,7 +2,7 @@
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
                                     [--ahead auto|on|off] [--fused 1 2 3 4 5] [--rep 100] [--rows-loads]
-                                    [--mask-skip] [--out DIR]
+                                    [--mask-skip] [--ds-ring] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -126,6 +126,10 @@ def main(argv=None) -> int:
                    help="causal: the Gluon kernel skips the mask on blocks wholly below the diagonal "
                         "(kernels.flash_hopper.backward_launch.skip_mask_below_diagonal) in every hopper and "
                         "fused column")
+    p.add_argument("--ds-ring", action="store_true",
+                   help="fused forms 2, 3 and 5 on two stages (d128's default; --stages 2 at d64) count each dS "
+                        "buffer free through the ring's releases instead of their own barriers "
+                        "(kernels.flash_hopper.backward_launch.ds_freed_by_ring) in every fused column")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     if args.rep < 1:
@@ -134,7 +138,8 @@ def main(argv=None) -> int:
     if args.ahead == "on" and 4 in args.fused:
         print("error: --ahead on does not run with --fused 4 (dQ one step behind)", file=sys.stderr)
         return 2
-    from kernels.flash_hopper.backward_launch import MAX_STAGES, rows_through_tma, skip_mask_below_diagonal
+    from kernels.flash_hopper.backward_launch import (MAX_STAGES, ds_freed_by_ring, rows_through_tma,
+                                                      skip_mask_below_diagonal)
     for _, _, _, D in args.shapes:
         if args.stages is not None and not 2 <= args.stages <= MAX_STAGES.get(D, 2):
             print(f"error: --stages {args.stages}: the ring holds 2 to {MAX_STAGES.get(D, 2)} stages at head dim {D}",
@@ -160,7 +165,8 @@ def main(argv=None) -> int:
     for B, H, N, D in args.shapes:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
-            with rows_through_tma(not args.rows_loads), skip_mask_below_diagonal(args.mask_skip):
+            with rows_through_tma(not args.rows_loads), skip_mask_below_diagonal(args.mask_skip), \
+                    ds_freed_by_ring(args.ds_ring):
                 row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 

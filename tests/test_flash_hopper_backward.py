@@ -167,6 +167,17 @@ def test_mask_skip_matches_reference(case, D, fused, request, poisoned):
 
 
 @on_sm90
+@pytest.mark.parametrize("fused", [2, 3, 5])
+@pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
+                                    for case in CASES + TMA_CASES for D in (64, 128)])
+def test_ds_freed_by_ring_matches_reference(case, D, fused, request, poisoned):
+    """With ds_freed_by_ring (each dSᵀ buffer counted free through the two-stage ring's releases instead of its own
+    barriers): fused forms 2, 3 and 5 on two stages on every case, rows through TMA or loaded, bf16."""
+    with backward_launch.ds_freed_by_ring():
+        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused, stages=2)
+
+
+@on_sm90
 @pytest.mark.parametrize("fused", [None, 3])
 @pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
                                     for case in CASES + TMA_CASES for D in (64, 128)])
@@ -429,6 +440,14 @@ def compile_hopper_backward() -> list[dict]:
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                     launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                        torch.zeros(2, 4, 116), True, fused=fused)
+        with backward_launch.ds_freed_by_ring():  # forms 2, 3 and 5 on a two-stage ring without the free barriers
+            for causal in (True, False):
+                for D in (64, 128):
+                    for fused in (2, 3, 5):
+                        q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
+                        kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
+                        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
+                                           torch.zeros(2, 4, 116), causal, stages=2, fused=fused)
         with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):
@@ -443,7 +462,8 @@ def compile_hopper_backward() -> list[dict]:
 @needs_gluon
 def test_hopper_backward_compiles_for_sm90(tmp_path):
     """Each variant of the Gluon kernel (bf16 and fp16, head dims 64 and 128, causal or not, GQA or not; the
-    causal d64 variants with the mask skipped below the diagonal, CAUSAL = 2)
+    causal d64 variants with the mask skipped below the diagonal, CAUSAL = 2; fused forms 2, 3 and 5 with the
+    dSᵀ buffers freed by the ring, DS_RING, which spill no more than the same forms without it)
     compiles to a cubin with wgmma, 4-d TMA loads and stores, mbarrier waits and the producer-to-consumer
     register reallocation; 12 warps; shared memory within sm_90's limit; spills within MAX_SPILL; ptxas does
     not serialise its wgmmas. The tl dQ
@@ -455,7 +475,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     records = compiled_records("tests.test_flash_hopper_backward", tmp_path)
     every_gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
     mask_skip = [r for r in every_gluon if r["consts"]["CAUSAL"] == 2]  # the option: checked alike, then set apart
-    gluon = [r for r in every_gluon if r not in mask_skip]
+    ring = [r for r in every_gluon if r["consts"].get("DS_RING")]  # the option ds_freed_by_ring: the same
+    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring]
     for rec in records:
         c = rec["consts"]
         print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
@@ -464,6 +485,14 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
               f"{rec['registers']} registers, spill stores {rec['spill_stores']} B, loads {rec['spill_loads']} B, "
               f"shared {rec['shared']} B")
     assert {(r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in mask_skip} == {(64, 0), (64, 3)}  # d64 only
+    assert sorted((r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"], r["consts"]["STAGES"])
+                  for r in ring) == sorted((D, causal, mode, 2) for D in (64, 128) for causal in (True, False)
+                                           for mode in (2, 3, 5))
+    for rec in ring:  # no more spills than the same variant with the free barriers (d128: two stages by default)
+        same = [r for r in gluon if r["consts"] == {**rec["consts"], "DS_RING": False}
+                or r["consts"] == {k: v for k, v in rec["consts"].items() if k != "DS_RING"}]
+        for r in same:
+            assert rec["spill_stores"] <= r["spill_stores"] and rec["spill_loads"] <= r["spill_loads"], (rec, r)
     for rec in every_gluon:
         assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
         assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec

@@ -200,12 +200,15 @@ def _add_dq_part(dq, dqacc_ptr, row_base, start_m, Nq, COL0: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.constexpr):
+def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.constexpr, DS_RING: gl.constexpr):
     """Put this warpgroup's dSᵀ (BLOCK_N, BLOCK_M) of step i into its half of the step parity's shared buffer
     (ds_smem: (2, 2·BLOCK_N, BLOCK_M)), once both warpgroups' dQ matmuls of step i - 2 have read that buffer.
-    ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each."""
+    ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each. DS_RING: the free barriers are not used:
+    with a two-stage ring whose stages both warpgroups release only after the step's dQ matmuls retired, step
+    i's Q in the ring (this warpgroup waited for it) means both released step i - 2, so its buffer is free."""
     par = i % 2
-    mbarrier.wait(ds_bars.index(2 + par), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+    if not DS_RING:
+        mbarrier.wait(ds_bars.index(2 + par), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
     ds_smem.index(par).slice(WG * BLOCK_N, BLOCK_N, dim=0).store(dsT_op)  # this warpgroup's keys
     fence_async_shared()
     mbarrier.arrive(ds_bars.index(par), count=1)
@@ -214,7 +217,7 @@ def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.const
 @gluon.jit
 def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, GQA: gl.constexpr,
-                DQ: gl.constexpr, WG: gl.constexpr, dk=None, dsT_op=None, q=None):
+                DQ: gl.constexpr, WG: gl.constexpr, DS_RING: gl.constexpr, dk=None, dsT_op=None, q=None):
     """This warpgroup's half of dQ's columns of step j, dS K over both warpgroups' 2·BLOCK_N keys, once both
     published their dSᵀ of step j (_publish_ds); added into dqacc_ptr with atomics (DQ = 2) or through dq_smem and
     one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight, except with DQ = 5: there
@@ -239,7 +242,8 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dK's matmul may still run
     else:
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-    mbarrier.arrive(ds_bars.index(2 + par), count=1)
+    if not DS_RING:  # (with it, the ring's release at the step's end frees the buffer: _publish_ds)
+        mbarrier.arrive(ds_bars.index(2 + par), count=1)
     if DQ == 2:
         _add_dq_part(dq, dqacc_ptr, rows0 + g * Nq, start_m, Nq, WG * HALF, BLOCK_M, HEAD_D, HALF)
     else:
@@ -269,7 +273,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, AHEAD: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
-               PREV: gl.constexpr = False, ROWS_TMA: gl.constexpr = False):
+               PREV: gl.constexpr = False, ROWS_TMA: gl.constexpr = False, DS_RING: gl.constexpr = False):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
     dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
     releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
@@ -329,9 +333,9 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
     dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
     if DQ == 5:  # form 3 with dK's matmul issued after dQ's (_dq_of_step): it runs while dQ goes out
-        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG)
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
         dk = _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                         BLOCK_N, HEAD_D, GQA, DQ, WG, dk, dsT_op, q)
+                         BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q)
     else:
         dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     if DQ == 1:
@@ -355,13 +359,13 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
         # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys (_dq_of_step): one add per element
         # and program instead of two. DQ = 4 takes the previous step's dQ here (PREV), so that neither warpgroup
         # waits for the other's dSᵀ of the step it has just computed
-        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG)
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
         if DQ < 4:
             _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                        BLOCK_N, HEAD_D, GQA, DQ, WG)
+                        BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING)
         elif PREV:
             _dq_of_step(i - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                        BLOCK_N, HEAD_D, GQA, DQ, WG)
+                        BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING)
     return dk, dv, pT_op, dsT_op
 
 
@@ -371,7 +375,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                 qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
-                ROWS_TMA: gl.constexpr = False):
+                ROWS_TMA: gl.constexpr = False, DS_RING: gl.constexpr = False):
     """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
     tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
     order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
@@ -399,7 +403,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                                lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
+                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
             # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
             # values are taken by the next step's waits)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -410,7 +414,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                            lse_smem, delta_smem, rows0, keys, key_last, Nq,
                                            offset, qk_scale, n - 1, first, n_blocks, k_dq, ds_smem, ds_bars,
                                            dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                           CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
+                                           CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
     elif DQ == 4:
@@ -421,7 +425,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                            lse_smem, delta_smem, rows0, keys, key_last, Nq,
                                            offset, qk_scale, 0, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr,
                                            dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG,
-                                           False, ROWS_TMA=ROWS_TMA)
+                                           False, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index(0), count=1)
         for i in range(1, n):
@@ -430,11 +434,11 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                                lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, True, ROWS_TMA=ROWS_TMA)
+                                               CAUSAL, GQA, DQ, WG, True, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
             mbarrier.arrive(empty.index(i % STAGES), count=1)
         _dq_of_step(n - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                    BLOCK_N, HEAD_D, GQA, DQ, WG)
+                    BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING)
     else:
         for i in range(n):
             sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
@@ -442,7 +446,7 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                                lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA)
+                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
             # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
             # operands
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
@@ -455,7 +459,8 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
               lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
               ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr):
+              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr,
+              DS_RING: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
     the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -494,10 +499,13 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
                          lse_smem, delta_smem, rows0, keys, key_last, Nq,
                          offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, dq_mine,
                          b * Hq + hk * GROUP, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG,
-                         ROWS_TMA=ROWS_TMA)
+                         ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
     if DQ >= 2:  # the other warpgroup's last dQ matmuls read this one's K, which the epilogue overwrites
         last = n_blocks * GROUP - 1
-        mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
+        if DS_RING:  # both released the last step's stage after its dQ matmuls
+            mbarrier.wait(empty.index(last % STAGES), (last // STAGES) & 1)
+        else:
+            mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
     # through them
@@ -517,12 +525,12 @@ def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr,
                       empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-                      ROWS_TMA: gl.constexpr):
+                      ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr,
               lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
               Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)
+              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
 
 
 @gluon.jit
@@ -531,12 +539,12 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr,
                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-                     ROWS_TMA: gl.constexpr):
+                     ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr,
               lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
               Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)
+              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -549,7 +557,8 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
                           Hq, GROUP, Nq,
                           offset, qk_scale, sm_scale, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-                          AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr):
+                          AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr,
+                          DS_RING: gl.constexpr = False):
     """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
     that read them.
 
@@ -571,7 +580,8 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     contiguous, zeroed; not read without DQ; with DQ >= 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D),
     blocks (1, BLOCK_M, HEAD_D / 2) fp32). ROWS_TMA: lse_desc, delta_desc are 1-d TMA descriptors over the same
     lse and delta flattened to (B·Hq·Nq), blocks (BLOCK_M,), unswizzled (B·Hq·Nq < 2**31: the rows' coordinates
-    are int32); without it they are not read.
+    are int32); without it they are not read. DS_RING (DQ 2, 3 or 5 with STAGES == 2 only): the dSᵀ buffers
+    are counted free through the ring's releases instead of their own barriers (_publish_ds).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
@@ -613,11 +623,11 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr,
                              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                             dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)),
+                             dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr,
                             lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                            dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA)),
+                            dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                      k_smem, v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
                      CAUSAL, GQA, ROWS_TMA)),

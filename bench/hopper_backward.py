@@ -127,9 +127,9 @@ def main(argv=None) -> int:
                         "(kernels.flash_hopper.backward_launch.skip_mask_below_diagonal) in every hopper and "
                         "fused column")
     p.add_argument("--ds-ring", action="store_true",
-                   help="fused forms 2, 3 and 5 on two stages (d128's default; --stages 2 at d64) count each dS "
-                        "buffer free through the ring's releases instead of their own barriers "
-                        "(kernels.flash_hopper.backward_launch.ds_freed_by_ring) in every fused column")
+                   help="fused forms 2, 3 and 5 keep a dS buffer per ring stage, counted free through the ring's "
+                        "releases instead of their own barriers (kernels.flash_hopper.backward_launch."
+                        "ds_freed_by_ring; up to DS_RING_MAX_STAGES) in every fused column")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     if args.rep < 1:

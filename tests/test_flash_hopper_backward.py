@@ -171,10 +171,10 @@ def test_mask_skip_matches_reference(case, D, fused, request, poisoned):
 @pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
                                     for case in CASES + TMA_CASES for D in (64, 128)])
 def test_ds_freed_by_ring_matches_reference(case, D, fused, request, poisoned):
-    """With ds_freed_by_ring (each dSᵀ buffer counted free through the two-stage ring's releases instead of its own
-    barriers): fused forms 2, 3 and 5 on two stages on every case, rows through TMA or loaded, bf16."""
+    """With ds_freed_by_ring (a dSᵀ buffer per ring stage, counted free through the ring's releases instead of its
+    own barriers): fused forms 2, 3 and 5 on their default stages on every case, rows through TMA or loaded, bf16."""
     with backward_launch.ds_freed_by_ring():
-        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused, stages=2)
+        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
 
 
 @on_sm90
@@ -440,14 +440,14 @@ def compile_hopper_backward() -> list[dict]:
                     kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                     launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
                                        torch.zeros(2, 4, 116), True, fused=fused)
-        with backward_launch.ds_freed_by_ring():  # forms 2, 3 and 5 on a two-stage ring without the free barriers
+        with backward_launch.ds_freed_by_ring():  # forms 2, 3 and 5, a dS buffer per stage, no free barriers
             for causal in (True, False):
-                for D in (64, 128):
+                for D, stages in ((64, None), (64, backward_launch.DS_RING_MAX_STAGES[64]), (128, None)):
                     for fused in (2, 3, 5):
                         q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
                         kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
                         launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                           torch.zeros(2, 4, 116), causal, stages=2, fused=fused)
+                                           torch.zeros(2, 4, 116), causal, stages=stages, fused=fused)
         with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):
@@ -486,9 +486,11 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
               f"shared {rec['shared']} B")
     assert {(r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in mask_skip} == {(64, 0), (64, 3)}  # d64 only
     assert sorted((r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"], r["consts"]["STAGES"])
-                  for r in ring) == sorted((D, causal, mode, 2) for D in (64, 128) for causal in (True, False)
-                                           for mode in (2, 3, 5))
-    for rec in ring:  # no more spills than the same variant with the free barriers (d128: two stages by default)
+                  for r in ring) == sorted((D, causal, mode, stages) for causal in (True, False) for mode in (2, 3, 5)
+                                           for D, stages in ((64, backward_launch.STAGES[64]),
+                                                             (64, backward_launch.DS_RING_MAX_STAGES[64]),
+                                                             (128, backward_launch.STAGES[128])))
+    for rec in ring:  # no more spills than the same variant with the free barriers
         same = [r for r in gluon if r["consts"] == {**rec["consts"], "DS_RING": False}
                 or r["consts"] == {k: v for k, v in rec["consts"].items() if k != "DS_RING"}]
         for r in same:

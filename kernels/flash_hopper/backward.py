@@ -203,13 +203,17 @@ def _add_dq_part(dq, dqacc_ptr, row_base, start_m, Nq, COL0: gl.constexpr, BLOCK
 def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.constexpr, DS_RING: gl.constexpr):
     """Put this warpgroup's dSᵀ (BLOCK_N, BLOCK_M) of step i into its half of the step parity's shared buffer
     (ds_smem: (2, 2·BLOCK_N, BLOCK_M)), once both warpgroups' dQ matmuls of step i - 2 have read that buffer.
-    ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each. DS_RING: the free barriers are not used:
-    with a two-stage ring whose stages both warpgroups release only after the step's dQ matmuls retired, step
-    i's Q in the ring (this warpgroup waited for it) means both released step i - 2, so its buffer is free."""
+    ds_bars: [ready(0), ready(1), free(0), free(1)], two arrivals each. DS_RING: one buffer per ring stage
+    (ds_smem: (STAGES, 2·BLOCK_N, BLOCK_M), step i's in i % STAGES) and no free barriers: both warpgroups release
+    a stage only after the step's dQ matmuls retired, so step i's Q in the ring (this warpgroup waited for it)
+    means both are done with step i - STAGES's buffer."""
     par = i % 2
-    if not DS_RING:
+    if DS_RING:
+        buf = ds_smem.index(i % ds_smem.shape[0])
+    else:
         mbarrier.wait(ds_bars.index(2 + par), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-    ds_smem.index(par).slice(WG * BLOCK_N, BLOCK_N, dim=0).store(dsT_op)  # this warpgroup's keys
+        buf = ds_smem.index(par)
+    buf.slice(WG * BLOCK_N, BLOCK_N, dim=0).store(dsT_op)  # this warpgroup's keys
     fence_async_shared()
     mbarrier.arrive(ds_bars.index(par), count=1)
 
@@ -225,7 +229,7 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
     dK's matmul runs while dQ goes out (FlashAttention-3's order)."""
     g, start_m = _step_coords(j, first, n_blocks, GQA, BLOCK_M)
     par = j % 2
-    buf = ds_smem.index(par)  # (2·BLOCK_N, BLOCK_M)
+    buf = ds_smem.index(j % ds_smem.shape[0] if DS_RING else par)  # (2·BLOCK_N, BLOCK_M)
     mbarrier.wait(ds_bars.index(par), (j // 2) & 1)  # both warpgroups' keys are there
     HALF: gl.constexpr = HEAD_D // 2
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -580,8 +584,8 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     contiguous, zeroed; not read without DQ; with DQ >= 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D),
     blocks (1, BLOCK_M, HEAD_D / 2) fp32). ROWS_TMA: lse_desc, delta_desc are 1-d TMA descriptors over the same
     lse and delta flattened to (B·Hq·Nq), blocks (BLOCK_M,), unswizzled (B·Hq·Nq < 2**31: the rows' coordinates
-    are int32); without it they are not read. DS_RING (DQ 2, 3 or 5 with STAGES == 2 only): the dSᵀ buffers
-    are counted free through the ring's releases instead of their own barriers (_publish_ds).
+    are int32); without it they are not read. DS_RING (DQ 2, 3 or 5 only): one dSᵀ buffer per ring stage,
+    counted free through the ring's releases instead of their own barriers (_publish_ds).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
@@ -592,7 +596,7 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     if DQ == 1:  # each consumer's dSᵀ, read back transposed as the A operand of its dQ matmul
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     elif DQ >= 2:  # both consumers' dSᵀ, per step parity
-        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [STAGES if DS_RING else 2, 2 * BLOCK_N, BLOCK_M], ds_layout)
     else:
         ds_smem = k_smem  # (not used)
     if DQ >= 3:  # each consumer's half of dQ's columns, fp32, the source of its TMA reduce-adds

@@ -58,18 +58,21 @@ ROWS_TMA = True
 MASK_SKIP = False
 
 
-# fused forms 2, 3 and 5 with a two-stage ring: each dSᵀ buffer counted free through the ring's own releases
-# (both warpgroups release a stage after the step's dQ matmuls retired) instead of its own mbarriers. Gluon lowers
-# each mbarrier arrive to one thread's arrive between two warpgroup barriers (BAR.SYNC), so this drops one
-# arrive and its barriers from every step (sm_90, Triton 3.6: the d128 causal form 3 42 -> 40 BAR.SYNC, spill
-# stores 24 -> 17 in the SASS). Built, not yet run on a GPU, so off (ds_freed_by_ring)
+# fused forms 2, 3 and 5: one dSᵀ buffer per ring stage, each counted free through the ring's own releases (both
+# warpgroups release a stage after the step's dQ matmuls retired) instead of its own mbarriers. Gluon lowers each
+# mbarrier arrive to one thread's arrive between two warpgroup barriers (BAR.SYNC), so this drops one arrive and
+# its barriers from every step (sm_90, Triton 3.6: the d128 causal form 3 42 -> 40 BAR.SYNC, spill stores
+# 24 -> 17 in the SASS). Up to DS_RING_MAX_STAGES, where the buffers still fit in shared memory beside the ring.
+# Built, not yet run on a GPU, so off (ds_freed_by_ring)
 DS_RING = False
+DS_RING_MAX_STAGES = {64: 5, 128: 2}  # d64: 5 x (16 KB of Q and dO + 16 KB of dSᵀ) + K, V and dQ's 48 KB
 
 
 @contextlib.contextmanager
 def ds_freed_by_ring(on: bool = True):
-    """Inside the block, Gluon dK/dV launches of fused forms 2, 3 and 5 with two stages count each dSᵀ buffer
-    free through the ring's releases instead of its own barriers (DS_RING): benchmark A/B runs and tests."""
+    """Inside the block, Gluon dK/dV launches of fused forms 2, 3 and 5 (up to DS_RING_MAX_STAGES) keep one dSᵀ
+    buffer per stage, counted free through the ring's releases instead of its own barriers (DS_RING): benchmark
+    A/B runs and tests."""
     global DS_RING
     old, DS_RING = DS_RING, bool(on)
     try:
@@ -162,7 +165,7 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
         CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
         DQ=0 if dqacc is None else int(dq_mode), ROWS_TMA=rows_tma,
-        DS_RING=DS_RING and stages == 2 and dqacc is not None and dq_mode in (2, 3, 5),
+        DS_RING=DS_RING and stages <= DS_RING_MAX_STAGES[D] and dqacc is not None and dq_mode in (2, 3, 5),
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 

@@ -416,46 +416,37 @@ def compile_hopper_backward() -> list[dict]:
     kt.sm_count = lambda device: H200_SMS
     hopper_launch._is_sm90 = lambda device: True
     launch._hopper_or_newer = lambda index: True
+    def compile_one(D, causal, dtype=torch.bfloat16, Hkv=2, Nq=116, **launch_kw):
+        q = torch.randn(2, 4, Nq, D).to(dtype)  # (B, Hq, Nq, D)
+        kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
+        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q), torch.zeros(2, 4, Nq), causal,
+                           **launch_kw)
+
     with compiling_instead_of_launching(backward._attn_bwd_dkdv_hopper, _attn_bwd_dq, _attn_bwd_prep,
                                         _attn_bwd_dq_out) as compiled, options.use(autotune=False, fast_launch=False):
         for dtype in DTYPES:
             for D in (64, 128):
                 for causal in (True, False):
                     for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
-                        q = torch.randn(2, 4, 116, D).to(dtype)  # (B, Hq, Nq, D)
-                        kv = torch.randn(2, Hkv, 203, D).to(dtype)  # (B, Hkv, Nk, D): Nk != Nq
-                        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                           torch.zeros(2, 4, 116), causal)
+                        compile_one(D, causal, dtype, Hkv)
         for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 to 5 at d128
             for D, forms in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))):
                 for fused in forms:
-                    q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
-                    kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
-                    launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                       torch.zeros(2, 4, 116), causal, fused=fused)
+                    compile_one(D, causal, fused=fused)
         with backward_launch.skip_mask_below_diagonal():  # causal blocks below the diagonal unmasked (CAUSAL = 2)
             for D in (64, 128):
                 for fused in (None, 3):
-                    q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
-                    kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
-                    launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                       torch.zeros(2, 4, 116), True, fused=fused)
+                    compile_one(D, True, fused=fused)
         with backward_launch.ds_freed_by_ring():  # forms 2, 3 and 5, a dS buffer per stage, no free barriers
             for causal in (True, False):
                 for D, stages in ((64, None), (64, backward_launch.DS_RING_MAX_STAGES[64]), (128, None)):
                     for fused in (2, 3, 5):
-                        q = torch.randn(2, 4, 116, D).to(torch.bfloat16)
-                        kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
-                        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                           torch.zeros(2, 4, 116), causal, stages=stages, fused=fused)
+                        compile_one(D, causal, stages=stages, fused=fused)
         with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):
                     for fused in (None, 3):
-                        q = torch.randn(2, 4, 113, D).to(torch.bfloat16)
-                        kv = torch.randn(2, 2, 203, D).to(torch.bfloat16)
-                        launch._hopper_bwd(torch.randn_like(q), q, kv, kv, torch.randn_like(q),
-                                           torch.zeros(2, 4, 113), causal, fused=fused)
+                        compile_one(D, causal, Nq=113, fused=fused)
     return [_record(c) for c in compiled]
 
 

@@ -2,7 +2,7 @@
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
                                     [--ahead auto|on|off] [--fused 1 2 3 4 5] [--rep 100] [--rows-loads]
-                                    [--mask-skip] [--ds-ring] [--out DIR]
+                                    [--mask-skip] [--ds-ring] [--tail-rounds R] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -130,16 +130,25 @@ def main(argv=None) -> int:
                    help="fused forms 2, 3 and 5 keep a dS buffer per ring stage, counted free through the ring's "
                         "releases instead of their own barriers (kernels.flash_hopper.backward_launch."
                         "ds_freed_by_ring; up to DS_RING_MAX_STAGES) in every fused column")
+    p.add_argument("--tail-rounds", type=int, default=None, metavar="R",
+                   help="causal: the grid's last R · SMs / key tiles (batch, kv head) pairs deal their key tiles "
+                        "across them, longest first (kernels.flash_hopper.backward_launch.tail_heads_dealt; 0: the "
+                        "launch order; default: the launcher's TAIL_ROUNDS) in every hopper and fused column")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
+    if args.tail_rounds is not None and args.tail_rounds < 0:
+        print(f"error: --tail-rounds {args.tail_rounds}: must be 0 or more", file=sys.stderr)
+        return 2
     if args.rep < 1:
         print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
         return 2
     if args.ahead == "on" and 4 in args.fused:
         print("error: --ahead on does not run with --fused 4 (dQ one step behind)", file=sys.stderr)
         return 2
+    from kernels.flash_hopper import backward_launch
     from kernels.flash_hopper.backward_launch import (MAX_STAGES, ds_freed_by_ring, rows_through_tma,
-                                                      skip_mask_below_diagonal)
+                                                      skip_mask_below_diagonal, tail_heads_dealt)
+    tail_rounds = backward_launch.TAIL_ROUNDS if args.tail_rounds is None else args.tail_rounds
     for _, _, _, D in args.shapes:
         if args.stages is not None and not 2 <= args.stages <= MAX_STAGES.get(D, 2):
             print(f"error: --stages {args.stages}: the ring holds 2 to {MAX_STAGES.get(D, 2)} stages at head dim {D}",
@@ -166,7 +175,7 @@ def main(argv=None) -> int:
         for causal in causals:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
             with rows_through_tma(not args.rows_loads), skip_mask_below_diagonal(args.mask_skip), \
-                    ds_freed_by_ring(args.ds_ring):
+                    ds_freed_by_ring(args.ds_ring), tail_heads_dealt(tail_rounds):
                 row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 

@@ -178,6 +178,70 @@ def test_ds_freed_by_ring_matches_reference(case, D, fused, request, poisoned):
 
 
 @on_sm90
+@pytest.mark.parametrize("sms", [1, None])
+@pytest.mark.parametrize("fused", [None, 3, 5])
+@pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
+                                    for case in [CASES[2], CASES[4], CASES[12], CASES[13], CASES[14], TMA_CASES[2],
+                                                 TMA_CASES[3]] for D in (64, 128)])
+def test_tail_heads_dealt_match_reference(case, D, fused, sms, request, monkeypatch, poisoned):
+    """With tail_heads_dealt (the grid's last (batch, kv head) pairs deal their key tiles across them): the split
+    and the fused forms 3 and 5 on causal cases of several pairs (lengths past one tile, Nq != Nk, GQA, rows
+    through TMA or loaded), bf16. With the GPU's SMs every pair of these small grids is dealt; counting one SM
+    and one round, only the last pair is, so the head-by-head part runs too."""
+    B, _, Hkv, _, Nk, _ = case
+    n_tiles = -(-Nk // (2 * backward_launch.BLOCK_N))
+    if sms:
+        monkeypatch.setattr(kt, "sm_count", lambda device: sms)
+    with backward_launch.tail_heads_dealt(1 if sms else 4):
+        tail = backward_launch.tail_heads_for(n_tiles, B * Hkv, True, kt.sm_count(torch.device("cuda")))
+        assert 0 < tail <= B * Hkv and (tail < B * Hkv) == bool(sms)
+        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
+
+
+def test_tail_heads_order_is_a_permutation_longest_first_at_the_end():
+    """program_order (the kernel's _program_tile mapping) visits every (tile, head) once: the heads before the
+    tail in launch order, each head's tiles in order; the tail's tiles dealt tile by tile across its heads.
+    tail_heads_for: 0 when off or not causal, at most the heads, ceil(rounds · SMs / tiles)."""
+    for n_tiles, n_heads, tail in ((1, 1, 0), (1, 1, 1), (5, 7, 0), (5, 7, 3), (5, 7, 7), (32, 64, 17)):
+        order = backward_launch.program_order(n_tiles, n_heads, tail)
+        assert sorted(order) == [(t, h) for t in range(n_tiles) for h in range(n_heads)]
+        body = (n_heads - tail) * n_tiles
+        assert order[:body] == [(t, h) for h in range(n_heads - tail) for t in range(n_tiles)]
+        assert [t for t, _ in order[body:]] == sorted(t for t, _ in order[body:])  # tile 0s first
+    with backward_launch.tail_heads_dealt(0):
+        assert backward_launch.tail_heads_for(32, 64, True, 132) == 0
+    with backward_launch.tail_heads_dealt(4):
+        assert backward_launch.tail_heads_for(32, 64, False, 132) == 0
+        assert backward_launch.tail_heads_for(32, 64, True, 132) == 17  # ceil(528 / 32)
+        assert backward_launch.tail_heads_for(2, 3, True, 132) == 3
+
+
+def _makespan(order, steps, sms=132, overhead=2.0):
+    """List scheduling: each program starts on the first SM free, in launch order, one per SM (the kernel's
+    shared memory allows one), taking its query blocks plus `overhead` steps."""
+    import heapq
+    free = [0.0] * sms
+    for tile, _ in order:
+        heapq.heappush(free, heapq.heappop(free) + steps(tile) + overhead)
+    return max(free)
+
+
+@pytest.mark.parametrize("B,H,N", [(8, 16, 2048), (4, 16, 4096), (1, 16, 8192), (2, 8, 4096)])
+def test_dealing_the_tail_shortens_the_modelled_causal_run(B, H, N):
+    """The model behind TAIL_ROUNDS: causal, key tile t of 128 keys reads the query blocks of 64 rows from its
+    diagonal on; launched head by head the run ends 5-27 % above its work spread evenly over 132 SMs, with the last
+    4 · SMs / tiles heads dealt within 2 %."""
+    n_tiles, n_heads = N // 128, B * H
+    steps = lambda tile: N // 64 - 2 * tile  # noqa: E731
+    ideal = sum(steps(t) + 2.0 for t in range(n_tiles)) * n_heads / 132
+    launch_order = _makespan(backward_launch.program_order(n_tiles, n_heads, 0), steps) / ideal
+    with backward_launch.tail_heads_dealt(4):
+        tail = backward_launch.tail_heads_for(n_tiles, n_heads, True, 132)
+    dealt = _makespan(backward_launch.program_order(n_tiles, n_heads, tail), steps) / ideal
+    assert launch_order > 1.05 and dealt < 1.02, (launch_order, dealt)
+
+
+@on_sm90
 @pytest.mark.parametrize("fused", [None, 3])
 @pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
                                     for case in CASES + TMA_CASES for D in (64, 128)])
@@ -442,6 +506,10 @@ def compile_hopper_backward() -> list[dict]:
                 for D, stages in ((64, None), (64, backward_launch.DS_RING_MAX_STAGES[64]), (128, None)):
                     for fused in (2, 3, 5):
                         compile_one(D, causal, stages=stages, fused=fused)
+        with backward_launch.tail_heads_dealt():  # causal: the last heads' key tiles dealt across them
+            for D in (64, 128):
+                for fused in (None, 3, 5):
+                    compile_one(D, True, fused=fused)
         with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
             for causal in (True, False):
                 for D in (64, 128):
@@ -454,7 +522,8 @@ def compile_hopper_backward() -> list[dict]:
 def test_hopper_backward_compiles_for_sm90(tmp_path):
     """Each variant of the Gluon kernel (bf16 and fp16, head dims 64 and 128, causal or not, GQA or not; the
     causal d64 variants with the mask skipped below the diagonal, CAUSAL = 2; fused forms 2, 3 and 5 with the
-    dSᵀ buffers freed by the ring, DS_RING, which spill no more than the same forms without it)
+    dSᵀ buffers freed by the ring, DS_RING, which spill no more than the same forms without it; causal, the split
+    and fused forms 3 and 5 with the last heads' key tiles dealt, TAIL_HEADS)
     compiles to a cubin with wgmma, 4-d TMA loads and stores, mbarrier waits and the producer-to-consumer
     register reallocation; 12 warps; shared memory within sm_90's limit; spills within MAX_SPILL; ptxas does
     not serialise its wgmmas. The tl dQ
@@ -467,7 +536,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     every_gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
     mask_skip = [r for r in every_gluon if r["consts"]["CAUSAL"] == 2]  # the option: checked alike, then set apart
     ring = [r for r in every_gluon if r["consts"].get("DS_RING")]  # the option ds_freed_by_ring: the same
-    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring]
+    tail = [r for r in every_gluon if r["consts"].get("TAIL_HEADS")]  # the option tail_heads_dealt: the same
+    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring and r not in tail]
     for rec in records:
         c = rec["consts"]
         print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
@@ -481,6 +551,8 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
                                            for D, stages in ((64, backward_launch.STAGES[64]),
                                                              (64, backward_launch.DS_RING_MAX_STAGES[64]),
                                                              (128, backward_launch.STAGES[128])))
+    assert sorted((r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"]) for r in tail) == \
+        [(D, True, mode) for D in (64, 128) for mode in (0, 3, 5)]
     for rec in ring:  # no more spills than the same variant with the free barriers
         same = [r for r in gluon if r["consts"] == {**rec["consts"], "DS_RING": False}
                 or r["consts"] == {k: v for k, v in rec["consts"].items() if k != "DS_RING"}]

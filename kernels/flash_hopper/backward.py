@@ -104,6 +104,35 @@ def _query_blocks(start_n, Nq, offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
+def _program_tile(TAIL_HEADS: gl.constexpr):
+    """(key tile, kv head, batch) of this program of the (n_tiles, Hkv, B) grid. Programs start in launch order
+    (axis 0 fastest); the first Hkv·B - TAIL_HEADS (batch, kv head) pairs take theirs head by head, each head's
+    tiles in order, and the last TAIL_HEADS pairs' tiles are dealt across those pairs, tile 0 of each, then
+    tile 1, ... Causal, tile 0 sees the most query blocks, so the longest programs of the run's end start while
+    TAIL_HEADS heads' work is left to fill in around them (kernels/flash_hopper/backward_launch.py:
+    tail_heads_for). TAIL_HEADS = 0: the program ids themselves (the same code as without the option)."""
+    if TAIL_HEADS == 0:
+        tile = gl.program_id(0)
+        hk = gl.program_id(1)
+        b = gl.program_id(2)
+    else:
+        n_tiles = gl.num_programs(0)
+        n_heads = gl.num_programs(1) * gl.num_programs(2)
+        pid = gl.program_id(0) + n_tiles * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        body = (n_heads - TAIL_HEADS) * n_tiles  # the programs taken head by head
+        if pid < body:
+            head = pid // n_tiles
+            tile = pid - head * n_tiles
+        else:
+            r = pid - body
+            tile = r // TAIL_HEADS
+            head = n_heads - TAIL_HEADS + (r - tile * TAIL_HEADS)
+        hk = head % gl.num_programs(1)
+        b = head // gl.num_programs(1)
+    return tile, hk, b
+
+
+@gluon.jit
 def _step_coords(i, first, n_blocks, GQA: gl.constexpr, BLOCK_M: gl.constexpr):
     """(query head within the group, first query row) of step i of a flat loop over the group's heads and the
     n_blocks query blocks from row `first` (head-major: each head's blocks in order)."""
@@ -147,14 +176,12 @@ def _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-              v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
-              ROWS_TMA: gl.constexpr):
+              v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              GQA: gl.constexpr, ROWS_TMA: gl.constexpr):
     """K and V of each consumer's keys (once), then Q and dO of every step into the ring. Out-of-range rows
     (past Nq or Nk: the 4-d descriptors' bounds) arrive as zeros."""
-    pid_n = gl.program_id(0)
-    hk = gl.program_id(1)
-    b = gl.program_id(2)
+    pid_n, hk, b = _program_tile(TAIL_HEADS)
     start_n = pid_n * (2 * BLOCK_N)
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * k_desc.dtype.primitive_bitwidth // 8
     for w in gl.static_range(2):
@@ -462,9 +489,9 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
               lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
               ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr,
-              DS_RING: gl.constexpr):
+              TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
+              ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
     the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -474,9 +501,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
                                                          instr_shape=[16, HEAD_D, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    pid_n = gl.program_id(0)
-    hk = gl.program_id(1)
-    b = gl.program_id(2)
+    pid_n, hk, b = _program_tile(TAIL_HEADS)
     start_n = pid_n * (2 * BLOCK_N)
     row0 = start_n + WG * BLOCK_N  # this warpgroup's first key
     lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
@@ -512,7 +537,10 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
             mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
-    # through them
+    # through them. The tile is mapped again (from the program ids: held through the loop instead, the dealt
+    # tail's coordinates cost d128 12 B per thread more of spills under Triton 3.6)
+    pid_n, hk, b = _program_tile(TAIL_HEADS)
+    row0 = pid_n * (2 * BLOCK_N) + WG * BLOCK_N
     v_out = v_smem.index(WG)  # (1, 1, BLOCK_N, HEAD_D)
     k_out = k_smem.index(WG)
     v_out.reshape([BLOCK_N, HEAD_D]).store(dv.to(dtype))
@@ -527,28 +555,28 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr,
                       lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                       empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-                      ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
+                      TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr,
+                      DQ: gl.constexpr, ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr,
               lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, TAIL_HEADS, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr,
                      lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-                     ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
+                     TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr,
+                     DQ: gl.constexpr, ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr,
               lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, BLOCK_M, BLOCK_N, HEAD_D,
-              STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, TAIL_HEADS, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -559,7 +587,8 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr,
 @gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset"])
 def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_desc, delta_desc,
                           Hq, GROUP, Nq,
-                          offset, qk_scale, sm_scale, dqacc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          offset, qk_scale, sm_scale, dqacc_ptr, TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
                           AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr,
                           DS_RING: gl.constexpr = False):
@@ -585,7 +614,9 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     blocks (1, BLOCK_M, HEAD_D / 2) fp32). ROWS_TMA: lse_desc, delta_desc are 1-d TMA descriptors over the same
     lse and delta flattened to (B·Hq·Nq), blocks (BLOCK_M,), unswizzled (B·Hq·Nq < 2**31: the rows' coordinates
     are int32); without it they are not read. DS_RING (DQ 2, 3 or 5 only): one dSᵀ buffer per ring stage,
-    counted free through the ring's releases instead of their own barriers (_publish_ds).
+    counted free through the ring's releases instead of their own barriers (_publish_ds). TAIL_HEADS: how many
+    of the last (batch, kv head) pairs in launch order have their key tiles dealt across them, tile by tile
+    (_program_tile; 0: every pair's tiles in order).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
@@ -627,12 +658,15 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr,
                              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                             dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)),
+                             dq_smem, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA,
+                             DS_RING)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr,
                             lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                            dq_smem, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)),
+                            dq_smem, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA,
+                            DS_RING)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-                     k_smem, v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                     k_smem, v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, TAIL_HEADS, BLOCK_M, BLOCK_N,
+                     HEAD_D, STAGES,
                      CAUSAL, GQA, ROWS_TMA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

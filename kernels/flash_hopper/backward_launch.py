@@ -67,6 +67,16 @@ MASK_SKIP = False
 DS_RING = False
 DS_RING_MAX_STAGES = {64: 5, 128: 2}  # d64: 5 x (16 KB of Q and dO + 16 KB of dSᵀ) + K, V and dQ's 48 KB
 
+# causal: the last (batch, kv head) pairs of the grid deal out their key tiles across pairs, longest first, so
+# that the run's last long programs start while other work is left (the kernel's _program_tile). Launched in
+# order, each head's tiles longest first and one head after another, the last head's first tile starts when
+# about one head's work is left; modelled as list scheduling on 132 SMs, the makespan is 5-13 % above the
+# total work at 2048-8192 tokens (B,H 8,16 / 4,16 / 1,16) and within 2 % with the last TAIL_ROUNDS · SMs / tiles
+# heads dealt (tests/test_flash_hopper_backward.py: the model). The number of pairs dealt: enough that their
+# work covers TAIL_ROUNDS rounds of the SMs' longest program; 0 keeps the launch order. Not yet run on a GPU,
+# so off (tail_heads_dealt)
+TAIL_ROUNDS = 0
+
 
 @contextlib.contextmanager
 def ds_freed_by_ring(on: bool = True):
@@ -79,6 +89,35 @@ def ds_freed_by_ring(on: bool = True):
         yield
     finally:
         DS_RING = old
+
+
+@contextlib.contextmanager
+def tail_heads_dealt(rounds: int = 4):
+    """Inside the block, causal Gluon dK/dV launches deal the last heads' key tiles across them (TAIL_ROUNDS =
+    rounds; 0: the launch order): benchmark A/B runs and tests."""
+    global TAIL_ROUNDS
+    old, TAIL_ROUNDS = TAIL_ROUNDS, int(rounds)
+    try:
+        yield
+    finally:
+        TAIL_ROUNDS = old
+
+
+def tail_heads_for(n_tiles: int, n_heads: int, causal: bool, sms: int) -> int:
+    """How many of the grid's last (batch, kv head) pairs deal their n_tiles key tiles across them: causal
+    only, min(n_heads, ceil(TAIL_ROUNDS · sms / n_tiles)) (a pair's tiles hold about n_tiles / 2 times its
+    longest program's work, so these pairs hold TAIL_ROUNDS / 2 rounds of the longest program on every SM)."""
+    if not causal or TAIL_ROUNDS <= 0:
+        return 0
+    return min(n_heads, -(-TAIL_ROUNDS * sms // n_tiles))
+
+
+def program_order(n_tiles: int, n_heads: int, tail_heads: int) -> list[tuple[int, int]]:
+    """(key tile, linear head b·Hkv + hk) of each program of the grid in launch order, as the kernel's
+    _program_tile maps them (for the schedule's model in the tests)."""
+    body = n_heads - tail_heads
+    order = [(tile, head) for head in range(body) for tile in range(n_tiles)]
+    return order + [(tile, body + j) for tile in range(n_tiles) for j in range(tail_heads)]
 
 
 @contextlib.contextmanager
@@ -156,13 +195,14 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
                              f"{tuple(t.shape)} {t.dtype}")
     grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
+    tail_heads = tail_heads_for(grid[0], Hkv * B, causal, _triton.sm_count(q.device))
     rows_tma = rows_through_tma_for(Nq) and rows_fit_tma(lse) and rows_fit_tma(delta)
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse, _rows_desc(delta) if rows_tma else delta,
         Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
         lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc,  # (not read without DQ)
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
+        TAIL_HEADS=tail_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
         CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
         DQ=0 if dqacc is None else int(dq_mode), ROWS_TMA=rows_tma,
         DS_RING=DS_RING and stages <= DS_RING_MAX_STAGES[D] and dqacc is not None and dq_mode in (2, 3, 5),

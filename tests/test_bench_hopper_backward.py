@@ -23,6 +23,9 @@ def test_help_and_bad_shapes():
     assert r.returncode == 2 and r.stderr.strip() == "error: --stages 5: the ring holds 2 to 4 stages at head dim 128"
     r = run("--rep", "0")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --rep 0")
+    r = run("--tail-rounds", "-1")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --tail-rounds -1: must be 0 or more"
+    assert "--tail-rounds" in run("--help").stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,

@@ -178,23 +178,24 @@ def test_ds_freed_by_ring_matches_reference(case, D, fused, request, poisoned):
 
 
 @on_sm90
-@pytest.mark.parametrize("sms", [1, None])
+@pytest.mark.parametrize("sms,rounds", [(1, 1), (None, 0)])
 @pytest.mark.parametrize("fused", [None, 3, 5])
 @pytest.mark.parametrize("case,D", [pytest.param(case, D, id=_id(case, D, torch.bfloat16))
                                     for case in [CASES[2], CASES[4], CASES[12], CASES[13], CASES[14], TMA_CASES[2],
                                                  TMA_CASES[3]] for D in (64, 128)])
-def test_tail_heads_dealt_match_reference(case, D, fused, sms, request, monkeypatch, poisoned):
-    """With tail_heads_dealt (the grid's last (batch, kv head) pairs deal their key tiles across them): the split
-    and the fused forms 3 and 5 on causal cases of several pairs (lengths past one tile, Nq != Nk, GQA, rows
-    through TMA or loaded), bf16. With the GPU's SMs every pair of these small grids is dealt; counting one SM
-    and one round, only the last pair is, so the head-by-head part runs too."""
+def test_tail_heads_dealt_match_reference(case, D, fused, sms, rounds, request, monkeypatch, poisoned):
+    """The causal grid's other orders (the default deals the last heads' key tiles across them, which on these
+    small grids is every head): counting one SM and one round, only the last (batch, kv head) pair is dealt, so
+    the head-by-head part runs too; with tail_heads_dealt(0), the launch order. The split and the fused forms 3
+    and 5 on causal cases of several pairs (lengths past one tile, Nq != Nk, GQA, rows through TMA or loaded),
+    bf16."""
     B, _, Hkv, _, Nk, _ = case
     n_tiles = -(-Nk // (2 * backward_launch.BLOCK_N))
     if sms:
         monkeypatch.setattr(kt, "sm_count", lambda device: sms)
-    with backward_launch.tail_heads_dealt(1 if sms else 4):
+    with backward_launch.tail_heads_dealt(rounds):
         tail = backward_launch.tail_heads_for(n_tiles, B * Hkv, True, kt.sm_count(torch.device("cuda")))
-        assert 0 < tail <= B * Hkv and (tail < B * Hkv) == bool(sms)
+        assert (0 < tail < B * Hkv) if rounds else tail == 0
         _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
 
 
@@ -506,7 +507,7 @@ def compile_hopper_backward() -> list[dict]:
                 for D, stages in ((64, None), (64, backward_launch.DS_RING_MAX_STAGES[64]), (128, None)):
                     for fused in (2, 3, 5):
                         compile_one(D, causal, stages=stages, fused=fused)
-        with backward_launch.tail_heads_dealt():  # causal: the last heads' key tiles dealt across them
+        with backward_launch.tail_heads_dealt(0):  # causal in launch order (the default deals the last heads)
             for D in (64, 128):
                 for fused in (None, 3, 5):
                     compile_one(D, True, fused=fused)
@@ -522,8 +523,9 @@ def compile_hopper_backward() -> list[dict]:
 def test_hopper_backward_compiles_for_sm90(tmp_path):
     """Each variant of the Gluon kernel (bf16 and fp16, head dims 64 and 128, causal or not, GQA or not; the
     causal d64 variants with the mask skipped below the diagonal, CAUSAL = 2; fused forms 2, 3 and 5 with the
-    dSᵀ buffers freed by the ring, DS_RING, which spill no more than the same forms without it; causal, the split
-    and fused forms 3 and 5 with the last heads' key tiles dealt, TAIL_HEADS)
+    dSᵀ buffers freed by the ring, DS_RING, which spill no more bytes than the same forms without it; causal, with
+    the last heads' key tiles dealt (TAIL_HEADS, the default) and, for the split and fused forms 3 and 5, in
+    launch order)
     compiles to a cubin with wgmma, 4-d TMA loads and stores, mbarrier waits and the producer-to-consumer
     register reallocation; 12 warps; shared memory within sm_90's limit; spills within MAX_SPILL; ptxas does
     not serialise its wgmmas. The tl dQ
@@ -536,8 +538,9 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     every_gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
     mask_skip = [r for r in every_gluon if r["consts"]["CAUSAL"] == 2]  # the option: checked alike, then set apart
     ring = [r for r in every_gluon if r["consts"].get("DS_RING")]  # the option ds_freed_by_ring: the same
-    tail = [r for r in every_gluon if r["consts"].get("TAIL_HEADS")]  # the option tail_heads_dealt: the same
-    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring and r not in tail]
+    # causal in launch order (tail_heads_dealt(0); the default deals the last heads' tiles): checked alike
+    in_order = [r for r in every_gluon if r["consts"]["CAUSAL"] and not r["consts"]["TAIL_HEADS"]]
+    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring and r not in in_order]
     for rec in records:
         c = rec["consts"]
         print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
@@ -551,13 +554,14 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
                                            for D, stages in ((64, backward_launch.STAGES[64]),
                                                              (64, backward_launch.DS_RING_MAX_STAGES[64]),
                                                              (128, backward_launch.STAGES[128])))
-    assert sorted((r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"]) for r in tail) == \
-        [(D, True, mode) for D in (64, 128) for mode in (0, 3, 5)]
-    for rec in ring:  # no more spills than the same variant with the free barriers
+    assert sorted((r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in in_order) == \
+        [(D, mode) for D in (64, 128) for mode in (0, 3, 5)]
+    assert all(r["consts"]["TAIL_HEADS"] for r in every_gluon if r["consts"]["CAUSAL"] and r not in in_order)
+    for rec in ring:  # no more spilled bytes, stores and loads together, than the same variant with the barriers
         same = [r for r in gluon if r["consts"] == {**rec["consts"], "DS_RING": False}
                 or r["consts"] == {k: v for k, v in rec["consts"].items() if k != "DS_RING"}]
         for r in same:
-            assert rec["spill_stores"] <= r["spill_stores"] and rec["spill_loads"] <= r["spill_loads"], (rec, r)
+            assert rec["spill_stores"] + rec["spill_loads"] <= r["spill_stores"] + r["spill_loads"], (rec, r)
     for rec in every_gluon:
         assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
         assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec

@@ -5,7 +5,9 @@ FlashAttention-3's backward structure on sm_90 for the key side, written with Gl
 
 * one program per tile of 2·BLOCK_N keys of one (kv head, batch); grid (cdiv(Nk, 2·BLOCK_N), Hkv, B). Its K and
   V stay in shared memory for the whole program; it loops over the query blocks that see the tile, for each of
-  the GROUP query heads that read the kv head (GQA: the group's sum, no atomics).
+  the GROUP query heads that read the kv head (GQA: the group's sum, no atomics). Causal, the last heads of the
+  grid take their tiles dealt across them, longest first (_program_tile, TAIL_HEADS), so that the run's last long
+  programs do not start last.
 * warp specialization (gl.warp_specialize): a producer warp that only issues TMA copies (K and V once, then Q
   and dO blocks through a STAGES-deep shared-memory ring, one mbarrier pair (ready, empty) per stage), and two
   consumer warpgroups (the default partition and a 4-warp worker) that only compute. Consumer warpgroup w owns
@@ -537,8 +539,8 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
             mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
-    # through them. The tile is mapped again (from the program ids: held through the loop instead, the dealt
-    # tail's coordinates cost d128 12 B per thread more of spills under Triton 3.6)
+    # through them. The tile is mapped again from the program ids rather than held through the loop (under
+    # Triton 3.6 that took the non-causal d128 fused forms from 68 / 76 to 48 / 48 B of spills per thread)
     pid_n, hk, b = _program_tile(TAIL_HEADS)
     row0 = pid_n * (2 * BLOCK_N) + WG * BLOCK_N
     v_out = v_smem.index(WG)  # (1, 1, BLOCK_N, HEAD_D)

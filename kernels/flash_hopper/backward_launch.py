@@ -70,12 +70,13 @@ DS_RING_MAX_STAGES = {64: 5, 128: 2}  # d64: 5 x (16 KB of Q and dO + 16 KB of d
 # causal: the last (batch, kv head) pairs of the grid deal out their key tiles across pairs, longest first, so
 # that the run's last long programs start while other work is left (the kernel's _program_tile). Launched in
 # order, each head's tiles longest first and one head after another, the last head's first tile starts when
-# about one head's work is left; modelled as list scheduling on 132 SMs, the makespan is 5-13 % above the
-# total work at 2048-8192 tokens (B,H 8,16 / 4,16 / 1,16) and within 2 % with the last TAIL_ROUNDS · SMs / tiles
-# heads dealt (tests/test_flash_hopper_backward.py: the model). The number of pairs dealt: enough that their
-# work covers TAIL_ROUNDS rounds of the SMs' longest program; 0 keeps the launch order. Not yet run on a GPU,
-# so off (tail_heads_dealt)
-TAIL_ROUNDS = 0
+# about one head's work is left; modelled as list scheduling on 132 SMs, the makespan is 5-27 % above the
+# total work at 2048-8192 tokens (B,H 8,16 / 4,16 / 1,16 / 2,8) and within 2 % with the last
+# TAIL_ROUNDS · SMs / tiles heads dealt (tests/test_flash_hopper_backward.py: the model). On an H100 the fused
+# form 5 at d128 took 3 % less time at 4,16,4096 and 6 % less at 1,16,8192 (the Gluon kernel alone 1-2 % and
+# 5-8 %; bench/results/flash_hopper/backward/tail_dealt/). Pairs dealt: enough that their work covers
+# TAIL_ROUNDS / 2 rounds of the longest program on every SM; 0 keeps the launch order (tail_heads_dealt)
+TAIL_ROUNDS = 4
 
 
 @contextlib.contextmanager

@@ -63,7 +63,8 @@ MASK_SKIP = False
 # mbarrier arrive to one thread's arrive between two warpgroup barriers (BAR.SYNC), so this drops one arrive and
 # its barriers from every step (sm_90, Triton 3.6: the d128 causal form 3 42 -> 40 BAR.SYNC, spill stores
 # 24 -> 17 in the SASS). Up to DS_RING_MAX_STAGES, where the buffers still fit in shared memory beside the ring.
-# Built, not yet run on a GPU, so off (ds_freed_by_ring)
+# On an H100 it shortened none of the forms flash_attention runs (d128 causal 0.9-1.7 % longer, d64 causal
+# 0.6-1.2 %; bench/results/flash_hopper/backward/ds_ring/), so off (ds_freed_by_ring)
 DS_RING = False
 DS_RING_MAX_STAGES = {64: 5, 128: 2}  # d64: 5 x (16 KB of Q and dO + 16 KB of dSᵀ) + K, V and dQ's 48 KB
 

@@ -308,10 +308,11 @@ def test_default_backward_dispatch_at_the_measured_shapes(causal, request, monke
     """With the default option (auto), kernels.flash_attention's backward runs the Gluon kernel's fused form where
     launch.HOPPER_BWD_AUTO_MIN_LEN says, the tl backward elsewhere; each within the float64-reference budget, with
     GQA: head dim 128 at 4096 and 2048 tokens (rows through TMA) always, at 4097 (rows loaded) only not causal;
-    head dim 64 at 4096 only not causal."""
+    head dim 64 at 4096 only not causal, at 8192 (two query heads over one kv head) causal or not."""
     assert options.get().hopper_backward == "auto"
-    for N, D, want_gluon in ((4096, 128, True), (2048, 128, True), (4097, 128, not causal), (4096, 64, not causal)):
-        q, k, v, do = _inputs((1, 4, 2, N, N, causal), D, torch.bfloat16, seeded_generator(request))
+    for N, D, want_gluon, Hq in ((4096, 128, True, 4), (2048, 128, True, 4), (4097, 128, not causal, 4),
+                                 (4096, 64, not causal, 4), (8192, 64, True, 2)):
+        q, k, v, do = _inputs((1, Hq, Hq // 2, N, N, causal), D, torch.bfloat16, seeded_generator(request))
         gluon, tl = _spy(monkeypatch)
         grads = _fwd_bwd(q, k, v, do, causal)[1:]
         monkeypatch.undo()
@@ -425,7 +426,7 @@ def test_rows_through_tma_only_where_a_box_fits():
 @pytest.mark.parametrize("N,D,causal,want", [
     (4096, 128, True, True), (2048, 128, True, True), (2047, 128, False, False), (2044, 128, True, False),
     (4097, 128, False, True), (4097, 128, True, False), (4096, 64, False, True), (4096, 64, True, False),
-    (16384, 64, True, True), (2048, 64, False, False),
+    (16384, 64, True, True), (8192, 64, True, True), (8188, 64, True, False), (2048, 64, False, False),
 ])
 def test_backward_auto_dispatch_by_shape(N, D, causal, want):
     """hopper_backward = "auto": the Gluon backward for the shapes launch.HOPPER_BWD_AUTO_MIN_LEN names (head dim,

@@ -387,10 +387,12 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # it was timed faster than the tl backward. With each step's lse and delta through the producer's TMA (Nq a
 # multiple of 4), on an H100 (bench/results/flash_hopper/backward/rows_through_tma/): head dim 128 from 2048 tokens,
 # causal or not (1.10-1.26x); head dim 64 not causal from 4096 (1.05-1.09x) and causal at 16384 (1.09x; level at
-# 4096, slower at 1024 and 2048). Without it (other Nq), head dim 128 not causal from 4096 tokens (1.08-1.20x on
+# 4096, slower at 1024 and 2048). With the causal grid's last heads dealt (backward_launch.TAIL_ROUNDS) head dim 64
+# causal from 8192 (1.06-1.15x at 2,16,8192; level at 4096: bench/results/flash_hopper/backward/tail_dealt_d64/).
+# Without it (other Nq), head dim 128 not causal from 4096 tokens (1.08-1.20x on
 # the H200, bench/results/flash_hopper/fused_backward/). The tl backward keeps the rest.
 HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the Gluon backward takes
-    True: {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 16384},  # rows through TMA
+    True: {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 8192},  # rows through TMA
     False: {(128, False): 4096},  # rows loaded by the consumers
 }
 

@@ -388,7 +388,7 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # multiple of 4), on an H100 (bench/results/flash_hopper/backward/rows_through_tma/): head dim 128 from 2048 tokens,
 # causal or not (1.10-1.26x); head dim 64 not causal from 4096 (1.05-1.09x) and causal at 16384 (1.09x; level at
 # 4096, slower at 1024 and 2048). With the causal grid's last heads dealt (backward_launch.TAIL_ROUNDS) head dim 64
-# causal from 8192 (1.06-1.15x at 2,16,8192; level at 4096: bench/results/flash_hopper/backward/tail_dealt_d64/).
+# causal from 8192 (1.06-1.14x at 2,16,8192; level at 4096: bench/results/flash_hopper/backward/tail_dealt_d64/).
 # Without it (other Nq), head dim 128 not causal from 4096 tokens (1.08-1.20x on
 # the H200, bench/results/flash_hopper/fused_backward/). The tl backward keeps the rest.
 HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the Gluon backward takes

@@ -132,6 +132,12 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         head dim 64: 2 (128-row tiles), 3 (192-row
                                                                         tiles, 160 registers each) or 0: 3 without
                                                                         a causal mask, 2 with one
+    hopper_lane_sums           FLASHGPT_HOPPER_LANE_SUMS=0|1     False  the Gluon forward's consumers keep each
+                                                                        row's running sum of exp2 as per-thread
+                                                                        partial sums (their own key columns; no
+                                                                        shuffles per key block), summed across
+                                                                        the row's threads once per tile; off: a
+                                                                        full row sum every key block
     decode_fused_mlp           FLASHGPT_DECODE_FUSED_MLP=0|1     True   the fused decode step runs each MLP block
                                                                         (norm, up projection, activation, down
                                                                         projection, residual) as one launch
@@ -198,6 +204,7 @@ class KernelOptions:
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
     hopper_own_blocks: bool = True
+    hopper_lane_sums: bool = False
     decode_fused_mlp: bool = True
     decode_stack: bool = True
     decode_stack_merged_sums: bool = True
@@ -246,6 +253,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
     "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
+    "hopper_lane_sums": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_fused_mlp": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_stack": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_stack_merged_sums": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -270,6 +278,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
+       "hopper_lane_sums": "FLASHGPT_HOPPER_LANE_SUMS",
        "decode_fused_mlp": "FLASHGPT_DECODE_FUSED_MLP", "decode_stack": "FLASHGPT_DECODE_STACK",
        "decode_stack_merged_sums": "FLASHGPT_DECODE_STACK_MERGED_SUMS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -7,7 +7,7 @@ so an element never written fails the test. The persistent grid is also run with
 per program: the mbarrier phases across tiles, tiles with no key block in between), which must give bitwise the
 result of the full grid; causal tiles from per-program lists of any group size, bitwise the strided order's;
 repeated launches through the compiled kernel's launcher, bitwise the JIT's; Q released early or late, bitwise
-alike.
+alike; the row sums as per-thread partial sums (hopper_lane_sums), within the budget.
 Through kernels.flash_attention the hopper_forward switch on and off give the same output and gradients within
 the budget, on and off each launching the forward they should.
 
@@ -224,6 +224,41 @@ def test_own_key_blocks_give_the_result_of_every_block(case, D, dtype, consumers
             own = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
             assert not own[0].isnan().any()
             assert torch.equal(own[0], every[0]) and torch.equal(own[1], every[1])
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("case,D,dtype", [
+    pytest.param((2, 4, 2, 1023, 1023, True), 64, torch.bfloat16, id="causal-d64"),
+    pytest.param((1, 5, 1, 900, 130, True), 64, torch.float16, id="causal-Nq>Nk-d64-mqa"),
+    pytest.param((1, 3, 1, 300, 4100, False), 64, torch.bfloat16, id="full-Nq<Nk-d64-mqa"),
+    pytest.param((1, 4, 2, 2049, 2049, True), 128, torch.bfloat16, id="causal-d128"),
+    pytest.param((2, 3, 3, 700, 1500, False), 128, torch.float16, id="full-Nq<Nk-d128"),
+])
+def test_lane_sums_match_reference(case, D, dtype, consumers, request, monkeypatch):
+    """The row sums kept as per-thread partial sums (hopper_lane_sums) and reduced once per tile: within the
+    budget of the float64 reference (O and lse; only the order of the sum's additions moves), rows that see no
+    key exactly 0 / +inf, every output written, with 1 and 5 programs bitwise the full grid's."""
+    if consumers == 3 and D != 64:
+        pytest.skip("three consumers run head dim 64 only")
+    causal = case[-1]
+    q, k, v = _inputs(case, D, dtype, seeded_generator(request))
+    scale = 1.0 / math.sqrt(D)
+    with options.use(hopper_consumers_d64=consumers, hopper_lane_sums=True):
+        o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+        for programs in (1, 5):
+            monkeypatch.setattr(kt, "sm_count", lambda device, programs=programs: programs)
+            few = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+            assert torch.equal(few[0], o) and torch.equal(few[1], lse)
+    ref = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert_within_budget("out", o, ref, naive_attention(q, k, v, causal=causal))
+    ref_lse = _reference_lse(q, k, causal, scale)
+    _, tl_lse = launch._fwd(q, k, v, causal, scale)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~seen)
+    assert_within_budget("lse", lse[seen], ref_lse[seen], tl_lse[seen])
+    if causal and case[3] > case[4]:
+        blind = ~causal_mask(case[3], case[4], device="cuda").any(dim=1)  # (Nq,)
+        assert blind.any() and (o[:, :, blind] == 0).all()
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -68,6 +68,9 @@ def compile_hopper_launches() -> list[dict]:
                     for count in ((2, 3) if D == 64 else (0,)):  # head dim 64: both consumer counts
                         with options.use(hopper_consumers_d64=count):
                             kernels.flash_attention(q, kv, kv, causal=causal)
+                    if dtype == torch.bfloat16:  # the row sums as per-thread partial sums, two consumers
+                        with options.use(hopper_consumers_d64=2, hopper_lane_sums=True):
+                            kernels.flash_attention(q, kv, kv, causal=causal)
         qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)           # (B, N, (Hq + 2·Hkv)·D)
         kernels.flash_attention_qkvpacked(qkv, 4, 2)                            # (B, N, H, D) strides
     return [_record(c) for c in compiled]
@@ -81,7 +84,8 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
     loads and stores, mbarrier waits and the producer-to-consumer register reallocation; 12 warps with two
     consumer warpgroups (240 registers each) and no spills, 16 with three (head dim 64, 160 each; at most 128
     bytes of spills per thread under the Triton whose three consumers were measured faster, elsewhere not
-    chosen by default); shared memory within sm_90's limit; ptxas does not serialise its wgmmas."""
+    chosen by default); shared memory within sm_90's limit; ptxas does not serialise its wgmmas. The row sums
+    as per-thread partial sums (hopper_lane_sums) compile with two consumers at both head dims, bf16, likewise."""
     from tests.util import ROOT, pythonpath
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
@@ -98,10 +102,11 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
         if not three or triton.__version__.startswith(hopper_launch.THREE_CONSUMERS_TRITON):
             assert rec["spill_stores"] <= (128 if three else 0), rec
         assert not rec["wgmma_serialized"], rec  # ptxas serialising the wgmmas undoes the overlap the kernel is for
-    got = {(rec["dtype"], rec["consts"]["HEAD_D"], rec["consts"]["CAUSAL"], rec["consts"]["CONSUMERS"])
-           for rec in records}
-    assert got == {(dt, D, causal, n) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)
-                   for n in ((2, 3) if D == 64 else (2,))}
+    got = {(rec["dtype"], rec["consts"]["HEAD_D"], rec["consts"]["CAUSAL"], rec["consts"]["CONSUMERS"],
+            rec["consts"]["LANE_SUMS"]) for rec in records}
+    assert got == {(dt, D, causal, n, False) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)
+                   for n in ((2, 3) if D == 64 else (2,))} | {("bf16", D, causal, 2, True) for D in (64, 128)
+                                                              for causal in (True, False)}
 
 
 def _inputs(D=64, dtype=torch.bfloat16, Hq=4, Hkv=2):

@@ -15,6 +15,8 @@ The structure of FlashAttention-3's forward on sm_90, written with Gluon's expli
   j runs while that PV is still in flight; O is rescaled after it retires.
 * causal, each consumer's own key range (OWN_BLOCKS): the tile's last key blocks that its own rows do not see
   are not multiplied; the consumer only takes its turns and releases their ring stages.
+* the row maximum is reduced across a row's threads every key block (the scores need it); with LANE_SUMS the
+  row sum only once per tile, each thread keeping partial sums of its own columns until then.
 * ping-pong between the consumers: one mbarrier per consumer hands the tensor cores from one warpgroup to the
   next (in a ring), so each one issues its two matmuls of a step while the others run their softmax.
 * a persistent grid: each program loops over its tiles. With a causal mask (LISTS) each program runs a list
@@ -156,11 +158,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL: gl.constexpr):
+def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL: gl.constexpr,
+                  LANE_SUMS: gl.constexpr):
     """One online-softmax step on the unscaled scores s (BLOCK_M, BLOCK_N) of key columns `cols`: returns
     (p, m_new, l_new, alpha), p = exp2(s·qk_scale - m_new) in fp32, alpha = exp2(m_i - m_new) rescales the old
     statistics and O. masked: hide keys past Nk and (CAUSAL) above the diagonal (key j <= row i + offset); a row
-    that has seen no key yet keeps m = -inf and gets p = 0, alpha = 0 (not NaN)."""
+    that has seen no key yet keeps m = -inf and gets p = 0, alpha = 0 (not NaN). The running sum l_i is (BLOCK_M,)
+    or, LANE_SUMS, (BLOCK_M, 8): p's columns summed in groups that one thread holds in the wgmma accumulator
+    layout (column c into c % 8), which needs no shuffles between the row's threads; l_i may then start as the
+    scalar 0."""
     if masked:
         visible = gl.expand_dims(cols, 0) < Nk  # (1, BLOCK_N)
         if CAUSAL:
@@ -174,7 +180,12 @@ def _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, masked, CAUSAL:
         m_sub = m_new
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)  # (BLOCK_M,) 0 on a row's first visible block
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if LANE_SUMS:  # l_i: (BLOCK_M, 8) partial sums, each thread its own columns' (no shuffles)
+        p_part = gl.sum(gl.reshape(p, [p.shape[0], p.shape[1] // 8, 8]), axis=1)  # (BLOCK_M, 8)
+        alpha_part = gl.convert_layout(alpha, gl.SliceLayout(1, p_part.type.layout))
+        l_new = l_i * gl.expand_dims(alpha_part, 1) + p_part
+    else:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
 
 
@@ -183,7 +194,7 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
               k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles, starts_ptr,
               tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, LISTS: gl.constexpr, EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr,
-              OWN_BLOCKS: gl.constexpr):
+              OWN_BLOCKS: gl.constexpr, LANE_SUMS: gl.constexpr):
     """Consumer warpgroup WG (0 .. CONSUMERS - 1): rows [WG·BLOCK_M, (WG + 1)·BLOCK_M) of each tile of this
     program.
 
@@ -238,8 +249,9 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
             if EARLY_Q:  # a one-block tile's last QKᵀ has retired: the producer may load the next tile's Q
                 mbarrier.arrive(q_empty.index(WG), count=1, pred=n_mine == 1)
             cols = gl.arange(0, BLOCK_N, layout=col_s)  # (BLOCK_N,) key columns of block 0
-            p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, n_full == 0,
-                                                 CAUSAL)
+            # (the running sum starts as 0: (BLOCK_M,) or, LANE_SUMS, (BLOCK_M, 8) partial sums until the tile ends)
+            p32, m_i, l_part, alpha = _softmax_step(s, m_i, 0.0, rows, cols, Nk, offset, qk_scale, n_full == 0,
+                                                    CAUSAL, LANE_SUMS)
             p = gl.convert_layout(p32.to(dtype), p_layout)  # (BLOCK_M, BLOCK_N) the A operand of PV
             for j in range(1, n_mine):
                 cur = it + j
@@ -260,8 +272,8 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
                 if EARLY_Q:  # the tile's last QKᵀ has retired
                     mbarrier.arrive(q_empty.index(WG), count=1, pred=j == n_mine - 1)
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-                p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, cols, Nk, offset, qk_scale, j >= n_full,
-                                                     CAUSAL)
+                p32, m_i, l_part, alpha = _softmax_step(s, m_i, l_part, rows, cols, Nk, offset, qk_scale,
+                                                        j >= n_full, CAUSAL, LANE_SUMS)
                 # P_{j-1} stays live until its PV retires: the registers are the wgmma's operand
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
                 mbarrier.arrive(v_empty.index(vs), count=1)
@@ -274,6 +286,10 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
             acc = warpgroup_mma(p, v_smem.index(vs).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(vs), count=1)
+            if LANE_SUMS:
+                l_i = gl.convert_layout(gl.sum(l_part, axis=1), row_s)  # (BLOCK_M,)
+            else:
+                l_i = l_part
         # the tile's blocks this warpgroup's rows do not see (all masked): take the turns and release the stages
         # as the others expect, without the matmuls (ready waited first: the stage holds this round's block)
         for j in range(n_mine, n_blocks):
@@ -316,7 +332,8 @@ def _consumer(WG: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem,
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk, offset, qk_scale, n_m, n_bh,
                      n_tiles, starts_ptr, tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LISTS: gl.constexpr,
-                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr):
+                     EARLY_Q: gl.constexpr, CONSUMERS: gl.constexpr, OWN_BLOCKS: gl.constexpr,
+                     LANE_SUMS: gl.constexpr):
     """Forward attention on sm_90 (Hopper): O (through o_desc) and the row log-sum-exp (lse_ptr) of q, k, v.
 
     Supports: float16 and bfloat16 (q, k, v and O one dtype; fp32 accumulation); HEAD_D 64 or 128 (exactly:
@@ -334,7 +351,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
     starts_ptr[p + 1]) (int32 codes m · n_bh + bh, every tile in exactly one list; the grid has one program per
     list); without LISTS the two pointers are not read. EARLY_Q: each consumer releases its Q after the tile's
     last QKᵀ rather than its last PV (see _consumer). OWN_BLOCKS (causal): each consumer multiplies only the key
-    blocks its own rows see. Launched with num_warps=4 (consumer 0), plus CONSUMERS - 1
+    blocks its own rows see. LANE_SUMS: the row sums as per-thread partial sums, reduced across the row's threads
+    once per tile (see _softmax_step). Launched with num_warps=4 (consumer 0), plus CONSUMERS - 1
     4-warp consumers and a PRODUCER_WARPS producer partition, maxnreg=MAX_REGS[CONSUMERS].
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -367,15 +385,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
             (_consumer, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                 CONSUMERS, OWN_BLOCKS)),
+                                 CONSUMERS, OWN_BLOCKS, LANE_SUMS)),
             (_consumer, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                CONSUMERS, OWN_BLOCKS)),
+                                CONSUMERS, OWN_BLOCKS, LANE_SUMS)),
             (_consumer, (2, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                   k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh,
                                   n_tiles, starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS,
-                                  EARLY_Q, CONSUMERS, OWN_BLOCKS)),
+                                  EARLY_Q, CONSUMERS, OWN_BLOCKS, LANE_SUMS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),
@@ -385,11 +403,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, GROUP, Nq, Nk,
             (_consumer, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                  starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                 CONSUMERS, OWN_BLOCKS)),
+                                 CONSUMERS, OWN_BLOCKS, LANE_SUMS)),
             (_consumer, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
                                 k_empty, v_ready, v_empty, turn, Hq, Nq, Nk, offset, qk_scale, n_m, n_bh, n_tiles,
                                 starts_ptr, tiles_ptr, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, EARLY_Q,
-                                CONSUMERS, OWN_BLOCKS)),
+                                CONSUMERS, OWN_BLOCKS, LANE_SUMS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, Hq, GROUP, Nk, offset, n_m, n_bh, n_tiles, starts_ptr, tiles_ptr,
                          BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, LISTS, CONSUMERS)),

@@ -136,7 +136,7 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
                   EARLY_Q=early_q(causal, Nk, opts), CONSUMERS=consumers,
-                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks)
+                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks, LANE_SUMS=opts.hopper_lane_sums)
     _launch((programs,), args, consts, q, opts.fast_launch)
 
 

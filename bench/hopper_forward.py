@@ -15,8 +15,9 @@ allocated once) runs as
              last QKᵀ (without a causal mask from 4096 keys, where that is the default: early-q, the option "on");
 * every      causal: the option hopper_own_blocks off: each consumer runs every key block of its tile, masked,
              also those its own rows do not see;
-* lane-sums  the option hopper_lane_sums on: each row's running sum kept as per-thread partial sums, reduced
-             across the row's threads once per tile instead of every key block;
+* lane-sums, row-sums  the option hopper_lane_sums on / off, whichever the default (on at head dim 128) is
+             not: each row's running sum kept as per-thread partial sums, reduced across the row's threads once
+             per tile, or the whole row summed every key block;
 * c2, c3     head dim 64: two or three consumer warpgroups (the option hopper_consumers_d64; 128- or 192-row
              tiles), whichever "lists" (the default: three without a causal mask, two with one) is not;
 
@@ -84,14 +85,18 @@ def variants(causal: bool, budgets: list[int], D: int = 128, N: int = 4096) -> d
         out["late-q"] = ({"hopper_early_q": "off"}, L2_BYTES)
     else:  # the default releases late here
         out["early-q"] = ({"hopper_early_q": "on"}, L2_BYTES)
-    out["lane-sums"] = ({"hopper_lane_sums": True}, L2_BYTES)
+    from kernels.flash_hopper.launch import lane_sums
+    if lane_sums(D):  # the form of the row sums the default does not run
+        out["row-sums"] = ({"hopper_lane_sums": "off"}, L2_BYTES)
+    else:
+        out["lane-sums"] = ({"hopper_lane_sums": "on"}, L2_BYTES)
     if D == 64:
         from kernels.flash_hopper.launch import consumer_count
         other = 5 - consumer_count(64, causal)  # the consumer count the default does not run
         out[f"c{other}"] = ({"hopper_consumers_d64": other}, L2_BYTES)
         if causal:
             out["c3-every"] = ({"hopper_consumers_d64": 3, "hopper_own_blocks": False}, L2_BYTES)
-        out[f"c{other}-lane-sums"] = ({"hopper_consumers_d64": other, "hopper_lane_sums": True}, L2_BYTES)
+        out[f"c{other}-lane-sums"] = ({"hopper_consumers_d64": other, "hopper_lane_sums": "on"}, L2_BYTES)
     return out
 
 

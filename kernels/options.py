@@ -132,12 +132,15 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         head dim 64: 2 (128-row tiles), 3 (192-row
                                                                         tiles, 160 registers each) or 0: 3 without
                                                                         a causal mask, 2 with one
-    hopper_lane_sums           FLASHGPT_HOPPER_LANE_SUMS=0|1     False  the Gluon forward's consumers keep each
-                                                                        row's running sum of exp2 as per-thread
-                                                                        partial sums (their own key columns; no
-                                                                        shuffles per key block), summed across
-                                                                        the row's threads once per tile; off: a
-                                                                        full row sum every key block
+    hopper_lane_sums           FLASHGPT_HOPPER_LANE_SUMS=auto|on|off  auto  the Gluon forward's consumers keep
+                                                                        each row's running sum of exp2 as
+                                                                        per-thread partial sums (their own key
+                                                                        columns; no shuffles per key block),
+                                                                        summed across the row's threads once per
+                                                                        tile (on), or sum the whole row every key
+                                                                        block (off); auto: on at head dim 128
+                                                                        (0.4-2.2 % faster there, mixed at 64:
+                                                                        bench/results/flash_hopper/lane_sums/)
     decode_fused_mlp           FLASHGPT_DECODE_FUSED_MLP=0|1     True   the fused decode step runs each MLP block
                                                                         (norm, up projection, activation, down
                                                                         projection, residual) as one launch
@@ -204,7 +207,7 @@ class KernelOptions:
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
     hopper_own_blocks: bool = True
-    hopper_lane_sums: bool = False
+    hopper_lane_sums: str = "auto"
     decode_fused_mlp: bool = True
     decode_stack: bool = True
     decode_stack_merged_sums: bool = True
@@ -253,7 +256,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
     "hopper_own_blocks": (lambda v: isinstance(v, bool), "expected True or False"),
-    "hopper_lane_sums": (lambda v: isinstance(v, bool), "expected True or False"),
+    "hopper_lane_sums": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "decode_fused_mlp": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_stack": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_stack_merged_sums": (lambda v: isinstance(v, bool), "expected True or False"),

@@ -17,6 +17,9 @@ def pytest_addoption(parser):
     parser.addoption("--test-times", metavar="PATH", default=None,
                      help="append one line per test phase to PATH as it ends (seconds, phase, outcome, worker, "
                           "test id, tab-separated): the durations survive a run stopped at its limit")
+    parser.addoption("--failure-log", metavar="PATH", default=None,
+                     help="append each failed test phase's report (id, worker, traceback) to PATH as it ends: the "
+                          "reasons survive a run stopped before pytest's summary")
 
 
 def _kernels_name_clash() -> str | None:
@@ -47,9 +50,15 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(key, str(threads))
-    path = config.getoption("--test-times")
-    if path and not hasattr(config, "workerinput"):  # the controller writes (xdist workers send it their reports)
-        config.pluginmanager.register(_TestTimes(path), "flashgpt-test-times")
+    if not hasattr(config, "workerinput"):  # the controller writes (xdist workers send it their reports)
+        if path := config.getoption("--test-times"):
+            config.pluginmanager.register(_TestTimes(path), "flashgpt-test-times")
+        if path := config.getoption("--failure-log"):
+            config.pluginmanager.register(_FailureLog(path), "flashgpt-failure-log")
+
+
+def _worker(report) -> str:
+    return getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "-")
 
 
 class _TestTimes:
@@ -59,11 +68,24 @@ class _TestTimes:
         self.file = open(path, "a", buffering=1)
 
     def pytest_runtest_logreport(self, report):
-        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "-")
-        self.file.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{worker}\t{report.nodeid}\n")
+        self.file.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{_worker(report)}\t{report.nodeid}\n")
 
     def pytest_unconfigure(self, config):
         self.file.close()
+
+
+class _FailureLog:
+    """Appends each failed phase's report as it ends (a header line, then pytest's text of the failure)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            import time
+            with open(self.path, "a") as f:
+                f.write(f"=== {report.nodeid} ({report.when}, worker {_worker(report)}, "
+                        f"{time.strftime('%H:%M:%S')})\n{report.longreprtext}\n\n")
 
 
 def pytest_collection_modifyitems(config, items):

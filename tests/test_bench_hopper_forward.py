@@ -43,12 +43,12 @@ def test_variants_per_mask(monkeypatch):
     from kernels.flash_hopper.schedule import L2_BYTES
     assert variants(False, [24 << 20, ALL]) == {"lists": ({}, L2_BYTES),
                                                 "early-q": ({"hopper_early_q": "on"}, L2_BYTES),
-                                                "lane-sums": ({"hopper_lane_sums": True}, L2_BYTES)}
+                                                "row-sums": ({"hopper_lane_sums": "off"}, L2_BYTES)}
     assert variants(False, [], N=2048)["late-q"] == ({"hopper_early_q": "off"}, L2_BYTES)
     assert variants(True, [24 << 20, L2_BYTES, ALL]) == {
         "lists": ({}, L2_BYTES), "lists@24": ({}, 24 << 20), "lists@all": ({}, ALL),
         "strided": ({"hopper_tile_lists": False}, L2_BYTES), "every": ({"hopper_own_blocks": False}, L2_BYTES),
-        "late-q": ({"hopper_early_q": "off"}, L2_BYTES), "lane-sums": ({"hopper_lane_sums": True}, L2_BYTES)}
+        "late-q": ({"hopper_early_q": "off"}, L2_BYTES), "row-sums": ({"hopper_lane_sums": "off"}, L2_BYTES)}
     # head dim 64: the consumer count the default does not run (three without a causal mask under the Triton
     # measured, two with one)
     from kernels.flash_hopper import launch
@@ -57,7 +57,8 @@ def test_variants_per_mask(monkeypatch):
     assert variants(True, [], D=64)["c3"] == ({"hopper_consumers_d64": 3}, L2_BYTES)
     assert variants(True, [], D=64)["c3-every"] == ({"hopper_consumers_d64": 3, "hopper_own_blocks": False}, L2_BYTES)
     assert "c2" not in variants(True, [], D=64) and "c3" not in variants(False, [], D=64)
-    assert variants(True, [], D=64)["c3-lane-sums"] == ({"hopper_consumers_d64": 3, "hopper_lane_sums": True},
+    assert variants(True, [], D=64)["lane-sums"] == ({"hopper_lane_sums": "on"}, L2_BYTES)
+    assert variants(True, [], D=64)["c3-lane-sums"] == ({"hopper_consumers_d64": 3, "hopper_lane_sums": "on"},
                                                         L2_BYTES)
     monkeypatch.setattr(launch.triton, "__version__", "3.9.0")  # two consumers by default: three is the other
     assert variants(False, [], D=64)["c3"] == ({"hopper_consumers_d64": 3}, L2_BYTES)

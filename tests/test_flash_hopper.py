@@ -7,7 +7,7 @@ so an element never written fails the test. The persistent grid is also run with
 per program: the mbarrier phases across tiles, tiles with no key block in between), which must give bitwise the
 result of the full grid; causal tiles from per-program lists of any group size, bitwise the strided order's;
 repeated launches through the compiled kernel's launcher, bitwise the JIT's; Q released early or late, bitwise
-alike; the row sums as per-thread partial sums (hopper_lane_sums), within the budget.
+alike; the row sums as per-thread partial sums or whole (hopper_lane_sums on and off), within the budget.
 Through kernels.flash_attention the hopper_forward switch on and off give the same output and gradients within
 the budget, on and off each launching the forward they should.
 
@@ -226,6 +226,7 @@ def test_own_key_blocks_give_the_result_of_every_block(case, D, dtype, consumers
             assert torch.equal(own[0], every[0]) and torch.equal(own[1], every[1])
 
 
+@pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("case,D,dtype", [
     pytest.param((2, 4, 2, 1023, 1023, True), 64, torch.bfloat16, id="causal-d64"),
@@ -234,16 +235,17 @@ def test_own_key_blocks_give_the_result_of_every_block(case, D, dtype, consumers
     pytest.param((1, 4, 2, 2049, 2049, True), 128, torch.bfloat16, id="causal-d128"),
     pytest.param((2, 3, 3, 700, 1500, False), 128, torch.float16, id="full-Nq<Nk-d128"),
 ])
-def test_lane_sums_match_reference(case, D, dtype, consumers, request, monkeypatch):
-    """The row sums kept as per-thread partial sums (hopper_lane_sums) and reduced once per tile: within the
-    budget of the float64 reference (O and lse; only the order of the sum's additions moves), rows that see no
-    key exactly 0 / +inf, every output written, with 1 and 5 programs bitwise the full grid's."""
+def test_row_sum_forms_match_reference(case, D, dtype, consumers, mode, request, monkeypatch):
+    """The row sums kept as per-thread partial sums and reduced once per tile (hopper_lane_sums on), or summed
+    whole every key block (off), whichever the default: within the budget of the float64 reference (O and lse;
+    only the order of the sum's additions moves), rows that see no key exactly 0 / +inf, every output written,
+    with 1 and 5 programs bitwise the full grid's."""
     if consumers == 3 and D != 64:
         pytest.skip("three consumers run head dim 64 only")
     causal = case[-1]
     q, k, v = _inputs(case, D, dtype, seeded_generator(request))
     scale = 1.0 / math.sqrt(D)
-    with options.use(hopper_consumers_d64=consumers, hopper_lane_sums=True):
+    with options.use(hopper_consumers_d64=consumers, hopper_lane_sums=mode):
         o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
         for programs in (1, 5):
             monkeypatch.setattr(kt, "sm_count", lambda device, programs=programs: programs)

@@ -68,9 +68,10 @@ def compile_hopper_launches() -> list[dict]:
                     for count in ((2, 3) if D == 64 else (0,)):  # head dim 64: both consumer counts
                         with options.use(hopper_consumers_d64=count):
                             kernels.flash_attention(q, kv, kv, causal=causal)
-                    if dtype == torch.bfloat16:  # the row sums as per-thread partial sums, two consumers
-                        with options.use(hopper_consumers_d64=2, hopper_lane_sums=True):
-                            kernels.flash_attention(q, kv, kv, causal=causal)
+                    if dtype == torch.bfloat16:  # both forms of the row sums, two consumers
+                        for mode in ("on", "off"):
+                            with options.use(hopper_consumers_d64=2, hopper_lane_sums=mode):
+                                kernels.flash_attention(q, kv, kv, causal=causal)
         qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)           # (B, N, (Hq + 2·Hkv)·D)
         kernels.flash_attention_qkvpacked(qkv, 4, 2)                            # (B, N, H, D) strides
     return [_record(c) for c in compiled]
@@ -85,7 +86,8 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
     consumer warpgroups (240 registers each) and no spills, 16 with three (head dim 64, 160 each; at most 128
     bytes of spills per thread under the Triton whose three consumers were measured faster, elsewhere not
     chosen by default); shared memory within sm_90's limit; ptxas does not serialise its wgmmas. The row sums
-    as per-thread partial sums (hopper_lane_sums) compile with two consumers at both head dims, bf16, likewise."""
+    as per-thread partial sums or whole (hopper_lane_sums on, off; auto: on at head dim 128) compile with two
+    consumers at both head dims, bf16, likewise."""
     from tests.util import ROOT, pythonpath
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
@@ -104,9 +106,9 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
         assert not rec["wgmma_serialized"], rec  # ptxas serialising the wgmmas undoes the overlap the kernel is for
     got = {(rec["dtype"], rec["consts"]["HEAD_D"], rec["consts"]["CAUSAL"], rec["consts"]["CONSUMERS"],
             rec["consts"]["LANE_SUMS"]) for rec in records}
-    assert got == {(dt, D, causal, n, False) for dt in ("bf16", "fp16") for D in (64, 128) for causal in (True, False)
-                   for n in ((2, 3) if D == 64 else (2,))} | {("bf16", D, causal, 2, True) for D in (64, 128)
-                                                              for causal in (True, False)}
+    assert got == {(dt, D, causal, n, D == 128) for dt in ("bf16", "fp16") for D in (64, 128)
+                   for causal in (True, False) for n in ((2, 3) if D == 64 else (2,))} | {
+        ("bf16", D, causal, 2, lane) for D in (64, 128) for causal in (True, False) for lane in (True, False)}
 
 
 def _inputs(D=64, dtype=torch.bfloat16, Hq=4, Hkv=2):
@@ -295,7 +297,7 @@ def test_repeated_launches_call_the_compiled_kernel_directly(monkeypatch):
         lists_t = torch.zeros(8, dtype=torch.int32) if lists else lse
         args = ("qd", "kd", "vd", "od", lse, 1, 1, 8, 8, 0, 0.1, 1, 1, 1, lists_t, lists_t)
         consts = dict(BLOCK_M=64, BLOCK_N=128, HEAD_D=64, STAGES=3, CAUSAL=causal, LISTS=lists, EARLY_Q=True,
-                      CONSUMERS=2, OWN_BLOCKS=True)
+                      CONSUMERS=2, OWN_BLOCKS=True, LANE_SUMS=False)
         hopper_launch._launch((5,), args, consts, q, options.get().fast_launch)
         return args, consts
 

@@ -1,4 +1,5 @@
-"""The suite's own tools: --test-times (tests/conftest.py) writes each test phase's duration as it ends, and the
+"""The suite's own tools: --test-times (tests/conftest.py) writes each test phase's duration as it ends,
+--failure-log each failure's report, and the
 GPU acceptance script's dry run on a CPU (bench/gpu_check.sh with CHECK_ARGS) reports one verdict per step."""
 import os
 import subprocess
@@ -17,6 +18,20 @@ def test_test_times_has_one_line_per_phase(tmp_path):
     rows = [line.split("\t") for line in path.read_text().splitlines()]
     assert [row[1:3] for row in rows] == [["setup", "passed"], ["call", "passed"], ["teardown", "passed"]]
     assert all(len(row) == 5 and row[4] == FAST_TEST and float(row[0]) >= 0 for row in rows)
+
+
+def test_failure_log_keeps_each_failure_as_it_ends(tmp_path):
+    """--failure-log appends a failed phase's id and traceback when it ends; a passing test writes nothing."""
+    tests = tmp_path / "test_sample.py"
+    tests.write_text("def test_ok():\n    assert True\n\n\ndef test_bad():\n    assert 1 + 1 == 3, 'arithmetic'\n")
+    path = tmp_path / "failures.txt"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        "-c", os.devnull, "-p", "tests.conftest", str(tests), "--failure-log", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    text = path.read_text()
+    assert text.count("=== ") == 1 and "test_sample.py::test_bad (call, worker -" in text
+    assert "AssertionError: arithmetic" in text and "test_ok" not in text
 
 
 def test_gpu_check_dry_run_reports_each_step(tmp_path):

@@ -136,7 +136,7 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
                   EARLY_Q=early_q(causal, Nk, opts), CONSUMERS=consumers,
-                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks, LANE_SUMS=opts.hopper_lane_sums)
+                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks, LANE_SUMS=lane_sums(D, opts))
     _launch((programs,), args, consts, q, opts.fast_launch)
 
 
@@ -152,6 +152,15 @@ def early_q(causal: bool, Nk: int, opts=None) -> bool:
     "auto": early except without a causal mask from EARLY_Q_LATE_FROM_KEYS keys)."""
     mode = (opts or _options.get()).hopper_early_q
     return mode == "on" or (mode == "auto" and (causal or Nk < EARLY_Q_LATE_FROM_KEYS))
+
+
+def lane_sums(head_dim: int, opts=None) -> bool:
+    """Whether the consumers keep the row sums as per-thread partial sums (reduced once per tile): the
+    hopper_lane_sums option ("on", "off", or "auto": on at head dim 128, where it was 0.4-2.2 % faster at 4096
+    and 16384 tokens, causal and not, in three runs; at 64 it was 1.5 % slower to 1.4 % faster,
+    bench/results/flash_hopper/lane_sums/)."""
+    mode = (opts or _options.get()).hopper_lane_sums
+    return mode == "on" or (mode == "auto" and head_dim == 128)
 
 
 # Three consumers hold S and P of 64 x 128 and O of 64 x 64 in 160 registers: ptxas spills 60-128 bytes per

@@ -157,7 +157,7 @@ def early_q(causal: bool, Nk: int, opts=None) -> bool:
 def lane_sums(head_dim: int, opts=None) -> bool:
     """Whether the consumers keep the row sums as per-thread partial sums (reduced once per tile): the
     hopper_lane_sums option ("on", "off", or "auto": on at head dim 128, where it was 0.4-2.2 % faster at 4096
-    and 16384 tokens, causal and not, in three runs; at 64 it was 1.5 % slower to 1.4 % faster,
+    and 16384 tokens, causal and not, in three runs; at 64 it was 2.2 % slower to 1.4 % faster,
     bench/results/flash_hopper/lane_sums/)."""
     mode = (opts or _options.get()).hopper_lane_sums
     return mode == "on" or (mode == "auto" and head_dim == 128)

@@ -273,7 +273,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   }
   suite() {
     timeout -s INT -k 30 "${TEST_S:-420}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
-      tests -rfE --durations=60 --test-times "$OUT/test_times.tsv" --failure-log "$OUT/test_failures.txt"
+      tests -rfE --durations=60 --test-times "$OUT/test_times.tsv" --failure-log "$OUT/test_failures.txt" \
+      --gpu-memory "$OUT/gpu_memory.tsv"
   }
   run gpu_test_suite tests_ok suite
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"

@@ -20,6 +20,9 @@ def pytest_addoption(parser):
     parser.addoption("--failure-log", metavar="PATH", default=None,
                      help="append each failed test phase's report (id, worker, traceback) to PATH as it ends: the "
                           "reasons survive a run stopped before pytest's summary")
+    parser.addoption("--gpu-memory", metavar="PATH", default=None,
+                     help="append one line per test that used the GPU to PATH as it ends (its peak of GPU memory "
+                          "reserved in GiB, worker, test id, tab-separated)")
 
 
 def _kernels_name_clash() -> str | None:
@@ -55,6 +58,8 @@ def pytest_configure(config):
             config.pluginmanager.register(_TestTimes(path), "flashgpt-test-times")
         if path := config.getoption("--failure-log"):
             config.pluginmanager.register(_FailureLog(path), "flashgpt-failure-log")
+        if path := config.getoption("--gpu-memory"):
+            config.pluginmanager.register(_GpuMemoryLog(path), "flashgpt-gpu-memory")
 
 
 def _worker(report) -> str:
@@ -86,6 +91,22 @@ class _FailureLog:
             with open(self.path, "a") as f:
                 f.write(f"=== {report.nodeid} ({report.when}, worker {_worker(report)}, "
                         f"{time.strftime('%H:%M:%S')})\n{report.longreprtext}\n\n")
+
+
+class _GpuMemoryLog:
+    """Appends each test's peak of reserved GPU memory (the _gpu_memory_given_back fixture records it) as the
+    test ends."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1)
+
+    def pytest_runtest_logreport(self, report):
+        peak = dict(report.user_properties).get(GPU_PEAK)
+        if report.when == "teardown" and peak is not None:
+            self.file.write(f"{peak / 2**30:.2f}\t{_worker(report)}\t{report.nodeid}\n")
+
+    def pytest_unconfigure(self, config):
+        self.file.close()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -137,6 +158,24 @@ def _kernel_options(request):
     from kernels import options
     with options.use(autotune="autotune" in request.keywords):
         yield
+
+
+GPU_PEAK = "gpu_peak_reserved_bytes"
+GIVE_BACK_BYTES = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_given_back(request):
+    """After a test that used the GPU: its peak of reserved memory goes in its report (--gpu-memory writes it),
+    and the memory torch's allocator keeps cached beyond GIVE_BACK_BYTES goes back to the driver. The suite runs
+    16 processes on one GPU: memory one test left cached is memory the others' tests cannot allocate."""
+    yield
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    request.node.user_properties.append((GPU_PEAK, torch.cuda.max_memory_reserved()))
+    if torch.cuda.memory_reserved() > GIVE_BACK_BYTES:
+        torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,11 @@
 """The suite's own tools: --test-times (tests/conftest.py) writes each test phase's duration as it ends,
---failure-log each failure's report, and the
+--failure-log each failure's report, --gpu-memory each GPU test's peak of memory, and the
 GPU acceptance script's dry run on a CPU (bench/gpu_check.sh with CHECK_ARGS) reports one verdict per step."""
 import os
 import subprocess
 import sys
+
+import torch
 
 from tests.util import ROOT
 
@@ -32,6 +34,30 @@ def test_failure_log_keeps_each_failure_as_it_ends(tmp_path):
     text = path.read_text()
     assert text.count("=== ") == 1 and "test_sample.py::test_bad (call, worker -" in text
     assert "AssertionError: arithmetic" in text and "test_ok" not in text
+
+
+def test_gpu_memory_log_has_each_gpu_test_peak(tmp_path):
+    """--gpu-memory: a line per test that used the GPU (its peak of reserved memory, worker, id); a test that
+    never touched the GPU (and every test on a CPU) writes none; the memory a test left cached is given back
+    before the next test starts."""
+    tests = tmp_path / "test_sample.py"
+    tests.write_text("import torch\n\n\ndef test_cpu():\n    assert torch.ones(3).sum() == 3\n\n\n"
+                     "def test_gpu():\n    if torch.cuda.is_available():\n"
+                     "        x = torch.empty(3 << 29, dtype=torch.uint8, device='cuda')\n        del x\n"
+                     "        assert torch.cuda.memory_reserved() >= 3 << 29\n\n\n"
+                     "def test_after_it():  # the cache the test before left is back with the driver\n"
+                     "    if torch.cuda.is_available():\n        assert torch.cuda.memory_reserved() <= 1 << 30\n")
+    path = tmp_path / "memory.tsv"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        "-c", os.devnull, "-p", "tests.conftest", str(tests), "--gpu-memory", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [line.split("\t") for line in path.read_text().splitlines()]
+    if not torch.cuda.is_available():
+        assert rows == []
+        return
+    assert [row[2] for row in rows] == [f"{tests.name}::test_gpu", f"{tests.name}::test_after_it"], rows
+    assert float(rows[0][0]) >= 1.5 and float(rows[1][0]) < 1.0, rows
 
 
 def test_gpu_check_dry_run_reports_each_step(tmp_path):

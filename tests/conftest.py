@@ -88,10 +88,14 @@ class _FailureLog:
 
     def pytest_runtest_logreport(self, report):
         if report.failed:
-            import time
-            with open(self.path, "a") as f:
-                f.write(f"=== {report.nodeid} ({report.when}, worker {_worker(report)}, "
-                        f"{time.strftime('%H:%M:%S')})\n{report.longreprtext}\n\n")
+            _append_failure(self.path, report.nodeid, report.when, _worker(report), report.longreprtext)
+
+
+def _append_failure(path: str, test: str, what: str, worker: str, text: str) -> None:
+    """One entry of a --failure-log file: a header line (test id, what failed, worker, time), then the text."""
+    import time
+    with open(path, "a") as f:
+        f.write(f"=== {test} ({what}, worker {worker}, {time.strftime('%H:%M:%S')})\n{text}\n\n")
 
 
 class _GpuMemoryLog:
@@ -161,11 +165,16 @@ def _kernel_options(request):
         yield
 
 
+def _gpu_used() -> bool:
+    """Whether this process has used CUDA (a test process that never did has nothing on the GPU to check)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _cuda_context_broken() -> str | None:
     """None while this process's CUDA context still runs work (or CUDA was never used in it), else the error's
     first line. After an illegal address, a device-side assert or a failed library call such as cuBLAS's
     "unknown error", every later CUDA call of the process fails."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not _gpu_used():
         return None
     try:
         torch.cuda.synchronize()
@@ -192,10 +201,7 @@ def _cuda_context_checked(request):
     message = f"CUDA context broken after {request.node.nodeid}: {error}"
     worker = getattr(request.config, "workerinput", {}).get("workerid")
     if path := request.config.getoption("--failure-log"):
-        import time
-        with open(path, "a") as f:
-            f.write(f"=== {request.node.nodeid} (CUDA context broken, worker {worker or '-'}, "
-                    f"{time.strftime('%H:%M:%S')})\n{error}\n\n")
+        _append_failure(path, request.node.nodeid, "CUDA context broken", worker or "-", error)
     if worker is None:
         pytest.exit(message, returncode=CONTEXT_BROKEN_EXIT)
     sys.stderr.write(f"\n{message}: worker {worker} exits, pytest-xdist starts a fresh one\n")
@@ -213,7 +219,7 @@ def _gpu_memory_given_back(request):
     and the memory torch's allocator keeps cached beyond GIVE_BACK_BYTES goes back to the driver. The suite runs
     16 processes on one GPU: memory one test left cached is memory the others' tests cannot allocate."""
     yield
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not _gpu_used():
         return
     request.node.user_properties.append((GPU_PEAK, torch.cuda.max_memory_reserved()))
     if torch.cuda.memory_reserved() > GIVE_BACK_BYTES:

@@ -86,13 +86,13 @@ def variants(causal: bool, budgets: list[int], D: int = 128, N: int = 4096) -> d
     else:  # the default releases late here
         out["early-q"] = ({"hopper_early_q": "on"}, L2_BYTES)
     from kernels.flash_hopper.launch import lane_sums
-    if lane_sums(D):  # the form of the row sums the default does not run
+    if lane_sums(D, None, causal, N):  # the form of the row sums the default does not run
         out["row-sums"] = ({"hopper_lane_sums": "off"}, L2_BYTES)
     else:
         out["lane-sums"] = ({"hopper_lane_sums": "on"}, L2_BYTES)
     if D == 64:
         from kernels.flash_hopper.launch import consumer_count
-        other = 5 - consumer_count(64, causal)  # the consumer count the default does not run
+        other = 5 - consumer_count(64, causal, None, N)  # the consumer count the default does not run
         out[f"c{other}"] = ({"hopper_consumers_d64": other}, L2_BYTES)
         if causal:
             out["c3-every"] = ({"hopper_consumers_d64": 3, "hopper_own_blocks": False}, L2_BYTES)

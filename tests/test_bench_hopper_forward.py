@@ -60,5 +60,8 @@ def test_variants_per_mask(monkeypatch):
     assert variants(True, [], D=64)["lane-sums"] == ({"hopper_lane_sums": "on"}, L2_BYTES)
     assert variants(True, [], D=64)["c3-lane-sums"] == ({"hopper_consumers_d64": 3, "hopper_lane_sums": "on"},
                                                         L2_BYTES)
+    long = variants(True, [], D=64, N=launch.D64_CAUSAL_THREE_FROM_KEYS)  # default: three with lane sums
+    assert long["c2"] == ({"hopper_consumers_d64": 2}, L2_BYTES) and "c3" not in long
+    assert long["row-sums"] == ({"hopper_lane_sums": "off"}, L2_BYTES) and "lane-sums" not in long
     monkeypatch.setattr(launch.triton, "__version__", "3.9.0")  # two consumers by default: three is the other
     assert variants(False, [], D=64)["c3"] == ({"hopper_consumers_d64": 3}, L2_BYTES)

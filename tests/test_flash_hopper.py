@@ -262,6 +262,26 @@ def test_row_sum_forms_match_reference(case, D, dtype, consumers, mode, request,
         assert (~causal_mask(case[3], case[4], device="cuda").any(dim=1)).any()  # some rows see no key
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", [(1, 2, 1, 6151, 6151, True), (1, 2, 2, 300, 6200, True)],
+                         ids=lambda c: _id(c, 64))
+def test_long_causal_head_dim_64_default_matches_reference(case, dtype, request, monkeypatch):
+    """Causal at head dim 64 from D64_CAUSAL_THREE_FROM_KEYS keys: the default runs three consumers with lane
+    sums (under the Triton they were measured with), within the budget of the float64 reference, every output
+    written, with 1 and 5 programs bitwise the full grid's."""
+    assert case[4] >= hopper_launch.D64_CAUSAL_THREE_FROM_KEYS
+    q, k, v = _inputs(case, 64, dtype, seeded_generator(request))
+    if hopper_launch.triton.__version__.startswith(hopper_launch.THREE_CONSUMERS_TRITON):
+        assert hopper_launch.consumer_count(64, True, Nk=case[4]) == 3 and hopper_launch.lane_sums(64, None, True,
+                                                                                                    case[4])
+    o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
+    for programs in (1, 5):
+        monkeypatch.setattr(kt, "sm_count", lambda device, programs=programs: programs)
+        few = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
+        assert torch.equal(few[0], o) and torch.equal(few[1], lse)
+    _assert_matches_reference(q, k, v, o, lse, True)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_direct_launches_give_the_result_of_the_jit(causal, request, monkeypatch):
     """A repeated signature calls the compiled kernel's launcher directly (fast_launch, the default): bitwise the

@@ -72,6 +72,9 @@ def compile_hopper_launches() -> list[dict]:
                         for mode in ("on", "off"):
                             with options.use(hopper_consumers_d64=2, hopper_lane_sums=mode):
                                 kernels.flash_attention(q, kv, kv, causal=causal)
+                        if D == 64 and causal:  # three consumers with lane sums: the long causal calls' default
+                            with options.use(hopper_consumers_d64=3, hopper_lane_sums="on"):
+                                kernels.flash_attention(q, kv, kv, causal=causal)
         qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)           # (B, N, (Hq + 2·Hkv)·D)
         kernels.flash_attention_qkvpacked(qkv, 4, 2)                            # (B, N, H, D) strides
     return [_record(c) for c in compiled]
@@ -87,7 +90,8 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
     bytes of spills per thread under the Triton whose three consumers were measured faster, elsewhere not
     chosen by default); shared memory within sm_90's limit; ptxas does not serialise its wgmmas. The row sums
     as per-thread partial sums or whole (hopper_lane_sums on, off; auto: on at head dim 128) compile with two
-    consumers at both head dims, bf16, likewise."""
+    consumers at both head dims, bf16, likewise, and with three at head dim 64, causal (the default from
+    D64_CAUSAL_THREE_FROM_KEYS keys)."""
     from tests.util import ROOT, pythonpath
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
@@ -108,7 +112,8 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
             rec["consts"]["LANE_SUMS"]) for rec in records}
     assert got == {(dt, D, causal, n, D == 128) for dt in ("bf16", "fp16") for D in (64, 128)
                    for causal in (True, False) for n in ((2, 3) if D == 64 else (2,))} | {
-        ("bf16", D, causal, 2, lane) for D in (64, 128) for causal in (True, False) for lane in (True, False)}
+        ("bf16", D, causal, 2, lane) for D in (64, 128) for causal in (True, False) for lane in (True, False)} | {
+        ("bf16", 64, True, 3, True)}
 
 
 def _inputs(D=64, dtype=torch.bfloat16, Hq=4, Hkv=2):
@@ -331,3 +336,25 @@ def test_consumer_count_by_head_dim_mask_option_and_triton(monkeypatch):
             assert hopper_launch.consumer_count(128, False) == 2
     with pytest.raises(ValueError, match="hopper_consumers_d64"):
         options.KernelOptions(hopper_consumers_d64=4)
+
+
+def test_long_causal_head_dim_64_takes_three_consumers_with_lane_sums(monkeypatch):
+    """Causal at head dim 64 from D64_CAUSAL_THREE_FROM_KEYS keys: three consumers and lane sums by default
+    (below it two and whole-row sums); a forced consumer count or row-sum form is kept; under a Triton not
+    measured, two consumers and whole-row sums at any length; head dim 128 and calls without a mask unchanged."""
+    long = hopper_launch.D64_CAUSAL_THREE_FROM_KEYS
+    monkeypatch.setattr(hopper_launch.triton, "__version__", "3.6.0")
+    assert hopper_launch.consumer_count(64, True, Nk=long) == 3 and hopper_launch.lane_sums(64, None, True, long)
+    assert hopper_launch.consumer_count(64, True, Nk=long - 1) == 2
+    assert not hopper_launch.lane_sums(64, None, True, long - 1)
+    assert hopper_launch.consumer_count(64, False, Nk=long) == 3
+    assert not hopper_launch.lane_sums(64, None, False, long)
+    assert hopper_launch.consumer_count(128, True, Nk=long) == 2 and hopper_launch.lane_sums(128, None, True, long)
+    with options.use(hopper_consumers_d64=2):
+        assert hopper_launch.consumer_count(64, True, Nk=long) == 2
+        assert not hopper_launch.lane_sums(64, None, True, long)
+    with options.use(hopper_lane_sums="off"):
+        assert hopper_launch.consumer_count(64, True, Nk=long) == 3
+        assert not hopper_launch.lane_sums(64, None, True, long)
+    monkeypatch.setattr(hopper_launch.triton, "__version__", "3.9.0")
+    assert hopper_launch.consumer_count(64, True, Nk=long) == 2 and not hopper_launch.lane_sums(64, None, True, long)

@@ -121,7 +121,7 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
         raise ValueError(f"flash_hopper: lse must be a contiguous (B, Hq, Nq) float32 buffer, got "
                          f"{tuple(lse.shape)} {lse.dtype}")
     opts = _options.get()
-    consumers = consumer_count(D, causal, opts)
+    consumers = consumer_count(D, causal, opts, Nk)
     n_m = -(-Nq // (consumers * BLOCK_M))
     n_tiles = n_m * B * Hq
     programs = min(n_tiles, _triton.sm_count(q.device))  # persistent: at most one program per SM
@@ -136,7 +136,7 @@ def forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
             starts if lists else lse, tiles if lists else lse)  # (the lists are not read without LISTS)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=STAGES[D], CAUSAL=bool(causal), LISTS=lists,
                   EARLY_Q=early_q(causal, Nk, opts), CONSUMERS=consumers,
-                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks, LANE_SUMS=lane_sums(D, opts))
+                  OWN_BLOCKS=bool(causal) and opts.hopper_own_blocks, LANE_SUMS=lane_sums(D, opts, causal, Nk))
     _launch((programs,), args, consts, q, opts.fast_launch)
 
 
@@ -154,13 +154,16 @@ def early_q(causal: bool, Nk: int, opts=None) -> bool:
     return mode == "on" or (mode == "auto" and (causal or Nk < EARLY_Q_LATE_FROM_KEYS))
 
 
-def lane_sums(head_dim: int, opts=None) -> bool:
+def lane_sums(head_dim: int, opts=None, causal: bool = False, Nk: int = 0) -> bool:
     """Whether the consumers keep the row sums as per-thread partial sums (reduced once per tile): the
     hopper_lane_sums option ("on", "off", or "auto": on at head dim 128, where it was 0.4-2.2 % faster at 4096
     and 16384 tokens, causal and not, in three runs; at 64 it was 2.2 % slower to 1.4 % faster,
-    bench/results/flash_hopper/lane_sums/)."""
+    bench/results/flash_hopper/lane_sums/; and at 64 with three consumers, causal from
+    D64_CAUSAL_THREE_FROM_KEYS keys, as consumer_count runs them there)."""
     mode = (opts or _options.get()).hopper_lane_sums
-    return mode == "on" or (mode == "auto" and head_dim == 128)
+    if mode != "auto":
+        return mode == "on"
+    return head_dim == 128 or (head_dim == 64 and _d64_causal_long(causal, Nk, opts))
 
 
 # Three consumers hold S and P of 64 x 128 and O of 64 x 64 in 160 registers: ptxas spills 60-128 bytes per
@@ -169,17 +172,33 @@ def lane_sums(head_dim: int, opts=None) -> bool:
 THREE_CONSUMERS_TRITON = ("3.6.",)
 
 
-def consumer_count(head_dim: int, causal: bool, opts=None) -> int:
+# Causal at head dim 64, three consumers with lane sums against two: 0.977x at 4096 tokens (4,16 and 8,16 heads),
+# 1.015-1.089x from 6144 to 32768 (five rounds at eight shapes, one H100:
+# bench/results/flash_hopper/d64_causal_long/); causal calls from this many keys take them.
+D64_CAUSAL_THREE_FROM_KEYS = 6144
+
+
+def _d64_causal_long(causal: bool, Nk: int, opts=None) -> bool:
+    """A causal head-dim-64 call long enough for three consumers with lane sums, under the measured Triton and
+    with hopper_consumers_d64 left to the default."""
+    return (causal and Nk >= D64_CAUSAL_THREE_FROM_KEYS and not (opts or _options.get()).hopper_consumers_d64
+            and triton.__version__.startswith(THREE_CONSUMERS_TRITON))
+
+
+def consumer_count(head_dim: int, causal: bool, opts=None, Nk: int = 0) -> int:
     """Consumer warpgroups of the Gluon forward. Head dim 64: the hopper_consumers_d64 option, whose auto (0)
-    is three (192-row tiles) without a causal mask and two with one, as measured
-    (bench/results/flash_hopper/three_consumers/), and two under a Triton not in THREE_CONSUMERS_TRITON. Head
-    dim 128: two (three would not fit S, P and O of 64 x 128 in 160 registers each)."""
+    is three (192-row tiles) without a causal mask and two with one below D64_CAUSAL_THREE_FROM_KEYS keys, as
+    measured (bench/results/flash_hopper/three_consumers/, d64_causal_long/), and two under a Triton not in
+    THREE_CONSUMERS_TRITON. Head dim 128: two (three would not fit S, P and O of 64 x 128 in 160 registers
+    each)."""
     opts = opts or _options.get()
     if head_dim != 64:
         return 2
     if opts.hopper_consumers_d64:
         return opts.hopper_consumers_d64
-    return 3 if not causal and triton.__version__.startswith(THREE_CONSUMERS_TRITON) else 2
+    if not triton.__version__.startswith(THREE_CONSUMERS_TRITON):
+        return 2
+    return 3 if not causal or _d64_causal_long(causal, Nk, opts) else 2
 
 
 # The compiled kernel per launch signature, so that a repeated launch calls its launcher directly

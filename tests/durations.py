@@ -3,8 +3,10 @@
     python tests/durations.py runs/gpu_check/test_times.tsv          # after `bash bench/gpu_check.sh` on a GPU
     python tests/durations.py --unfinished runs/gpu_check/test_times.tsv   # the tests that never ended
 
-A test's seconds are the sum of its phases (setup, call, teardown). Tests the run did not reach keep the seconds
-the table already holds for them; tests that no longer exist are dropped.
+A test's seconds are the sum of its phases (setup, call, teardown). A test that started and never ended (still
+running when the run was stopped) is given the longest time of the table, so that the next run starts it first.
+Tests the run did not reach keep the seconds the table already holds for them; tests that no longer exist are
+dropped.
 """
 from __future__ import annotations
 
@@ -92,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if hung else 0
     try:
         new = read_test_times(a.times)
+        hung = unfinished(a.times)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     root = os.path.dirname(HERE)
     files = {f"tests/{name}" for name in os.listdir(HERE) if name.startswith("test_") and name.endswith(".py")}
     table = merged(read_table(a.table), new, files)
+    longest = max(table.values(), default=0.0)
+    table.update({t: longest for t in hung if t in table})  # at least as long as any: first next time
     write_table(a.table, table)
     print(f"{a.table}: {len(table)} tests ({len(new)} from {os.path.relpath(a.times, root)})")
     return 0

@@ -144,7 +144,8 @@ def test_longest_first_orders_by_the_table_and_keeps_every_test(tmp_path):
 
 def test_durations_table_is_rebuilt_from_test_times(tmp_path):
     """tests/durations.py sums each test's phases, keeps the old seconds of tests the run did not reach, drops
-    tests whose file is gone, and refuses a malformed line with one error line."""
+    tests whose file is gone, gives a test that started and never ended the table's longest time (first in the
+    next run), and refuses a malformed line with one error line."""
     times = tmp_path / "times.tsv"
     times.write_text("1.5\tsetup\tpassed\tgw0\ttests/test_config.py::t1\n"
                      "2.0\tcall\tpassed\tgw0\ttests/test_config.py::t1\n"
@@ -156,6 +157,12 @@ def test_durations_table_is_rebuilt_from_test_times(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [line.split("\t") for line in table.read_text().splitlines() if not line.startswith("#")]
     assert rows == [["4.00", "tests/test_config.py::t1"], ["7.00", "tests/test_config.py::t2"]]
+    times.write_text("1.0\tsetup\tpassed\tgw0\ttests/test_config.py::t1\n")  # started, never ended
+    r = subprocess.run([sys.executable, "tests/durations.py", str(times), "--table", str(table)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("\t") for line in table.read_text().splitlines() if not line.startswith("#")]
+    assert rows == [["7.00", "tests/test_config.py::t1"], ["7.00", "tests/test_config.py::t2"]]
     times.write_text("1.0\tcall\n")
     r = subprocess.run([sys.executable, "tests/durations.py", str(times), "--table", str(table)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)

@@ -131,7 +131,9 @@ first get() of the process (a bad value is a ValueError naming the variable):
     hopper_consumers_d64       FLASHGPT_HOPPER_CONSUMERS_D64=0|2|3  0   consumer warpgroups of the Gluon forward at
                                                                         head dim 64: 2 (128-row tiles), 3 (192-row
                                                                         tiles, 160 registers each) or 0: 3 without
-                                                                        a causal mask, 2 with one
+                                                                        a causal mask, and with one from 6144 keys
+                                                                        (flash_hopper/launch.py:
+                                                                        D64_CAUSAL_THREE_FROM_KEYS), else 2
     hopper_lane_sums           FLASHGPT_HOPPER_LANE_SUMS=auto|on|off  auto  the Gluon forward's consumers keep
                                                                         each row's running sum of exp2 as
                                                                         per-thread partial sums (their own key
@@ -141,6 +143,7 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         block (off); auto: on at head dim 128
                                                                         (0.4-2.2 % faster there, mixed at 64:
                                                                         bench/results/flash_hopper/lane_sums/)
+                                                                        and at 64 where 3 consumers run causal
     decode_fused_mlp           FLASHGPT_DECODE_FUSED_MLP=0|1     True   the fused decode step runs each MLP block
                                                                         (norm, up projection, activation, down
                                                                         projection, residual) as one launch

@@ -9,7 +9,6 @@ from kernels.flash_hopper import flash_hopper_forward as f, launch as L
 
 FORMS = {  # name: (BLOCK_N, stages at d64, options)
     "default": (128, 3, dict()),
-    "c3": (128, 3, dict(hopper_consumers_d64=3)),
     "c3+lane": (128, 3, dict(hopper_consumers_d64=3, hopper_lane_sums="on")),
     "b64 c2 s4": (64, 4, dict(hopper_consumers_d64=2)),
     "b64 c3 s3": (64, 3, dict(hopper_consumers_d64=3, hopper_lane_sums="off")),

@@ -469,10 +469,16 @@ def _record(c) -> dict:
     return rec
 
 
-def compile_hopper_backward() -> list[dict]:
+# the child processes' shares of the variants (tests/util.py: compiled_records): the defaults and fused forms;
+# the mask skipped and the dSᵀ ring; the tail in launch order and the rows through loads
+PARTS = ("forms", "mask_ring", "tail_rows")
+
+
+def compile_hopper_backward(part: str | None = None) -> list[dict]:
     """Run in a process started with TRITON_INTERPRET=0: every variant _hopper_bwd launches (the tl dQ kernel
     in its default config, the Gluon dK/dV kernel), compiled for sm_90: Nq = 116 takes the rows through TMA,
-    Nq = 113 (not a multiple of 4) or rows_through_tma off the consumers' loads."""
+    Nq = 113 (not a multiple of 4) or rows_through_tma off the consumers' loads. With a part of PARTS, its
+    share."""
     from kernels import options
     from kernels.flash.backward import _attn_bwd_dq, _attn_bwd_dq_out, _attn_bwd_prep
     from kernels.flash_hopper import backward
@@ -490,34 +496,52 @@ def compile_hopper_backward() -> list[dict]:
 
     with compiling_instead_of_launching(backward._attn_bwd_dkdv_hopper, _attn_bwd_dq, _attn_bwd_prep,
                                         _attn_bwd_dq_out) as compiled, options.use(autotune=False, fast_launch=False):
-        for dtype in DTYPES:
-            for D in (64, 128):
-                for causal in (True, False):
-                    for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
-                        compile_one(D, causal, dtype, Hkv)
-        for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 to 5 at d128
-            for D, forms in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))):
-                for fused in forms:
-                    compile_one(D, causal, fused=fused)
-        with backward_launch.skip_mask_below_diagonal():  # causal blocks below the diagonal unmasked (CAUSAL = 2)
+        if part in (None, "forms"):
+            _compile_forms(compile_one)
+        if part in (None, "mask_ring"):
+            _compile_mask_ring(compile_one)
+        if part in (None, "tail_rows"):
+            _compile_tail_rows(compile_one)
+    return [_record(c) for c in compiled]
+
+
+def _compile_forms(compile_one) -> None:
+    """The default variants (both dtypes, head dims, masks; GQA and not) and the fused forms."""
+    for dtype in DTYPES:
+        for D in (64, 128):
+            for causal in (True, False):
+                for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
+                    compile_one(D, causal, dtype, Hkv)
+    for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 to 5 at d128
+        for D, forms in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))):
+            for fused in forms:
+                compile_one(D, causal, fused=fused)
+
+
+def _compile_mask_ring(compile_one) -> None:
+    """Causal blocks below the diagonal unmasked; the dSᵀ buffers freed by the ring."""
+    with backward_launch.skip_mask_below_diagonal():  # causal blocks below the diagonal unmasked (CAUSAL = 2)
+        for D in (64, 128):
+            for fused in (None, 3):
+                compile_one(D, True, fused=fused)
+    with backward_launch.ds_freed_by_ring():  # forms 2, 3 and 5, a dS buffer per stage, no free barriers
+        for causal in (True, False):
+            for D, stages in ((64, None), (64, backward_launch.DS_RING_MAX_STAGES[64]), (128, None)):
+                for fused in (2, 3, 5):
+                    compile_one(D, causal, stages=stages, fused=fused)
+
+
+def _compile_tail_rows(compile_one) -> None:
+    """Causal in launch order; lse and delta loaded by the consumers."""
+    with backward_launch.tail_heads_dealt(0):  # causal in launch order (the default deals the last heads)
+        for D in (64, 128):
+            for fused in (None, 3, 5):
+                compile_one(D, True, fused=fused)
+    with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
+        for causal in (True, False):
             for D in (64, 128):
                 for fused in (None, 3):
-                    compile_one(D, True, fused=fused)
-        with backward_launch.ds_freed_by_ring():  # forms 2, 3 and 5, a dS buffer per stage, no free barriers
-            for causal in (True, False):
-                for D, stages in ((64, None), (64, backward_launch.DS_RING_MAX_STAGES[64]), (128, None)):
-                    for fused in (2, 3, 5):
-                        compile_one(D, causal, stages=stages, fused=fused)
-        with backward_launch.tail_heads_dealt(0):  # causal in launch order (the default deals the last heads)
-            for D in (64, 128):
-                for fused in (None, 3, 5):
-                    compile_one(D, True, fused=fused)
-        with backward_launch.rows_through_tma(False):  # lse and delta loaded by the consumers: split and form 3
-            for causal in (True, False):
-                for D in (64, 128):
-                    for fused in (None, 3):
-                        compile_one(D, causal, Nq=113, fused=fused)
-    return [_record(c) for c in compiled]
+                    compile_one(D, causal, Nq=113, fused=fused)
 
 
 @needs_gluon
@@ -535,7 +559,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
 
     from tests.util import compiled_records
 
-    records = compiled_records("tests.test_flash_hopper_backward", tmp_path)
+    records = compiled_records("tests.test_flash_hopper_backward", tmp_path, PARTS)
     every_gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
     mask_skip = [r for r in every_gluon if r["consts"]["CAUSAL"] == 2]  # the option: checked alike, then set apart
     ring = [r for r in every_gluon if r["consts"].get("DS_RING")]  # the option ds_freed_by_ring: the same
@@ -585,4 +609,6 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
 
 
 if __name__ == "__main__":
-    json.dump(compile_hopper_backward(), sys.stdout)
+    if sys.argv[1:] and sys.argv[1] not in PARTS:
+        sys.exit(f"usage: python -m tests.test_flash_hopper_backward [{' | '.join(PARTS)}]")
+    json.dump(compile_hopper_backward(*sys.argv[1:2]), sys.stdout)

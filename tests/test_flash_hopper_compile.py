@@ -13,9 +13,7 @@ Skipped, with the reason, where the installed Triton lacks the Gluon names the k
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -41,6 +39,7 @@ def _record(c) -> dict:
     desc = str(c.src.signature["q_desc"])  # e.g. "tensordesc<bf16[1, 1, 64, 64],...>"
     return dict(consts=consts, dtype=desc[desc.index("<") + 1:desc.index("[")], shared=c.metadata.shared,
                 num_warps=c.metadata.num_warps, cubin_bytes=len(c.asm.get("cubin") or b""),
+                ptx_entry=f".entry {c.name}(" in ptx,
                 wgmma="wgmma.mma_async" in ptx, tma_load="cp.async.bulk.tensor.4d.shared" in ptx,
                 tma_store="cp.async.bulk.tensor.4d.global.shared" in ptx, mbarrier="mbarrier.try_wait" in ptx,
                 regs_to_consumers=re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+%d;"
@@ -49,8 +48,14 @@ def _record(c) -> dict:
                 **ptxas_usage(c))
 
 
-def compile_hopper_launches() -> list[dict]:
-    """Run in a process started with TRITON_INTERPRET=0: every variant the hook launches, compiled for sm_90."""
+# the child processes' shares of the variants (tests/util.py: compiled_records): each dtype's consumer counts
+# (and the packed call), and the row-sum forms
+PARTS = ("bfloat16", "float16", "lane_sums")
+
+
+def compile_hopper_launches(part: str | None = None) -> list[dict]:
+    """Run in a process started with TRITON_INTERPRET=0: every variant the hook launches, compiled for sm_90;
+    with a part of PARTS, its share."""
     import kernels
     from kernels.flash_hopper import forward
     from tests.gpu_compile import compiling_instead_of_launching
@@ -65,18 +70,20 @@ def compile_hopper_launches() -> list[dict]:
                 for causal in (True, False):
                     q = torch.randn(2, 4, 113, D).to(dtype)                     # (B, Hq, Nq, D)
                     kv = torch.randn(2, 2, 203, D).to(dtype)                    # (B, Hkv, Nk, D): GQA, Nk != Nq
-                    for count in ((2, 3) if D == 64 else (0,)):  # head dim 64: both consumer counts
-                        with options.use(hopper_consumers_d64=count):
-                            kernels.flash_attention(q, kv, kv, causal=causal)
-                    if dtype == torch.bfloat16:  # both forms of the row sums, two consumers
+                    if part in (None, str(dtype).removeprefix("torch.")):
+                        for count in ((2, 3) if D == 64 else (0,)):  # head dim 64: both consumer counts
+                            with options.use(hopper_consumers_d64=count):
+                                kernels.flash_attention(q, kv, kv, causal=causal)
+                    if dtype == torch.bfloat16 and part in (None, "lane_sums"):  # both row-sum forms, two consumers
                         for mode in ("on", "off"):
                             with options.use(hopper_consumers_d64=2, hopper_lane_sums=mode):
                                 kernels.flash_attention(q, kv, kv, causal=causal)
                         if D == 64 and causal:  # three consumers with lane sums: the long causal calls' default
                             with options.use(hopper_consumers_d64=3, hopper_lane_sums="on"):
                                 kernels.flash_attention(q, kv, kv, causal=causal)
-        qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)           # (B, N, (Hq + 2·Hkv)·D)
-        kernels.flash_attention_qkvpacked(qkv, 4, 2)                            # (B, N, H, D) strides
+        if part in (None, "bfloat16"):
+            qkv = torch.randn(2, 77, (4 + 2 * 2) * 64).to(torch.bfloat16)       # (B, N, (Hq + 2·Hkv)·D)
+            kernels.flash_attention_qkvpacked(qkv, 4, 2)                        # (B, N, H, D) strides
     return [_record(c) for c in compiled]
 
 
@@ -92,14 +99,9 @@ def test_hopper_forward_compiles_for_sm90(tmp_path):
     as per-thread partial sums or whole (hopper_lane_sums on, off; auto: on at head dim 128) compile with two
     consumers at both head dims, bf16, likewise, and with three at head dim 64, causal (the default from
     D64_CAUSAL_THREE_FROM_KEYS keys)."""
-    from tests.util import ROOT, pythonpath
+    from tests.util import compiled_records
 
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=pythonpath(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_flash_hopper_compile"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = json.loads(proc.stdout)
+    records = compiled_records("tests.test_flash_hopper_compile", tmp_path, PARTS)
     for rec in records:
         assert rec["cubin_bytes"] > 0 and rec["wgmma"] and rec["tma_load"] and rec["tma_store"], rec
         assert rec["mbarrier"] and rec["regs_to_consumers"] and rec["regs_from_producer"], rec
@@ -181,7 +183,9 @@ def test_the_switch_falls_back_to_the_tl_kernel_where_the_gluon_kernel_cannot_ru
 
 
 if __name__ == "__main__":
-    json.dump(compile_hopper_launches(), sys.stdout)
+    if sys.argv[1:] and sys.argv[1] not in PARTS:
+        sys.exit(f"usage: python -m tests.test_flash_hopper_compile [{' | '.join(PARTS)}]")
+    json.dump(compile_hopper_launches(*sys.argv[1:2]), sys.stdout)
 
 
 @pytest.mark.parametrize("mode, D, causal, Nq, Nk, heads, takes", [

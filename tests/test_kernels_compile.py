@@ -196,8 +196,14 @@ def _split_attention(dtype) -> None:
                 decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
 
 
-def compile_decode_launches() -> list[dict]:
-    """Run in a process started with TRITON_INTERPRET=0: every decode launch above compiled for sm_90."""
+# the child processes' shares of the launches (tests/util.py: compiled_records), each about a third of the time
+PARTS = (*DTYPES, "models")
+
+
+def compile_decode_launches(part: str | None = None) -> list[dict]:
+    """Run in a process started with TRITON_INTERPRET=0: every decode launch above compiled for sm_90; with a
+    part of PARTS, its share: one dtype's steps, paired split-K, split attention and stack, or the batch-8 and
+    model steps."""
     import torch
 
     import kernels._triton as kt
@@ -219,16 +225,17 @@ def compile_decode_launches() -> list[dict]:
     kernels = (ll._ln_linear_kernel, ll._embed_kernel, decode._decode_split_kernel, decode._decode_merge_kernel,
                dm._ln_mlp_kernel, dstack._decode_stack_kernel, rn._add_rms_norm_kernel, qr._qk_norm_rope_kernel)
     with compiling_instead_of_launching(*kernels) as compiled, torch.no_grad():
-        for dtype in (getattr(torch, name) for name in DTYPES):
+        for dtype in (getattr(torch, name) for name in DTYPES if part in (None, name)):
             for pdl in (True, False):
                 _steps(dtype, pdl)
                 _paired_split_k(dtype, pdl)
             _split_attention(dtype)
             _stack_steps(dtype)
-        _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
-        _llama_model_steps()
-        _gemma_model_steps()
-        _olmo_model_steps()
+        if part in (None, "models"):
+            _steps(torch.bfloat16, pdl=True, batch=8)  # more rows than PDL_FEW_ROWS: the wider PDL tiles
+            _llama_model_steps()
+            _gemma_model_steps()
+            _olmo_model_steps()
     records = [describe(c, DTYPE_ARG) for c in compiled]
     for c, rec in zip(compiled, records):
         if rec["kernel"] == "_ln_linear_kernel" and (rec["consts"]["SWIGLU"] or rec["consts"]["ROPE"]):
@@ -414,7 +421,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     spill."""
     from tests.util import compiled_records
 
-    records = compiled_records("tests.test_kernels_compile", tmp_path)
+    records = compiled_records("tests.test_kernels_compile", tmp_path, PARTS)
     tagged = [_tags(rec) for rec in records]
     missing = [" ".join(sorted(m)) for m in required_modes() if not any(m <= t for t in tagged)]
     assert not missing, f"no compiled variant for: {missing}"
@@ -452,4 +459,6 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 
 
 if __name__ == "__main__":
-    json.dump(compile_decode_launches(), sys.stdout)
+    if sys.argv[1:] and sys.argv[1] not in PARTS:
+        sys.exit(f"usage: python -m tests.test_kernels_compile [{' | '.join(PARTS)}]")
+    json.dump(compile_decode_launches(*sys.argv[1:2]), sys.stdout)

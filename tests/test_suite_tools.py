@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.util import ROOT
@@ -191,3 +192,37 @@ def test_unfinished_lists_the_tests_that_started_and_never_ended(tmp_path):
     r = unfinished(times)
     assert r.returncode == 2 and r.stderr.count("error:") == 1
     assert unfinished(tmp_path / "missing.tsv").returncode == 2
+
+
+@pytest.mark.parametrize("module", ["tests.test_kernels_compile", "tests.test_flash_hopper_backward",
+                                    "tests.test_flash_hopper_compile"])
+def test_compile_children_refuse_an_unknown_part(module):
+    """The compile checks' children (tests/util.py: compiled_records) take one of their module's PARTS or none;
+    anything else is one usage line naming the parts and a non-zero exit, before anything compiles."""
+    import importlib
+    parts = importlib.import_module(module).PARTS
+    proc = subprocess.run([sys.executable, "-m", module, "no_such_part"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TRITON_INTERPRET="0"))
+    assert proc.returncode != 0 and not proc.stdout
+    assert proc.stderr.strip() == f"usage: python -m {module} [{' | '.join(parts)}]", proc.stderr
+
+
+def test_compiled_records_joins_the_parts_and_names_a_failing_one(tmp_path, monkeypatch):
+    """compiled_records runs one child per part at once and joins their records in the order of the parts; a
+    child that fails is reported with its part and its stderr."""
+    from tests import util
+    pkg = tmp_path / "fake_children"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "child.py").write_text(
+        "import json, sys\n"
+        "part = sys.argv[1]\n"
+        "if part == 'bad':\n"
+        "    sys.exit('no compiler for ' + part)\n"
+        "json.dump([dict(part=part, ptx_entry=True, cubin_bytes=1)], sys.stdout)\n")
+    monkeypatch.setattr(util, "ROOT", str(tmp_path))
+    records = util.compiled_records("fake_children.child", tmp_path, ("a", "b", "c"))
+    assert [r["part"] for r in records] == ["a", "b", "c"]
+    (tmp_path / "again").mkdir()
+    with pytest.raises(AssertionError, match="fake_children.child bad: no compiler for bad"):
+        util.compiled_records("fake_children.child", tmp_path / "again", ("a", "bad"))

@@ -69,19 +69,33 @@ def pythonpath(first: str) -> str:
     return first + (os.pathsep + rest if rest else "")
 
 
-def compiled_records(module: str, tmp_path) -> list[dict]:
+def compiled_records(module: str, tmp_path, parts: tuple[str, ...] = ()) -> list[dict]:
     """Run `python -m module` in a child process with Triton's interpreter off (so its kernels compile for a GPU
     target, tests/gpu_compile.py) and a Triton cache of its own; its stdout is a JSON list of compiled-variant
-    records, each of which must name its PTX entry and have a cubin."""
+    records, each of which must name its PTX entry and have a cubin. With parts, one child per part at once
+    (`python -m module PART`, each compiling its share), their records joined in the order of parts: a long
+    compile check then ends sooner where cores are free."""
     import json
-    import subprocess
-    import sys
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=pythonpath(ROOT))
-    proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = json.loads(proc.stdout)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=pythonpath(ROOT))
+    children = []  # (part, process, its stdout file, its stderr file): files, so that no child waits on a pipe
+    for i, part in enumerate(parts or ("",)):
+        out, err = open(tmp_path / f"records{i}.json", "w+"), open(tmp_path / f"stderr{i}.txt", "w+")
+        child = subprocess.Popen([sys.executable, "-m", module, *([part] if part else [])], cwd=ROOT, stdout=out,
+                                 stderr=err, env=dict(env, TRITON_CACHE_DIR=str(tmp_path / f"triton{i}")))
+        children.append((part, child, out, err))
+    records = []
+    try:
+        for part, child, out, err in children:
+            child.wait(timeout=600)
+            err.seek(0)
+            assert child.returncode == 0, f"{module} {part}: {err.read()[-4000:]}"
+            out.seek(0)
+            records += json.load(out)
+    finally:
+        for _, child, out, err in children:
+            child.kill()
+            out.close()
+            err.close()
     for rec in records:
         assert rec["ptx_entry"] and rec["cubin_bytes"] > 0, rec
     return records

@@ -15,9 +15,7 @@ bytes per variant are printed (pytest -s) and bounded. And which inputs the laun
 """
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import pytest
 import torch
@@ -609,6 +607,5 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] and sys.argv[1] not in PARTS:
-        sys.exit(f"usage: python -m tests.test_flash_hopper_backward [{' | '.join(PARTS)}]")
-    json.dump(compile_hopper_backward(*sys.argv[1:2]), sys.stdout)
+    from tests.util import compile_child
+    compile_child("tests.test_flash_hopper_backward", PARTS, compile_hopper_backward)

@@ -12,9 +12,7 @@ Skipped, with the reason, where the installed Triton lacks the Gluon names the k
 """
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import pytest
 import torch
@@ -183,9 +181,8 @@ def test_the_switch_falls_back_to_the_tl_kernel_where_the_gluon_kernel_cannot_ru
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] and sys.argv[1] not in PARTS:
-        sys.exit(f"usage: python -m tests.test_flash_hopper_compile [{' | '.join(PARTS)}]")
-    json.dump(compile_hopper_launches(*sys.argv[1:2]), sys.stdout)
+    from tests.util import compile_child
+    compile_child("tests.test_flash_hopper_compile", PARTS, compile_hopper_launches)
 
 
 @pytest.mark.parametrize("mode, D, causal, Nq, Nk, heads, takes", [

@@ -17,9 +17,7 @@ measured faster there).
 """
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 H200_SMS = 132
 DTYPES = ("float16", "bfloat16")
@@ -459,6 +457,5 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] and sys.argv[1] not in PARTS:
-        sys.exit(f"usage: python -m tests.test_kernels_compile [{' | '.join(PARTS)}]")
-    json.dump(compile_decode_launches(*sys.argv[1:2]), sys.stdout)
+    from tests.util import compile_child
+    compile_child("tests.test_kernels_compile", PARTS, compile_decode_launches)

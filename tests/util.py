@@ -101,6 +101,16 @@ def compiled_records(module: str, tmp_path, parts: tuple[str, ...] = ()) -> list
     return records
 
 
+def compile_child(module: str, parts: tuple[str, ...], compile_part) -> None:
+    """The `__main__` of a compile check's child (compiled_records): the records of compile_part(PART), or of
+    compile_part() without an argument, as JSON on stdout; an argument not in parts is one usage line and a
+    non-zero exit."""
+    import json
+    if sys.argv[1:] and sys.argv[1] not in parts:
+        sys.exit(f"usage: python -m {module} [{' | '.join(parts)}]")
+    json.dump(compile_part(*sys.argv[1:2]), sys.stdout)
+
+
 def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
     """The greedy oracle of the generation tests: no cache, naive attention, the whole sequence again at every
     step; n new token ids."""

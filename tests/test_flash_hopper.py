@@ -89,6 +89,15 @@ def _reference_lse(q, k, causal: bool, sm_scale: float) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), float("inf"), lse)
 
 
+def _assert_few_programs_bitwise(q, k, v, o, lse, causal: bool, monkeypatch):
+    """The forward on a persistent grid of 1 and of 5 programs gives o and lse of the full grid bitwise (the
+    rings' phases carried across the tiles a program runs), under the options in force."""
+    for programs in (1, 5):
+        monkeypatch.setattr(kt, "sm_count", lambda device, programs=programs: programs)
+        few = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
+        assert torch.equal(few[0], o) and torch.equal(few[1], lse)
+
+
 def _assert_matches_reference(q, k, v, o, lse, causal: bool):
     """O within the budget of the float64 reference, lse within the tl forward's budget and +inf exactly where a
     row sees no key, and those rows' O exactly 0."""
@@ -140,11 +149,8 @@ def test_other_consumer_count_matches_reference(case, dtype, request, monkeypatc
         o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
     _assert_matches_reference(q, k, v, o, lse, causal)
     if case[3] >= 300:
-        for programs in (1, 5):
-            monkeypatch.setattr(kt, "sm_count", lambda device: programs)
-            with options.use(hopper_consumers_d64=count):
-                few = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
-            assert torch.equal(few[0], o) and torch.equal(few[1], lse)
+        with options.use(hopper_consumers_d64=count):
+            _assert_few_programs_bitwise(q, k, v, o, lse, causal, monkeypatch)
 
 
 @pytest.mark.parametrize("programs", [1, 5])
@@ -253,10 +259,7 @@ def test_row_sum_forms_match_reference(case, D, dtype, consumers, mode, request,
     q, k, v = _inputs(case, D, dtype, seeded_generator(request))
     with options.use(hopper_consumers_d64=consumers, hopper_lane_sums=mode):
         o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
-        for programs in (1, 5):
-            monkeypatch.setattr(kt, "sm_count", lambda device, programs=programs: programs)
-            few = flash_hopper.flash_hopper_forward(q, k, v, causal=causal)
-            assert torch.equal(few[0], o) and torch.equal(few[1], lse)
+        _assert_few_programs_bitwise(q, k, v, o, lse, causal, monkeypatch)
     _assert_matches_reference(q, k, v, o, lse, causal)
     if causal and case[3] > case[4]:
         assert (~causal_mask(case[3], case[4], device="cuda").any(dim=1)).any()  # some rows see no key
@@ -275,10 +278,7 @@ def test_long_causal_head_dim_64_default_matches_reference(case, dtype, request,
         assert hopper_launch.consumer_count(64, True, Nk=case[4]) == 3 and hopper_launch.lane_sums(64, None, True,
                                                                                                     case[4])
     o, lse = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
-    for programs in (1, 5):
-        monkeypatch.setattr(kt, "sm_count", lambda device, programs=programs: programs)
-        few = flash_hopper.flash_hopper_forward(q, k, v, causal=True)
-        assert torch.equal(few[0], o) and torch.equal(few[1], lse)
+    _assert_few_programs_bitwise(q, k, v, o, lse, True, monkeypatch)
     _assert_matches_reference(q, k, v, o, lse, True)
 
 

@@ -1,7 +1,7 @@
 """The attention backward alone on a Hopper GPU: the Gluon dK/dV path against the tl backward and cuDNN's.
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
-                                    [--ahead auto|on|off] [--fused 1 2 3 4 5] [--rep 100] [--rows-loads]
+                                    [--ahead auto|on|off] [--fused 1 2 3 4 5 6] [--rep 100] [--rows-loads]
                                     [--mask-skip] [--ds-ring] [--tail-rounds R] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
@@ -19,6 +19,7 @@ medians (it flushes L2 between runs):
           issued, so that neither warpgroup waits for the other's dS of the step it has just computed;
 * fused5  fused=5: as fused3, each step's dK matmul issued after its dQ matmuls, so that it runs while dQ goes
           out (FlashAttention-3's order);
+* fused6  fused=6: fused4 with fused5's order in each step: the previous step's dQ matmuls, then this step's dK;
 * tl      kernels/flash/launch.py: _bwd with hopper_backward off: the tl split backward;
 * cudnn   SDPA's cuDNN backend: its backward alone (the graph of one forward kept, backward re-run).
 
@@ -44,7 +45,7 @@ from bench.report import attention_shape, git_commit, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
-FUSED_MODES = (1, 2, 3, 4, 5)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
+FUSED_MODES = (1, 2, 3, 4, 5, 6)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

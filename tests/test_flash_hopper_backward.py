@@ -121,13 +121,14 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
-@pytest.mark.parametrize("fused", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("fused", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
     """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator (no tl dQ kernel): each
     warpgroup its own keys' part with atomics (1); half the columns over both warpgroups' keys through one
     shared dS buffer, with atomics (2) or a TMA reduce-add from shared memory (3); 3 with each step's dQ one step
-    later (4) or with dK's matmul issued after dQ's (5). The same float64-reference criterion on every case."""
+    later (4) or with dK's matmul issued after dQ's (5), or both (6). The same float64-reference criterion on every
+    case."""
     _assert_matches_reference(case, D, dtype, request, fused=fused)
 
 
@@ -394,17 +395,18 @@ def test_unsupported_inputs_name_the_reason(monkeypatch):
 
 
 def test_fused_form_arguments_are_checked_before_the_launch():
-    """dkdv_into refuses an unknown fused form and the lagged form (4) with the next block's score matmuls
+    """dkdv_into refuses an unknown fused form and the lagged forms (4, 6) with the next block's score matmuls
     issued ahead, each in one line, before anything is launched."""
     do, q, k, v, o = _cpu_inputs()
     B, Hq, Nq, D = q.shape
     lse = torch.zeros(B, Hq, Nq)
     dqacc = torch.zeros(B, Hq, Nq, D)
-    with pytest.raises(ValueError, match="dq_mode=6"):
-        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, dqacc=dqacc, dq_mode=6)
-    with pytest.raises(ValueError, match="ahead"):
-        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
-                                  dqacc=dqacc, dq_mode=4)
+    with pytest.raises(ValueError, match="dq_mode=7"):
+        backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, dqacc=dqacc, dq_mode=7)
+    for lagged in (4, 6):
+        with pytest.raises(ValueError, match=f"dq_mode={lagged} .*ahead"):
+            backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
+                                      dqacc=dqacc, dq_mode=lagged)
 
 def test_rows_through_tma_only_where_a_box_fits():
     """The lse and delta rows go through a 1-d TMA descriptor only where every head's rows start on 16 bytes (Nq
@@ -467,6 +469,9 @@ def _record(c) -> dict:
     return rec
 
 
+# the fused forms compiled per head dim
+FUSED_COMPILED = ((64, (1, 2, 3, 4, 5, 6)), (128, (3, 4, 5, 6)))
+
 # the child processes' shares of the variants (tests/util.py: compiled_records): the defaults and fused forms;
 # the mask skipped and the dSᵀ ring; the tail in launch order and the rows through loads
 PARTS = ("forms", "mask_ring", "tail_rows")
@@ -510,8 +515,8 @@ def _compile_forms(compile_one) -> None:
             for causal in (True, False):
                 for Hkv in ((2, 4) if (dtype, D) == (torch.bfloat16, 128) else (2,)):  # GQA; and not
                     compile_one(D, causal, dtype, Hkv)
-    for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 to 5 at d128
-        for D, forms in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))):
+    for causal in (True, False):  # the fused forms (dQ in the Gluon kernel): all at d64, 3 to 6 at d128
+        for D, forms in FUSED_COMPILED:
             for fused in forms:
                 compile_one(D, causal, fused=fused)
 
@@ -603,7 +608,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
         (D, causal, mode) for D in (64, 128) for causal in (True, False) for mode in (0, 3)}
     assert {(r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"].get("DQ")) for r in gluon
             if r["consts"].get("DQ")} == {(D, causal, mode) for causal in (True, False)
-                                          for D, modes in ((64, (1, 2, 3, 4, 5)), (128, (3, 4, 5))) for mode in modes}
+                                          for D, modes in FUSED_COMPILED for mode in modes}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ B·Hq·Nq >= 262,144 query rows in all, and at head dim 64 without a causal mask
 from 4096 (kernels/flash/launch.py: _hopper_auto), "on" always, "off" never.
 The backward: backward_launch.py launches a Gluon dK/dV kernel in FA3's structure with the tl backward's
 inputs and outputs; kernels/flash/launch.py's _hopper_bwd runs the whole backward around it, after the tl dQ
-kernel (fused=0) or with dQ added by the kernel itself (fused=1 to 5; 3 and 5 by TMA reduce-adds, the fastest).
+kernel (fused=0) or with dQ added by the kernel itself (fused=1 to 6; 3 to 6 by TMA reduce-adds, 3 and 5 the
+fastest timed).
 kernels.flash_attention's backward runs fused=5 at head dim 128 causal and at 64 without a mask, fused=3 at the
 other two (kernels/flash/launch.py: hopper_bwd_form), where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it
 the inputs: "auto" where it was timed faster than the tl backward (kernels/flash/launch.py:

@@ -50,7 +50,10 @@ at d128 without one (it spills more there), level causal; an option, not the def
 DQ = 3 with each step's dK matmul issued after its two dQ matmuls (FA3's order), so that dK's matmul runs while
 dQ goes through shared memory to its reduce-add: 1.1-3.3 % shorter than DQ = 3 at d128 causal and 0.5-2.3 % at
 d64 without a mask in three runs on an H100, mostly longer at the other two (bench/results/flash_hopper/backward/
-dk_after_dq/); kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form).
+dk_after_dq/); kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form). DQ = 6 is
+DQ = 4 with DQ = 5's order inside each step: publish this step's dSᵀ, issue the previous step's two dQ matmuls, then
+this step's dK matmul, and wait for dQ's alone (neither the other warpgroup's dSᵀ of this step nor dQ's store
+holds up dK's matmul); an option, not yet timed.
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute
@@ -250,12 +253,14 @@ def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.const
 @gluon.jit
 def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, GQA: gl.constexpr,
-                DQ: gl.constexpr, WG: gl.constexpr, DS_RING: gl.constexpr, dk=None, dsT_op=None, q=None):
+                DQ: gl.constexpr, WG: gl.constexpr, DS_RING: gl.constexpr, dk=None, dsT_op=None, q=None,
+                DK_AFTER: gl.constexpr = False):
     """This warpgroup's half of dQ's columns of step j, dS K over both warpgroups' 2·BLOCK_N keys, once both
     published their dSᵀ of step j (_publish_ds); added into dqacc_ptr with atomics (DQ = 2) or through dq_smem and
-    one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight, except with DQ = 5: there
-    it issues step j's dK += dSᵀ Q (BLOCK_N, HEAD_D) after dQ's matmuls and returns dk still in flight, so that
-    dK's matmul runs while dQ goes out (FlashAttention-3's order)."""
+    one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight, except with DK_AFTER (forms
+    5 and 6): there it issues dK += dSᵀ Q (BLOCK_N, HEAD_D) from the given dsT_op and q (the current step's,
+    which is step j in form 5 and step j + 1 in form 6) after dQ's matmuls and returns dk still in flight, so
+    that dK's matmul runs while dQ goes out (FlashAttention-3's order)."""
     g, start_m = _step_coords(j, first, n_blocks, GQA, BLOCK_M)
     par = j % 2
     buf = ds_smem.index(j % ds_smem.shape[0] if DS_RING else par)  # (2·BLOCK_N, BLOCK_M)
@@ -270,7 +275,7 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
     dq = warpgroup_mma(buf.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)),
                        k_dq.index(1).reshape([BLOCK_N, HEAD_D]).slice(WG * HALF, HALF, dim=1), dq,
                        is_async=True)  # ... and over warpgroup 1's
-    if DQ == 5:
+    if DK_AFTER:
         dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D), dSᵀ from registers
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dK's matmul may still run
     else:
@@ -287,7 +292,7 @@ def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, 
         dq_smem.reshape([BLOCK_M, HALF]).store(dq)  # (BLOCK_M, HALF) fp32
         fence_async_shared()
         _tma_reduce_add(dqacc_ptr, [bh0 + g, start_m, WG * HALF], dq_smem)
-    if DQ == 5:
+    if DK_AFTER:
         return dk
 
 
@@ -368,7 +373,14 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
     if DQ == 5:  # form 3 with dK's matmul issued after dQ's (_dq_of_step): it runs while dQ goes out
         _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
         dk = _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                         BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q)
+                         BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q, DK_AFTER=True)
+    elif DQ == 6:  # form 4 (dQ one step behind) with this step's dK matmul issued after the previous step's dQ
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
+        if PREV:
+            dk = _dq_of_step(i - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
+                             BLOCK_M, BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q, DK_AFTER=True)
+        else:  # the first step: no dQ before it
+            dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     else:
         dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     if DQ == 1:
@@ -450,9 +462,9 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                                            CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
         mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
-    elif DQ == 4:
+    elif DQ == 4 or DQ == 6:
         # dQ one step behind: step 0 only publishes its dSᵀ, step i computes dQ of step i - 1 after issuing its
-        # own dK, and the last step's dQ follows the loop
+        # own dK (form 6: before issuing it), and the last step's dQ follows the loop
         sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                            lse_smem, delta_smem, rows0, keys, key_last, Nq,
@@ -611,7 +623,7 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     Hkv, B). Launched with num_warps=4 (consumer 0), plus a 4-warp consumer and a PRODUCER_WARPS producer
     partition, maxnreg=MAX_REGS. AHEAD: each consumer issues the next query block's score matmuls before this
     block's elementwise work (_dkdv_steps); right at both head dims, slower at both (the launcher's default is
-    off). DQ (1 to 5; 0: not; 4 not with AHEAD): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32,
+    off). DQ (1 to 6; 0: not; 4 and 6 not with AHEAD): also add dS K into dqacc_ptr ((B, Hq, Nq, HEAD_D) fp32,
     contiguous, zeroed; not read without DQ; with DQ >= 3 a 3-d TMA descriptor over it as (B·Hq, Nq, HEAD_D),
     blocks (1, BLOCK_M, HEAD_D / 2) fp32). ROWS_TMA: lse_desc, delta_desc are 1-d TMA descriptors over the same
     lse and delta flattened to (B·Hq·Nq), blocks (BLOCK_M,), unswizzled (B·Hq·Nq < 2**31: the rows' coordinates

@@ -10,7 +10,7 @@ Inputs as kernels/flash/launch.py's _bwd (the tl backward's entry point, the ref
 log2 e), +inf for rows that see no key — what either forward stores.
 
 kernels/flash/launch.py's _hopper_bwd runs the whole backward around it: split, the tl dQ kernel (which stores
-delta = rowsum(dO * O)) and then this kernel for dK and dV; or fused (dq_mode 1 to 5), the tl pass storing
+delta = rowsum(dO * O)) and then this kernel for dK and dV; or fused (dq_mode 1 to 6), the tl pass storing
 delta and zeroing an fp32 dQ accumulator, this kernel adding dS K into it besides dK and dV, the tl pass
 scaling and converting dQ. kernels.flash_attention's backward runs the fused form 5 or 3 (per head dim and mask:
 kernels/flash/launch.py: hopper_bwd_form) where the hopper_backward option sends it (_hopper_bwd_takes there).
@@ -173,9 +173,10 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both; 3, as 2
     with TMA reduce-adds instead of atomics; 4, as 3 with each step's dQ computed in the next step, after that
     step's dK matmul is issued (not with ahead); 5, as 3 with each step's dK matmul issued after its dQ
-    matmuls, so that it runs while dQ goes out (FlashAttention-3's order)."""
-    if dqacc is not None and dq_mode not in (1, 2, 3, 4, 5):
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3, 4 or 5")
+    matmuls, so that it runs while dQ goes out (FlashAttention-3's order); 6, as 4 with each step's dK matmul
+    issued after the previous step's dQ matmuls (5's order; not with ahead)."""
+    if dqacc is not None and dq_mode not in (1, 2, 3, 4, 5, 6):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3, 4, 5 or 6")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):
@@ -183,8 +184,8 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          f"{tuple(dqacc.shape)} {dqacc.dtype}")
     Hkv, Nk = k.shape[1], k.shape[2]
     ahead = AHEAD[D] if ahead is None else bool(ahead)
-    if ahead and dqacc is not None and dq_mode == 4:
-        raise ValueError("flash_hopper: dq_mode=4 (dQ one step behind) does not run with ahead=True")
+    if ahead and dqacc is not None and dq_mode in (4, 6):
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode} (dQ one step behind) does not run with ahead=True")
     stages = STAGES[D] if stages is None else stages
     if not 2 <= stages <= MAX_STAGES[D]:
         raise ValueError(f"flash_hopper: stages={stages} at head dim {D}: the ring holds 2 to {MAX_STAGES[D]}")

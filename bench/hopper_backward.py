@@ -42,10 +42,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.report import attention_shape, git_commit, write_report  # noqa: E402
+from kernels.flash_hopper.backward_launch import DQ_MODES  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
-FUSED_MODES = (1, 2, 3, 4, 5, 6)  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
+FUSED_MODES = DQ_MODES  # kernels/flash/launch.py: _hopper_bwd(fused=...), the fused forms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -121,7 +121,7 @@ def test_backward_matches_reference(case, D, dtype, request, poisoned):
 
 
 @on_sm90
-@pytest.mark.parametrize("fused", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("fused", backward_launch.DQ_MODES)
 @pytest.mark.parametrize("case,D,dtype", MATRIX)
 def test_fused_backward_matches_reference(case, D, dtype, fused, request, poisoned):
     """The fused forms: the Gluon kernel also adds dS K into an fp32 dQ accumulator (no tl dQ kernel): each
@@ -403,7 +403,7 @@ def test_fused_form_arguments_are_checked_before_the_launch():
     dqacc = torch.zeros(B, Hq, Nq, D)
     with pytest.raises(ValueError, match="dq_mode=7"):
         backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, dqacc=dqacc, dq_mode=7)
-    for lagged in (4, 6):
+    for lagged in backward_launch.LAGGED_DQ_MODES:
         with pytest.raises(ValueError, match=f"dq_mode={lagged} .*ahead"):
             backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
                                       dqacc=dqacc, dq_mode=lagged)

@@ -34,6 +34,10 @@ if AVAILABLE:
 
     from . import backward as _backward
 
+# the fused forms (dkdv_into's dq_mode), and those that compute each step's dQ one step later (not with ahead)
+DQ_MODES = (1, 2, 3, 4, 5, 6)
+LAGGED_DQ_MODES = (4, 6)
+
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
 BLOCK_N = 64  # keys per consumer warpgroup (a program holds 2 x BLOCK_N keys)
 STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 stages of Q, dO 64 KB)
@@ -175,8 +179,8 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     step's dK matmul is issued (not with ahead); 5, as 3 with each step's dK matmul issued after its dQ
     matmuls, so that it runs while dQ goes out (FlashAttention-3's order); 6, as 4 with each step's dK matmul
     issued after the previous step's dQ matmuls (5's order; not with ahead)."""
-    if dqacc is not None and dq_mode not in (1, 2, 3, 4, 5, 6):
-        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: 1, 2, 3, 4, 5 or 6")
+    if dqacc is not None and dq_mode not in DQ_MODES:
+        raise ValueError(f"flash_hopper: dq_mode={dq_mode}: one of {', '.join(map(str, DQ_MODES))}")
     B, Hq, Nq, D = q.shape
     if dqacc is not None and (dqacc.shape != (B, Hq, Nq, D) or dqacc.dtype != torch.float32
                               or not dqacc.is_contiguous()):
@@ -184,7 +188,7 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          f"{tuple(dqacc.shape)} {dqacc.dtype}")
     Hkv, Nk = k.shape[1], k.shape[2]
     ahead = AHEAD[D] if ahead is None else bool(ahead)
-    if ahead and dqacc is not None and dq_mode in (4, 6):
+    if ahead and dqacc is not None and dq_mode in LAGGED_DQ_MODES:
         raise ValueError(f"flash_hopper: dq_mode={dq_mode} (dQ one step behind) does not run with ahead=True")
     stages = STAGES[D] if stages is None else stages
     if not 2 <= stages <= MAX_STAGES[D]:

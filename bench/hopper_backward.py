@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.report import attention_shape, git_commit, write_report  # noqa: E402
-from kernels.flash_hopper.backward_launch import DQ_MODES  # noqa: E402
+from kernels.flash_hopper.backward_launch import DQ_MODES, LAGGED_DQ_MODES  # noqa: E402
 
 DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "1,16,16384,128", "8,12,1024,64"]
 WRONG = 1e-2
@@ -144,8 +144,10 @@ def main(argv=None) -> int:
     if args.rep < 1:
         print(f"error: --rep {args.rep}: must be at least 1", file=sys.stderr)
         return 2
-    if args.ahead == "on" and 4 in args.fused:
-        print("error: --ahead on does not run with --fused 4 (dQ one step behind)", file=sys.stderr)
+    lagged = sorted(set(args.fused) & set(LAGGED_DQ_MODES))
+    if args.ahead == "on" and lagged:
+        print(f"error: --ahead on does not run with --fused {' '.join(map(str, lagged))} (dQ one step behind)",
+              file=sys.stderr)
         return 2
     from kernels.flash_hopper import backward_launch
     from kernels.flash_hopper.backward_launch import (MAX_STAGES, ds_freed_by_ring, rows_through_tma,

@@ -280,10 +280,10 @@ def _spy(monkeypatch):
 ])
 def test_switch_runs_the_fused_gluon_backward(case, D, dtype, request, monkeypatch, poisoned):
     """kernels.flash_attention's backward with hopper_backward on runs the Gluon kernel's fused form (fused=5 at
-    d128 causal and d64 not causal, 3 elsewhere: the tl delta and dQ passes around it, no tl dQ or dK/dV kernel);
-    off, the tl backward. Both within the float64-reference budget."""
+    d128 causal, 3 at d128 without a mask, 4 at d64 causal, 6 at d64 without: the tl delta and dQ passes around it,
+    no tl dQ or dK/dV kernel); off, the tl backward. Both within the float64-reference budget."""
     causal = case[-1]
-    form = {(128, True): 5, (64, False): 5}.get((D, causal), 3)
+    form = {(128, True): 5, (128, False): 3, (64, True): 4, (64, False): 6}[(D, causal)]
     assert launch.hopper_bwd_form(D, causal) == form
     q, k, v, do = _inputs(case, D, dtype, seeded_generator(request))
     gluon, tl = _spy(monkeypatch)
@@ -307,10 +307,10 @@ def test_default_backward_dispatch_at_the_measured_shapes(causal, request, monke
     """With the default option (auto), kernels.flash_attention's backward runs the Gluon kernel's fused form where
     launch.HOPPER_BWD_AUTO_MIN_LEN says, the tl backward elsewhere; each within the float64-reference budget, with
     GQA: head dim 128 at 4096 and 2048 tokens (rows through TMA) always, at 4097 (rows loaded) only not causal;
-    head dim 64 at 4096 only not causal, at 8192 (two query heads over one kv head) causal or not."""
+    head dim 64 at 4096 and at 8192 (two query heads over one kv head), causal or not."""
     assert options.get().hopper_backward == "auto"
     for N, D, want_gluon, Hq in ((4096, 128, True, 4), (2048, 128, True, 4), (4097, 128, not causal, 4),
-                                 (4096, 64, not causal, 4), (8192, 64, True, 2)):
+                                 (4096, 64, True, 4), (8192, 64, True, 2)):
         q, k, v, do = _inputs((1, Hq, Hq // 2, N, N, causal), D, torch.bfloat16, seeded_generator(request))
         gluon, tl = _spy(monkeypatch)
         grads = _fwd_bwd(q, k, v, do, causal)[1:]
@@ -425,15 +425,16 @@ def test_rows_through_tma_only_where_a_box_fits():
 
 @pytest.mark.parametrize("N,D,causal,want", [
     (4096, 128, True, True), (2048, 128, True, True), (2047, 128, False, False), (2044, 128, True, False),
-    (4097, 128, False, True), (4097, 128, True, False), (4096, 64, False, True), (4096, 64, True, False),
-    (16384, 64, True, True), (8192, 64, True, True), (8188, 64, True, False), (2048, 64, False, False),
+    (4097, 128, False, True), (4097, 128, True, False), (4096, 64, False, True), (4096, 64, True, True),
+    (4092, 64, True, False), (4097, 64, True, False),
+    (16384, 64, True, True), (8192, 64, True, True), (8188, 64, True, True), (2048, 64, False, False),
 ])
 def test_backward_auto_dispatch_by_shape(N, D, causal, want):
     """hopper_backward = "auto": the Gluon backward for the shapes launch.HOPPER_BWD_AUTO_MIN_LEN names (head dim,
     causal, the shorter length, and whether the rows go through TMA), the tl backward for the others."""
     q = torch.empty(1, 2, N, D, device="meta")
     assert launch._hopper_bwd_auto(q, q, causal) is want
-    assert launch._hopper_bwd_auto(q, q[:, :, :N // 2 - 1], causal) is False  # the shorter length counts
+    assert launch._hopper_bwd_auto(q, q[:, :, :2043], causal) is False  # the shorter length counts (< 2048)
 
 
 # --------------------------------------------------------------------- compiled for sm_90 (any machine)

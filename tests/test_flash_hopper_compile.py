@@ -232,7 +232,8 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, causal
     ("auto", 128, 4095, 4096, {}, False),     # rows loaded: from 4096
     ("auto", 128, 4096, 1024, {}, False),
     ("auto", 64, 4096, 4096, {}, True),
-    ("auto", 64, 4096, 4096, {"causal": True}, False),  # head dim 64 causal: level at 4096
+    ("auto", 64, 4096, 4096, {"causal": True}, True),  # head dim 64 causal: form 4 from 4096
+    ("auto", 64, 2048, 2048, {"causal": True}, False),
     ("on", 64, 113, 113, {}, True),
     ("on", 128, 4096, 4096, {"window": 256}, False),  # masks and RoPE tables are the tl kernels'
     ("on", 128, 4096, 4096, {"docs": torch.zeros(2, dtype=torch.int32)}, False),
@@ -242,7 +243,7 @@ def test_auto_sends_only_the_measured_shapes_to_the_gluon_kernel(mode, D, causal
 def test_backward_dispatch_rule(mode, D, Nq, Nk, extra, takes, monkeypatch):
     """The backward's rule alone (the Gluon kernel's own checks stubbed to say yes): auto takes the shapes of
     launch.HOPPER_BWD_AUTO_MIN_LEN (head dim 128 from 2048 queries and keys, causal or not, where the rows go
-    through TMA; not causal from 4096 otherwise; head dim 64 not causal from 4096), on whatever the kernel takes,
+    through TMA; not causal from 4096 otherwise; head dim 64 from 4096, causal or not), on whatever the kernel takes,
     off nothing; windows,
     documents and RoPE tables stay with the tl kernels, and so does any input the kernel refuses."""
     from kernels.flash import launch

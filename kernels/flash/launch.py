@@ -388,20 +388,26 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # multiple of 4), on an H100 (bench/results/flash_hopper/backward/rows_through_tma/): head dim 128 from 2048 tokens,
 # causal or not (1.10-1.26x); head dim 64 not causal from 4096 (1.05-1.09x) and causal at 16384 (1.09x; level at
 # 4096, slower at 1024 and 2048). With the causal grid's last heads dealt (backward_launch.TAIL_ROUNDS) head dim 64
-# causal from 8192 (1.06-1.14x at 2,16,8192; level at 4096: bench/results/flash_hopper/backward/tail_dealt_d64/).
+# causal from 8192 (1.06-1.14x at 2,16,8192; level at 4096: bench/results/flash_hopper/backward/tail_dealt_d64/);
+# with form 4 (HOPPER_BWD_FORM) from 4096: 1.06-1.07x tl there, 1.09-1.11x at 8192 and 1.06x at 16384 on the H200
+# (bench/results/flash_hopper/backward/lagged_dq_h200/).
 # Without it (other Nq), head dim 128 not causal from 4096 tokens (1.08-1.20x on
 # the H200, bench/results/flash_hopper/fused_backward/). The tl backward keeps the rest.
 HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the Gluon backward takes
-    True: {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 8192},  # rows through TMA
+    True: {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 4096},  # rows through TMA
     False: {(128, False): 4096},  # rows loaded by the consumers
 }
 
 
-# The fused form the Gluon backward runs per (head dim, causal): 5 (each step's dK matmul issued after its dQ
-# matmuls) where one H100 timed it faster than form 3 in all of three runs, either form first (bench/results/
-# flash_hopper/backward/dk_after_dq/): head dim 128 causal 1.1-3.3 % at 2048-16384 tokens, head dim 64 not causal
-# 0.5-2.3 % at 4096 and 16384; form 3 elsewhere (form 5 longer in 13 of 15 pairs there, by 1.5-18 %).
-HOPPER_BWD_FORM = {(128, True): 5, (64, False): 5}
+# The fused form the Gluon backward runs per (head dim, causal). Head dim 128 causal: 5 (each step's dK matmul
+# issued after its dQ matmuls), timed faster than form 3 in all of three runs on one H100, either form first, by
+# 1.1-3.3 % at 2048-16384 tokens (bench/results/flash_hopper/backward/dk_after_dq/); 128 without a mask: 3. Head
+# dim 64, where each step's dQ one step behind lets the two warpgroups run out of lockstep: causal 4 (its dK
+# matmul before the previous step's dQ), 5.0-6.4 % shorter than form 3 at 4096-16384 tokens and 1.0-1.6 % shorter
+# than form 6 in every pair; without a mask 6 (form 4 with 5's order inside the step), 4.6-5.4 % shorter than
+# form 5 in three runs on the H200 in changing orders, level with form 4 (-0.5 to +1.2 %)
+# (bench/results/flash_hopper/backward/lagged_dq_h200/).
+HOPPER_BWD_FORM = {(128, True): 5, (64, True): 4, (64, False): 6}
 
 
 def hopper_bwd_form(head_dim: int, causal: bool) -> int:

@@ -12,13 +12,12 @@ B·Hq·Nq >= 262,144 query rows in all, and at head dim 64 without a causal mask
 from 4096 (kernels/flash/launch.py: _hopper_auto), "on" always, "off" never.
 The backward: backward_launch.py launches a Gluon dK/dV kernel in FA3's structure with the tl backward's
 inputs and outputs; kernels/flash/launch.py's _hopper_bwd runs the whole backward around it, after the tl dQ
-kernel (fused=0) or with dQ added by the kernel itself (fused=1 to 6; 3 to 6 by TMA reduce-adds, 3 and 5 the
-fastest timed).
-kernels.flash_attention's backward runs fused=5 at head dim 128 causal and at 64 without a mask, fused=3 at the
-other two (kernels/flash/launch.py: hopper_bwd_form), where the hopper_backward option (FLASHGPT_HOPPER_BWD) gives it
-the inputs: "auto" where it was timed faster than the tl backward (kernels/flash/launch.py:
-HOPPER_BWD_AUTO_MIN_LEN, _hopper_bwd_takes), "on" always, "off" never; elsewhere the tl backward, which reads
-either forward's O and log-sum-exp.
+kernel (fused=0) or with dQ added by the kernel itself (fused=1 to 6; 3 to 6 by TMA reduce-adds).
+kernels.flash_attention's backward runs fused=5 at head dim 128 causal, 3 at 128 without a mask, 4 at 64 causal
+and 6 at 64 without (kernels/flash/launch.py: hopper_bwd_form), where the hopper_backward option
+(FLASHGPT_HOPPER_BWD) gives it the inputs: "auto" where it was timed faster than the tl backward
+(kernels/flash/launch.py: HOPPER_BWD_AUTO_MIN_LEN, _hopper_bwd_takes), "on" always, "off" never; elsewhere the
+tl backward, which reads either forward's O and log-sum-exp.
 
 Supported: float16 and bfloat16; head dims 64 and 128; any Nq, Nk >= 1; causal (bottom-right aligned) or not;
 GQA/MQA (Hq a multiple of Hkv); q, k, v with any strides that are 16-byte multiples and unit stride along the

@@ -46,14 +46,16 @@ warpgroup's half stored into its own fp32 shared buffer and added by one TMA red
 backward, 1.3-1.7x DQ = 1's at 4096 tokens (bench/results/flash_hopper/fused_backward/). DQ = 4 is DQ = 3 with
 each step's dQ computed one step later, after the next step's dK matmul is issued, so that a warpgroup does not
 wait for the other's dSᵀ of the step it has just computed: 1.05-1.07x DQ = 3 at d64 without a mask, 0.81-0.89x
-at d128 without one (it spills more there), level causal; an option, not the default (same folder). DQ = 5 is
+at d128 without one (it spills more there), level causal (same folder); with the rows through TMA, 5.0-6.4 %
+shorter than DQ = 3 at d64 causal on the H200, where kernels.flash_attention runs it. DQ = 5 is
 DQ = 3 with each step's dK matmul issued after its two dQ matmuls (FA3's order), so that dK's matmul runs while
 dQ goes through shared memory to its reduce-add: 1.1-3.3 % shorter than DQ = 3 at d128 causal and 0.5-2.3 % at
 d64 without a mask in three runs on an H100, mostly longer at the other two (bench/results/flash_hopper/backward/
-dk_after_dq/); kernels.flash_attention runs it at those two (kernels/flash/launch.py: hopper_bwd_form). DQ = 6 is
-DQ = 4 with DQ = 5's order inside each step: publish this step's dSᵀ, issue the previous step's two dQ matmuls, then
-this step's dK matmul, and wait for dQ's alone (neither the other warpgroup's dSᵀ of this step nor dQ's store
-holds up dK's matmul); an option, not yet timed.
+dk_after_dq/); kernels.flash_attention runs it at d128 causal. DQ = 6 is DQ = 4 with DQ = 5's order inside each
+step: publish this step's dSᵀ, issue the previous step's two dQ matmuls, then this step's dK matmul, and wait for
+dQ's alone (neither the other warpgroup's dSᵀ of this step nor dQ's store holds up dK's matmul): 4.6-5.4 %
+shorter than DQ = 5 at d64 without a mask in three runs on the H200, where kernels.flash_attention runs it
+(bench/results/flash_hopper/backward/lagged_dq_h200/; kernels/flash/launch.py: hopper_bwd_form).
 
 Supported: float16 and bfloat16 (q, k, v, dO, dK, dV one dtype; fp32 accumulation); HEAD_D 64 or 128; any Nq,
 Nk >= 1; causal (bottom-right aligned, offset = Nk - Nq; rows that see no key carry lse = +inf and contribute

@@ -12,8 +12,8 @@ log2 e), +inf for rows that see no key — what either forward stores.
 kernels/flash/launch.py's _hopper_bwd runs the whole backward around it: split, the tl dQ kernel (which stores
 delta = rowsum(dO * O)) and then this kernel for dK and dV; or fused (dq_mode 1 to 6), the tl pass storing
 delta and zeroing an fp32 dQ accumulator, this kernel adding dS K into it besides dK and dV, the tl pass
-scaling and converting dQ. kernels.flash_attention's backward runs the fused form 5 or 3 (per head dim and mask:
-kernels/flash/launch.py: hopper_bwd_form) where the hopper_backward option sends it (_hopper_bwd_takes there).
+scaling and converting dQ. kernels.flash_attention's backward runs the fused form 5, 3, 4 or 6 (per head dim and
+mask: kernels/flash/launch.py: hopper_bwd_form) where the hopper_backward option sends it (_hopper_bwd_takes there).
 Taken: what the Gluon forward takes
 (float16/bfloat16, head dims 64 and 128, any lengths, causal or not, GQA, TMA-aligned strides, compute
 capability 9.0), with do and o TMA-aligned as well.

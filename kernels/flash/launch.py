@@ -401,8 +401,8 @@ HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the 
 
 # The fused form the Gluon backward runs per (head dim, causal). Head dim 128 causal: 5 (each step's dK matmul
 # issued after its dQ matmuls), timed faster than form 3 in all of three runs on one H100, either form first, by
-# 1.1-3.3 % at 2048-16384 tokens (bench/results/flash_hopper/backward/dk_after_dq/), and than form 4 in five of six
-# pairs at 4096-16384 (lagged_dq_h100/); 128 without a mask: 3. Head
+# 1.1-3.3 % at 2048-16384 tokens (bench/results/flash_hopper/backward/dk_after_dq/), and shorter than form 4 in
+# five of six pairs at 4096-16384 tokens on one H100 (lagged_dq_h100/); 128 without a mask: 3. Head
 # dim 64, where each step's dQ one step behind lets the two warpgroups run out of lockstep: causal 4 (its dK
 # matmul before the previous step's dQ), 5.0-6.4 % shorter than form 3 at 4096-16384 tokens and 1.0-1.6 % shorter
 # than form 6 in every pair; without a mask 6 (form 4 with 5's order inside the step), 4.6-5.4 % shorter than

@@ -390,7 +390,7 @@ def _hopper_takes(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # 4096, slower at 1024 and 2048). With the causal grid's last heads dealt (backward_launch.TAIL_ROUNDS) head dim 64
 # causal from 8192 (1.06-1.14x at 2,16,8192; level at 4096: bench/results/flash_hopper/backward/tail_dealt_d64/);
 # with form 4 (HOPPER_BWD_FORM) from 4096: 1.06-1.07x tl there, 1.09-1.11x at 8192 and 1.06x at 16384 on the H200
-# (bench/results/flash_hopper/backward/lagged_dq_h200/).
+# (bench/results/flash_hopper/backward/lagged_dq_h200/); 1.00-1.03x tl at 4096 on one H100 (lagged_dq_h100/).
 # Without it (other Nq), head dim 128 not causal from 4096 tokens (1.08-1.20x on
 # the H200, bench/results/flash_hopper/fused_backward/). The tl backward keeps the rest.
 HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the Gluon backward takes

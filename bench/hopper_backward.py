@@ -158,6 +158,13 @@ def main(argv=None) -> int:
             print(f"error: --stages {args.stages}: the ring holds 2 to {MAX_STAGES.get(D, 2)} stages at head dim {D}",
                   file=sys.stderr)
             return 2
+        too_big = [m for m in args.fused if args.stages is not None and D in MAX_STAGES
+                   and backward_launch.shared_bytes(D, args.stages, m) > backward_launch.SMEM_LIMIT]
+        if too_big:
+            print(f"error: --stages {args.stages} at head dim {D}: fused form {too_big[0]}'s buffers do not fit in "
+                  f"shared memory ({backward_launch.shared_bytes(D, args.stages, too_big[0])} B > "
+                  f"{backward_launch.SMEM_LIMIT})", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("error: the Hopper backward needs an sm_90 GPU (none here)", file=sys.stderr)
         return 2

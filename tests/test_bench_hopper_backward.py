@@ -21,6 +21,9 @@ def test_help_and_bad_shapes():
     assert r.returncode == 2 and "at least 1" in r.stderr
     r = run("--shapes", "1,2,128,128", "--stages", "5")
     assert r.returncode == 2 and r.stderr.strip() == "error: --stages 5: the ring holds 2 to 4 stages at head dim 128"
+    r = run("--shapes", "1,2,128,128", "--stages", "4", "--fused", "5")
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        "error: --stages 4 at head dim 128: fused form 5's buffers do not fit in shared memory (")
     r = run("--rep", "0")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --rep 0")
     r = run("--tail-rounds", "-1")

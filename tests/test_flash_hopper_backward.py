@@ -408,6 +408,28 @@ def test_fused_form_arguments_are_checked_before_the_launch():
             backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, ahead=True,
                                       dqacc=dqacc, dq_mode=lagged)
 
+
+def test_a_ring_beyond_shared_memory_is_refused_in_one_line():
+    """A ring depth within MAX_STAGES whose buffers do not fit beside the fused form's dQ and dSᵀ buffers (d128,
+    4 stages, dq_mode 3 and up: 264 KB) is refused before the compiler would fail; the unfused kernel takes it."""
+    do, q, k, v, o = _cpu_inputs(D=128)
+    B, Hq, Nq, D = q.shape
+    lse = torch.zeros(B, Hq, Nq)
+    dqacc = torch.zeros(B, Hq, Nq, D)
+    assert backward_launch.MAX_STAGES[128] == 4
+    assert backward_launch.shared_bytes(128, 4, 0) <= backward_launch.SMEM_LIMIT
+    for mode in (3, 4, 5, 6):
+        assert backward_launch.shared_bytes(128, 4, mode) > backward_launch.SMEM_LIMIT
+        with pytest.raises(ValueError, match=f"stages=4 at head dim 128 with dq_mode={mode} needs .* fewer stages"):
+            backward_launch.dkdv_into(do, q, k, v, lse, lse, k.clone(), v.clone(), True, 0.125, stages=4,
+                                      dqacc=dqacc, dq_mode=mode)
+    for D in (64, 128):  # every default fits, fused or not
+        for causal in (True, False):
+            for mode in backward_launch.DQ_MODES + (0,):
+                stages = backward_launch.default_stages(D, causal)
+                assert backward_launch.shared_bytes(D, stages, mode) <= backward_launch.SMEM_LIMIT
+
+
 def test_rows_through_tma_only_where_a_box_fits():
     """The lse and delta rows go through a 1-d TMA descriptor only where every head's rows start on 16 bytes (Nq
     a multiple of 4), the flat buffer holds at least one BLOCK_M box and starts on 16 bytes; elsewhere the
@@ -440,7 +462,7 @@ def test_backward_auto_dispatch_by_shape(N, D, causal, want):
 # --------------------------------------------------------------------- compiled for sm_90 (any machine)
 
 H200_SMS = 132
-SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+SMEM_LIMIT = backward_launch.SMEM_LIMIT
 # ptxas spill bytes (stores and loads, per thread) each default variant of the Gluon kernel may have: none at
 # d64; at d128 the consumers sit at their 240 registers. Measured when this was written (stores / loads, GQA):
 # Triton 3.9 causal 76 / 100, not causal 0 / 0; Triton 3.6 causal 8 / 8, not causal 12 / 12 (without GQA:
@@ -578,11 +600,12 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
               f"{rec['registers']} registers, spill stores {rec['spill_stores']} B, loads {rec['spill_loads']} B, "
               f"shared {rec['shared']} B")
     assert {(r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in mask_skip} == {(64, 0), (64, 3)}  # d64 only
+    default = backward_launch.default_stages
     assert sorted((r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"], r["consts"]["STAGES"])
                   for r in ring) == sorted((D, causal, mode, stages) for causal in (True, False) for mode in (2, 3, 5)
-                                           for D, stages in ((64, backward_launch.STAGES[64]),
+                                           for D, stages in ((64, default(64, causal)),
                                                              (64, backward_launch.DS_RING_MAX_STAGES[64]),
-                                                             (128, backward_launch.STAGES[128])))
+                                                             (128, default(128, causal))))
     assert sorted((r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in in_order) == \
         [(D, mode) for D in (64, 128) for mode in (0, 3, 5)]
     assert all(r["consts"]["TAIL_HEADS"] for r in every_gluon if r["consts"]["CAUSAL"] and r not in in_order)
@@ -591,6 +614,10 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
                 or r["consts"] == {k: v for k, v in rec["consts"].items() if k != "DS_RING"}]
         for r in same:
             assert rec["spill_stores"] + rec["spill_loads"] <= r["spill_stores"] + r["spill_loads"], (rec, r)
+    for rec in every_gluon:  # the launcher's estimate of shared memory holds every variant, with little to spare
+        c = rec["consts"]
+        need = backward_launch.shared_bytes(c["HEAD_D"], c["STAGES"], c["DQ"], c["DS_RING"], c["ROWS_TMA"])
+        assert 0 <= need - rec["shared"] < backward_launch.SMEM_SLACK, (need, rec)
     for rec in every_gluon:
         assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
         assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec

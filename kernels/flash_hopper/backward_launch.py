@@ -41,10 +41,16 @@ LAGGED_DQ_MODES = (4, 6)
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
 BLOCK_N = 64  # keys per consumer warpgroup (a program holds 2 x BLOCK_N keys)
 STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 stages of Q, dO 64 KB)
+# causal at d64 a ring of 4: the fused form 4 (what flash_attention runs there) 2-4 % shorter than with 3, 2 or 5
+# stages at 4,16,4096 and 2,16,8192 on an H100, in two rounds of reversed order; without a mask 4 stages were the
+# slowest depth for form 6, and 2, 3 and 5 within 1-2 % of each other (bench/results/flash_hopper/backward/
+# stages_d64_h100/)
+CAUSAL_STAGES = {64: 4, 128: 2}
 # the next block's score matmuls issued before this one's elementwise work: off, measured slower at both head
 # dims (bench/results/flash_hopper/backward/)
 AHEAD = {64: False, 128: False}
-MAX_STAGES = {64: 6, 128: 4}  # what fits in 227 KB of shared memory (a stage: Q and dO, 16 KB at d64, 32 at d128)
+MAX_STAGES = {64: 6, 128: 4}  # the ring alone in 227 KB (a stage: Q and dO, 16 KB at d64, 32 at d128); shared_bytes
+# decides with the fused forms' buffers
 NUM_WARPS = 4  # the default partition: consumer 0
 # each step's lse and delta brought into the ring by the producer's TMA beside Q and dO, instead of global loads
 # in the consumers (the largest consumer stall under Nsight Compute: bench/results/flash_hopper/backward/
@@ -170,10 +176,10 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               dq_mode: int = 1) -> None:
     """Launch the Gluon dK/dV kernel on inputs that unsupported_backward() accepted: dK into dk, dV into dv
     (like k, v: (B, Hkv, Nk, D), TMA-aligned). lse and delta: (B, Hq, Nq) float32, contiguous. On q's device.
-    stages: the Q/dO ring's depth, 2 to MAX_STAGES[D] (None: STAGES[D]). ahead: whether each consumer issues
-    the next query block's score matmuls before this block's elementwise work (None: AHEAD[D]). dqacc: a
-    contiguous (B, Hq, Nq, D) float32 buffer (zeros) into which the kernel also adds dS K, dQ unscaled (the
-    fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
+    stages: the Q/dO ring's depth, 2 to MAX_STAGES[D] (None: default_stages(D, causal)). ahead: whether each
+    consumer issues the next query block's score matmuls before this block's elementwise work (None: AHEAD[D]).
+    dqacc: a contiguous (B, Hq, Nq, D) float32 buffer (zeros) into which the kernel also adds dS K, dQ unscaled
+    (the fused backward); None: no dQ. dq_mode (with dqacc): 1, each consumer warpgroup adds its own keys' part; 2,
     the two warpgroups' dS go through one shared buffer and each adds half of dQ's columns over both; 3, as 2
     with TMA reduce-adds instead of atomics; 4, as 3 with each step's dQ computed in the next step, after that
     step's dK matmul is issued (not with ahead); 5, as 3 with each step's dK matmul issued after its dQ
@@ -190,9 +196,16 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ahead = AHEAD[D] if ahead is None else bool(ahead)
     if ahead and dqacc is not None and dq_mode in LAGGED_DQ_MODES:
         raise ValueError(f"flash_hopper: dq_mode={dq_mode} (dQ one step behind) does not run with ahead=True")
-    stages = STAGES[D] if stages is None else stages
+    stages = default_stages(D, causal) if stages is None else stages
     if not 2 <= stages <= MAX_STAGES[D]:
         raise ValueError(f"flash_hopper: stages={stages} at head dim {D}: the ring holds 2 to {MAX_STAGES[D]}")
+    dq = 0 if dqacc is None else int(dq_mode)
+    ds_ring = DS_RING and stages <= DS_RING_MAX_STAGES[D] and dq in (2, 3, 5)
+    rows_tma = rows_through_tma_for(Nq) and rows_fit_tma(lse) and rows_fit_tma(delta)
+    need = shared_bytes(D, stages, dq, ds_ring, rows_tma)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"flash_hopper: stages={stages} at head dim {D} with dq_mode={dq} needs {need} B of "
+                         f"shared memory, more than sm_90's {SMEM_LIMIT}: fewer stages")
     for name, t, like in (("dk", dk, k), ("dv", dv, v)):
         if not _tma_ok(t) or t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(f"flash_hopper: the {name} buffer {tuple(t.shape)} {t.dtype} (strides {t.stride()}) "
@@ -203,7 +216,6 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                              f"{tuple(t.shape)} {t.dtype}")
     grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
     tail_heads = tail_heads_for(grid[0], Hkv * B, causal, _triton.sm_count(q.device))
-    rows_tma = rows_through_tma_for(Nq) and rows_fit_tma(lse) and rows_fit_tma(delta)
     _backward._attn_bwd_dkdv_hopper[grid](
         _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
         _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse, _rows_desc(delta) if rows_tma else delta,
@@ -211,9 +223,33 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc,  # (not read without DQ)
         TAIL_HEADS=tail_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
         CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
-        DQ=0 if dqacc is None else int(dq_mode), ROWS_TMA=rows_tma,
-        DS_RING=DS_RING and stages <= DS_RING_MAX_STAGES[D] and dqacc is not None and dq_mode in (2, 3, 5),
+        DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring,
         num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+
+
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+SMEM_SLACK = 512  # alignment above the buffers and barriers (280-376 B in the compiled variants)
+
+
+def shared_bytes(D: int, stages: int, dq_mode: int = 0, ds_ring: bool = False, rows_tma: bool = True) -> int:
+    """Shared memory a launch of the Gluon kernel takes, from its buffers (16-bit elements): the Q and dO ring,
+    K and V of both consumers, the dSᵀ buffers (dq_mode 1: one per consumer; 2 and up: both consumers' per step
+    parity, or per stage with ds_ring), dQ's fp32 half-tiles (dq_mode 3 and up), the lse and delta rows per stage
+    (rows_tma), the mbarriers and SMEM_SLACK. tests/test_flash_hopper_backward.py checks it against every
+    compiled variant."""
+    ring = stages * 2 * BLOCK_M * D * 2
+    kv = 2 * 2 * BLOCK_N * D * 2
+    ds = 0 if dq_mode == 0 else BLOCK_N * BLOCK_M * 2 * 2 * ((stages if ds_ring else 2) if dq_mode >= 2 else 1)
+    dq = 2 * BLOCK_M * (D // 2) * 4 if dq_mode >= 3 else 0
+    rows = 2 * stages * BLOCK_M * 4 if rows_tma else 0
+    barriers = 8 * (2 * stages + 6)  # ready and empty per stage, two K/V, four dS
+    return ring + kv + ds + dq + rows + barriers + SMEM_SLACK
+
+
+def default_stages(D: int, causal: bool) -> int:
+    """The Q/dO ring's depth a launch takes unless told: CAUSAL_STAGES[D] with the causal mask, STAGES[D]
+    without."""
+    return (CAUSAL_STAGES if causal else STAGES)[D]
 
 
 def rows_through_tma_for(Nq: int) -> bool:

@@ -40,11 +40,12 @@ LAGGED_DQ_MODES = (4, 6)
 
 BLOCK_M = 64  # query rows per step (the Q/dO ring's blocks)
 BLOCK_N = 64  # keys per consumer warpgroup (a program holds 2 x BLOCK_N keys)
-STAGES = {64: 3, 128: 2}  # Q/dO ring depth per head dim (d128: K, V 64 KB + 2 stages of Q, dO 64 KB)
-# causal at d64 a ring of 4: the fused form 4 (what flash_attention runs there) 2-4 % shorter than with 3, 2 or 5
-# stages at 4,16,4096 and 2,16,8192 on an H100, in two rounds of reversed order; without a mask 4 stages were the
-# slowest depth for form 6, and 2, 3 and 5 within 1-2 % of each other (bench/results/flash_hopper/backward/
-# stages_d64_h100/)
+# the Q/dO ring's depth per head dim without a mask (d128: K, V 64 KB + 2 stages of Q, dO 64 KB) and causal. At
+# d64, on an H100, each depth timed in four runs over two calls (bench/results/flash_hopper/backward/
+# stages_d64_h100/): causal, fused form 4 (what flash_attention runs there) 2-4 % shorter with 4 stages than with
+# 3, 2 or 5 at 4,16,4096 and 2,16,8192; without a mask, form 6 0.9-3 % shorter with 5 than with 3 in every run,
+# 4 the longest. d128: 3 stages longer for the causal form 5; 4 do not fit beside the fused forms' buffers
+STAGES = {64: 5, 128: 2}
 CAUSAL_STAGES = {64: 4, 128: 2}
 # the next block's score matmuls issued before this one's elementwise work: off, measured slower at both head
 # dims (bench/results/flash_hopper/backward/)

@@ -133,6 +133,41 @@ def test_fused_backward_matches_reference(case, D, dtype, fused, request, poison
 
 
 @on_sm90
+@pytest.mark.parametrize("fused", [0, 4, 6])
+@pytest.mark.parametrize("causal", [True, False])
+def test_direct_backward_launches_give_the_result_of_the_jit(causal, fused, request, monkeypatch):
+    """A repeated signature calls the compiled dK/dV kernel's launcher directly (fast_launch, the default): the
+    gradients of launches through JITFunction.run (dK and dV bitwise; dQ bitwise in the split form, where no
+    reduction order varies, and within bf16 rounding in the fused forms, whose fp32 adds land in any order), and
+    only the repeat goes direct."""
+    q, k, v, do = _inputs((2, 4, 2, 300, 300, causal), 64, torch.bfloat16, seeded_generator(request))
+    o, lse = launch._fwd(q, k, v, causal, 0.125)
+    monkeypatch.setattr(backward_launch, "_compiled", {})
+    direct = []
+    real = kt.launch_compiled
+    monkeypatch.setattr(kt, "launch_compiled", lambda kernel, grid, vals: direct.append(kernel)
+                        or real(kernel, grid, vals))
+
+    def gluon_direct():  # direct launches of the dK/dV kernel (the tl kernels around it have their own)
+        return sum(any(kernel is c for c in backward_launch._compiled.values()) for kernel in direct)
+
+    with options.use(fast_launch=False):
+        via_jit = launch._hopper_bwd(do, q, k, v, o, lse, causal, 0.125, fused=fused)
+    assert gluon_direct() == 0 and not backward_launch._compiled
+    first = launch._hopper_bwd(do, q, k, v, o, lse, causal, 0.125, fused=fused)
+    assert gluon_direct() == 0 and len(backward_launch._compiled) == 1
+    repeat = launch._hopper_bwd(do, q, k, v, o, lse, causal, 0.125, fused=fused)
+    assert gluon_direct() == 1
+    for grads in (first, repeat):
+        dq, dk, dv = grads
+        assert torch.equal(dk, via_jit[1]) and torch.equal(dv, via_jit[2])
+        if fused == 0:
+            assert torch.equal(dq, via_jit[0])
+        else:
+            torch.testing.assert_close(dq, via_jit[0], rtol=1e-2, atol=1e-3)
+
+
+@on_sm90
 @pytest.mark.parametrize("case", [CASES[2], CASES[8], CASES[10], CASES[14]])
 @pytest.mark.parametrize("D", [64, 128])
 def test_other_schedule_matches_reference(case, D, request, poisoned):
@@ -428,6 +463,60 @@ def test_a_ring_beyond_shared_memory_is_refused_in_one_line():
             for mode in backward_launch.DQ_MODES + (0,):
                 stages = backward_launch.default_stages(D, causal)
                 assert backward_launch.shared_bytes(D, stages, mode) <= backward_launch.SMEM_LIMIT
+
+
+@pytest.mark.skipif(not flash_hopper.AVAILABLE, reason="this Triton has no Gluon Hopper API (nothing to launch)")
+def test_repeated_backward_launches_call_the_compiled_kernel_directly(monkeypatch):
+    """dkdv_into's first launch of a signature goes through the JIT (which compiles and returns the kernel); a
+    repeat, on other buffers of the same shapes, calls the compiled kernel's launcher with the arguments then the
+    constexprs in the kernel's order; another fused form, mask, dtype or pointer alignment is a new signature;
+    with fast_launch off every launch goes through the JIT."""
+    from kernels.flash_hopper import backward
+
+    names = list(backward._attn_bwd_dkdv_hopper.arg_names)
+    jit_calls, direct = [], []
+
+    class Compiled:
+        def run(self):
+            pass
+
+    class FakeJit:
+        arg_names = names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                jit_calls.append((grid, len(args), tuple(kwargs)))
+                return Compiled()
+            return launch
+
+    monkeypatch.setattr(backward_launch._backward, "_attn_bwd_dkdv_hopper", FakeJit())
+    monkeypatch.setattr(backward_launch, "_compiled", {})
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    monkeypatch.setattr(kt, "sm_count", lambda device: H200_SMS)
+    monkeypatch.setattr(kt, "launch_compiled", lambda kernel, grid, vals: direct.append((kernel, grid, vals)))
+
+    def launch(dtype=torch.bfloat16, causal=True, mode=4, lse_offset=0):
+        do, q, k, v, _ = _cpu_inputs(dtype=dtype)
+        B, Hq, Nq, D = q.shape
+        lse = torch.zeros(B * Hq * Nq + 4)[lse_offset:lse_offset + B * Hq * Nq].view(B, Hq, Nq)
+        backward_launch.dkdv_into(do, q, k, v, lse, lse.clone(), k.clone(), v.clone(), causal, 0.125,
+                                  dqacc=torch.zeros(B, Hq, Nq, D), dq_mode=mode)
+
+    launch()
+    assert len(jit_calls) == 1 and not direct
+    launch()
+    assert len(jit_calls) == 1 and len(direct) == 1
+    kernel, grid, vals = direct[0]
+    assert isinstance(kernel, Compiled) and grid == jit_calls[0][0] and len(vals) == len(names)
+    assert jit_calls[0][2] == tuple(names[jit_calls[0][1]:]) + ("num_warps", "maxnreg")
+    assert vals[names.index("DQ")] == 4 and vals[names.index("CAUSAL")] is True
+    for change in (dict(mode=6), dict(causal=False), dict(dtype=torch.float16), dict(lse_offset=1)):
+        launch(**change)
+        launch(**change)
+    assert len(jit_calls) == 5 and len(direct) == 5
+    with options.use(fast_launch=False):
+        launch()
+    assert len(jit_calls) == 6 and len(direct) == 5
 
 
 def test_rows_through_tma_only_where_a_box_fits():

@@ -26,7 +26,8 @@ import math
 import torch
 
 from .. import _triton
-from .launch import AVAILABLE, _desc, _tma_ok, unsupported
+from .. import options as _options
+from .launch import AVAILABLE, _desc, _tma_ok, launch_cached, unsupported
 
 if AVAILABLE:
     from triton.experimental.gluon import language as gl
@@ -217,15 +218,20 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                              f"{tuple(t.shape)} {t.dtype}")
     grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
     tail_heads = tail_heads_for(grid[0], Hkv * B, causal, _triton.sm_count(q.device))
-    _backward._attn_bwd_dkdv_hopper[grid](
-        _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
-        _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse, _rows_desc(delta) if rows_tma else delta,
-        Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
-        lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc,  # (not read without DQ)
-        TAIL_HEADS=tail_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
-        CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
-        DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring,
-        num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+    args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
+            _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse,
+            _rows_desc(delta) if rows_tma else delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
+            lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc)  # (dqacc not read without DQ)
+    consts = dict(TAIL_HEADS=tail_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
+                  CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
+                  DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring)
+    launch_cached(_backward._attn_bwd_dkdv_hopper, _compiled, grid, args, consts, q, _options.get().fast_launch,
+                  num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+
+
+# The compiled dK/dV kernel per launch signature: a repeated signature calls its launcher directly
+# (kernels/flash_hopper/launch.py: launch_cached; the fast_launch option switches it off)
+_compiled: dict[tuple, object] = {}
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)

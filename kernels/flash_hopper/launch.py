@@ -211,18 +211,38 @@ _compiled: dict[tuple, object] = {}
 
 
 def _launch(grid: tuple, args: tuple, consts: dict, q: torch.Tensor, fast: bool) -> None:
-    maxnreg = _forward.MAX_REGS[consts["CONSUMERS"]]
+    launch_cached(_forward._attn_fwd_hopper, _compiled, grid, args, consts, q, fast, num_warps=NUM_WARPS,
+                  maxnreg=_forward.MAX_REGS[consts["CONSUMERS"]])
+
+
+def _arg_key(a) -> tuple:
+    """What a Gluon kernel's launch specialises on in one argument that is not a number: a tensor's dtype and
+    16-byte alignment, a descriptor's kind and block shape (its element type and layout follow from the
+    kernel's dtype and constexprs)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    return (type(a).__name__, tuple(getattr(a, "block_shape", ())))
+
+
+def launch_cached(kernel_fn, cache: dict, grid: tuple, args: tuple, consts: dict, q: torch.Tensor, fast: bool,
+                  **launch_opts) -> None:
+    """Launch the Gluon kernel kernel_fn on grid with its arguments args (in order, numbers and tensors or
+    descriptors) then the constexprs consts (in the kernel's parameter order), and launch_opts (num_warps,
+    maxnreg: fixed per set of constexprs). With fast (the fast_launch option) and not under the interpreter, the
+    first launch of a signature goes through the JIT, which compiles and returns the kernel, and a repeat calls
+    its launcher directly; cache: the kernel's compiled launches by signature (q's device and dtype, the
+    constexprs, each non-number argument's _arg_key)."""
     if not fast or _triton.INTERPRET:
-        _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=maxnreg)
+        kernel_fn[grid](*args, **consts, **launch_opts)
         return
-    pointers = (args[4], args[14], args[15])  # lse and the two lists (or lse in their place)
-    key = (q.device.index, q.dtype, *consts.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in pointers])
-    kernel = _compiled.get(key)
+    key = (q.device.index, q.dtype, *consts.values(),
+           *[_arg_key(a) for a in args if not isinstance(a, (bool, int, float))])
+    kernel = cache.get(key)
     if kernel is None:
-        kernel = _forward._attn_fwd_hopper[grid](*args, **consts, num_warps=NUM_WARPS, maxnreg=maxnreg)
+        kernel = kernel_fn[grid](*args, **consts, **launch_opts)
         # a compiled kernel (what a launch returns) whose launcher takes the arguments, then the constexprs
-        if hasattr(kernel, "run") and list(_forward._attn_fwd_hopper.arg_names[len(args):]) == list(consts):
-            _compiled[key] = kernel
+        if hasattr(kernel, "run") and list(kernel_fn.arg_names[len(args):]) == list(consts):
+            cache[key] = kernel
         return
     _triton.launch_compiled(kernel, grid, (*args, *consts.values()))
 

@@ -143,6 +143,7 @@ def test_direct_backward_launches_give_the_result_of_the_jit(causal, fused, requ
     q, k, v, do = _inputs((2, 4, 2, 300, 300, causal), 64, torch.bfloat16, seeded_generator(request))
     o, lse = launch._fwd(q, k, v, causal, 0.125)
     monkeypatch.setattr(backward_launch, "_compiled", {})
+    monkeypatch.setattr(backward_launch, "FAST_LAUNCH", True)
     direct = []
     real = kt.launch_compiled
     monkeypatch.setattr(kt, "launch_compiled", lambda kernel, grid, vals: direct.append(kernel)
@@ -491,6 +492,7 @@ def test_repeated_backward_launches_call_the_compiled_kernel_directly(monkeypatc
 
     monkeypatch.setattr(backward_launch._backward, "_attn_bwd_dkdv_hopper", FakeJit())
     monkeypatch.setattr(backward_launch, "_compiled", {})
+    monkeypatch.setattr(backward_launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(kt, "INTERPRET", False)
     monkeypatch.setattr(kt, "sm_count", lambda device: H200_SMS)
     monkeypatch.setattr(kt, "launch_compiled", lambda kernel, grid, vals: direct.append((kernel, grid, vals)))
@@ -517,6 +519,9 @@ def test_repeated_backward_launches_call_the_compiled_kernel_directly(monkeypatc
     with options.use(fast_launch=False):
         launch()
     assert len(jit_calls) == 6 and len(direct) == 5
+    with backward_launch.direct_launches(False):  # the module's switch, off by default until run on a GPU
+        launch()
+    assert len(jit_calls) == 7 and len(direct) == 5
 
 
 def test_rows_through_tma_only_where_a_box_fits():

@@ -225,13 +225,28 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     consts = dict(TAIL_HEADS=tail_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
                   CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
                   DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring)
-    launch_cached(_backward._attn_bwd_dkdv_hopper, _compiled, grid, args, consts, q, _options.get().fast_launch,
-                  num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
+    launch_cached(_backward._attn_bwd_dkdv_hopper, _compiled, grid, args, consts, q,
+                  FAST_LAUNCH and _options.get().fast_launch, num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
 
-# The compiled dK/dV kernel per launch signature: a repeated signature calls its launcher directly
-# (kernels/flash_hopper/launch.py: launch_cached; the fast_launch option switches it off)
+# The compiled dK/dV kernel per launch signature: with FAST_LAUNCH (and the fast_launch option) a repeated
+# signature calls its launcher directly (kernels/flash_hopper/launch.py: launch_cached), as the forward does.
+# Off until tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit has run
+# on a GPU; every launch goes through JITFunction.run meanwhile (direct_launches: tests and benchmarks)
+FAST_LAUNCH = False
 _compiled: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def direct_launches(on: bool = True):
+    """Inside the block, repeated Gluon dK/dV launch signatures call the compiled kernel's launcher directly
+    (FAST_LAUNCH): tests and benchmark A/B runs."""
+    global FAST_LAUNCH
+    old, FAST_LAUNCH = FAST_LAUNCH, bool(on)
+    try:
+        yield
+    finally:
+        FAST_LAUNCH = old
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)

@@ -28,7 +28,7 @@ def test_help_and_bad_shapes():
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --rep 0")
     r = run("--tail-rounds", "-1")
     assert r.returncode == 2 and r.stderr.strip() == "error: --tail-rounds -1: must be 0 or more"
-    assert "--tail-rounds" in run("--help").stdout
+    assert "--tail-rounds" in run("--help").stdout and "--direct-launches" in run("--help").stdout
     r = run("--ahead", "on", "--fused", "3", "6", "4")
     assert r.returncode == 2
     assert r.stderr.strip() == "error: --ahead on does not run with --fused 4 6 (dQ one step behind)"

@@ -53,6 +53,8 @@ CAUSAL_STAGES = {64: 4, 128: 2}
 AHEAD = {64: False, 128: False}
 MAX_STAGES = {64: 6, 128: 4}  # the ring alone in 227 KB (a stage: Q and dO, 16 KB at d64, 32 at d128); shared_bytes
 # decides with the fused forms' buffers
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+SMEM_SLACK = 512  # alignment above the buffers and barriers (280-376 B in the compiled variants)
 NUM_WARPS = 4  # the default partition: consumer 0
 # each step's lse and delta brought into the ring by the producer's TMA beside Q and dO, instead of global loads
 # in the consumers (the largest consumer stall under Nsight Compute: bench/results/flash_hopper/backward/
@@ -158,6 +160,26 @@ def rows_through_tma(on: bool = True):
         ROWS_TMA = old
 
 
+# The compiled dK/dV kernel per launch signature: with FAST_LAUNCH (and the fast_launch option) a repeated
+# signature calls its launcher directly (kernels/flash_hopper/launch.py: launch_cached), as the forward does.
+# Off until tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit has run
+# on a GPU; every launch goes through JITFunction.run meanwhile (direct_launches: tests and benchmarks)
+FAST_LAUNCH = False
+_compiled: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def direct_launches(on: bool = True):
+    """Inside the block, repeated Gluon dK/dV launch signatures call the compiled kernel's launcher directly
+    (FAST_LAUNCH): tests and benchmark A/B runs."""
+    global FAST_LAUNCH
+    old, FAST_LAUNCH = FAST_LAUNCH, bool(on)
+    try:
+        yield
+    finally:
+        FAST_LAUNCH = old
+
+
 def unsupported_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          o: torch.Tensor) -> str | None:
     """Why the Hopper backward does not take these inputs, or None when it does."""
@@ -227,30 +249,6 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                   DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring)
     launch_cached(_backward._attn_bwd_dkdv_hopper, _compiled, grid, args, consts, q,
                   FAST_LAUNCH and _options.get().fast_launch, num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
-
-
-# The compiled dK/dV kernel per launch signature: with FAST_LAUNCH (and the fast_launch option) a repeated
-# signature calls its launcher directly (kernels/flash_hopper/launch.py: launch_cached), as the forward does.
-# Off until tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit has run
-# on a GPU; every launch goes through JITFunction.run meanwhile (direct_launches: tests and benchmarks)
-FAST_LAUNCH = False
-_compiled: dict[tuple, object] = {}
-
-
-@contextlib.contextmanager
-def direct_launches(on: bool = True):
-    """Inside the block, repeated Gluon dK/dV launch signatures call the compiled kernel's launcher directly
-    (FAST_LAUNCH): tests and benchmark A/B runs."""
-    global FAST_LAUNCH
-    old, FAST_LAUNCH = FAST_LAUNCH, bool(on)
-    try:
-        yield
-    finally:
-        FAST_LAUNCH = old
-
-
-SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
-SMEM_SLACK = 512  # alignment above the buffers and barriers (280-376 B in the compiled variants)
 
 
 def shared_bytes(D: int, stages: int, dq_mode: int = 0, ds_ring: bool = False, rows_tma: bool = True) -> int:

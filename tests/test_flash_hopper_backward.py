@@ -26,7 +26,7 @@ from kernels.flash import launch
 from kernels.flash_hopper import backward_launch
 from kernels.flash_hopper import launch as hopper_launch
 from tests.error_budget import assert_within_budget
-from tests.util import needs_sm90_gluon, seeded_generator
+from tests.util import CompiledStandIn, needs_sm90_gluon, recording_jit, seeded_generator
 
 on_sm90 = needs_sm90_gluon()
 needs_gluon = pytest.mark.skipif(not flash_hopper.AVAILABLE, reason=f"{flash_hopper.UNAVAILABLE_REASON}")
@@ -476,21 +476,7 @@ def test_repeated_backward_launches_call_the_compiled_kernel_directly(monkeypatc
 
     names = list(backward._attn_bwd_dkdv_hopper.arg_names)
     jit_calls, direct = [], []
-
-    class Compiled:
-        def run(self):
-            pass
-
-    class FakeJit:
-        arg_names = names
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                jit_calls.append((grid, len(args), tuple(kwargs)))
-                return Compiled()
-            return launch
-
-    monkeypatch.setattr(backward_launch._backward, "_attn_bwd_dkdv_hopper", FakeJit())
+    monkeypatch.setattr(backward_launch._backward, "_attn_bwd_dkdv_hopper", recording_jit(names, jit_calls))
     monkeypatch.setattr(backward_launch, "_compiled", {})
     monkeypatch.setattr(backward_launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(kt, "INTERPRET", False)
@@ -509,7 +495,7 @@ def test_repeated_backward_launches_call_the_compiled_kernel_directly(monkeypatc
     launch()
     assert len(jit_calls) == 1 and len(direct) == 1
     kernel, grid, vals = direct[0]
-    assert isinstance(kernel, Compiled) and grid == jit_calls[0][0] and len(vals) == len(names)
+    assert isinstance(kernel, CompiledStandIn) and grid == jit_calls[0][0] and len(vals) == len(names)
     assert jit_calls[0][2] == tuple(names[jit_calls[0][1]:]) + ("num_warps", "maxnreg")
     assert vals[names.index("DQ")] == 4 and vals[names.index("CAUSAL")] is True
     for change in (dict(mode=6), dict(causal=False), dict(dtype=torch.float16), dict(lse_offset=1)):

@@ -21,6 +21,7 @@ import triton
 import kernels._triton as kt
 from kernels import flash_hopper, options
 from kernels.flash_hopper import launch as hopper_launch
+from tests.util import CompiledStandIn, recording_jit
 
 H200_SMS = 132
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
@@ -279,21 +280,7 @@ def test_repeated_launches_call_the_compiled_kernel_directly(monkeypatch):
 
     names = list(forward._attn_fwd_hopper.arg_names)
     jit_calls, direct = [], []
-
-    class Compiled:
-        def run(self):
-            pass
-
-    class FakeJit:
-        arg_names = names
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                jit_calls.append((grid, len(args), tuple(kwargs)))
-                return Compiled()
-            return launch
-
-    monkeypatch.setattr(hopper_launch._forward, "_attn_fwd_hopper", FakeJit())
+    monkeypatch.setattr(hopper_launch._forward, "_attn_fwd_hopper", recording_jit(names, jit_calls))
     monkeypatch.setattr(hopper_launch, "_compiled", {})
     monkeypatch.setattr(kt, "INTERPRET", False)
     monkeypatch.setattr(kt, "launch_compiled", lambda kernel, grid, vals: direct.append((kernel, grid, vals)))
@@ -313,7 +300,7 @@ def test_repeated_launches_call_the_compiled_kernel_directly(monkeypatch):
     args, consts = launch()
     assert len(jit_calls) == 1 and len(direct) == 1
     kernel, grid, vals = direct[0]
-    assert isinstance(kernel, Compiled) and grid == (5,) and vals == (*args, *consts.values())
+    assert isinstance(kernel, CompiledStandIn) and grid == (5,) and vals == (*args, *consts.values())
     assert len(vals) == len(names)
     for change in (dict(dtype=torch.float16), dict(causal=False, lists=False), dict(lse_offset=1)):
         launch(**change)

@@ -168,3 +168,27 @@ def assert_compiles_as_one_graph(model, idx) -> None:
     torch.testing.assert_close(logits, eager_logits)
     torch.testing.assert_close(loss, eager_loss)
     torch._dynamo.reset()
+
+
+class CompiledStandIn:
+    """What a launch of recording_jit returns: a compiled kernel's stand-in (it has a launcher, run)."""
+
+    def run(self):
+        pass
+
+
+def recording_jit(arg_names, calls: list):
+    """A stand-in for a Triton JIT function with these parameters: kernel[grid](*args, **kwargs) appends (grid,
+    len(args), the keyword names) to calls and returns a CompiledStandIn, as a launch returns the compiled
+    kernel."""
+    class RecordingJit:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((grid, len(args), tuple(kwargs)))
+                return CompiledStandIn()
+            return launch
+
+    jit = RecordingJit()
+    jit.arg_names = list(arg_names)
+    return jit
+

@@ -408,6 +408,9 @@ HOPPER_BWD_AUTO_MIN_LEN = {  # (head dim, causal): the shortest min(Nq, Nk) the 
 # than form 6 in every pair; without a mask 6 (form 4 with 5's order inside the step), 4.6-5.4 % shorter than
 # form 5 in three runs on the H200 in changing orders, level with form 4 (-0.5 to +1.2 %)
 # (bench/results/flash_hopper/backward/lagged_dq_h200/; the same order of forms on one H100: lagged_dq_h100/).
+# At the d64 ring depths taken since (4 causal, 5 without a mask: backward_launch.default_stages) the order holds
+# on one H100: causal form 4 0.948 / 0.952 ms against form 6's 0.957 / 0.966 at 4,16,4096, without a mask form 6
+# 1.686 / 1.684 against form 4's 1.715 / 1.714 (bench/results/flash_hopper/backward/stages_d64_h100/sweep/).
 HOPPER_BWD_FORM = {(128, True): 5, (64, True): 4, (64, False): 6}
 
 

@@ -136,7 +136,7 @@ def test_fused_backward_matches_reference(case, D, dtype, fused, request, poison
 @pytest.mark.parametrize("fused", [0, 4, 6])
 @pytest.mark.parametrize("causal", [True, False])
 def test_direct_backward_launches_give_the_result_of_the_jit(causal, fused, request, monkeypatch):
-    """A repeated signature calls the compiled dK/dV kernel's launcher directly (fast_launch, the default): the
+    """A repeated signature calls the compiled dK/dV kernel's launcher directly (with direct_launches): the
     gradients of launches through JITFunction.run (dK and dV bitwise; dQ bitwise in the split form, where no
     reduction order varies, and within bf16 rounding in the fused forms, whose fp32 adds land in any order), and
     only the repeat goes direct."""

@@ -215,15 +215,6 @@ def _launch(grid: tuple, args: tuple, consts: dict, q: torch.Tensor, fast: bool)
                   maxnreg=_forward.MAX_REGS[consts["CONSUMERS"]])
 
 
-def _arg_key(a) -> tuple:
-    """What a Gluon kernel's launch specialises on in one argument that is not a number: a tensor's dtype and
-    16-byte alignment, a descriptor's kind and block shape (its element type and layout follow from the
-    kernel's dtype and constexprs)."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    return (type(a).__name__, tuple(getattr(a, "block_shape", ())))
-
-
 def launch_cached(kernel_fn, cache: dict, grid: tuple, args: tuple, consts: dict, q: torch.Tensor, fast: bool,
                   **launch_opts) -> None:
     """Launch the Gluon kernel kernel_fn on grid with its arguments args (in order, numbers and tensors or
@@ -231,12 +222,13 @@ def launch_cached(kernel_fn, cache: dict, grid: tuple, args: tuple, consts: dict
     maxnreg: fixed per set of constexprs). With fast (the fast_launch option) and not under the interpreter, the
     first launch of a signature goes through the JIT, which compiles and returns the kernel, and a repeat calls
     its launcher directly; cache: the kernel's compiled launches by signature (q's device and dtype, the
-    constexprs, each non-number argument's _arg_key)."""
+    constexprs, each tensor argument's dtype and 16-byte alignment; the descriptors' element types and layouts
+    follow from the dtype and the constexprs)."""
     if not fast or _triton.INTERPRET:
         kernel_fn[grid](*args, **consts, **launch_opts)
         return
     key = (q.device.index, q.dtype, *consts.values(),
-           *[_arg_key(a) for a in args if not isinstance(a, (bool, int, float))])
+           *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
     kernel = cache.get(key)
     if kernel is None:
         kernel = kernel_fn[grid](*args, **consts, **launch_opts)

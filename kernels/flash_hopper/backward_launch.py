@@ -162,8 +162,10 @@ def rows_through_tma(on: bool = True):
 
 # The compiled dK/dV kernel per launch signature: with FAST_LAUNCH (and the fast_launch option) a repeated
 # signature calls its launcher directly (kernels/flash_hopper/launch.py: launch_cached), as the forward does.
-# Off until tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit has run
-# on a GPU; every launch goes through JITFunction.run meanwhile (direct_launches: tests and benchmarks)
+# Off: on one H100 it timed the same as launches through JITFunction.run at GPT-2's shapes (0.285 against 0.281
+# ms at 16,12,1024,64 causal: bench/results/flash_hopper/backward/gpt2_direct_h100/), and
+# tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit has not been seen to
+# pass on a GPU (direct_launches: tests and benchmarks)
 FAST_LAUNCH = False
 _compiled: dict[tuple, object] = {}
 

@@ -10,7 +10,9 @@
 #   COMMIT=abc1234                          # the commit to name in the log (a copy of a tree may have no git)
 #
 # The steps after the two trainings that everything needs run side by side (a GPU and a many-core host have
-# room for all of them); each step's verdict is printed in a fixed order once they are all done.
+# room for all of them); each step's verdict is printed in a fixed order once they are all done. A step that
+# failed for want of GPU memory beside the others (an 80 GB card holds less of them) runs again alone, once,
+# and its verdict says so.
 #   SKIP_TESTS=1 CHECK_ARGS="--n_layer=1 --n_head=2 --n_embd=32 --block_size=64" bash bench/gpu_check.sh
 #                                           # a dry run of the script itself on a CPU (overrides every train.py)
 #
@@ -79,8 +81,21 @@ report() {  # NAME...: print the verdicts, count the failures
 }
 run() { step "$@"; report "$1"; }                     # in the foreground
 PENDING=()
-spawn() { step "$@" & PENDING+=("$1"); }              # in the background, next to other independent steps
-join() { wait; report "${PENDING[@]}"; PENDING=(); }  # all of them done, verdicts in launch order
+spawn() {  # in the background, next to other independent steps (the command kept for rerun_out_of_memory)
+  printf '%q ' "$@" > "$LOGS/$1.cmd"
+  step "$@" & PENDING+=("$1")
+}
+rerun_out_of_memory() {  # NAME...: a spawned step that failed for want of GPU memory beside the others runs
+  local name                # again alone, once; its verdict says so (the first log kept as NAME.oom.log)
+  for name in "$@"; do
+    [ -f "$LOGS/$name.cmd" ] && grep -q '^FAIL' "$LOGS/$name.result" 2>/dev/null || continue
+    grep -qi 'out of memory' "$LOGS/$name.log" || continue
+    mv "$LOGS/$name.log" "$LOGS/$name.oom.log"
+    eval "step $(cat "$LOGS/$name.cmd")"
+    sed -i '1s/$/ (run again alone: out of GPU memory beside the other steps)/' "$LOGS/$name.result"
+  done
+}
+join() { wait; rerun_out_of_memory "${PENDING[@]}"; report "${PENDING[@]}"; PENDING=(); }  # verdicts in launch order
 
 # ---- checks: print a reason and nothing else on failure; print nothing on success ----
 ok() { :; }

@@ -2,8 +2,7 @@
 
     python bench/hopper_backward.py [--shapes 4,16,4096,64 ...] [--causal both|yes|no] [--stages N]
                                     [--ahead auto|on|off] [--fused 1 2 3 4 5 6] [--rep 100] [--rows-loads]
-                                    [--mask-skip] [--ds-ring] [--tail-rounds R] [--direct-launches]
-                                    [--persistent] [--out DIR]
+                                    [--mask-skip] [--ds-ring] [--tail-rounds R] [--direct-launches] [--out DIR]
 
 For each (B, H, N, D), bf16, the forward runs once (kernels/flash/launch.py: _fwd, giving O and the row
 log-sum-exp), then three backwards of the same upstream gradient are timed with triton.testing.do_bench
@@ -141,9 +140,6 @@ def main(argv=None) -> int:
                    help="repeated Gluon dK/dV launches call the compiled kernel's launcher instead of "
                         "JITFunction.run (kernels.flash_hopper.backward_launch.direct_launches) in every hopper "
                         "and fused column")
-    p.add_argument("--persistent", action="store_true",
-                   help="the Gluon dK/dV kernel on a persistent grid, one program per SM looping over key tiles "
-                        "(kernels.flash_hopper.backward_launch.persistent_grid) in every hopper and fused column")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "flash_hopper"))
     args = p.parse_args(argv)
     if args.tail_rounds is not None and args.tail_rounds < 0:
@@ -159,8 +155,7 @@ def main(argv=None) -> int:
         return 2
     from kernels.flash_hopper import backward_launch
     from kernels.flash_hopper.backward_launch import (MAX_STAGES, direct_launches, ds_freed_by_ring,
-                                                      persistent_grid, rows_through_tma, skip_mask_below_diagonal,
-                                                      tail_heads_dealt)
+                                                      rows_through_tma, skip_mask_below_diagonal, tail_heads_dealt)
     tail_rounds = backward_launch.TAIL_ROUNDS if args.tail_rounds is None else args.tail_rounds
     for _, _, _, D in args.shapes:
         if args.stages is not None and not 2 <= args.stages <= MAX_STAGES.get(D, 2):
@@ -196,7 +191,7 @@ def main(argv=None) -> int:
             ahead = {"auto": None, "on": True, "off": False}[args.ahead]
             with rows_through_tma(not args.rows_loads), skip_mask_below_diagonal(args.mask_skip), \
                     ds_freed_by_ring(args.ds_ring), tail_heads_dealt(tail_rounds), \
-                    direct_launches(args.direct_launches), persistent_grid(args.persistent):
+                    direct_launches(args.direct_launches):
                 row = measure(B, H, N, D, causal, args.rep, args.stages, ahead, args.fused)
             work = 2.5 * 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 

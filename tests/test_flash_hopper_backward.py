@@ -234,25 +234,6 @@ def test_tail_heads_dealt_match_reference(case, D, fused, sms, rounds, request, 
         _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
 
 
-PERSISTENT_MULTI = [CASES[2], CASES[12], CASES[13], CASES[14], TMA_CASES[2], TMA_CASES[3]]
-
-
-@on_sm90
-@pytest.mark.parametrize("fused", [None, 3, 4, 5, 6])
-@pytest.mark.parametrize("case,D,sms", [pytest.param(case, D, 1, id=_id(case, D, torch.bfloat16) + "-1sm")
-                                        for case in CASES + TMA_CASES for D in (64, 128)]
-                         + [pytest.param(case, D, 3, id=_id(case, D, torch.bfloat16) + "-3sm")
-                            for case in PERSISTENT_MULTI for D in (64, 128)])
-def test_persistent_grid_matches_reference(case, D, sms, fused, request, monkeypatch, poisoned):
-    """With persistent_grid (one program per SM looping over key tiles; causal: dealt tile lists): counting one
-    SM, a single program runs every tile of the case in turn (the ring's steps and every barrier's phase carried
-    from tile to tile, K and V reloaded once dK and dV are stored); counting three, several programs with lists
-    of their own (causal) or strided tiles (not). The split and the fused forms 3 to 6 on every case, bf16."""
-    monkeypatch.setattr(kt, "sm_count", lambda device: sms)
-    with backward_launch.persistent_grid():
-        _assert_matches_reference(case, D, torch.bfloat16, request, fused=fused)
-
-
 def test_tail_heads_order_is_a_permutation_longest_first_at_the_end():
     """program_order (the kernel's _program_tile mapping) visits every (tile, head) once: the heads before the
     tail in launch order, each head's tiles in order; the tail's tiles dealt tile by tile across its heads.
@@ -595,10 +576,8 @@ def _record(c) -> dict:
 FUSED_COMPILED = ((64, (1, 2, 3, 4, 5, 6)), (128, (3, 4, 5, 6)))
 
 # the child processes' shares of the variants (tests/util.py: compiled_records): the defaults and fused forms;
-# the mask skipped and the dSᵀ ring; the tail in launch order and the rows through loads; the persistent grid
-PARTS = ("forms", "mask_ring", "tail_rows", "persistent")
-# the persistent grid's variants: the split form and the fused forms kernels.flash_attention runs, both masks
-PERSISTENT_FORMS = (0, 3, 4, 5, 6)
+# the mask skipped and the dSᵀ ring; the tail in launch order and the rows through loads
+PARTS = ("forms", "mask_ring", "tail_rows")
 
 
 def compile_hopper_backward(part: str | None = None) -> list[dict]:
@@ -629,12 +608,6 @@ def compile_hopper_backward(part: str | None = None) -> list[dict]:
             _compile_mask_ring(compile_one)
         if part in (None, "tail_rows"):
             _compile_tail_rows(compile_one)
-        if part in (None, "persistent"):
-            with backward_launch.persistent_grid():
-                for causal in (True, False):
-                    for D in (64, 128):
-                        for fused in PERSISTENT_FORMS:
-                            compile_one(D, causal, fused=fused or None)
     return [_record(c) for c in compiled]
 
 
@@ -696,12 +669,9 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     every_gluon = [r for r in records if r["kernel"] == "_attn_bwd_dkdv_hopper"]
     mask_skip = [r for r in every_gluon if r["consts"]["CAUSAL"] == 2]  # the option: checked alike, then set apart
     ring = [r for r in every_gluon if r["consts"].get("DS_RING")]  # the option ds_freed_by_ring: the same
-    persistent = [r for r in every_gluon if r["consts"].get("PERSISTENT")]  # the option persistent_grid: the same
     # causal in launch order (tail_heads_dealt(0); the default deals the last heads' tiles): checked alike
-    in_order = [r for r in every_gluon if r["consts"]["CAUSAL"] and not r["consts"]["TAIL_HEADS"]
-                and r not in persistent]
-    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring and r not in in_order
-             and r not in persistent]
+    in_order = [r for r in every_gluon if r["consts"]["CAUSAL"] and not r["consts"]["TAIL_HEADS"]]
+    gluon = [r for r in every_gluon if r not in mask_skip and r not in ring and r not in in_order]
     for rec in records:
         c = rec["consts"]
         print(f"triton {triton.__version__} {rec['kernel']} {rec.get('dtype', '')} "
@@ -718,11 +688,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
                                                  (128, default(128, causal)))}
     assert sorted((r["consts"]["HEAD_D"], r["consts"]["DQ"]) for r in in_order) == \
         [(D, mode) for D in (64, 128) for mode in (0, 3, 5)]
-    assert all(r["consts"]["TAIL_HEADS"] for r in every_gluon if r["consts"]["CAUSAL"] and r not in in_order
-               and r not in persistent)
-    assert sorted((r["consts"]["HEAD_D"], r["consts"]["CAUSAL"], r["consts"]["DQ"], r["consts"]["LISTS"])
-                  for r in persistent) == sorted((D, causal, mode, causal) for D in (64, 128)
-                                                 for causal in (True, False) for mode in PERSISTENT_FORMS)
+    assert all(r["consts"]["TAIL_HEADS"] for r in every_gluon if r["consts"]["CAUSAL"] and r not in in_order)
     for rec in ring:  # no more spilled bytes, stores and loads together, than the same variant with the barriers
         same = [r for r in gluon if r["consts"] == {**rec["consts"], "DS_RING": False}
                 or r["consts"] == {k: v for k, v in rec["consts"].items() if k != "DS_RING"}]
@@ -735,9 +701,7 @@ def test_hopper_backward_compiles_for_sm90(tmp_path):
     for rec in every_gluon:
         assert rec["wgmma"] and rec["tma_load"] and rec["tma_store"] and rec["mbarrier"] and rec["setmaxnreg"], rec
         assert rec["num_warps"] == 12 and 0 < rec["shared"] <= SMEM_LIMIT, rec
-        # (persistent at d128: its loop's counters on top of the consumers' 240 registers; Triton 3.9 spills
-        # 132 / 212 B per thread in the split form causal, against 76 / 100 without the loop)
-        fused_d128 = rec["consts"]["HEAD_D"] == 128 and (rec["consts"].get("DQ", 0) >= 1 or rec in persistent)
+        fused_d128 = rec["consts"]["HEAD_D"] == 128 and rec["consts"].get("DQ", 0) >= 1
         limit = MAX_SPILL_FUSED_D128 if fused_d128 else MAX_SPILL[rec["consts"]["HEAD_D"]]
         assert rec["spill_stores"] <= limit and rec["spill_loads"] <= limit, rec
         assert not rec["wgmma_serialized"], rec  # ptxas's C751x notes: every wgmma of the kernel serialised

@@ -104,7 +104,8 @@ def test_broken_cuda_context_ends_a_plain_run(tmp_path):
 
 def test_gpu_check_dry_run_reports_each_step(tmp_path):
     """One step of the acceptance script on the CPU: its PASS line, the summary, exit 0; a step whose command
-    fails gives a FAIL line and a non-zero exit."""
+    fails gives a FAIL line and a non-zero exit; a step that fails for want of GPU memory runs again alone once
+    and says so."""
     env = dict(os.environ, SKIP_TESTS="1", ONLY="^help_entry_points$", OUT=str(tmp_path / "ok"),
                PYTHON=sys.executable)
     r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -121,6 +122,20 @@ def test_gpu_check_dry_run_reports_each_step(tmp_path):
                        timeout=300)
     summary = (tmp_path / "bad" / "gpu_check.log").read_text()
     assert r.returncode != 0 and "FAIL  help_entry_points" in summary and "1 FAILED" in summary
+    # a step that ran out of GPU memory beside the others runs again alone: here its first --help does
+    marker = tmp_path / "ran-out-once"
+    oom = tmp_path / "python-out-of-memory-once"
+    oom.write_text(f'#!/bin/sh\ncase "$*" in *--help*) if [ ! -e {marker} ]; then touch {marker}; '
+                   'echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1; fi;; '
+                   f'esac\nexec {sys.executable} "$@"\n')
+    oom.chmod(0o755)
+    env.update(OUT=str(tmp_path / "oom"), PYTHON=str(oom))
+    r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    summary = (tmp_path / "oom" / "gpu_check.log").read_text()
+    assert r.returncode == 0 and marker.exists(), r.stdout[-2000:] + r.stderr[-2000:]
+    assert "PASS  help_entry_points" in summary and "run again alone: out of GPU memory" in summary
+    assert "ALL PASSED" in summary
 
 
 def test_longest_first_orders_by_the_table_and_keeps_every_test(tmp_path):

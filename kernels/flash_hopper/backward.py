@@ -69,7 +69,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward import _tile_range, _tma_load, _tma_store
+from .forward import _tma_load, _tma_store
 
 try:  # Triton >= 3.7 names it; 3.6 (what the H200 runs) has the op behind its builder only
     _tma_reduce_add = tma.async_atomic_add
@@ -160,16 +160,15 @@ def _step_coords(i, first, n_blocks, GQA: gl.constexpr, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, hk,
-                Hq, GROUP, Nq, first, n_blocks, i0, i1, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                STAGES: gl.constexpr, GQA: gl.constexpr, ROWS_TMA: gl.constexpr, base=0):
-    """Q and dO of steps i0 .. i1 of the tile (the n_blocks query blocks from row `first` of each of the group's
-    heads) into the ring (step i: stage (base + i) % STAGES, base the steps of the program's earlier tiles),
-    each stage once both consumers released it."""
+                Hq, GROUP, Nq, first, n_blocks, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                GQA: gl.constexpr, ROWS_TMA: gl.constexpr):
+    """Q and dO of the n_blocks query blocks from row `first` of each of the group's heads into the ring (step
+    i: stage i % STAGES), each stage once both consumers released it."""
     q_bytes: gl.constexpr = BLOCK_M * HEAD_D * q_desc.dtype.primitive_bitwidth // 8
-    for i in range(i0, i1):
+    for i in range(n_blocks * GROUP):
         g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
-        s = (base + i) % STAGES
-        mbarrier.wait(empty.index(s), (((base + i) // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
         if ROWS_TMA:  # the step's lse and delta too: rows of the flat (B·Hq·Nq) buffers, BLOCK_M fp32 each
             mbarrier.expect(ready.index(s), 2 * q_bytes + 2 * BLOCK_M * 4)
         else:
@@ -183,77 +182,22 @@ def _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem
 
 
 @gluon.jit
-def _tile_of(idx, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS: gl.constexpr, PERSISTENT: gl.constexpr,
-             LISTS: gl.constexpr):
-    """(key tile, kv head, batch) of the program's tile: without PERSISTENT the program's own (_program_tile);
-    with it, tile idx of its loop (kernels/flash_hopper/forward.py: _tile_range): with LISTS entry idx of the
-    tile list (coded n · n_bh + bh, bh = b · Hkv + hk: kernels/flash_hopper/schedule.py: key_tile_lists),
-    otherwise tile idx of the n_tiles in launch order (head by head, each head's n_n key tiles in order)."""
-    if PERSISTENT:
-        if LISTS:
-            code = gl.load(tiles_ptr + idx)
-            n_bh = n_tiles // n_n
-            tile = code // n_bh
-            head = code - tile * n_bh
-        else:
-            head = idx // n_n
-            tile = idx - head * n_n
-        hk = head % Hkv
-        b = head // Hkv
-    else:
-        tile, hk, b = _program_tile(TAIL_HEADS)
-    return tile, hk, b
-
-
-@gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, b, hk, start_n, t, BLOCK_N: gl.constexpr,
-             HEAD_D: gl.constexpr, PERSISTENT: gl.constexpr):
-    """K and V of each consumer's BLOCK_N keys of the tile from start_n, the program's t-th tile; on a
-    persistent grid once that consumer has stored the previous tile's dK and dV through the same buffers."""
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+              v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              GQA: gl.constexpr, ROWS_TMA: gl.constexpr):
+    """K and V of each consumer's keys (once), then Q and dO of every step into the ring. Out-of-range rows
+    (past Nq or Nk: the 4-d descriptors' bounds) arrive as zeros."""
+    pid_n, hk, b = _program_tile(TAIL_HEADS)
+    start_n = pid_n * (2 * BLOCK_N)
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * k_desc.dtype.primitive_bitwidth // 8
     for w in gl.static_range(2):
-        if PERSISTENT:
-            mbarrier.wait(kv_free.index(w), (t & 1) ^ 1)  # a fresh barrier passes phase 1 at once
         mbarrier.expect(kv_ready.index(w), 2 * kv_bytes)
         _tma_load(k_desc, [b, hk, start_n + w * BLOCK_N, 0], kv_ready.index(w), k_smem.index(w))
         _tma_load(v_desc, [b, hk, start_n + w * BLOCK_N, 0], kv_ready.index(w), v_smem.index(w))
-
-
-@gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-              v_smem, kv_ready, kv_free, ready, empty, Hq, GROUP, Nq, offset, starts_ptr, tiles_ptr, n_tiles, n_n,
-              Hkv, TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, ROWS_TMA: gl.constexpr,
-              PERSISTENT: gl.constexpr, LISTS: gl.constexpr):
-    """K and V of each consumer's keys (once per tile), then Q and dO of every step into the ring. Out-of-range
-    rows (past Nq or Nk: the 4-d descriptors' bounds) arrive as zeros. On a persistent grid, per tile of the
-    program: the first STAGES steps' Q and dO (their stages free up during the previous tile's last steps),
-    then K and V (once the consumers stored the previous tile's dK and dV), then the other steps."""
-    if PERSISTENT:
-        it = 0  # steps loaded so far (the ring's count over the program's tiles)
-        t = 0  # tiles so far
-        first, end, step = _tile_range(starts_ptr, n_tiles, LISTS)
-        for idx in range(first, end, step):
-            pid_n, hk, b = _tile_of(idx, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS, PERSISTENT, LISTS)
-            start_n = pid_n * (2 * BLOCK_N)
-            lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
-            n = n_blocks * GROUP
-            pre = gl.minimum(n, STAGES)
-            _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
-                        b, hk, Hq, GROUP, Nq, lo, n_blocks, 0, pre, BLOCK_M, HEAD_D, STAGES, GQA, ROWS_TMA, it)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, b, hk, start_n, t, BLOCK_N, HEAD_D,
-                     PERSISTENT)
-            _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty,
-                        b, hk, Hq, GROUP, Nq, lo, n_blocks, pre, n, BLOCK_M, HEAD_D, STAGES, GQA, ROWS_TMA, it)
-            it += n
-            t += 1
-    else:
-        pid_n, hk, b = _program_tile(TAIL_HEADS)
-        start_n = pid_n * (2 * BLOCK_N)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, b, hk, start_n, 0, BLOCK_N, HEAD_D, PERSISTENT)
-        lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
-        _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b,
-                    hk, Hq, GROUP, Nq, lo, n_blocks, 0, n_blocks * GROUP, BLOCK_M, HEAD_D, STAGES, GQA, ROWS_TMA)
+    lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
+    _load_steps(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, b, hk, Hq,
+                GROUP, Nq, lo, n_blocks, BLOCK_M, HEAD_D, STAGES, GQA, ROWS_TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,19 +256,17 @@ def _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N: gl.constexpr, WG: gl.const
 def _dq_of_step(j, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, GQA: gl.constexpr,
                 DQ: gl.constexpr, WG: gl.constexpr, DS_RING: gl.constexpr, dk=None, dsT_op=None, q=None,
-                DK_AFTER: gl.constexpr = False, base=0):
+                DK_AFTER: gl.constexpr = False):
     """This warpgroup's half of dQ's columns of step j, dS K over both warpgroups' 2·BLOCK_N keys, once both
     published their dSᵀ of step j (_publish_ds); added into dqacc_ptr with atomics (DQ = 2) or through dq_smem and
     one TMA reduce-add (DQ >= 3). Retires every wgmma this warpgroup has in flight, except with DK_AFTER (forms
     5 and 6): there it issues dK += dSᵀ Q (BLOCK_N, HEAD_D) from the given dsT_op and q (the current step's,
     which is step j in form 5 and step j + 1 in form 6) after dQ's matmuls and returns dk still in flight, so
-    that dK's matmul runs while dQ goes out (FlashAttention-3's order). base: the steps of the program's
-    earlier tiles (persistent grid), which count in the buffers' parity and the barriers' phases."""
+    that dK's matmul runs while dQ goes out (FlashAttention-3's order)."""
     g, start_m = _step_coords(j, first, n_blocks, GQA, BLOCK_M)
-    jg = base + j  # the step's number over the program's tiles
-    par = jg % 2
-    buf = ds_smem.index(jg % ds_smem.shape[0] if DS_RING else par)  # (2·BLOCK_N, BLOCK_M)
-    mbarrier.wait(ds_bars.index(par), (jg // 2) & 1)  # both warpgroups' keys are there
+    par = j % 2
+    buf = ds_smem.index(j % ds_smem.shape[0] if DS_RING else par)  # (2·BLOCK_N, BLOCK_M)
+    mbarrier.wait(ds_bars.index(par), (j // 2) & 1)  # both warpgroups' keys are there
     HALF: gl.constexpr = HEAD_D // 2
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, HALF, 16])
@@ -371,7 +313,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0, AHEAD: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, GQA: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
-               PREV: gl.constexpr = False, ROWS_TMA: gl.constexpr = False, DS_RING: gl.constexpr = False, base=0):
+               PREV: gl.constexpr = False, ROWS_TMA: gl.constexpr = False, DS_RING: gl.constexpr = False):
     """Ring step i once its score matmuls sT, dPᵀ (BLOCK_N, BLOCK_M) are issued: Pᵀ, dV += Pᵀ dO, dSᵀ,
     dK += dSᵀ Q; returns dk, dv and the 16-bit operands, all still in flight (the caller waits for them, then
     releases the stage). AHEAD: how many matmuls were issued after sT and dPᵀ (2 when the next step's score
@@ -393,7 +335,7 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     g, start_m = _step_coords(i, first, n_blocks, GQA, BLOCK_M)
-    s = (base + i) % STAGES  # base: the steps of the program's earlier tiles
+    s = i % STAGES
     q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])  # (BLOCK_M, HEAD_D)
     do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
     # the rows' lse and delta load while the matmuls run (loaded before the wait, they held registers across
@@ -431,15 +373,14 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
     dsT = pT * (dpT - gl.expand_dims(delta, 0))  # (BLOCK_N, BLOCK_M) gradient w.r.t. the scaled scores
     dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
     if DQ == 5:  # form 3 with dK's matmul issued after dQ's (_dq_of_step): it runs while dQ goes out
-        _publish_ds(dsT_op, ds_smem, ds_bars, base + i, BLOCK_N, WG, DS_RING)
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
         dk = _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                         BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q, DK_AFTER=True, base=base)
+                         BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q, DK_AFTER=True)
     elif DQ == 6:  # form 4 (dQ one step behind) with this step's dK matmul issued after the previous step's dQ
-        _publish_ds(dsT_op, ds_smem, ds_bars, base + i, BLOCK_N, WG, DS_RING)
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
         if PREV:
             dk = _dq_of_step(i - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0,
-                             BLOCK_M, BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q, DK_AFTER=True,
-                             base=base)
+                             BLOCK_M, BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, dk, dsT_op, q, DK_AFTER=True)
         else:  # the first step: no dQ before it
             dk = warpgroup_mma(dsT_op, q, dk, is_async=True)  # (BLOCK_N, HEAD_D)
     else:
@@ -465,13 +406,13 @@ def _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
         # warpgroup then computes half of dQ's columns over all 2·BLOCK_N keys (_dq_of_step): one add per element
         # and program instead of two. DQ = 4 takes the previous step's dQ here (PREV), so that neither warpgroup
         # waits for the other's dSᵀ of the step it has just computed
-        _publish_ds(dsT_op, ds_smem, ds_bars, base + i, BLOCK_N, WG, DS_RING)
+        _publish_ds(dsT_op, ds_smem, ds_bars, i, BLOCK_N, WG, DS_RING)
         if DQ < 4:
             _dq_of_step(i, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                        BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, base=base)
+                        BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING)
         elif PREV:
             _dq_of_step(i - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                        BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, base=base)
+                        BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING)
     return dk, dv, pT_op, dsT_op
 
 
@@ -481,11 +422,10 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
                 qk_scale, GROUP, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, bh0,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, WG: gl.constexpr,
-                ROWS_TMA: gl.constexpr = False, DS_RING: gl.constexpr = False, base=0):
+                ROWS_TMA: gl.constexpr = False, DS_RING: gl.constexpr = False):
     """Accumulate dK, dV (BLOCK_N, HEAD_D) fp32 of this warpgroup's keys `keys` (K, V: its shared-memory
     tiles) over the n_blocks query blocks from row `first` of each of the group's heads, in the producer's
-    order (ring step i: stage (base + i) % STAGES, base the steps of the program's earlier tiles on a
-    persistent grid, else 0). rows0: the group's first head in lse and delta.
+    order (ring step i: stage i % STAGES). rows0: the group's first head in lse and delta.
 
     AHEAD False, per step: wait for the stage; issue sT = K Qᵀ and dPᵀ = V dOᵀ and load the rows' lse; wait
     for sT only and compute Pᵀ while dPᵀ runs; issue dV += Pᵀ dO and load delta; wait for dPᵀ and compute dSᵀ
@@ -502,76 +442,74 @@ def _dkdv_steps(dk, dv, k, v, q_smem, do_smem, ready, empty, lse_ptr, delta_ptr,
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     n = n_blocks * GROUP
     if AHEAD:
-        sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, base, STAGES, BLOCK_M, HEAD_D, s_zero)
+        sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
         for i in range(n - 1):
-            sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, base + i + 1, STAGES, BLOCK_M, HEAD_D,
+            sT_next, dpT_next = _issue_scores(k, v, q_smem, do_smem, ready, i + 1, STAGES, BLOCK_M, HEAD_D,
                                               s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                                lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING, base=base)
+                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
             # every matmul of step i retired (the next step's score matmuls, issued earlier, too; their
             # values are taken by the next step's waits)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
-            mbarrier.arrive(empty.index((base + i) % STAGES), count=1)
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
             sT = sT_next
             dpT = dpT_next
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                            lse_smem, delta_smem, rows0, keys, key_last, Nq,
                                            offset, qk_scale, n - 1, first, n_blocks, k_dq, ds_smem, ds_bars,
                                            dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                           CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING, base=base)
+                                           CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
-        mbarrier.arrive(empty.index((base + n - 1) % STAGES), count=1)
+        mbarrier.arrive(empty.index((n - 1) % STAGES), count=1)
     elif DQ == 4 or DQ == 6:
         # dQ one step behind: step 0 only publishes its dSᵀ, step i computes dQ of step i - 1 after issuing its
         # own dK (form 6: before issuing it), and the last step's dQ follows the loop
-        sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, base, STAGES, BLOCK_M, HEAD_D, s_zero)
+        sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, 0, STAGES, BLOCK_M, HEAD_D, s_zero)
         dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                            lse_smem, delta_smem, rows0, keys, key_last, Nq,
                                            offset, qk_scale, 0, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr,
                                            dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, DQ, WG,
-                                           False, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING, base=base)
+                                           False, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
-        mbarrier.arrive(empty.index(base % STAGES), count=1)
+        mbarrier.arrive(empty.index(0), count=1)
         for i in range(1, n):
-            sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, base + i, STAGES, BLOCK_M, HEAD_D, s_zero)
+            sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                                lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, True, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING, base=base)
+                                               CAUSAL, GQA, DQ, WG, True, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
-            mbarrier.arrive(empty.index((base + i) % STAGES), count=1)
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
         _dq_of_step(n - 1, first, n_blocks, k_dq, ds_smem, ds_bars, dqacc_ptr, dq_smem, rows0, Nq, bh0, BLOCK_M,
-                    BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING, base=base)
+                    BLOCK_N, HEAD_D, GQA, DQ, WG, DS_RING)
     else:
         for i in range(n):
-            sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, base + i, STAGES, BLOCK_M, HEAD_D, s_zero)
+            sT, dpT = _issue_scores(k, v, q_smem, do_smem, ready, i, STAGES, BLOCK_M, HEAD_D, s_zero)
             dk, dv, pT_op, dsT_op = _grad_step(dk, dv, sT, dpT, q_smem, do_smem, lse_ptr, delta_ptr,
                                                lse_smem, delta_smem, rows0, keys, key_last,
                                                Nq, offset, qk_scale, i, first, n_blocks, k_dq, ds_smem, ds_bars,
                                                dqacc_ptr, dq_smem, bh0, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING, base=base)
+                                               CAUSAL, GQA, DQ, WG, ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
             # the 16-bit operands stay live until their matmuls retire: their registers are the wgmmas' A
             # operands
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pT_op, dsT_op))
-            mbarrier.arrive(empty.index((base + i) % STAGES), count=1)
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _consumer_tile(WG: gl.constexpr, idx, base, t, dk_desc, dv_desc, lse_ptr, delta_ptr,
-                   lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free,
-                   ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                   tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr,
-                   DS_RING: gl.constexpr, PERSISTENT: gl.constexpr, LISTS: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1) on one tile, the program's t-th (_tile_of(idx)), whose steps follow the
-    program's `base` earlier ones in the ring: dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the tile over
-    the query blocks of every head of the group that see it; then the epilogue. Returns the tile's steps."""
+def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
+              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
+              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
+              TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
+              ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): dK, dV of keys [WG·BLOCK_N, (WG + 1)·BLOCK_N) of the program's tile over
+    the query blocks of every head of the group that see the tile; then the epilogue."""
     dtype: gl.constexpr = dk_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -579,7 +517,7 @@ def _consumer_tile(WG: gl.constexpr, idx, base, t, dk_desc, dv_desc, lse_ptr, de
                                                          instr_shape=[16, HEAD_D, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    pid_n, hk, b = _tile_of(idx, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS, PERSISTENT, LISTS)
+    pid_n, hk, b = _program_tile(TAIL_HEADS)
     start_n = pid_n * (2 * BLOCK_N)
     row0 = start_n + WG * BLOCK_N  # this warpgroup's first key
     lo, n_blocks = _query_blocks(start_n, Nq, offset, CAUSAL, BLOCK_M, 2 * BLOCK_N)
@@ -590,9 +528,9 @@ def _consumer_tile(WG: gl.constexpr, idx, base, t, dk_desc, dv_desc, lse_ptr, de
     v = v_smem.index(WG).reshape([BLOCK_N, HEAD_D])
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_ready.index(WG), t & 1)
+    mbarrier.wait(kv_ready.index(WG), 0)
     if DQ >= 2:  # dQ's matmuls read both warpgroups' K tiles
-        mbarrier.wait(kv_ready.index(1 - WG), t & 1)
+        mbarrier.wait(kv_ready.index(1 - WG), 0)
         k_dq = k_smem
         ds_mine = ds_smem
     else:
@@ -606,19 +544,18 @@ def _consumer_tile(WG: gl.constexpr, idx, base, t, dk_desc, dv_desc, lse_ptr, de
                          lse_smem, delta_smem, rows0, keys, key_last, Nq,
                          offset, qk_scale, GROUP, lo, n_blocks, k_dq, ds_mine, ds_bars, dqacc_ptr, dq_mine,
                          b * Hq + hk * GROUP, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, WG,
-                         ROWS_TMA=ROWS_TMA, DS_RING=DS_RING, base=base)
-    n = n_blocks * GROUP
+                         ROWS_TMA=ROWS_TMA, DS_RING=DS_RING)
     if DQ >= 2:  # the other warpgroup's last dQ matmuls read this one's K, which the epilogue overwrites
-        last = base + n - 1
+        last = n_blocks * GROUP - 1
         if DS_RING:  # both released the last step's stage after its dQ matmuls
             mbarrier.wait(empty.index(last % STAGES), (last // STAGES) & 1)
         else:
             mbarrier.wait(ds_bars.index(2 + last % 2), (last // 2) & 1)
 
     # epilogue: this warpgroup's K and V buffers are no longer read (its matmuls retired): dV and dK go out
-    # through them. The tile is mapped again rather than held through the loop (under Triton 3.6 that took the
-    # non-causal d128 fused forms from 68 / 76 to 48 / 48 B of spills per thread)
-    pid_n, hk, b = _tile_of(idx, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS, PERSISTENT, LISTS)
+    # through them. The tile is mapped again from the program ids rather than held through the loop (under
+    # Triton 3.6 that took the non-causal d128 fused forms from 68 / 76 to 48 / 48 B of spills per thread)
+    pid_n, hk, b = _program_tile(TAIL_HEADS)
     row0 = pid_n * (2 * BLOCK_N) + WG * BLOCK_N
     v_out = v_smem.index(WG)  # (1, 1, BLOCK_N, HEAD_D)
     k_out = k_smem.index(WG)
@@ -628,72 +565,34 @@ def _consumer_tile(WG: gl.constexpr, idx, base, t, dk_desc, dv_desc, lse_ptr, de
     _tma_store(dv_desc, [b, hk, row0, 0], v_out)  # rows past Nk are clipped by the descriptor's bounds
     _tma_store(dk_desc, [b, hk, row0, 0], k_out)
     tma.store_wait(0)
-    if PERSISTENT:  # the producer may load the next tile's K and V into these buffers
-        mbarrier.arrive(kv_free.index(WG), count=1)
-    return n
-
-
-@gluon.jit
-def _consumer(WG: gl.constexpr, dk_desc, dv_desc, lse_ptr, delta_ptr,
-              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free,
-              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-              starts_ptr, tiles_ptr, n_tiles, n_n, Hkv,
-              TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr, DQ: gl.constexpr,
-              ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr, PERSISTENT: gl.constexpr, LISTS: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): the program's tile, or on a persistent grid each tile of its loop in
-    turn (_consumer_tile)."""
-    if PERSISTENT:
-        it = 0  # steps so far, over the program's tiles
-        t = 0  # tiles so far
-        first, end, step = _tile_range(starts_ptr, n_tiles, LISTS)
-        for idx in range(first, end, step):
-            n = _consumer_tile(WG, idx, it, t, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_smem, delta_smem, q_smem,
-                               do_smem, k_smem, v_smem, kv_ready, kv_free, ready, empty, Hq, GROUP, Nq, offset,
-                               qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, tiles_ptr, n_tiles, n_n,
-                               Hkv, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ,
-                               ROWS_TMA, DS_RING, PERSISTENT, LISTS)
-            it += n
-            t += 1
-    else:
-        _consumer_tile(WG, 0, 0, 0, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_smem, delta_smem, q_smem, do_smem,
-                       k_smem, v_smem, kv_ready, kv_free, ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale,
-                       ds_smem, ds_bars, dqacc_ptr, dq_smem, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS, BLOCK_M,
-                       BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING, PERSISTENT, LISTS)
 
 
 @gluon.jit
 def _consumer_default(dk_desc, dv_desc, lse_ptr, delta_ptr,
-                      lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, ready,
+                      lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                       empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                      starts_ptr, tiles_ptr, n_tiles, n_n, Hkv,
                       TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr,
-                      DQ: gl.constexpr, ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr, PERSISTENT: gl.constexpr,
-                      LISTS: gl.constexpr):
+                      DQ: gl.constexpr, ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer 0, in the default partition (the kernel's own num_warps = 4)."""
     _consumer(0, dk_desc, dv_desc, lse_ptr, delta_ptr,
-              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, starts_ptr, tiles_ptr,
-              n_tiles, n_n, Hkv, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA,
-              DS_RING, PERSISTENT, LISTS)
+              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, TAIL_HEADS, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
 
 
 @gluon.jit
 def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr,
-                     lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, ready,
+                     lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready,
                      empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem,
-                     starts_ptr, tiles_ptr, n_tiles, n_n, Hkv,
                      TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr, AHEAD: gl.constexpr,
-                     DQ: gl.constexpr, ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr, PERSISTENT: gl.constexpr,
-                     LISTS: gl.constexpr):
+                     DQ: gl.constexpr, ROWS_TMA: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer 1, in a 4-warp worker partition."""
     _consumer(1, dk_desc, dv_desc, lse_ptr, delta_ptr,
-              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, ready, empty,
-              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, starts_ptr, tiles_ptr,
-              n_tiles, n_n, Hkv, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA,
-              DS_RING, PERSISTENT, LISTS)
+              lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+              Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr, dq_smem, TAIL_HEADS, BLOCK_M,
+              BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -701,15 +600,14 @@ def _consumer_worker(dk_desc, dv_desc, lse_ptr, delta_ptr,
 # ----------------------------------------------------------------------------------------------------------
 
 
-@gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset", "n_tiles", "n_n", "Hkv"])
+@gluon.jit(do_not_specialize=["Hq", "GROUP", "Nq", "offset"])
 def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_desc, delta_desc,
                           Hq, GROUP, Nq,
-                          offset, qk_scale, sm_scale, dqacc_ptr, starts_ptr, tiles_ptr, n_tiles, n_n, Hkv,
-                          TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          offset, qk_scale, sm_scale, dqacc_ptr, TAIL_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA: gl.constexpr,
                           AHEAD: gl.constexpr, DQ: gl.constexpr, ROWS_TMA: gl.constexpr,
-                          DS_RING: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                          LISTS: gl.constexpr = False):
+                          DS_RING: gl.constexpr = False):
     """dK, dV on sm_90 (Hopper) of 2·BLOCK_N keys of one (kv head, batch), summed over the GROUP query heads
     that read them.
 
@@ -735,14 +633,6 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     counted free through the ring's releases instead of their own barriers (_publish_ds). TAIL_HEADS: how many
     of the last (batch, kv head) pairs in launch order have their key tiles dealt across them, tile by tile
     (_program_tile; 0: every pair's tiles in order).
-
-    PERSISTENT: a grid of (programs,), at most one per SM, each program looping over tiles (the ring's steps
-    and the barriers' phases counted over them), its producer loading the next tile's first Q/dO stages while
-    the consumers finish the current one, and its K and V once they stored dK and dV (kv_free); n_tiles =
-    n_n · Hkv · B tiles, n_n = cdiv(Nk, 2·BLOCK_N) per (batch, kv head). With LISTS program p runs the tiles
-    tiles_ptr[starts_ptr[p] .. starts_ptr[p + 1]] (int32, coded n · (B·Hkv) + b · Hkv + hk; causal:
-    kernels/flash_hopper/schedule.py: key_tile_lists); otherwise tiles p, p + programs, ... of the launch
-    order (head by head). Without PERSISTENT starts_ptr, tiles_ptr, n_tiles, n_n and Hkv are not read.
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)  # the Q ring
@@ -769,12 +659,10 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # DQ >= 2: ready x2, free x2
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PERSISTENT: dK, dV stored
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(kv_ready.index(w), count=1)
-        mbarrier.init(kv_free.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release each stage
@@ -784,17 +672,17 @@ def _attn_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse
     # (the argument tuples are written inline: a tuple assigned to a name would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer_default, (dk_desc, dv_desc, lse_ptr, delta_ptr,
-                             lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free,
+                             lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                              ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                             dq_smem, starts_ptr, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D,
-                             STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING, PERSISTENT, LISTS)),
+                             dq_smem, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA,
+                             DS_RING)),
         (_consumer_worker, (dk_desc, dv_desc, lse_ptr, delta_ptr,
-                            lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free,
+                            lse_smem, delta_smem, q_smem, do_smem, k_smem, v_smem, kv_ready,
                             ready, empty, Hq, GROUP, Nq, offset, qk_scale, sm_scale, ds_smem, ds_bars, dqacc_ptr,
-                            dq_smem, starts_ptr, tiles_ptr, n_tiles, n_n, Hkv, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D,
-                            STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA, DS_RING, PERSISTENT, LISTS)),
+                            dq_smem, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, AHEAD, DQ, ROWS_TMA,
+                            DS_RING)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-                     k_smem, v_smem, kv_ready, kv_free, ready, empty, Hq, GROUP, Nq, offset, starts_ptr, tiles_ptr,
-                     n_tiles, n_n, Hkv, TAIL_HEADS, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, GQA, ROWS_TMA,
-                     PERSISTENT, LISTS)),
+                     k_smem, v_smem, kv_ready, ready, empty, Hq, GROUP, Nq, offset, TAIL_HEADS, BLOCK_M, BLOCK_N,
+                     HEAD_D, STAGES,
+                     CAUSAL, GQA, ROWS_TMA)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -27,7 +27,6 @@ import torch
 
 from .. import _triton
 from .. import options as _options
-from . import schedule as _schedule
 from .launch import AVAILABLE, _desc, _tma_ok, launch_cached, unsupported
 
 if AVAILABLE:
@@ -93,25 +92,6 @@ DS_RING_MAX_STAGES = {64: 5, 128: 2}  # d64: 5 x (16 KB of Q and dO + 16 KB of d
 # 5-8 %; bench/results/flash_hopper/backward/tail_dealt/). Pairs dealt: enough that their work covers
 # TAIL_ROUNDS / 2 rounds of the longest program on every SM; 0 keeps the launch order (tail_heads_dealt)
 TAIL_ROUNDS = 4
-
-# a persistent grid: one program per SM, each looping over key tiles (causal: lists dealt longest first within
-# groups of heads whose query rows fit in L2, kernels/flash_hopper/schedule.py: key_tile_lists; otherwise tiles p,
-# p + programs, ... in launch order), its producer loading a tile's first Q/dO stages while the consumers finish
-# the tile before, so that no tile waits for a program to start, its barriers to be set up and its first loads
-# to land. Off until measured (persistent_grid)
-PERSISTENT = False
-
-
-@contextlib.contextmanager
-def persistent_grid(on: bool = True):
-    """Inside the block, Gluon dK/dV launches run on a persistent grid (PERSISTENT): benchmark A/B runs and
-    tests."""
-    global PERSISTENT
-    old, PERSISTENT = PERSISTENT, bool(on)
-    try:
-        yield
-    finally:
-        PERSISTENT = old
 
 
 @contextlib.contextmanager
@@ -183,9 +163,9 @@ def rows_through_tma(on: bool = True):
 # The compiled dK/dV kernel per launch signature: with FAST_LAUNCH (and the fast_launch option) a repeated
 # signature calls its launcher directly (kernels/flash_hopper/launch.py: launch_cached), as the forward does.
 # Off: on one H100 it timed the same as launches through JITFunction.run at GPT-2's shapes (0.285 against 0.281
-# ms at 16,12,1024,64 causal: bench/results/flash_hopper/backward/gpt2_direct_h100/), and
-# tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit has not been seen to
-# pass on a GPU (direct_launches: tests and benchmarks)
+# ms at 16,12,1024,64 causal: bench/results/flash_hopper/backward/gpt2_direct_h100/); its GPU test
+# (tests/test_flash_hopper_backward.py: test_direct_backward_launches_give_the_result_of_the_jit) passes
+# (bench/results/gpu_check/pytest_4145c2a.log.gz). direct_launches: tests and benchmarks
 FAST_LAUNCH = False
 _compiled: dict[tuple, object] = {}
 
@@ -260,29 +240,15 @@ def dkdv_into(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if t.shape != (B, Hq, Nq) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"flash_hopper: {name} must be a contiguous (B, Hq, Nq) float32 buffer, got "
                              f"{tuple(t.shape)} {t.dtype}")
-    n_n = -(-Nk // (2 * BLOCK_N))  # key tiles per (batch, kv head)
-    persistent, lists, starts, tiles = PERSISTENT, False, None, None
-    if persistent:
-        programs = min(n_n * Hkv * B, _triton.sm_count(q.device))
-        if causal:  # each tile's query rows: Q and dO of its group's heads, lse and delta
-            rows_bytes = (Hq // Hkv) * Nq * (2 * D * q.element_size() + 8)
-            starts, tiles = _schedule.device_key_tile_lists(n_n, B * Hkv, Nq, Nk - Nq, 2 * BLOCK_N, BLOCK_M,
-                                                            Hq // Hkv, rows_bytes, programs, _schedule.L2_BYTES,
-                                                            q.device)
-            lists = starts is not None  # (not while a CUDA graph captures a shape not kept yet: launch order)
-        grid = (programs, 1, 1)
-        tail_heads = 0
-    else:
-        grid = (n_n, Hkv, B)
-        tail_heads = tail_heads_for(n_n, Hkv * B, causal, _triton.sm_count(q.device))
+    grid = (-(-Nk // (2 * BLOCK_N)), Hkv, B)
+    tail_heads = tail_heads_for(grid[0], Hkv * B, causal, _triton.sm_count(q.device))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M), _desc(dk, BLOCK_N),
             _desc(dv, BLOCK_N), lse, delta, _rows_desc(lse) if rows_tma else lse,
             _rows_desc(delta) if rows_tma else delta, Hq, Hq // Hkv, Nq, Nk - Nq, sm_scale * _triton.LOG2E, sm_scale,
-            lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc,  # (dqacc not read without DQ)
-            starts if lists else lse, tiles if lists else lse, n_n * Hkv * B, n_n, Hkv)  # (lists: with LISTS only)
+            lse if dqacc is None else _dq_desc(dqacc) if dq_mode >= 3 else dqacc)  # (dqacc not read without DQ)
     consts = dict(TAIL_HEADS=tail_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=D, STAGES=stages,
                   CAUSAL=2 if causal and MASK_SKIP and D == 64 else bool(causal), GQA=Hq > Hkv, AHEAD=ahead,
-                  DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring, PERSISTENT=persistent, LISTS=lists)
+                  DQ=dq, ROWS_TMA=rows_tma, DS_RING=ds_ring)
     launch_cached(_backward._attn_bwd_dkdv_hopper, _compiled, grid, args, consts, q,
                   FAST_LAUNCH and _options.get().fast_launch, num_warps=NUM_WARPS, maxnreg=_backward.MAX_REGS)
 
@@ -298,7 +264,7 @@ def shared_bytes(D: int, stages: int, dq_mode: int = 0, ds_ring: bool = False, r
     ds = 0 if dq_mode == 0 else BLOCK_N * BLOCK_M * 2 * 2 * ((stages if ds_ring else 2) if dq_mode >= 2 else 1)
     dq = 2 * BLOCK_M * (D // 2) * 4 if dq_mode >= 3 else 0
     rows = 2 * stages * BLOCK_M * 4 if rows_tma else 0
-    barriers = 8 * (2 * stages + 8)  # ready and empty per stage, two K/V ready, two K/V free, four dS
+    barriers = 8 * (2 * stages + 6)  # ready and empty per stage, two K/V, four dS
     return ring + kv + ds + dq + rows + barriers + SMEM_SLACK
 
 

@@ -6,9 +6,6 @@ tiles unequal. Host code only (plain Python and one small device copy), cached p
     device_tile_lists(..., device) -> (starts, tiles) int32 tensors on the device, kept for good; (None, None)
         for a shape not kept yet while a CUDA graph is being captured, or once DEVICE_LISTS_MAX are kept (the
         kernel then keeps its own arithmetic order)
-    key_tile_lists(n_n, n_bh, Nq, offset, tile_n, block_m, group, rows_bytes_per_pair, programs, l2_bytes)
-        -> (starts, tiles)   the same for the persistent causal backward's key tiles (codes n · n_bh + bh)
-    device_key_tile_lists(..., device)   key_tile_lists as kept int32 tensors, as device_tile_lists
 
 A tile is (query block m, batch·head bh), coded as m · n_bh + bh. The order is longest first within groups of
 (batch, head) pairs whose K and V fit in `l2_bytes` together (so that the programs working at one time read
@@ -56,15 +53,8 @@ def causal_tile_lists(n_m: int, n_bh: int, Nk: int, offset: int, tile_m: int, bl
         raise ValueError(f"causal_tile_lists: n_m {n_m}, n_bh {n_bh}, programs {programs}, tile_m {tile_m}, "
                          f"block_n {block_n} must all be at least 1")
     group = pairs_per_group(n_bh, kv_bytes_per_pair, l2_bytes)
-    cost = [tile_key_blocks(m, Nk, offset, tile_m, block_n) + TILE_OVERHEAD_BLOCKS for m in range(n_m)]
-    return dealt_lists(cost, n_bh, group, programs)
-
-
-def dealt_lists(cost: list, n_bh: int, group: int, programs: int) -> tuple[tuple, tuple]:
-    """(starts, tiles) of tiles coded level · n_bh + bh, tile (level, bh) costing cost[level]: groups of `group`
-    consecutive bh one after another, within a group every pair's costliest level first, each tile dealt to the
-    program whose list is the shortest so far (a greedy list schedule)."""
-    levels = sorted(range(len(cost)), key=lambda m: -cost[m])  # heaviest level first (stable: ties in order)
+    cost = [tile_key_blocks(m, Nk, offset, tile_m, block_n) for m in range(n_m)]
+    levels = sorted(range(n_m), key=lambda m: -cost[m])  # heaviest query block first (stable: bottom first)
     free = [(0, p) for p in range(programs)]  # (time its work so far takes, program)
     lists: list[list[int]] = [[] for _ in range(programs)]
     for g0 in range(0, n_bh, group):
@@ -72,7 +62,7 @@ def dealt_lists(cost: list, n_bh: int, group: int, programs: int) -> tuple[tuple
             for bh in range(g0, min(g0 + group, n_bh)):
                 busy, p = heapq.heappop(free)
                 lists[p].append(m * n_bh + bh)
-                heapq.heappush(free, (busy + cost[m], p))
+                heapq.heappush(free, (busy + cost[m] + TILE_OVERHEAD_BLOCKS, p))
     starts = [0]
     for tiles in lists:
         starts.append(starts[-1] + len(tiles))
@@ -89,49 +79,13 @@ def device_tile_lists(n_m: int, n_bh: int, Nk: int, offset: int, tile_m: int, bl
                       kv_bytes_per_pair: int, programs: int, l2_bytes: int, device: torch.device):
     """causal_tile_lists as two int32 tensors on `device`, kept for later calls with the same arguments. While
     a CUDA graph is being captured a list that is not kept yet cannot be copied to the device: (None, None)."""
-    args = (n_m, n_bh, Nk, offset, tile_m, block_n, kv_bytes_per_pair, programs, l2_bytes)
-    return _kept((*args, device), causal_tile_lists, args, device)
-
-
-def query_steps(n_block: int, Nq: int, offset: int, tile_n: int, block_m: int) -> int:
-    """Query blocks that causal key tile n_block (keys [n_block · tile_n, + tile_n)) reads, as the backward
-    kernel's _query_blocks: from the block of the first row that sees its first key to the last block of Nq."""
-    m_end = -(-Nq // block_m) * block_m
-    lo = min(max(n_block * tile_n - offset, 0) // block_m * block_m, m_end)
-    return (m_end - lo) // block_m
-
-
-@functools.lru_cache(maxsize=64)
-def key_tile_lists(n_n: int, n_bh: int, Nq: int, offset: int, tile_n: int, block_m: int, group: int,
-                   rows_bytes_per_pair: int, programs: int, l2_bytes: int) -> tuple[tuple, tuple]:
-    """(starts, tiles) of the persistent causal backward: program p runs key tiles tiles[starts[p]:starts[p + 1]]
-    (codes n · n_bh + bh, bh = b · Hkv + hk), longest first within groups of (batch, kv head) pairs whose query
-    rows (Q, dO, lse and delta of their `group` query heads, rows_bytes_per_pair) fit in l2_bytes, each tile
-    costing its steps (query blocks times group) plus TILE_OVERHEAD_BLOCKS."""
-    if min(n_n, n_bh, programs, tile_n, block_m, group) < 1:
-        raise ValueError(f"key_tile_lists: n_n {n_n}, n_bh {n_bh}, programs {programs}, tile_n {tile_n}, "
-                         f"block_m {block_m}, group {group} must all be at least 1")
-    pairs = pairs_per_group(n_bh, rows_bytes_per_pair, l2_bytes)
-    cost = [query_steps(n, Nq, offset, tile_n, block_m) * group + TILE_OVERHEAD_BLOCKS for n in range(n_n)]
-    return dealt_lists(cost, n_bh, pairs, programs)
-
-
-def device_key_tile_lists(n_n: int, n_bh: int, Nq: int, offset: int, tile_n: int, block_m: int, group: int,
-                          rows_bytes_per_pair: int, programs: int, l2_bytes: int, device: torch.device):
-    """key_tile_lists as two int32 tensors on `device`, kept as device_tile_lists keeps the forward's."""
-    args = (n_n, n_bh, Nq, offset, tile_n, block_m, group, rows_bytes_per_pair, programs, l2_bytes)
-    return _kept(("bwd", *args, device), key_tile_lists, args, device)
-
-
-def _kept(key: tuple, make, args: tuple, device: torch.device):
-    """make(*args) as two int32 tensors on device, kept under key for good; (None, None) where it cannot be
-    made now (a CUDA graph being captured, or DEVICE_LISTS_MAX lists kept already)."""
+    key = (n_m, n_bh, Nk, offset, tile_m, block_n, kv_bytes_per_pair, programs, l2_bytes, device)
     hit = _DEVICE_LISTS.get(key)
     if hit is not None:
         return hit
     if len(_DEVICE_LISTS) >= DEVICE_LISTS_MAX or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None, None
-    starts, tiles = make(*args)
+    starts, tiles = causal_tile_lists(*key[:-1])
     # kept for good: a CUDA graph captured with them reads them at every replay (a few KB per causal shape)
     hit = (torch.tensor(starts, dtype=torch.int32, device=device),
            torch.tensor(tiles, dtype=torch.int32, device=device))

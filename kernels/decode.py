@@ -79,7 +79,10 @@ one launch, no merge. Such a launch is not a PDL dependent (option decode_full_g
 the kernel before it has ended (it still lets the next kernel start early). On an H200 at batch 16 and a
 capacity of 32k that was 0.96-1.00x SDPA at 1k-32k keys against 0.81-1.01x for two splits and their merge, and
 the launch without PDL made back-to-back unsplit calls 7-11 % faster and GPT-2's decode step 1 % faster
-(bench/results/decode_attention/full_grid_nodep/).
+(bench/results/decode_attention/full_grid_nodep/). With the decode_full_grid_long_splits option (0, off: the
+automatic count) a full-grid call planned for more keys than decode_full_grid_max_len gets that many splits,
+and its sequences of up to decode_full_grid_max_len keys run unsplit on the device (split_plan's UNSPLIT_MAX),
+so that a graph sized for a long capacity still runs short caches in one split.
 
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
@@ -691,13 +694,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         length = max_len if longest is None else longest
         if window:  # a sequence's planned keys [first, L): the window and the later new tokens
             length = min(length, window + Nq - 1)
+        min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
         if full and length <= opts.decode_full_grid_max_len:  # full_grid_unsplit, its fills_gpu already known
             num_splits = 1
+        elif full and opts.decode_full_grid_long_splits:  # longer: this many splits, shorter sequences unsplit
+            num_splits = max(1, min(opts.decode_full_grid_long_splits, MAX_SPLITS, length // min_chunk))
+            unsplit_max = max(unsplit_max, opts.decode_full_grid_max_len)
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
                                          programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
         long_splits = num_splits  # what sequences longer than the grid's one-block-per-split plan use
-        min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
         deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 else None
         if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program

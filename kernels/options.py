@@ -79,6 +79,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         decode_full_grid_max_len keys (one
                                                                         launch, no merge; kernels/decode.py)
     decode_full_grid_max_len   FLASHGPT_DECODE_FULL_GRID_MAX_LEN=<int>   32768   that length
+    decode_full_grid_long_splits  FLASHGPT_DECODE_FULL_GRID_LONG_SPLITS=<int>   0   such a call planned for
+                                                                        more keys than that gets this many
+                                                                        splits, its sequences of up to that
+                                                                        length running unsplit (0: the
+                                                                        automatic count)
     decode_full_grid_pdl       FLASHGPT_DECODE_FULL_GRID_PDL=0|1   False   such a call is launched as a PDL
                                                                         dependent like the other decode
                                                                         kernels; off: it starts once the previous
@@ -201,6 +206,7 @@ class KernelOptions:
     decode_merge_in_split: bool = False
     decode_full_grid: bool = True
     decode_full_grid_max_len: int = 32768
+    decode_full_grid_long_splits: int = 0
     decode_full_grid_pdl: bool = False
     decode_short_splits: bool = True
     rope_in_flash: bool = True
@@ -250,6 +256,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_merge_in_split": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_full_grid": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_full_grid_max_len": (lambda v: _is_int(v) and v >= 0, "expected an int >= 0"),
+    "decode_full_grid_long_splits": (lambda v: _is_int(v) and v >= 0, "expected an int >= 0"),
     "decode_full_grid_pdl": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_short_splits": (lambda v: isinstance(v, bool), "expected True or False"),
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
@@ -278,7 +285,9 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_min_keys_per_split": "FLASHGPT_DECODE_MIN_KEYS_PER_SPLIT", "llama_kernels": "FLASHGPT_LLAMA_KERNELS",
        "hopper_forward": "FLASHGPT_HOPPER_FWD", "hopper_backward": "FLASHGPT_HOPPER_BWD",
        "decode_merge_in_split": "FLASHGPT_DECODE_MERGE_IN_SPLIT", "decode_full_grid": "FLASHGPT_DECODE_FULL_GRID",
-       "decode_full_grid_max_len": "FLASHGPT_DECODE_FULL_GRID_MAX_LEN", "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
+       "decode_full_grid_max_len": "FLASHGPT_DECODE_FULL_GRID_MAX_LEN",
+       "decode_full_grid_long_splits": "FLASHGPT_DECODE_FULL_GRID_LONG_SPLITS",
+       "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
        "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "lora_addmm": "FLASHGPT_LORA_ADDMM",
        "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",

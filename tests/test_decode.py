@@ -274,7 +274,8 @@ def test_bench_smoke(tmp_path):
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
-                                         "split-noshort", "split-fit", "nosplit", "sdpa", "copy"}
+                                         "split-noshort", "split-long", "split-long-merged", "split-fit",
+                                         "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -590,6 +591,46 @@ def test_full_grid_of_short_capacity_runs_unsplit(dtype, monkeypatch, launched):
             q, k, v, lens_t = make_case(*case, dtype=dtype, seed=12)
             check(q, k, v, lens_t, dtype, check_lens=False, **kw)
             assert [name for name, _ in launched] == ["_decode_split_kernel", "_decode_merge_kernel"], case
+
+
+@pytest.mark.parametrize("merge_in_split", [False, True], ids=["merge-launch", "merge-in-split"])
+def test_full_grid_long_splits_and_short_sequences_unsplit(merge_in_split, monkeypatch, launched):
+    """decode_full_grid_long_splits: a full-grid call (6 sequence-kv-heads on a token GPU of 4 SMs) planned for
+    more keys than decode_full_grid_max_len (64 here) gets that many splits (3), and on the device its sequences
+    of up to 64 keys run unsplit while longer ones split (up to the 3, in whole key blocks): within the
+    float64 budget with the merge launched or inside the split kernel, and as close to the automatic plan
+    (the option off) as the budget allows. The option off or a capacity within the limit keep their plans."""
+    import kernels.decode as dec
+    monkeypatch.setattr(dec, "SINGLE_SPLIT_MAX_LEN", 16)
+    monkeypatch.setattr(kt, "sm_count", lambda device: 4)
+    lens = [3, 64, 200, 250]  # unsplit, unsplit at the limit, split past it
+    unsplit_max = []  # the UNSPLIT_MAX each split launch passes to the device's plan (its scalars' last but one)
+    inner = dec._launch
+    monkeypatch.setattr(dec, "_launch", lambda kernel, grid, tensors, scalars, *rest: (
+        unsplit_max.append(scalars[-2]) if kernel is dec._decode_split_kernel else None,
+        inner(kernel, grid, tensors, scalars, *rest))[1])
+    base = dict(decode_min_keys_per_split=32, decode_full_grid_max_len=64, decode_merge_in_split=merge_in_split)
+    with options.use(**base):
+        q, k, v, lens_t = make_case(4, 3, 3, 1, 32, lens, max_len=256, dtype=torch.float32, seed=31)
+        with options.use(decode_full_grid_long_splits=3):
+            long = check(q, k, v, lens_t, torch.float32, check_lens=False)
+        names = [name for name, _ in launched]
+        assert names == (["_decode_split_kernel"] if merge_in_split else ["_decode_split_kernel",
+                                                                         "_decode_merge_kernel"])
+        assert launched[0][1][0] == 3 and unsplit_max == [64]  # three splits per sequence-kv-head in the grid
+        block_n = dec.default_tile(32, 4, 1).block_n
+        for L in lens:  # the device's plan, by its host twin: one split up to the limit, more past it
+            used = dec.plan_splits(L, 3, 32, 64, block_n)[1]
+            assert (used == 1) if L <= 64 else (1 < used <= 3), (L, used, block_n)
+        launched.clear()
+        auto = check(q, k, v, lens_t, torch.float32, check_lens=False)  # the option off: the automatic count
+        assert launched[0][1][0] != 3 and unsplit_max[-1] == 16
+        torch.testing.assert_close(long, auto, atol=2 * FLOOR[torch.float32], rtol=FLOOR[torch.float32])
+        launched.clear()
+        q, k, v, lens_t = make_case(4, 3, 3, 1, 32, [3, 40, 60, 64], max_len=64, dtype=torch.float32, seed=32)
+        with options.use(decode_full_grid_long_splits=3):  # a capacity within the limit: the full grid, unsplit
+            check(q, k, v, lens_t, torch.float32, check_lens=False)
+        assert launched == [("_decode_split_kernel", (1, 12, 1))]
 
 
 @pytest.mark.parametrize("dependent", [False, True], ids=["not-dependent", "dependent"])

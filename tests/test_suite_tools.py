@@ -102,37 +102,39 @@ def test_broken_cuda_context_ends_a_plain_run(tmp_path):
     assert "test_after" not in out and "1 passed" in out
 
 
+def _dry_run(tmp_path, name: str, python: str):
+    """bench/gpu_check.sh's help_entry_points step alone, run by `python`, its logs under tmp_path / name:
+    (the completed process, the summary log's text)."""
+    env = dict(os.environ, SKIP_TESTS="1", ONLY="^help_entry_points$", OUT=str(tmp_path / name), PYTHON=python)
+    r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    return r, (tmp_path / name / "gpu_check.log").read_text()
+
+
+def _python_wrapper(path, case_line: str):
+    """An executable at path that runs this Python, except where its arguments match case_line's sh case."""
+    path.write_text(f'#!/bin/sh\ncase "$*" in {case_line} esac\nexec {sys.executable} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 def test_gpu_check_dry_run_reports_each_step(tmp_path):
     """One step of the acceptance script on the CPU: its PASS line, the summary, exit 0; a step whose command
     fails gives a FAIL line and a non-zero exit; a step that fails for want of GPU memory runs again alone once
     and says so."""
-    env = dict(os.environ, SKIP_TESTS="1", ONLY="^help_entry_points$", OUT=str(tmp_path / "ok"),
-               PYTHON=sys.executable)
-    r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    summary = (tmp_path / "ok" / "gpu_check.log").read_text()
+    r, summary = _dry_run(tmp_path, "ok", sys.executable)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "PASS  help_entry_points" in summary and "ALL PASSED" in summary
-    broken = tmp_path / "python-without-help"  # the same Python, except that every --help fails
-    broken.write_text(f'#!/bin/sh\ncase "$*" in *--help*) echo "no help" >&2; exit 3;; esac\n'
-                      f'exec {sys.executable} "$@"\n')
-    broken.chmod(0o755)
-    env.update(OUT=str(tmp_path / "bad"), PYTHON=str(broken))
-    r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    summary = (tmp_path / "bad" / "gpu_check.log").read_text()
+    # the same Python, except that every --help fails
+    broken = _python_wrapper(tmp_path / "python-without-help", '*--help*) echo "no help" >&2; exit 3;;')
+    r, summary = _dry_run(tmp_path, "bad", broken)
     assert r.returncode != 0 and "FAIL  help_entry_points" in summary and "1 FAILED" in summary
     # a step that ran out of GPU memory beside the others runs again alone: here its first --help does
     marker = tmp_path / "ran-out-once"
-    oom = tmp_path / "python-out-of-memory-once"
-    oom.write_text(f'#!/bin/sh\ncase "$*" in *--help*) if [ ! -e {marker} ]; then touch {marker}; '
-                   'echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1; fi;; '
-                   f'esac\nexec {sys.executable} "$@"\n')
-    oom.chmod(0o755)
-    env.update(OUT=str(tmp_path / "oom"), PYTHON=str(oom))
-    r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    summary = (tmp_path / "oom" / "gpu_check.log").read_text()
+    oom = _python_wrapper(tmp_path / "python-out-of-memory-once",
+                          f'*--help*) if [ ! -e {marker} ]; then touch {marker}; echo "torch.OutOfMemoryError: '
+                          'CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1; fi;;')
+    r, summary = _dry_run(tmp_path, "oom", oom)
     assert r.returncode == 0 and marker.exists(), r.stdout[-2000:] + r.stderr[-2000:]
     assert "PASS  help_entry_points" in summary and "run again alone: out of GPU memory" in summary
     assert "ALL PASSED" in summary

@@ -310,25 +310,19 @@ def _merge_splits(O_PART, LSE, rows, row_ok, used, NUM_SPLITS, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _split_and_sequence(NUM_SPLITS, LONG_SPLITS, SPLIT_MAJOR: tl.constexpr):
+def _split_and_sequence(NUM_SPLITS, LONG_SPLITS):
     """(split, sequence · H_KV + kv head) of this program of the split kernel's grid (NUM_SPLITS, n, row blocks).
     Taken in launch order (axis 0 fastest), the first LONG_SPLITS · n programs are splits 0 .. LONG_SPLITS - 1
     of every (sequence, kv head) and the rest the splits beyond, which only short sequences use (split_plan):
     so the programs of the long plan start first, one per SM where it planned one, and the extra ones, which
-    exit at once for a long sequence, do not take their places. NUM_SPLITS == LONG_SPLITS: (axis 0, axis 1).
-    SPLIT_MAJOR: split 0 of every (sequence, kv head) first, then split 1 of every one, ...: in a full grid
-    with long splits, the one program of each unsplit sequence starts before the ones that exit at once."""
+    exit at once for a long sequence, do not take their places. NUM_SPLITS == LONG_SPLITS: (axis 0, axis 1)."""
     n = tl.num_programs(1)
     lin = tl.program_id(1) * NUM_SPLITS + tl.program_id(0)
-    if SPLIT_MAJOR:
-        split = lin // n
-        bh = lin % n
-    else:
-        first = LONG_SPLITS * n
-        extra = tl.maximum(NUM_SPLITS - LONG_SPLITS, 1)
-        late = tl.maximum(lin - first, 0)
-        split = tl.where(lin < first, lin % LONG_SPLITS, LONG_SPLITS + late % extra)
-        bh = tl.where(lin < first, lin // LONG_SPLITS, late // extra)
+    first = LONG_SPLITS * n
+    extra = tl.maximum(NUM_SPLITS - LONG_SPLITS, 1)
+    late = tl.maximum(lin - first, 0)
+    split = tl.where(lin < first, lin % LONG_SPLITS, LONG_SPLITS + late % extra)
+    bh = tl.where(lin < first, lin // LONG_SPLITS, late // extra)
     return split, bh
 
 
@@ -343,7 +337,7 @@ def _decode_split_kernel(
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT_MAJOR: tl.constexpr):
+        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows
     (which split of which one: _split_and_sequence, the long plan's programs first).
 
@@ -372,7 +366,7 @@ def _decode_split_kernel(
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS, SPLIT_MAJOR)
+    split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS)
     b = (bh // H_KV).to(tl.int64)
     h_kv = (bh % H_KV).to(tl.int64)
     L = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), MAX_LEN)     # valid cache length
@@ -701,13 +695,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if window:  # a sequence's planned keys [first, L): the window and the later new tokens
             length = min(length, window + Nq - 1)
         min_chunk, unsplit_max = opts.decode_min_keys_per_split, SINGLE_SPLIT_MAX_LEN
-        split_major = False
         if full and length <= opts.decode_full_grid_max_len:  # full_grid_unsplit, its fills_gpu already known
             num_splits = 1
         elif full and opts.decode_full_grid_long_splits:  # longer: this many splits, shorter sequences unsplit
             num_splits = max(1, min(opts.decode_full_grid_long_splits, MAX_SPLITS, length // min_chunk))
             unsplit_max = max(unsplit_max, opts.decode_full_grid_max_len)
-            split_major = True  # each unsplit sequence's one program ahead of those that exit at once
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
                                          programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
@@ -718,7 +710,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
                                        programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
     else:  # exactly num_splits chunks per sequence
-        min_chunk, unsplit_max, long_splits, split_major = 1, 0, num_splits, False
+        min_chunk, unsplit_max, long_splits = 1, 0, num_splits
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     pdl = pdl_enabled(q.device)
     # launched as a PDL dependent (its programs resident before the previous kernel ends) unless its unsplit
@@ -743,8 +735,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0,
-                     SPLIT_MAJOR=split_major), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max, window),

@@ -605,12 +605,10 @@ def test_full_grid_long_splits_and_short_sequences_unsplit(merge_in_split, monke
     monkeypatch.setattr(kt, "sm_count", lambda device: 4)
     lens = [3, 64, 200, 250]  # unsplit, unsplit at the limit, split past it
     unsplit_max = []  # the UNSPLIT_MAX each split launch passes to the device's plan (its scalars' last but one)
-    split_major = []  # and its program order
     inner = dec._launch
-    monkeypatch.setattr(dec, "_launch", lambda kernel, grid, tensors, scalars, consts, *rest: (
-        (unsplit_max.append(scalars[-2]), split_major.append(consts["SPLIT_MAJOR"]))
-        if kernel is dec._decode_split_kernel else None,
-        inner(kernel, grid, tensors, scalars, consts, *rest))[1])
+    monkeypatch.setattr(dec, "_launch", lambda kernel, grid, tensors, scalars, *rest: (
+        unsplit_max.append(scalars[-2]) if kernel is dec._decode_split_kernel else None,
+        inner(kernel, grid, tensors, scalars, *rest))[1])
     base = dict(decode_min_keys_per_split=32, decode_full_grid_max_len=64, decode_merge_in_split=merge_in_split)
     with options.use(**base):
         q, k, v, lens_t = make_case(4, 3, 3, 1, 32, lens, max_len=256, dtype=torch.float32, seed=31)
@@ -620,14 +618,13 @@ def test_full_grid_long_splits_and_short_sequences_unsplit(merge_in_split, monke
         assert names == (["_decode_split_kernel"] if merge_in_split else ["_decode_split_kernel",
                                                                          "_decode_merge_kernel"])
         assert launched[0][1][0] == 3 and unsplit_max == [64]  # three splits per sequence-kv-head in the grid
-        assert split_major == [True]  # split 0 of every sequence-kv-head launched first
         block_n = dec.default_tile(32, 4, 1).block_n
         for L in lens:  # the device's plan, by its host twin: one split up to the limit, more past it
             used = dec.plan_splits(L, 3, 32, 64, block_n)[1]
             assert (used == 1) if L <= 64 else (1 < used <= 3), (L, used, block_n)
         launched.clear()
         auto = check(q, k, v, lens_t, torch.float32, check_lens=False)  # the option off: the automatic count
-        assert launched[0][1][0] != 3 and unsplit_max[-1] == 16 and split_major[-1] is False
+        assert launched[0][1][0] != 3 and unsplit_max[-1] == 16
         torch.testing.assert_close(long, auto, atol=2 * FLOOR[torch.float32], rtol=FLOOR[torch.float32])
         launched.clear()
         q, k, v, lens_t = make_case(4, 3, 3, 1, 32, [3, 40, 60, 64], max_len=64, dtype=torch.float32, seed=32)
@@ -753,8 +750,8 @@ def test_short_grid_plan_on_the_device(dtype, monkeypatch, workspaces):
 
 
 @triton.jit
-def _probe_split_and_sequence(OUT, NUM_SPLITS, LONG_SPLITS, SPLIT_MAJOR: tl.constexpr):
-    split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS, SPLIT_MAJOR)
+def _probe_split_and_sequence(OUT, NUM_SPLITS, LONG_SPLITS):
+    split, bh = _split_and_sequence(NUM_SPLITS, LONG_SPLITS)
     lin = tl.program_id(1) * NUM_SPLITS + tl.program_id(0)  # launch order
     tl.store(OUT + 2 * lin, split)
     tl.store(OUT + 2 * lin + 1, bh)
@@ -765,16 +762,7 @@ def test_split_and_sequence_orders_the_long_plan_first():
     order the first LONG_SPLITS · n programs are exactly splits 0 .. LONG_SPLITS - 1 (the long plan's)."""
     for num, long, n in [(16, 11, 12), (8, 4, 3), (5, 5, 7), (1, 1, 4), (9, 1, 2)]:
         out = torch.full((num * n, 2), -1, dtype=torch.int32, device=DEVICE)
-        _probe_split_and_sequence[(num, n, 1)](out, num, long, False)
+        _probe_split_and_sequence[(num, n, 1)](out, num, long)
         pairs = [tuple(p) for p in out.tolist()]
         assert sorted(pairs) == [(s, b) for s in range(num) for b in range(n)], (num, long, n)
         assert all(s < long for s, _ in pairs[:long * n]) and all(s >= long for s, _ in pairs[long * n:])
-
-
-def test_split_and_sequence_split_major_orders_split_zero_first():
-    """SPLIT_MAJOR: every pair exactly once, in launch order split 0 of every sequence-kv-head, then split 1
-    of every one, ... (so an unsplit sequence's one program comes before the programs that exit at once)."""
-    for num, n in [(16, 12), (3, 7), (1, 4), (5, 1)]:
-        out = torch.full((num * n, 2), -1, dtype=torch.int32, device=DEVICE)
-        _probe_split_and_sequence[(num, n, 1)](out, num, num, True)
-        assert [tuple(p) for p in out.tolist()] == [(s, b) for s in range(num) for b in range(n)], (num, n)

@@ -18,7 +18,8 @@
 #
 # Every step prints one line, PASS or FAIL, with its time; a failed step's log tail follows it. The script
 # exits non-zero when any step failed; the test suite's step fails too when a test started and never ended
-# (hung, or still running at the TEST_S limit: tests/durations.py --unfinished names them). Logs go to $OUT
+# (hung, or still running at the TEST_S limit: tests/durations.py --unfinished names them); a suite stopped before
+# pytest's summary line ends its log with the verdicts of the test times (tests/durations.py --ended). Logs go to $OUT
 # (default runs/gpu_check): gpu_check.log (this summary), pytest.log (the test suite), test_times.tsv (each test's
 # duration), test_failures.txt (each failure's report, written as it happened), gpu_memory.tsv (each GPU test's
 # peak of reserved memory) and gpu_check_logs.tgz (every
@@ -291,6 +292,15 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     timeout -s INT -k 30 "${TEST_S:-420}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
       tests -rfE --durations=60 --test-times "$OUT/test_times.tsv" --failure-log "$OUT/test_failures.txt" \
       --gpu-memory "$OUT/gpu_memory.tsv"
+    local rc=$? collected
+    # stopped with no summary line of pytest's (at the limit, possibly while its workers shut down after the last
+    # test): the verdicts as the test times have them, against the count collected; the step still fails
+    collected=$(grep -oE "(workers \[|collected )[0-9]+ item" "$LOGS/gpu_test_suite.log" | grep -oE "[0-9]+" | head -1)
+    if [ $rc -ne 0 ] && [ -n "$collected" ] && ! tail -1 "$LOGS/gpu_test_suite.log" | grep -qE "=+ .* in [0-9.]+s"; then
+      echo "== pytest stopped (exit $rc) before its summary: $("$PY" tests/durations.py --ended "$collected" \
+        "$OUT/test_times.tsv" 2>&1)"
+    fi
+    return $rc
   }
   run gpu_test_suite tests_ok suite
   cp "$LOGS/gpu_test_suite.log" "$OUT/pytest.log"

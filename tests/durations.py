@@ -2,6 +2,7 @@
 
     python tests/durations.py runs/gpu_check/test_times.tsv          # after `bash bench/gpu_check.sh` on a GPU
     python tests/durations.py --unfinished runs/gpu_check/test_times.tsv   # the tests that never ended
+    python tests/durations.py --ended 3863 runs/gpu_check/test_times.tsv   # the verdicts of a run of 3,863 tests
 
 A test's seconds are the sum of its phases (setup, call, teardown). A test that started and never ended (still
 running when the run was stopped) is given the longest time of the table, so that the next run starts it first.
@@ -54,6 +55,35 @@ def unfinished(path: str) -> list[str]:
     return [t for t in started if t not in ended]
 
 
+def verdicts(path: str) -> dict[str, str]:
+    """{test id: "passed" | "skipped" | "failed"} of the tests of a --test-times file that ended (torn down, or
+    crashed with their worker): failed where any phase failed or the worker crashed, else skipped where a phase
+    was skipped, else passed."""
+    phases: dict[str, set[str]] = defaultdict(set)
+    ended = set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 5:
+                raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
+            phases[parts[4]].add("failed" if parts[1] == CRASHED else parts[2])
+            if parts[1] in ("teardown", CRASHED):
+                ended.add(parts[4])
+    return {t: next((v for v in ("failed", "skipped") if v in phases[t]), "passed") for t in ended}
+
+
+def ended_summary(path: str, collected: int) -> tuple[bool, str]:
+    """(whether all `collected` tests ended and none failed, one line saying how many of each verdict)."""
+    counts = defaultdict(int)
+    for v in verdicts(path).values():
+        counts[v] += 1
+    ended, hung = sum(counts.values()), unfinished(path)
+    line = (f"{ended} of {collected} tests ended: {counts['passed']} passed, {counts['skipped']} skipped, "
+            + (f"{counts['failed']} failed" if counts["failed"] else "none failed")
+            + (f"; {len(hung)} never ended" if hung else ""))
+    return ended == collected and not counts["failed"] and not hung, line
+
+
 def read_table(path: str) -> dict[str, float]:
     if not os.path.exists(path):
         return {}
@@ -83,7 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", default=TABLE, help="the table to update (default tests/gpu_durations.tsv)")
     p.add_argument("--unfinished", action="store_true",
                    help="only list the tests that started and never ended (exit 1 if there are any); no table")
+    p.add_argument("--ended", type=int, metavar="N",
+                   help="only say how many of the run's N collected tests ended with each verdict (exit 1 unless "
+                        "all N ended and none failed); no table")
     a = p.parse_args(argv)
+    if a.ended is not None:
+        try:
+            complete, line = ended_summary(a.times, a.ended)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(line)
+        return 0 if complete else 1
     if a.unfinished:
         try:
             hung = unfinished(a.times)

@@ -102,10 +102,12 @@ def test_broken_cuda_context_ends_a_plain_run(tmp_path):
     assert "test_after" not in out and "1 passed" in out
 
 
-def _dry_run(tmp_path, name: str, python: str):
-    """bench/gpu_check.sh's help_entry_points step alone, run by `python`, its logs under tmp_path / name:
-    (the completed process, the summary log's text)."""
-    env = dict(os.environ, SKIP_TESTS="1", ONLY="^help_entry_points$", OUT=str(tmp_path / name), PYTHON=python)
+def _dry_run(tmp_path, name: str, python: str, step: str = "help_entry_points"):
+    """bench/gpu_check.sh's step `step` alone (help_entry_points, or gpu_test_suite), run by `python`, its logs
+    under tmp_path / name: (the completed process, the summary log's text)."""
+    env = dict(os.environ, ONLY=f"^{step}$", OUT=str(tmp_path / name), PYTHON=python)
+    if step != "gpu_test_suite":
+        env["SKIP_TESTS"] = "1"
     r = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     return r, (tmp_path / name / "gpu_check.log").read_text()
@@ -138,6 +140,54 @@ def test_gpu_check_dry_run_reports_each_step(tmp_path):
     assert r.returncode == 0 and marker.exists(), r.stdout[-2000:] + r.stderr[-2000:]
     assert "PASS  help_entry_points" in summary and "run again alone: out of GPU memory" in summary
     assert "ALL PASSED" in summary
+
+
+def test_gpu_check_suite_stopped_before_its_summary_says_the_verdicts(tmp_path):
+    """The acceptance script's test-suite step, its pytest stopped (exit 130) after the last test ended but
+    before its summary line: the step still fails, and its log ends with the verdicts of the test times against
+    the count collected; a run that ends normally is left as pytest printed it."""
+    times = tmp_path / "stopped" / "test_times.tsv"
+    lines = "".join(f"0.1\t{phase}\t{outcome}\tgw0\ttests/a.py::{t}\\n"
+                    for t, outcome in (("ok", "passed"), ("skip", "skipped"))
+                    for phase in ("setup", "teardown"))
+    stopped = _python_wrapper(tmp_path / "python-stopped",
+                              f'*"-m pytest"*) printf "16 workers [2 items]\\n" ; printf "{lines}" >> {times}; '
+                              'echo "Traceback (most recent call last):"; exit 130;;')
+    r, summary = _dry_run(tmp_path, "stopped", stopped, step="gpu_test_suite")
+    assert r.returncode != 0 and "FAIL  gpu_test_suite" in summary and "exit 130" in summary, summary
+    assert summary.rstrip().splitlines()[-2].strip() == (
+        "== pytest stopped (exit 130) before its summary: 2 of 2 tests ended: 1 passed, 1 skipped, none failed")
+    finished = _python_wrapper(tmp_path / "python-finished",
+                               '*"-m pytest"*) printf "16 workers [2 items]\\n'
+                               '=== 1 passed, 1 skipped in 1.00s ===\\n"; '
+                               f'mkdir -p {times.parent.parent / "finished"}; '
+                               f'printf "{lines}" >> {times.parent.parent / "finished" / "test_times.tsv"}; exit 0;;')
+    r, summary = _dry_run(tmp_path, "finished", finished, step="gpu_test_suite")
+    assert r.returncode == 0 and "PASS  gpu_test_suite" in summary and "stopped" not in summary, summary
+
+
+def test_ended_counts_each_verdict_of_the_test_times(tmp_path):
+    """tests/durations.py --ended N: the ended tests' verdicts (a failed or crashed phase: failed; a skipped
+    one: skipped), exit 0 only when all N ended and none failed; 2 on a bad file."""
+    times = tmp_path / "times.tsv"
+    rows = [("setup", "passed", "ok"), ("call", "passed", "ok"), ("teardown", "passed", "ok"),
+            ("setup", "skipped", "skip"), ("teardown", "passed", "skip"),
+            ("setup", "passed", "bad"), ("call", "failed", "bad"), ("teardown", "passed", "bad"),
+            ("setup", "passed", "crash"), ("???", "failed", "crash"), ("setup", "passed", "hung")]
+    times.write_text("".join(f"0.1\t{w}\t{o}\tgw0\ttests/a.py::{t}\n" for w, o, t in rows))
+
+    def ended(path, n):
+        return subprocess.run([sys.executable, "tests/durations.py", "--ended", str(n), str(path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    r = ended(times, 5)
+    assert r.returncode == 1 and r.stdout.strip() == (
+        "4 of 5 tests ended: 1 passed, 1 skipped, 2 failed; 1 never ended")
+    times.write_text("".join(f"0.1\t{w}\t{o}\tgw0\ttests/a.py::{t}\n" for w, o, t in rows[:5]))
+    assert ended(times, 2).returncode == 0 and ended(times, 3).returncode == 1
+    assert ended(times, 2).stdout.strip() == "2 of 2 tests ended: 1 passed, 1 skipped, none failed"
+    times.write_text("0.1\tsetup\n")
+    r = ended(times, 1)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1
 
 
 def test_longest_first_orders_by_the_table_and_keeps_every_test(tmp_path):

@@ -23,6 +23,8 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    (LONG_OPTIONS): a call whose unsplit programs fill the GPU, planned for more than 4,096 keys,
                    gets 16 splits, its sequences of up to 4,096 keys unsplit on the device
     split-long-merged  split-long under decode_merge_in_split too (no merge launch)
+    split-tma      the same under decode_tma=True: the split kernel reads K and V through TMA tensor descriptors
+                   over the whole caches (Hopper, 16-bit caches; elsewhere the same pointer loads as split)
     split-fit      the same as split over a cache view of exactly L positions (the grid sized for L)
     nosplit        decode_attention(..., num_splits=1): one program per (sequence, kv head), the baseline
     sdpa           F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
@@ -88,10 +90,11 @@ PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel 
                     "split-noshort": dict(decode_short_splits=False),
                     "split-long": dict(decode_full_grid_max_len=4096, decode_full_grid_long_splits=16),
                     "split-long-merged": dict(decode_full_grid_max_len=4096, decode_full_grid_long_splits=16,
-                                              decode_merge_in_split=True)}
+                                              decode_merge_in_split=True),
+                    "split-tma": dict(decode_tma=True)}
 # the decode providers are checked again after timing
 DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-noshort",
-                    "split-long", "split-long-merged", "split-fit", "nosplit")
+                    "split-long", "split-long-merged", "split-tma", "split-fit", "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "sdpa-mask", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -451,6 +454,7 @@ class Run:
             "split-noshort": split,
             "split-long": split,
             "split-long-merged": split,
+            "split-tma": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False, window=W),
             "nosplit": lambda i: dec.decode_attention(q, shape.k[i], shape.v[i], lens, num_splits=1, out=out,

@@ -84,6 +84,12 @@ automatic count) a full-grid call planned for more keys than decode_full_grid_ma
 and its sequences of up to decode_full_grid_max_len keys run unsplit on the device (split_plan's UNSPLIT_MAX),
 so that a graph sized for a long capacity still runs short caches in one split.
 
+TMA loads (kernels.options decode_tma, FLASHGPT_DECODE_TMA=1; off by default): the split kernel reads K and V
+through TMA tensor descriptors over the whole (B, Hkv, max_len, D) caches, (1, 1, BLOCK_N, BLOCK_D) blocks built
+on the host (no per-program descriptor set-up), instead of pointer loads, where decode_tma_ok allows it: a
+Hopper-or-newer GPU, 16-bit caches, unit stride along D, a 16-byte aligned base and strides. Rows past a
+sequence's length are then read as they are and masked in registers (scores to -inf, V rows to 0).
+
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
 dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of
@@ -105,6 +111,11 @@ import triton.language as tl
 from . import _triton
 from . import options as _options
 from .pdl import pdl_enabled
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side descriptors: pointer loads only
+    TensorDescriptor = None
 
 MAX_NQ = 16           # new tokens per call
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -232,20 +243,36 @@ def _first_key(L, WINDOW, N_Q: tl.constexpr, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok,
+def _load_kv_tile(X, b, h_kv, start, keys, offs_d, kv_ok, stride_xn, stride_xd, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) tile of cache rows start .. start + BLOCK_N - 1 of sequence b, kv head h_kv.
+    TMA: X is a tensor descriptor over the whole (B, H_KV, max_len, D) cache, (1, 1, BLOCK_N, BLOCK_D) blocks
+    (zeros past max_len and past D); rows past the sequence's length are read as they are (the caller masks
+    them). Otherwise X points at this kv head's first row and the load is masked by kv_ok (zeros)."""
+    if TMA:
+        x = tl.reshape(X.load([b.to(tl.int32), h_kv.to(tl.int32), start, 0]), [BLOCK_N, BLOCK_D])
+    else:
+        x = tl.load(X + keys[:, None] * stride_xn + offs_d[None, :] * stride_xd, mask=kv_ok, other=0.0)
+    return x
+
+
+@triton.jit
+def _attend_block(acc, l_i, m_i, q, K, V, b, h_kv, start, hi, q_pos, offs_n, offs_d, d_ok,
                   stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT: tl.constexpr,
-                  PRECISION: tl.constexpr, ROW_WINDOW: tl.constexpr):
+                  PRECISION: tl.constexpr, ROW_WINDOW: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N), of which those >= hi do not exist.
 
-    K and V are loaded as (BLOCK_N, BLOCK_D) tiles, rows of D contiguous elements. Scores are in log2 units
-    (qk_scale includes log2(e)), so exp2 replaces exp. DOT=False: q holds one row (BLOCK_M == 1). ROW_WINDOW
-    (a window with several new tokens): a row at q_pos sees only keys > q_pos - WINDOW (with one new token the
-    key range itself starts at its window).
+    K and V are loaded as (BLOCK_N, BLOCK_D) tiles, rows of D contiguous elements (_load_kv_tile; TMA: whatever
+    the rows >= hi hold, NaN included, never reaches the result: their scores are masked to -inf and their V
+    rows to 0). Scores are in log2 units (qk_scale includes log2(e)), so exp2 replaces exp. DOT=False: q holds
+    one row (BLOCK_M == 1). ROW_WINDOW (a window with several new tokens): a row at q_pos sees only keys
+    > q_pos - WINDOW (with one new token the key range itself starts at its window).
     """
     keys = start + offs_n                                                       # (BLOCK_N,)
     k_ok = keys < hi
     kv_ok = k_ok[:, None] & d_ok[None, :]                                       # (BLOCK_N, BLOCK_D)
-    k = tl.load(K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    k = _load_kv_tile(K, b, h_kv, start, keys, offs_d, kv_ok, stride_kn, stride_kd, BLOCK_N, BLOCK_D, TMA)
     if DOT:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                  # (BLOCK_M, BLOCK_N)
     else:
@@ -261,7 +288,9 @@ def _attend_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_n, offs_d, d_ok
     alpha = tl.exp2(m_i - m_ref)                                                # rescales the old l, acc
     p = tl.exp2(s - m_ref[:, None])                                             # (BLOCK_M, BLOCK_N)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+    v = _load_kv_tile(V, b, h_kv, start, keys, offs_d, kv_ok, stride_vn, stride_vd, BLOCK_N, BLOCK_D, TMA)
+    if TMA:
+        v = tl.where(k_ok[:, None], v, 0.0)                                     # 0 * NaN would be NaN
     if DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)               # (BLOCK_M, BLOCK_D)
     else:
@@ -337,7 +366,7 @@ def _decode_split_kernel(
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows
     (which split of which one: _split_and_sequence, the long plan's programs first).
 
@@ -358,6 +387,8 @@ def _decode_split_kernel(
     blocks,) int32, one zero per (sequence, kv head, row block), with an acq_rel atomic; the program that
     counts last (used - 1 before it) resets the counter to 0 and merges the used parts into OUT
     (_merge_splits, the loads bypassing L1), so no merge launch follows.
+
+    TMA: K and V are tensor descriptors over the whole caches (decode_tma_ok), not pointers.
 
     HAS_WINDOW: a sliding window of WINDOW positions (the row at q_pos sees q_pos - WINDOW < j <= q_pos); the
     splits cover only the keys from the earliest row's window on (_first_key), so the keys read, and the
@@ -389,8 +420,9 @@ def _decode_split_kernel(
 
     q = tl.load(Q + b * stride_qb + h_q[:, None] * stride_qh + i_q[:, None] * stride_qn
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    K += b * stride_kb + h_kv * stride_kh
-    V += b * stride_vb + h_kv * stride_vh
+    if not TMA:  # descriptors take (b, h_kv) as coordinates
+        K += b * stride_kb + h_kv * stride_kh
+        V += b * stride_vb + h_kv * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                          # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
@@ -398,16 +430,16 @@ def _decode_split_kernel(
     ROW_WINDOW: tl.constexpr = HAS_WINDOW and N_Q > 1
     if STRIDED:  # blocks split, split + used, ...: at any moment the used splits read neighbouring blocks
         for start in range(lo + split * BLOCK_N, L, used * BLOCK_N):
-            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, L, q_pos, offs_n, offs_d, d_ok,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
-                                          PRECISION, ROW_WINDOW)
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, b, h_kv, start, L, q_pos, offs_n, offs_d,
+                                          d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
+                                          PRECISION, ROW_WINDOW, TMA, BLOCK_N, BLOCK_D)
     else:  # one contiguous chunk
         c_lo = lo + split * chunk
         c_hi = tl.minimum(c_lo + chunk, L)
         for start in range(c_lo, c_hi, BLOCK_N):
-            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, start, c_hi, q_pos, offs_n, offs_d, d_ok,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
-                                          PRECISION, ROW_WINDOW)
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, b, h_kv, start, c_hi, q_pos, offs_n, offs_d,
+                                          d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
+                                          PRECISION, ROW_WINDOW, TMA, BLOCK_N, BLOCK_D)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # rows with no key: 0
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -642,7 +674,7 @@ def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, l
     this signature has been launched before (CUDA, fast_launch option on)."""
     global _direct_launch_ok
     direct = (_direct_launch_ok and not _triton.INTERPRET and _options.get().fast_launch
-              and tensors[0].device.type == "cuda")
+              and tensors[0].device.type == "cuda" and all(isinstance(t, torch.Tensor) for t in tensors))
     if not direct:
         kernel[grid](*tensors, *scalars, **consts, **launch)
         return
@@ -661,6 +693,32 @@ def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, l
         if len(_compiled) >= _COMPILED_MAX:
             _compiled.clear()
         _compiled[key] = compiled
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _tma_device(device: torch.device) -> bool:
+    """A device whose kernels can read through TMA: a Hopper-or-newer GPU, or any under the interpreter."""
+    return _triton.INTERPRET or (device.type == "cuda" and _hopper_or_newer(device.index or 0))
+
+
+def decode_tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the split kernel reads these caches through TMA tensor descriptors: the decode_tma option on,
+    Triton's host TensorDescriptor, a Hopper-or-newer GPU (or the interpreter), 16-bit elements, unit stride
+    along D, and the base and every other stride a multiple of 16 bytes (no copy is made to get there:
+    otherwise pointer loads)."""
+    if not _options.get().decode_tma or TensorDescriptor is None:
+        return False
+    if not _tma_device(k_cache.device):
+        return False
+    for t in (k_cache, v_cache):
+        size = t.element_size()
+        if size != 2 or t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
@@ -728,14 +786,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = _triton.empty((B * Hq * Nq, num_splits), torch.float32, q.device)
     counters = merge_counters(q.device, B * Hkv * row_blocks) if merge_in_split else out  # else unused
     merge_tile_s = min(MERGE_TILE, max(1, MERGE_STEP // (BLOCK_M * BLOCK_D)))  # splits per in-split merge step
+    tma = decode_tma_ok(k_cache, v_cache)
+    k_in, v_in = k_cache, v_cache
+    if tma:  # (1, 1, BLOCK_N, BLOCK_D) blocks of the whole (B, Hkv, max_len, D) caches
+        k_in, v_in = (TensorDescriptor.from_tensor(t, [1, 1, tile.block_n, BLOCK_D]) for t in (k_cache, v_cache))
     with _triton.device_guard(q):
         _launch(_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
-                (q, k_cache, v_cache, cache_lens, o_part, lse, out, counters),
+                (q, k_in, v_in, cache_lens, o_part, lse, out, counters),
                 (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0, TMA=tma), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
@@ -745,5 +807,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-__all__ = ["decode_attention", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile", "default_tile",
-           "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "decode_tma_ok", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile",
+           "default_tile", "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

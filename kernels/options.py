@@ -101,6 +101,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         used-th block from its own index (at any
                                                                         moment the splits read neighbouring
                                                                         blocks), or one contiguous chunk
+    decode_tma                 FLASHGPT_DECODE_TMA=0|1           False   the split-KV decode reads K and V through
+                                                                        TMA tensor descriptors over the whole
+                                                                        cache (Hopper, 16-bit caches with unit
+                                                                        stride along D and 16-byte aligned
+                                                                        strides); off: pointer loads
     rope_in_flash              FLASHGPT_ROPE_IN_FLASH=0|1        True   a RoPE model's training/prefill call without
                                                                         a KV cache hands its RoPE tables to the
                                                                         packed flash call, whose backward kernels
@@ -212,6 +217,7 @@ class KernelOptions:
     rope_in_flash: bool = True
     lora_addmm: bool = False
     decode_split_order: str = "strided"
+    decode_tma: bool = False
     hopper_tile_lists: bool = True
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
@@ -262,6 +268,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "rope_in_flash": (lambda v: isinstance(v, bool), "expected True or False"),
     "lora_addmm": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
+    "decode_tma": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
@@ -290,7 +297,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_full_grid_pdl": "FLASHGPT_DECODE_FULL_GRID_PDL",
        "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "lora_addmm": "FLASHGPT_LORA_ADDMM",
-       "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER",
+       "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER", "decode_tma": "FLASHGPT_DECODE_TMA",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
        "hopper_lane_sums": "FLASHGPT_HOPPER_LANE_SUMS",

@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 import kernels._triton as kt  # noqa: E402
 from kernels import options  # noqa: E402
 from kernels.decode import (MAX_SPLITS, _split_and_sequence, auto_num_splits, decode_attention,  # noqa: E402
-                            default_tile, short_grid_splits)
+                            decode_tma_ok, default_tile, short_grid_splits)
 from kernels.naive import naive_attention  # noqa: E402
 from tests.util import pythonpath  # noqa: E402
 
@@ -274,7 +274,7 @@ def test_bench_smoke(tmp_path):
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
-                                         "split-noshort", "split-long", "split-long-merged", "split-fit",
+                                         "split-noshort", "split-long", "split-long-merged", "split-tma", "split-fit",
                                          "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
@@ -766,3 +766,63 @@ def test_split_and_sequence_orders_the_long_plan_first():
         pairs = [tuple(p) for p in out.tolist()]
         assert sorted(pairs) == [(s, b) for s in range(num) for b in range(n)], (num, long, n)
         assert all(s < long for s, _ in pairs[:long * n]) and all(s >= long for s, _ in pairs[long * n:])
+
+
+def _tma_flags(monkeypatch) -> list:
+    """The TMA constexpr of each split-kernel launch decode_attention makes (they still run)."""
+    import kernels.decode as dec
+    flags = []
+    inner = dec._launch
+
+    def recording(kernel, grid, tensors, scalars, consts, *rest):
+        if kernel is dec._decode_split_kernel:
+            flags.append(consts["TMA"])
+        return inner(kernel, grid, tensors, scalars, consts, *rest)
+    monkeypatch.setattr(dec, "_launch", recording)
+    return flags
+
+
+@pytest.mark.parametrize("dtype", [t for t in DTYPES if t.itemsize == 2], ids=str)
+@pytest.mark.parametrize("Hq, Hkv, Nq, D, lens, max_len, window, num_splits, merged", [
+    (4, 4, 1, 64, LENS_NQ1, 1040, 0, None, False),
+    (8, 2, 4, 64, LENS_NQ4, 1040, 0, 6, False),
+    (8, 2, 4, 64, LENS_NQ4, 1040, 0, None, True),
+    (6, 1, 2, 40, [2, 90, 333], 400, 50, None, False),
+    (4, 2, 1, 128, [1, 129, 300], 300, 0, 1, False),
+], ids=["mha-auto", "gqa-split6", "gqa-merged", "mqa-d40-window", "d128-nosplit-full"])
+def test_tma_loads_give_the_pointer_loads_result(dtype, Hq, Hkv, Nq, D, lens, max_len, window, num_splits,
+                                                  merged, monkeypatch):
+    """decode_tma: the split kernel reads K and V through tensor descriptors over the whole caches (zeros past
+    D, NaN/inf/huge garbage past each length masked), within the float64 budget and equal to the pointer loads'
+    result, for MHA/GQA/MQA, several new tokens, a padded head dim, a window, forced, automatic and single
+    splits, the merge launched or inside the split kernel."""
+    flags = _tma_flags(monkeypatch)
+    q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, D, lens, max_len=max_len, dtype=dtype, seed=D + Nq)
+    kw = dict(num_splits=num_splits, window=window)
+    with options.use(decode_merge_in_split=merged):
+        plain = run_decode(q, k, v, lens_t, **kw)
+        with options.use(decode_tma=True):
+            assert decode_tma_ok(k, v)
+            tma = check(q, k, v, lens_t, dtype, **kw)
+    assert flags[-1] is True and not any(flags[:len(flags) // 2]), flags
+    assert torch.equal(tma, plain)
+
+
+def test_tma_refuses_what_descriptors_cannot_read(monkeypatch):
+    """decode_tma_ok: off unless the option is on; never for 32-bit caches, rows that are not a multiple of 16
+    bytes, or a view whose start is not 16-byte aligned (pointer loads then give the float64-budget result); a
+    view of a larger cache whose strides and start are aligned still takes descriptors."""
+    flags = _tma_flags(monkeypatch)
+    q, k, v, lens_t = make_case(2, 4, 2, 1, 64, [5, 200], max_len=256, dtype=torch.float16, seed=3)
+    assert not decode_tma_ok(k, v)                                              # the option off
+    with options.use(decode_tma=True):
+        assert decode_tma_ok(k, v) and decode_tma_ok(k[:, :, :210], v[:, :, :210])
+        assert not decode_tma_ok(k.float(), v.float())
+        q36, k36, v36, lens36 = make_case(2, 4, 2, 1, 36, [5, 200], max_len=256, dtype=torch.float16, seed=4)
+        assert not decode_tma_ok(k36, v36)                                      # 72-byte rows
+        check(q36, k36, v36, lens36, torch.float16)
+        wide = torch.cat([k, k[..., :8]], -1)                                    # (B, Hkv, 256, 72): 144-byte rows
+        shifted_k = wide[..., 4:68]                                              # starts 8 bytes in
+        assert not decode_tma_ok(shifted_k, v)
+        check(q, shifted_k, v, lens_t, torch.float16)
+    assert flags == [False, False], flags

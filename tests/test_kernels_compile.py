@@ -192,6 +192,11 @@ def _split_attention(dtype) -> None:
         for order in ("strided", "chunks"):
             with options.use(pdl=True, decode_merge_in_split=merge, decode_split_order=order):
                 decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
+        # TMA descriptor loads (decode_tma): that batch-1 plan, and batch 16's full grid (one split)
+        with options.use(pdl=True, decode_merge_in_split=merge, decode_tma=True):
+            decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
+            q16, cache16 = torch.randn(16, 12, 1, 64).to(dtype), torch.randn(16, 12, 1024, 64).to(dtype)
+            decode_attention(q16, cache16, cache16, torch.full((16,), 1000), check_lens=False)
 
 
 # the child processes' shares of the launches (tests/util.py: compiled_records), each about a third of the time
@@ -217,6 +222,7 @@ def compile_decode_launches(part: str | None = None) -> list[dict]:
 
     kt.check_device = lambda device, what: None  # CPU tensors stand in for the GPU's; nothing is launched
     kt.sm_count = lambda device: H200_SMS
+    decode._tma_device = lambda device: True  # descriptors over the CPU tensors, as over a Hopper GPU's
     ll.pdl_enabled = decode.pdl_enabled = dm.pdl_enabled = rn.pdl_enabled = qr.pdl_enabled = \
         lambda device: triton_has_gdc() and options.get().pdl
     torch.manual_seed(0)
@@ -293,7 +299,8 @@ def _tags(rec: dict) -> set[str]:
     else:
         tags.update({f"d{c['HEAD_DIM']}", "split" if c.get("SPLIT", True) else "no_split",
                      "gqa" if c.get("GROUP", 1) > 1 else "mha", "dot" if c.get("DOT", True) else "vec",
-                     "merge" if c.get("MERGE") else "no_merge", "strided" if c.get("STRIDED") else "chunks"})
+                     "merge" if c.get("MERGE") else "no_merge", "strided" if c.get("STRIDED") else "chunks",
+                     "tma" if c.get("TMA") else "pointers"})
         if "stages" in rec:
             tags.add(f"stages{rec['stages']}")
     return tags
@@ -334,6 +341,10 @@ OTHER_MODES = [
     "_decode_split_kernel mha d64 split pdl dot merge strided stages4",
     "_decode_split_kernel mha d64 split pdl dot no_merge chunks stages4",
     "_decode_split_kernel mha d64 split pdl dot no_merge strided stages3",
+    # TMA descriptor loads (decode_tma): that batch-1 plan, and batch 16's full grid
+    "_decode_split_kernel mha d64 split pdl dot no_merge strided stages4 tma",
+    "_decode_split_kernel mha d64 split pdl dot merge strided stages4 tma",
+    "_decode_split_kernel mha d64 no_split tma",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py), with and without PDL, each dtype
@@ -411,7 +422,8 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     bf16, GQA, head dims 64 and 128, split and unsplit attention, merged by the merge kernel or inside the split
     kernel (with its acq_rel counter and L1-bypassing loads in the PTX), dot and broadcast-and-sum tiles) compiles
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
-    (the automatic count's four-stage tile at batch 1 included, in both split orders); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    (the automatic count's four-stage tile at batch 1 included, in both split orders, and with TMA descriptor
+    loads); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
     the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch

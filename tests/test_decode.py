@@ -793,9 +793,9 @@ def _tma_flags(monkeypatch) -> list:
 def test_tma_loads_give_the_pointer_loads_result(dtype, Hq, Hkv, Nq, D, lens, max_len, window, num_splits,
                                                   merged, monkeypatch):
     """decode_tma: the split kernel reads K and V through tensor descriptors over the whole caches (zeros past
-    D, NaN/inf/huge garbage past each length masked), within the float64 budget and equal to the pointer loads'
-    result, for MHA/GQA/MQA, several new tokens, a padded head dim, a window, forced, automatic and single
-    splits, the merge launched or inside the split kernel."""
+    D, NaN/inf/huge garbage past each length masked), within the float64 budget, for MHA/GQA/MQA, several new
+    tokens, a padded head dim, a window, forced, automatic and single splits, the merge launched or inside the
+    split kernel (equal to the pointer loads' result in the interpreter)."""
     flags = _tma_flags(monkeypatch)
     q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, D, lens, max_len=max_len, dtype=dtype, seed=D + Nq)
     kw = dict(num_splits=num_splits, window=window)
@@ -805,7 +805,8 @@ def test_tma_loads_give_the_pointer_loads_result(dtype, Hq, Hkv, Nq, D, lens, ma
             assert decode_tma_ok(k, v)
             tma = check(q, k, v, lens_t, dtype, **kw)
     assert flags[-1] is True and not any(flags[:len(flags) // 2]), flags
-    assert torch.equal(tma, plain)
+    if DEVICE.type == "cpu":  # the interpreter: the same values in the same order (a GPU may pick other MMAs)
+        assert torch.equal(tma, plain)
 
 
 def test_tma_refuses_what_descriptors_cannot_read(monkeypatch):

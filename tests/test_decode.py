@@ -768,6 +768,12 @@ def test_split_and_sequence_orders_the_long_plan_first():
         assert all(s < long for s, _ in pairs[:long * n]) and all(s >= long for s, _ in pairs[long * n:])
 
 
+def _needs_tma_device() -> None:
+    import kernels.decode as dec
+    if not dec._tma_device(DEVICE):
+        pytest.skip("TMA descriptor loads need a Hopper-or-newer GPU (or the interpreter)")
+
+
 def _tma_flags(monkeypatch) -> list:
     """The TMA constexpr of each split-kernel launch decode_attention makes (they still run)."""
     import kernels.decode as dec
@@ -796,6 +802,7 @@ def test_tma_loads_give_the_pointer_loads_result(dtype, Hq, Hkv, Nq, D, lens, ma
     D, NaN/inf/huge garbage past each length masked), within the float64 budget, for MHA/GQA/MQA, several new
     tokens, a padded head dim, a window, forced, automatic and single splits, the merge launched or inside the
     split kernel (equal to the pointer loads' result in the interpreter)."""
+    _needs_tma_device()
     flags = _tma_flags(monkeypatch)
     q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, D, lens, max_len=max_len, dtype=dtype, seed=D + Nq)
     kw = dict(num_splits=num_splits, window=window)
@@ -813,6 +820,7 @@ def test_tma_refuses_what_descriptors_cannot_read(monkeypatch):
     """decode_tma_ok: off unless the option is on; never for 32-bit caches, rows that are not a multiple of 16
     bytes, or a view whose start is not 16-byte aligned (pointer loads then give the float64-budget result); a
     view of a larger cache whose strides and start are aligned still takes descriptors."""
+    _needs_tma_device()
     flags = _tma_flags(monkeypatch)
     q, k, v, lens_t = make_case(2, 4, 2, 1, 64, [5, 200], max_len=256, dtype=torch.float16, seed=3)
     assert not decode_tma_ok(k, v)                                              # the option off

@@ -663,10 +663,18 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor:
 # Compiled split/merge kernels per launch signature, so that a repeated launch (every decode step of an eager
 # loop) calls Triton's launcher directly instead of JITFunction.run's per-call argument binding and cache-key
 # work. The key holds every runtime argument by value and each tensor's dtype and 16-byte alignment (what
-# Triton specialises on), so a hit always matches the variant compiled.
+# Triton specialises on: _arg_key), so a hit always matches the variant compiled.
 _compiled: dict[tuple, object] = {}
 _COMPILED_MAX = 1024
 _direct_launch_ok = True  # switched off for the process if a direct launch ever raises
+
+
+def _arg_key(t) -> tuple:
+    """What Triton specialises a tensor argument on: its dtype and 16-byte alignment; a host tensor descriptor
+    (passed as it is to the compiled kernel's launcher, which encodes it): its base's, and its block shape."""
+    if isinstance(t, torch.Tensor):
+        return t.dtype, t.data_ptr() % 16 == 0
+    return "descriptor", t.base.dtype, t.base.data_ptr() % 16 == 0, tuple(t.block_shape)
 
 
 def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, launch: dict) -> None:
@@ -674,12 +682,12 @@ def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, l
     this signature has been launched before (CUDA, fast_launch option on)."""
     global _direct_launch_ok
     direct = (_direct_launch_ok and not _triton.INTERPRET and _options.get().fast_launch
-              and tensors[0].device.type == "cuda" and all(isinstance(t, torch.Tensor) for t in tensors))
+              and tensors[0].device.type == "cuda")
     if not direct:
         kernel[grid](*tensors, *scalars, **consts, **launch)
         return
     key = (id(kernel), tensors[0].device.index, *scalars,
-           *consts.values(), *launch.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+           *consts.values(), *launch.values(), *[_arg_key(t) for t in tensors])
     compiled = _compiled.get(key)
     if compiled is not None:
         try:

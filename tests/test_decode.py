@@ -410,14 +410,23 @@ def test_vector_tile_needs_one_row_per_kv_head():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches are the compiled kernels' (CUDA) path")
-def test_repeated_launch_goes_through_the_cached_launcher():
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_repeated_launch_goes_through_the_cached_launcher(tma):
+    """A repeated launch calls the compiled kernel's launcher (TMA: with host descriptors, which it encodes at
+    each call): the same result, and a cache at another address (V negated) gives the negated result."""
     import kernels.decode as dec
+    if tma:
+        _needs_tma_device()
     dec._compiled.clear()
     q, k, v, lens = make_case(2, 4, 2, 1, 64, [700, 3000], max_len=4096, dtype=torch.bfloat16, seed=8)
-    first = run_decode(q, k, v, lens, check_lens=False).clone()
-    assert len(dec._compiled) == 2 and dec._direct_launch_ok  # the split and the merge kernel
-    again = run_decode(q, k, v, lens, check_lens=False)
-    assert dec._direct_launch_ok and torch.equal(first, again)
+    with options.use(decode_tma=tma):
+        assert dec.decode_tma_ok(k, v) == tma
+        first = run_decode(q, k, v, lens, check_lens=False).clone()
+        assert len(dec._compiled) == 2 and dec._direct_launch_ok  # the split and the merge kernel
+        again = run_decode(q, k, v, lens, check_lens=False)
+        assert dec._direct_launch_ok and torch.equal(first, again)
+        negated = run_decode(q, k, -v, lens, check_lens=False)
+        assert dec._direct_launch_ok and torch.equal(negated, -first)
 
 
 # ------------------------------------------------------------------ the merge inside the split kernel (an option)

@@ -80,6 +80,12 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def hopper_or_newer(device_index: int) -> bool:
+    """Whether CUDA device `device_index` is a Hopper (sm_90) or newer GPU: TMA descriptor loads exist there."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
 def _smem_per_sm(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
 

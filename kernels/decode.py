@@ -703,14 +703,9 @@ def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, l
         _compiled[key] = compiled
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def _tma_device(device: torch.device) -> bool:
     """A device whose kernels can read through TMA: a Hopper-or-newer GPU, or any under the interpreter."""
-    return _triton.INTERPRET or (device.type == "cuda" and _hopper_or_newer(device.index or 0))
+    return _triton.INTERPRET or (device.type == "cuda" and _triton.hopper_or_newer(device.index or 0))
 
 
 def decode_tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

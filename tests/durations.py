@@ -23,15 +23,21 @@ HEADER = ("# seconds per test on one GPU (setup + call + teardown, under pytest-
           "# (tests/durations.py); only the order of the GPU run uses it (tests/conftest.py: _longest_first)\n")
 
 
-def read_test_times(path: str) -> dict[str, float]:
-    """{test id: seconds} summed over the phases of a --test-times file (seconds, phase, outcome, worker, id)."""
-    total: dict[str, float] = defaultdict(float)
+def _rows(path: str):
+    """The lines of a --test-times file as [seconds, phase, outcome, worker, test id]; ValueError on a bad line."""
     with open(path) as f:
         for n, line in enumerate(f, 1):
             parts = line.rstrip("\n").split("\t")
             if len(parts) != 5:
                 raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
-            total[parts[4]] += float(parts[0])
+            yield parts
+
+
+def read_test_times(path: str) -> dict[str, float]:
+    """{test id: seconds} summed over the phases of a --test-times file (seconds, phase, outcome, worker, id)."""
+    total: dict[str, float] = defaultdict(float)
+    for parts in _rows(path):
+        total[parts[4]] += float(parts[0])
     return dict(total)
 
 
@@ -43,15 +49,11 @@ def unfinished(path: str) -> list[str]:
     run was stopped, so they have no verdict (a test whose worker crashed has one: failed). In the order they
     started."""
     started, ended = [], set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 5:
-                raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
-            if parts[1] == "setup":
-                started.append(parts[4])
-            elif parts[1] in ("teardown", CRASHED):
-                ended.add(parts[4])
+    for parts in _rows(path):
+        if parts[1] == "setup":
+            started.append(parts[4])
+        elif parts[1] in ("teardown", CRASHED):
+            ended.add(parts[4])
     return [t for t in started if t not in ended]
 
 
@@ -61,14 +63,10 @@ def verdicts(path: str) -> dict[str, str]:
     was skipped, else passed."""
     phases: dict[str, set[str]] = defaultdict(set)
     ended = set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 5:
-                raise ValueError(f"{path}: line {n}: expected 5 tab-separated fields, found {len(parts)}")
-            phases[parts[4]].add("failed" if parts[1] == CRASHED else parts[2])
-            if parts[1] in ("teardown", CRASHED):
-                ended.add(parts[4])
+    for parts in _rows(path):
+        phases[parts[4]].add("failed" if parts[1] == CRASHED else parts[2])
+        if parts[1] in ("teardown", CRASHED):
+            ended.add(parts[4])
     return {t: next((v for v in ("failed", "skipped") if v in phases[t]), "passed") for t in ended}
 
 
@@ -117,25 +115,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="only say how many of the run's N collected tests ended with each verdict (exit 1 unless "
                         "all N ended and none failed); no table")
     a = p.parse_args(argv)
-    if a.ended is not None:
-        try:
-            complete, line = ended_summary(a.times, a.ended)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(line)
-        return 0 if complete else 1
-    if a.unfinished:
-        try:
-            hung = unfinished(a.times)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print("\n".join(hung))
-        return 1 if hung else 0
     try:
-        new = read_test_times(a.times)
+        if a.ended is not None:
+            complete, line = ended_summary(a.times, a.ended)
+            print(line)
+            return 0 if complete else 1
         hung = unfinished(a.times)
+        if a.unfinished:
+            print("\n".join(hung))
+            return 1 if hung else 0
+        new = read_test_times(a.times)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -160,8 +160,8 @@ def test_gpu_check_suite_stopped_before_its_summary_says_the_verdicts(tmp_path):
     finished = _python_wrapper(tmp_path / "python-finished",
                                '*"-m pytest"*) printf "16 workers [2 items]\\n'
                                '=== 1 passed, 1 skipped in 1.00s ===\\n"; '
-                               f'mkdir -p {times.parent.parent / "finished"}; '
-                               f'printf "{lines}" >> {times.parent.parent / "finished" / "test_times.tsv"}; exit 0;;')
+                               f'mkdir -p {tmp_path / "finished"}; '
+                               f'printf "{lines}" >> {tmp_path / "finished" / "test_times.tsv"}; exit 0;;')
     r, summary = _dry_run(tmp_path, "finished", finished, step="gpu_test_suite")
     assert r.returncode == 0 and "PASS  gpu_test_suite" in summary and "stopped" not in summary, summary
 

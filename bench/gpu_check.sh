@@ -89,11 +89,15 @@ spawn() {  # in the background, next to other independent steps (the command kep
   step "$@" & PENDING+=("$1")
 }
 rerun_out_of_memory() {  # NAME...: a spawned step that failed for want of GPU memory beside the others runs
-  local name                # again alone, once; its verdict says so (the first log kept as NAME.oom.log)
-  for name in "$@"; do
+  local name out            # again alone, once, from a clean slate (what the first attempt wrote under the
+  for name in "$@"; do      # folders its command names with --out_dir/--out is removed; the steps that are
+    # shell functions clear their own outputs); its verdict says so (the first log kept as NAME.oom.log)
     [ -f "$LOGS/$name.cmd" ] && grep -q '^FAIL' "$LOGS/$name.result" 2>/dev/null || continue
     grep -qi 'out of memory' "$LOGS/$name.log" || continue
     mv "$LOGS/$name.log" "$LOGS/$name.oom.log"
+    for out in $(grep -oE -- "--out(_dir)?(=|\\? )$RUN/[^ ]+" "$LOGS/$name.cmd" | sed -E 's/^--out(_dir)?(=|\\? )//'); do
+      rm -rf "$out"
+    done
     eval "step $(cat "$LOGS/$name.cmd")"
     sed -i '1s/$/ (run again alone: out of GPU memory beside the other steps)/' "$LOGS/$name.result"
   done
@@ -145,6 +149,7 @@ spawn cuda_graphs_train trained "$PY" train.py $CFG --out_dir="$RUN/graphs" --ma
 # a signal during training: the run saves a checkpoint and says so; --resume continues from it
 interrupt_and_resume() {  # SIGNAL
   local sig=$1 dir=$RUN/sig_$1 pid rc last
+  rm -rf "$dir"  # a clean slate, also when run again after running out of memory
   # job control on: a background job of a script otherwise starts with SIGINT ignored (as a shell does)
   set -m
   $PY train.py $CFG --out_dir="$dir" --max_iters=100000 --eval_interval=100000 --log_interval=5 "${XARGS[@]}" &
@@ -221,6 +226,7 @@ spawn eval_hellaswag scored_hellaswag "$PY" eval.py --ckpt "$RUN/gpt2_copy" --ta
   --data tests/fixtures/hellaswag_mini.jsonl --out "$RUN/eval_hellaswag.json"
 # fine-tuning from Hugging Face weights on shards of the model's own tokenizer: the run exported, then continued
 export_then_finetune_on_shards() {
+  rm -rf "$RUN/gpt2_hf" "$RUN/finetune_shards"
   "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_hf" || return 1
   "$PY" train.py configs/finetune_tiny.toml --init_from="hf:$RUN/gpt2_hf" --out_dir="$RUN/finetune_shards" \
     --format=shards --val_docs=2 --shard_tokens=200000 --max_iters=40 --eval_interval=20 --export_hf=false
@@ -228,6 +234,7 @@ export_then_finetune_on_shards() {
 spawn finetune_hf_on_shards trained export_then_finetune_on_shards
 # LoRA fine-tuning of the exported run, compiled with CUDA graphs; the merged export at its end, then generation
 export_then_lora_finetune() {
+  rm -rf "$RUN/gpt2_lora_hf" "$RUN/lora"
   "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_lora_hf" || return 1
   "$PY" train.py configs/finetune_tiny.toml --init_from="hf:$RUN/gpt2_lora_hf" --out_dir="$RUN/lora" \
     --lora_rank=8 --lora_alpha=16 --learning_rate=3e-3 --compile=true --cuda_graphs=true --max_iters=40 \
@@ -238,6 +245,7 @@ lora_tuned() { has "$1" "LoRA rank 8" && has "$1" "exported the best checkpoint"
 spawn lora_finetune_compiled lora_tuned export_then_lora_finetune
 # chat fine-tuning (the loss on the assistant's turns) of the exported run given a chat template, then --chat
 export_then_chat_finetune() {
+  rm -rf "$RUN/gpt2_chat_hf" "$RUN/chat" "$RUN/chats.jsonl"
   "$PY" -m model.export --ckpt "$RUN/gpt2_copy" --out "$RUN/gpt2_chat_hf" || return 1
   "$PY" - "$RUN" <<'EOF_CHAT' || return 1
 import json, os, sys

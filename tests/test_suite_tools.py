@@ -142,6 +142,24 @@ def test_gpu_check_dry_run_reports_each_step(tmp_path):
     assert "ALL PASSED" in summary
 
 
+def test_gpu_check_rerun_after_out_of_memory_starts_from_a_clean_run_folder(tmp_path):
+    """A train-then-generate step whose first attempt wrote a checkpoint and then ran out of memory runs again
+    without that checkpoint in its --out_dir (train.py refuses a folder that holds one)."""
+    marker = tmp_path / "ran-out-once"
+    fake = _python_wrapper(
+        tmp_path / "python-fake-train",
+        '*train.py*) d=$(echo "$*" | sed -n "s/.*--out_dir=\\([^ ]*\\).*/\\1/p"); '
+        'if [ -e "$d/ckpt_0000001.pt" ]; then echo "error: run directory $d already holds checkpoints"; exit 1; fi; '
+        'mkdir -p "$d"; touch "$d/ckpt_0000001.pt"; '
+        f'if [ ! -e {marker} ]; then touch {marker}; echo "torch.AcceleratorError: CUDA error: out of memory"; '
+        'exit 1; fi; echo "done: 1 steps"; exit 0;; '
+        '*generate.py*) echo "ROMEO: a sample of generated text"; echo "[48 new] decode 100 tok/s"; exit 0;;')
+    r, summary = _dry_run(tmp_path, "oom_run", fake, step="llama_train_and_generate")
+    assert marker.exists(), r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "PASS  llama_train_and_generate" in summary, summary
+    assert "run again alone: out of GPU memory" in summary and "ALL PASSED" in summary
+
+
 def test_gpu_check_suite_stopped_before_its_summary_says_the_verdicts(tmp_path):
     """The acceptance script's test-suite step, its pytest stopped (exit 130) after the last test ended but
     before its summary line: the step still fails, and its log ends with the verdicts of the test times against

@@ -129,10 +129,12 @@ MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
 
 
-def program_smem(block_n: int, num_stages: int, block_d: int, elem_size: int) -> int:
+def program_smem(block_n: int, num_stages: int, block_d: int, elem_size: int, tma: bool = False) -> int:
     """Shared memory of one split program in bytes: its num_stages - 1 K and V tiles in flight (as Triton's
-    software pipeline keeps them) plus SMEM_MARGIN."""
-    return max(num_stages - 1, 0) * 2 * block_n * block_d * elem_size + SMEM_MARGIN
+    software pipeline keeps them), one tile more with TMA loads (Triton 3.6 and 3.9 at sm_90: 88,096 against
+    71,680 bytes for the three-stage 128 x 64 bf16 tile), plus SMEM_MARGIN."""
+    tiles = max(num_stages - 1, 0) * 2 + (1 if tma else 0)
+    return tiles * block_n * block_d * elem_size + SMEM_MARGIN
 
 
 WIDE_ROW_SMEM = program_smem(128, 3, 128, 2)  # the 128-key, 3-stage tile of 16-bit D = 128 (256-byte rows)
@@ -560,15 +562,15 @@ def _even_share(programs: int, sms: int) -> float:
     return programs / (_cdiv(programs, sms) * sms)
 
 
-def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device) -> int:
+def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device, tma: bool = False) -> int:
     """Split programs of this tile that one SM holds at once, for the automatic split count: the SM's shared
-    memory over a program's (program_smem), at most PROGRAMS_PER_SM (PROGRAMS_PER_SM off CUDA). The H200 gives 3
-    for the 64-key tiles at head dims 64 and 128 in 16 bits (Triton reported 70 KB each), 1 for the 128-key tile
-    of head dim 128."""
+    memory over a program's (program_smem; tma: read through TMA descriptors), at most PROGRAMS_PER_SM
+    (PROGRAMS_PER_SM off CUDA). The H200 gives 3 for the 64-key tiles at head dims 64 and 128 in 16 bits (Triton
+    reported 70 KB each), 1 for the 128-key tile of head dim 128."""
     smem = _triton.smem_per_sm(device)
     if smem is None:
         return PROGRAMS_PER_SM
-    per_program = program_smem(tile.block_n, tile.num_stages, block_d, elem_size)
+    per_program = program_smem(tile.block_n, tile.num_stages, block_d, elem_size, tma)
     return max(1, min(PROGRAMS_PER_SM, smem // per_program))
 
 
@@ -751,6 +753,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
     row_blocks = _cdiv(group * Nq, BLOCK_M)
     full = fills_gpu(B * Hkv * row_blocks, q.device)
+    tma = decode_tma_ok(k_cache, v_cache)
     if num_splits is None:  # grid for the longest length known here; each sequence plans its own on the device
         length = max_len if longest is None else longest
         if window:  # a sequence's planned keys [first, L): the window and the later new tokens
@@ -763,13 +766,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             unsplit_max = max(unsplit_max, opts.decode_full_grid_max_len)
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
-                                         programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
+                                         programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma))
         long_splits = num_splits  # what sequences longer than the grid's one-block-per-split plan use
-        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 else None
-        if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device):
-            tile = deep  # at most one split program per SM: more bytes in flight per program
         num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
-                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device))
+                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma))
+        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 else None
+        # at most one long-plan program per SM: more bytes in flight per program, where its larger shared
+        # memory still holds the short grid's programs in one round (TMA's 4-stage tile does not)
+        if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device) and num_splits \
+                == short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
+                                     programs_per_sm(deep, BLOCK_D, q.element_size(), q.device, tma)):
+            tile = deep
     else:  # exactly num_splits chunks per sequence
         min_chunk, unsplit_max, long_splits = 1, 0, num_splits
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
@@ -789,7 +796,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = _triton.empty((B * Hq * Nq, num_splits), torch.float32, q.device)
     counters = merge_counters(q.device, B * Hkv * row_blocks) if merge_in_split else out  # else unused
     merge_tile_s = min(MERGE_TILE, max(1, MERGE_STEP // (BLOCK_M * BLOCK_D)))  # splits per in-split merge step
-    tma = decode_tma_ok(k_cache, v_cache)
     k_in, v_in = k_cache, v_cache
     if tma:  # (1, 1, BLOCK_N, BLOCK_D) blocks of the whole (B, Hkv, max_len, D) caches
         k_in, v_in = (TensorDescriptor.from_tensor(t, [1, 1, tile.block_n, BLOCK_D]) for t in (k_cache, v_cache))

@@ -184,6 +184,10 @@ def test_programs_per_sm_from_shared_memory(monkeypatch):
     assert dec.programs_per_sm(dec.DecodeTile(128, 4, 2), 64, 2, cuda) == 4  # 5 fit: capped at PROGRAMS_PER_SM
     assert dec.programs_per_sm(dec.DecodeTile(64, 8, 8), 256, 4, cuda) == 1  # more than an SM holds: still 1
     assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, torch.device("cpu")) == dec.PROGRAMS_PER_SM
+    # TMA loads keep one K/V tile more in shared memory (Triton at sm_90: 88 against 72 KB for this tile)
+    assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, cuda, tma=True) == 2
+    deep = dec.deep_tile(default_tile(64, 2, 1), 64, 2)
+    assert dec.programs_per_sm(deep, 64, 2, cuda) == 2 and dec.programs_per_sm(deep, 64, 2, cuda, tma=True) == 1
 
 
 
@@ -555,6 +559,25 @@ def test_four_stages_where_the_split_programs_leave_each_sm_at_most_one(batch, s
     check(q, k, v, lens, torch.float16, check_lens=False, num_splits=4)  # an explicit count keeps the default
     assert configs[-1][1:] == (128, 3)
     assert dec.deep_tile(default_tile(128, 2, 1), 128, 2) is None  # 256-byte rows: not measured, not deepened
+
+
+@pytest.mark.parametrize("tma, stages", [(False, 4), (True, 3)], ids=["pointers", "tma"])
+def test_short_grid_keeps_one_round_with_the_tile_it_gets(tma, stages, monkeypatch):
+    """GPT-2's batch-1 plan at 2,048 keys on 132 SMs of 228 KB: 16 splits, one block each (short_grid_splits),
+    192 programs; with pointer loads the four-stage tile (two programs per SM) holds them in one round, while TMA
+    loads, whose four-stage tile leaves one program per SM, keep three stages rather than split less."""
+    import kernels.decode as dec
+    monkeypatch.setattr(kt, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kt, "smem_per_sm", lambda device: 233472)
+    configs = []
+    monkeypatch.setattr(dec, "_launch", lambda kernel, grid, tensors, scalars, consts, launch: configs.append(
+        (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid[0], launch.get("num_stages"),
+         consts.get("TMA"))))
+    q, k, v, lens = make_case(1, 12, 12, 1, 64, [2048], max_len=2048, dtype=torch.bfloat16, seed=5)
+    with options.use(decode_tma=tma):
+        decode_attention(q, k, v, lens, check_lens=False)
+    assert configs[0] == ("_decode_split_kernel", 16, stages, tma), configs
+    assert 12 * 16 <= 132 * dec.programs_per_sm(dec.DecodeTile(128, 4, stages), 64, 2, q.device, tma)
 
 
 # ------------------------------------------------------------------ the full grid (option decode_full_grid)

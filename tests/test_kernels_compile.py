@@ -256,6 +256,7 @@ def compile_decode_launches(part: str | None = None) -> list[dict]:
                                       warp0_polls=bool(re.search(r"SPIN_LOOP_\w+: ld\.global\.acquire\.gpu", ptx)))
         if rec["kernel"] == "_decode_split_kernel":
             rec["stages"] = c.metadata.num_stages
+            rec["shared"] = c.metadata.shared
             rec["ptxas"] = ptxas_usage(c)
         if rec["consts"].get("MERGE"):  # the counter's release/acquire and the loads of other programs' parts
             ptx = c.asm["ptx"]
@@ -429,6 +430,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch
     (kernels/residual_norm.py) and OLMo's q / k norm launch (kernels/qk_norm_rope.py, OLMo 2 1B's shape) do not
     spill."""
+    from kernels.decode import SMEM_MARGIN, program_smem
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path, PARTS)
@@ -443,6 +445,13 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
                  if rec["kernel"] == "_decode_split_kernel" and "no_merge" in t]
     assert len(attention) >= 8 and not [a for a in attention if a[1]["spill_stores"] or a[1]["spill_loads"]], \
         attention
+    # the split plan's model of a program's shared memory (kernels/decode.program_smem: its pipelined K/V tiles,
+    # one more with TMA loads, plus a margin) holds every compiled split variant's, tiles included
+    smem = [(" ".join(sorted(t)), rec["shared"], program_smem(c["BLOCK_N"], rec["stages"], c["BLOCK_D"],
+                                                              {"fp32": 4}.get(rec["dtype"], 2), bool(c.get("TMA"))))
+            for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_split_kernel" for c in [rec["consts"]]]
+    assert any("tma" in tags.split() for tags, _, _ in smem)
+    assert not [m for m in smem if not m[2] - SMEM_MARGIN <= m[1] <= m[2]], smem
     paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
               if "ptxas" in rec and rec["kernel"] == "_ln_linear_kernel"]
     assert len(paired) >= len(LLAMA_MODEL_MODES)

@@ -124,7 +124,7 @@ MAX_SPLITS = 256
 SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit (one launch, no merge)
 SHORT_SPLITS_MAX_LEN = 2048  # up to this many keys a sequence may get a split per block (short_grid_splits)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
-SMEM_MARGIN = 8 << 10  # a split program's shared memory beyond its pipelined K/V tiles (measured 5-7 KB)
+SMEM_MARGIN = 10 << 10  # a split program's shared memory besides its pipelined K/V tiles (sm_90: 5-9 KB)
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
 

@@ -88,7 +88,10 @@ TMA loads (kernels.options decode_tma, FLASHGPT_DECODE_TMA=1; off by default): t
 through TMA tensor descriptors over the whole (B, Hkv, max_len, D) caches, (1, 1, BLOCK_N, BLOCK_D) blocks built
 on the host (no per-program descriptor set-up), instead of pointer loads, where decode_tma_ok allows it: a
 Hopper-or-newer GPU, 16-bit caches, unit stride along D, a 16-byte aligned base and strides. Rows past a
-sequence's length are then read as they are and masked in registers (scores to -inf, V rows to 0).
+sequence's length are then read as they are and masked in registers (scores to -inf, V rows to 0). Triton's TMA
+pipeline keeps one K/V tile more in shared memory than its pointer pipeline (program_smem counts it), and such
+a launch keeps the three-stage tile where pointer loads would get deep_tile's four. Timed on one H100
+(bench/results/decode_attention/tma_h100/, four stages at batch 1): 1-2 % slower than pointer loads at 32k keys.
 
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
@@ -768,15 +771,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
                                          programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma))
         long_splits = num_splits  # what sequences longer than the grid's one-block-per-split plan use
+        # TMA loads keep three stages: their pipeline holds a tile more already, and the four-stage tile's
+        # 121 KB leaves an SM one program, two rounds for GPT-2's batch-1 short grid of 192
+        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 and not tma else None
+        if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device):
+            tile = deep  # at most one split program per SM: more bytes in flight per program
         num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
                                        programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma))
-        deep = deep_tile(tile, BLOCK_D, q.element_size()) if default and long_splits > 1 else None
-        # at most one long-plan program per SM: more bytes in flight per program, where its larger shared
-        # memory still holds the short grid's programs in one round (TMA's 4-stage tile does not)
-        if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device) and num_splits \
-                == short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
-                                     programs_per_sm(deep, BLOCK_D, q.element_size(), q.device, tma)):
-            tile = deep
     else:  # exactly num_splits chunks per sequence
         min_chunk, unsplit_max, long_splits = 1, 0, num_splits
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs

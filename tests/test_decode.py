@@ -564,8 +564,8 @@ def test_four_stages_where_the_split_programs_leave_each_sm_at_most_one(batch, s
 @pytest.mark.parametrize("tma, stages", [(False, 4), (True, 3)], ids=["pointers", "tma"])
 def test_short_grid_keeps_one_round_with_the_tile_it_gets(tma, stages, monkeypatch):
     """GPT-2's batch-1 plan at 2,048 keys on 132 SMs of 228 KB: 16 splits, one block each (short_grid_splits),
-    192 programs; with pointer loads the four-stage tile (two programs per SM) holds them in one round, while TMA
-    loads, whose four-stage tile leaves one program per SM, keep three stages rather than split less."""
+    192 programs; with pointer loads the four-stage tile (two programs per SM) holds them in one round; TMA loads
+    keep three stages (their four-stage tile would leave one program per SM: two rounds)."""
     import kernels.decode as dec
     monkeypatch.setattr(kt, "sm_count", lambda device: 132)
     monkeypatch.setattr(kt, "smem_per_sm", lambda device: 233472)

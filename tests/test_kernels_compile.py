@@ -342,9 +342,9 @@ OTHER_MODES = [
     "_decode_split_kernel mha d64 split pdl dot merge strided stages4",
     "_decode_split_kernel mha d64 split pdl dot no_merge chunks stages4",
     "_decode_split_kernel mha d64 split pdl dot no_merge strided stages3",
-    # TMA descriptor loads (decode_tma): that batch-1 plan, and batch 16's full grid
-    "_decode_split_kernel mha d64 split pdl dot no_merge strided stages4 tma",
-    "_decode_split_kernel mha d64 split pdl dot merge strided stages4 tma",
+    # TMA descriptor loads (decode_tma): that batch-1 plan (three stages with TMA), and batch 16's full grid
+    "_decode_split_kernel mha d64 split pdl dot no_merge strided stages3 tma",
+    "_decode_split_kernel mha d64 split pdl dot merge strided stages3 tma",
     "_decode_split_kernel mha d64 no_split tma",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -424,7 +424,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     kernel (with its acq_rel counter and L1-bypassing loads in the PTX), dot and broadcast-and-sum tiles) compiles
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
     (the automatic count's four-stage tile at batch 1 included, in both split orders, and with TMA descriptor
-    loads); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    loads), each split variant's shared memory within the planner's model of it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
     the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch

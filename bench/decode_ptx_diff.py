@@ -77,6 +77,21 @@ def child(tree: str) -> None:
     print(json.dumps(digests))
 
 
+def extract_revision(rev: str, tmp: str) -> str | None:
+    """`git archive rev` of this repository extracted under tmp: the tree's path, or None after one error line."""
+    archive = os.path.join(tmp, "base.tar")
+    with open(archive, "wb") as f:
+        r = subprocess.run(["git", "archive", rev], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "git archive failed"
+        print(f"error: --base {rev}: {why}", file=sys.stderr)
+        return None
+    tree = os.path.join(tmp, "base")
+    with tarfile.open(archive) as t:
+        t.extractall(tree, filter="data")
+    return tree
+
+
 def compile_tree(tree: str) -> dict[str, str]:
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="ptx-diff-cache-"))
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree], cwd=tree, env=env,
@@ -98,16 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --base REV is required", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="ptx-diff-") as tmp:
-        archive = os.path.join(tmp, "base.tar")
-        with open(archive, "wb") as f:
-            r = subprocess.run(["git", "archive", a.base], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
-        if r.returncode != 0:
-            why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "git archive failed"
-            print(f"error: --base {a.base}: {why}", file=sys.stderr)
+        base_tree = extract_revision(a.base, tmp)
+        if base_tree is None:
             return 2
-        base_tree = os.path.join(tmp, "base")
-        with tarfile.open(archive) as t:
-            t.extractall(base_tree, filter="data")
         base, head = compile_tree(base_tree), compile_tree(ROOT)
     differ = 0
     for key in sorted(set(base) | set(head)):

@@ -12,15 +12,14 @@ launches differ. Default options only (the options of the two trees may differ).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from bench.tree_compare import child_result, compare_main  # noqa: E402
 # (name, shared memory per SM in bytes, SMs): what kernels._triton reports for such a GPU
 GPUS = [("H100/H200", 233472, 132), ("A100", 167936, 108), ("L4/RTX", 101376, 58), ("T4", 65536, 40)]
 # (query heads, kv heads, head dim): GPT-2, Llama-3-style GQA, Qwen-style d128, Gemma-style d256, odd groups
@@ -64,12 +63,7 @@ def child(tree: str) -> None:
 
 
 def plan_tree(tree: str) -> dict[str, list]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree], cwd=tree, env=env,
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"error: planning with {tree}'s decode failed: {(r.stderr.strip() or 'no output')[-500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return child_result(os.path.abspath(__file__), tree, dict(TRITON_INTERPRET="1"), "planning the decode")
 
 
 def describe(launches: list) -> str:
@@ -77,30 +71,17 @@ def describe(launches: list) -> str:
     return "; ".join(f"{name.strip('_')} grid={tuple(grid)} n={n} w={w} s={s}" for name, grid, n, w, s in launches)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench.decode_ptx_diff import extract_revision
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", help="the git revision to compare against (required)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.child:
-        child(a.child)
-        return 0
-    if not a.base:
-        print("error: --base REV is required", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="plan-diff-") as tmp:
-        base_tree = extract_revision(a.base, tmp)
-        if base_tree is None:
-            return 2
-        base, head = plan_tree(base_tree), plan_tree(ROOT)
+def report(rev: str, base: dict[str, list], head: dict[str, list]) -> int:
     differ = [case for case in head if base.get(case) != head[case]]
     for case in differ:
-        print(f"{case}\n    {a.base}: {describe(base.get(case, []))}\n    here: {describe(head[case])}")
-    print(f"{len(head)} cases planned: {len(differ)} not as in {a.base}")
+        print(f"{case}\n    {rev}: {describe(base.get(case, []))}\n    here: {describe(head[case])}")
+    print(f"{len(head)} cases planned: {len(differ)} not as in {rev}")
     return 1 if differ else 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    return compare_main(argv, __doc__, child, plan_tree, report)
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

@@ -12,19 +12,18 @@ left out of the key when it has its default value, False).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
-import tarfile
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from bench.tree_compare import child_result, compare_main  # noqa: E402
 SMS = 132  # the H100 / H200
 # (batch, heads, valid length, cache capacity, head dim, window): GPT-2's batch 1 (the automatic split count) and
 # batch 16 (the full grid's one split), head dim 128, a short cache with a window
@@ -77,54 +76,24 @@ def child(tree: str) -> None:
     print(json.dumps(digests))
 
 
-def extract_revision(rev: str, tmp: str) -> str | None:
-    """`git archive rev` of this repository extracted under tmp: the tree's path, or None after one error line."""
-    archive = os.path.join(tmp, "base.tar")
-    with open(archive, "wb") as f:
-        r = subprocess.run(["git", "archive", rev], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "git archive failed"
-        print(f"error: --base {rev}: {why}", file=sys.stderr)
-        return None
-    tree = os.path.join(tmp, "base")
-    with tarfile.open(archive) as t:
-        t.extractall(tree, filter="data")
-    return tree
-
-
 def compile_tree(tree: str) -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="ptx-diff-cache-"))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree], cwd=tree, env=env,
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"error: compiling {tree}'s decode kernels failed: {(r.stderr.strip() or 'no output')[-500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    env = dict(TRITON_INTERPRET="0", TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="ptx-diff-cache-"))
+    return child_result(os.path.abspath(__file__), tree, env, "compiling the decode kernels")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", help="the git revision to compare against (required)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.child:
-        child(a.child)
-        return 0
-    if not a.base:
-        print("error: --base REV is required", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="ptx-diff-") as tmp:
-        base_tree = extract_revision(a.base, tmp)
-        if base_tree is None:
-            return 2
-        base, head = compile_tree(base_tree), compile_tree(ROOT)
+def report(rev: str, base: dict[str, str], head: dict[str, str]) -> int:
     differ = 0
     for key in sorted(set(base) | set(head)):
         verdict = ("same" if base[key] == head[key] else "DIFFERS") if key in base and key in head else \
             ("only in the base" if key in base else "only in this tree")
         differ += verdict != "same"
         print(f"{verdict:17s} {key}")
-    print(f"{len(head)} variants compiled here, {len(base)} in {a.base}: {differ} not the same")
+    print(f"{len(head)} variants compiled here, {len(base)} in {rev}: {differ} not the same")
     return 1 if differ else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return compare_main(argv, __doc__, child, compile_tree, report)
 
 
 if __name__ == "__main__":

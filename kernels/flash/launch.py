@@ -27,7 +27,6 @@ change of options never replays a plan recorded under other options.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -128,14 +128,23 @@ SINGLE_SPLIT_MAX_LEN = 512  # caches of at most this many positions run unsplit 
 SHORT_SPLITS_MAX_LEN = 2048  # up to this many keys a sequence may get a split per block (short_grid_splits)
 PROGRAMS_PER_SM = 4   # the automatic split count plans at most this many resident split programs per SM
 SMEM_MARGIN = 10 << 10  # a split program's shared memory besides its pipelined K/V tiles (sm_90: 5-9 KB)
+WGMMA_ROWS = 64       # query rows from which the split kernel's dots are warpgroup MMAs at sm_90
+WGMMA_MARGIN = 2 << 10  # ... and such a program's shared memory besides its tiles (barriers)
 MERGE_TILE = 16       # splits the merge kernel reads per step
 MERGE_STEP = 4096     # part elements the merge inside the split kernel reads per step (rows x splits x BLOCK_D)
 
 
-def program_smem(block_n: int, num_stages: int, block_d: int, elem_size: int, tma: bool = False) -> int:
+def program_smem(block_n: int, num_stages: int, block_d: int, elem_size: int, tma: bool = False,
+                 rows: int = 16) -> int:
     """Shared memory of one split program in bytes: its num_stages - 1 K and V tiles in flight (as Triton's
     software pipeline keeps them), one tile more with TMA loads (Triton 3.6 and 3.9 at sm_90: 88,096 against
-    71,680 bytes for the three-stage 128 x 64 bf16 tile), plus SMEM_MARGIN."""
+    71,680 bytes for the three-stage 128 x 64 bf16 tile), plus SMEM_MARGIN. With WGMMA_ROWS query rows or more
+    (the decode_min_rows option) sm_90 runs warpgroup MMAs, which read K, V and the Q tile from shared memory:
+    num_stages K and V tiles and the Q tile, with TMA loads too (Triton 3.9: 106,496 bytes for that tile, 106,544
+    with TMA, 139,264 with four stages), plus WGMMA_MARGIN; counted so on every GPU (elsewhere it is more than
+    the program takes)."""
+    if rows >= WGMMA_ROWS:
+        return (num_stages * 2 * block_n + rows) * block_d * elem_size + WGMMA_MARGIN
     tiles = max(num_stages - 1, 0) * 2 + (1 if tma else 0)
     return tiles * block_n * block_d * elem_size + SMEM_MARGIN
 
@@ -565,7 +574,8 @@ def _even_share(programs: int, sms: int) -> float:
     return programs / (_cdiv(programs, sms) * sms)
 
 
-def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device, tma: bool = False) -> int:
+def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torch.device, tma: bool = False,
+                    rows: int = 16) -> int:
     """Split programs of this tile that one SM holds at once, for the automatic split count: the SM's shared
     memory over a program's (program_smem; tma: read through TMA descriptors), at most PROGRAMS_PER_SM
     (PROGRAMS_PER_SM off CUDA). The H200 gives 3 for the 64-key tiles at head dims 64 and 128 in 16 bits (Triton
@@ -573,7 +583,7 @@ def programs_per_sm(tile: DecodeTile, block_d: int, elem_size: int, device: torc
     smem = _triton.smem_per_sm(device)
     if smem is None:
         return PROGRAMS_PER_SM
-    per_program = program_smem(tile.block_n, tile.num_stages, block_d, elem_size, tma)
+    per_program = program_smem(tile.block_n, tile.num_stages, block_d, elem_size, tma, rows)
     return max(1, min(PROGRAMS_PER_SM, smem // per_program))
 
 
@@ -753,7 +763,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     default = tile is None
     if default:
         tile = default_tile(BLOCK_D, q.element_size(), group * Nq, _triton.smem_per_sm(q.device))
-    BLOCK_M = 1 if not tile.dot else min(max(16, _next_pow2(group * Nq)), MAX_ROWS)  # dot: >= 16
+    # dot: at least decode_min_rows rows (16, what a tensor-core dot takes; 64: sm_90's warpgroup MMA)
+    BLOCK_M = 1 if not tile.dot else min(max(opts.decode_min_rows, _next_pow2(group * Nq)), MAX_ROWS)
     row_blocks = _cdiv(group * Nq, BLOCK_M)
     full = fills_gpu(B * Hkv * row_blocks, q.device)
     tma = decode_tma_ok(k_cache, v_cache)
@@ -769,7 +780,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             unsplit_max = max(unsplit_max, opts.decode_full_grid_max_len)
         else:
             num_splits = auto_num_splits(B * Hkv * row_blocks, length, q.device,
-                                         programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma))
+                                         programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma, BLOCK_M))
         long_splits = num_splits  # what sequences longer than the grid's one-block-per-split plan use
         # TMA loads keep three stages: their pipeline holds a tile more already, and the four-stage tile's
         # 121 KB leaves an SM one program, two rounds for GPT-2's batch-1 short grid of 192
@@ -777,7 +788,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if deep is not None and B * Hkv * row_blocks * long_splits <= _triton.sm_count(q.device):
             tile = deep  # at most one split program per SM: more bytes in flight per program
         num_splits = short_grid_splits(B * Hkv * row_blocks, long_splits, length, q.device,
-                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma))
+                                       programs_per_sm(tile, BLOCK_D, q.element_size(), q.device, tma, BLOCK_M))
     else:  # exactly num_splits chunks per sequence
         min_chunk, unsplit_max, long_splits = 1, 0, num_splits
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs

@@ -106,6 +106,13 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         cache (Hopper, 16-bit caches with unit
                                                                         stride along D and 16-byte aligned
                                                                         strides); off: pointer loads
+    decode_min_rows            FLASHGPT_DECODE_MIN_ROWS=16|32|64   16   query rows a split-KV decode program of the
+                                                                        dot path holds at least (padding rows
+                                                                        beyond a kv head's group x new tokens):
+                                                                        64 lets sm_90 run the two products as
+                                                                        warpgroup MMAs, each warp's rows its own
+                                                                        (no cross-warp softmax reductions), at 4x
+                                                                        the padded rows' arithmetic
     rope_in_flash              FLASHGPT_ROPE_IN_FLASH=0|1        True   a RoPE model's training/prefill call without
                                                                         a KV cache hands its RoPE tables to the
                                                                         packed flash call, whose backward kernels
@@ -218,6 +225,7 @@ class KernelOptions:
     lora_addmm: bool = False
     decode_split_order: str = "strided"
     decode_tma: bool = False
+    decode_min_rows: int = 16
     hopper_tile_lists: bool = True
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
@@ -269,6 +277,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "lora_addmm": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "decode_tma": (lambda v: isinstance(v, bool), "expected True or False"),
+    "decode_min_rows": (lambda v: _is_int(v) and v in (16, 32, 64), "expected 16, 32 or 64"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
@@ -298,6 +307,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "lora_addmm": "FLASHGPT_LORA_ADDMM",
        "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER", "decode_tma": "FLASHGPT_DECODE_TMA",
+       "decode_min_rows": "FLASHGPT_DECODE_MIN_ROWS",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
        "hopper_lane_sums": "FLASHGPT_HOPPER_LANE_SUMS",

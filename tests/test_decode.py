@@ -188,6 +188,12 @@ def test_programs_per_sm_from_shared_memory(monkeypatch):
     assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, cuda, tma=True) == 2
     deep = dec.deep_tile(default_tile(64, 2, 1), 64, 2)
     assert dec.programs_per_sm(deep, 64, 2, cuda) == 2 and dec.programs_per_sm(deep, 64, 2, cuda, tma=True) == 1
+    # 64 query rows (warpgroup MMAs at sm_90): every stage's K and V tile and the Q tile in shared memory
+    assert dec.program_smem(128, 3, 64, 2, rows=64) == 106496 + dec.WGMMA_MARGIN  # Triton 3.9's figure + margin
+    assert dec.program_smem(128, 3, 64, 2, tma=True, rows=64) == dec.program_smem(128, 3, 64, 2, rows=64)
+    assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, cuda, rows=64) == 2
+    assert dec.programs_per_sm(deep, 64, 2, cuda, rows=64) == 1
+    assert dec.programs_per_sm(default_tile(64, 2, 1), 64, 2, cuda, rows=32) == 3  # below 64: as for 16
 
 
 
@@ -278,8 +284,8 @@ def test_bench_smoke(tmp_path):
     assert len(data["rows"]) == 4 and not data["meta"]["correctness_failures"]
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
-                                         "split-noshort", "split-long", "split-long-merged", "split-tma", "split-fit",
-                                         "nosplit", "sdpa", "copy"}
+                                         "split-noshort", "split-long", "split-long-merged", "split-tma",
+                                         "split-rows64", "split-fit", "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -846,6 +852,38 @@ def test_tma_loads_give_the_pointer_loads_result(dtype, Hq, Hkv, Nq, D, lens, ma
     assert flags[-1] is True and not any(flags[:len(flags) // 2]), flags
     if DEVICE.type == "cpu":  # the interpreter: the same values in the same order (a GPU may pick other MMAs)
         assert torch.equal(tma, plain)
+
+
+@pytest.mark.parametrize("min_rows", [32, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Hq, Hkv, Nq, D, lens, max_len, num_splits, tma", [
+    (4, 4, 1, 64, LENS_NQ1, 1040, None, False),
+    (8, 2, 4, 64, LENS_NQ4, 1040, 6, False),
+    (6, 1, 2, 80, [2, 90, 333], 400, 1, False),
+    (4, 2, 1, 128, [1, 129, 300], 300, 3, False),
+    (8, 2, 4, 64, LENS_NQ4, 1040, None, True),
+], ids=["mha-auto", "gqa-split6", "mqa-d80-nosplit", "d128-split3", "gqa-tma"])
+def test_more_query_rows_per_program_match_the_reference(min_rows, dtype, Hq, Hkv, Nq, D, lens, max_len, num_splits,
+                                                          tma, monkeypatch):
+    """decode_min_rows: a program of the dot path holds at least that many query rows (64: sm_90's warpgroup
+    MMAs), the rows past a kv head's group x new tokens padding; within the float64 budget with garbage past
+    each length, for MHA/GQA/MQA, several new tokens, a padded head dim, head dim 128, automatic, forced and
+    single splits, and TMA loads (16-bit caches); the launches take that many rows."""
+    import kernels.decode as dec
+    if tma:  # (a 32-bit cache takes pointer loads under the option)
+        _needs_tma_device()
+    rows = []
+    inner = dec._launch
+
+    def recording(kernel, grid, tensors, scalars, consts, *rest):
+        if kernel is dec._decode_split_kernel:
+            rows.append(consts["BLOCK_M"])
+        return inner(kernel, grid, tensors, scalars, consts, *rest)
+    monkeypatch.setattr(dec, "_launch", recording)
+    q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, D, lens, max_len=max_len, dtype=dtype, seed=D + Nq + min_rows)
+    with options.use(decode_min_rows=min_rows, decode_tma=tma):
+        check(q, k, v, lens_t, dtype, num_splits=num_splits)
+    assert rows == [min_rows], rows
 
 
 def test_tma_refuses_what_descriptors_cannot_read(monkeypatch):

@@ -46,6 +46,7 @@ def test_environment_overrides_parse_into_typed_options():
     ({"FLASHGPT_DECODE_MERGE_IN_SPLIT": "2"}, "FLASHGPT_DECODE_MERGE_IN_SPLIT='2': expected 1 or 0"),
     ({"FLASHGPT_DECODE_SPLIT_ORDER": "random"}, "FLASHGPT_DECODE_SPLIT_ORDER='random': expected one of strided, "
                                                 "chunks"),
+    ({"FLASHGPT_DECODE_MIN_ROWS": "48"}, "FLASHGPT_DECODE_MIN_ROWS='48': expected 16, 32 or 64"),
 ])
 def test_a_bad_override_names_the_variable(env, match):
     with pytest.raises(ValueError, match=match):

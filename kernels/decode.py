@@ -93,6 +93,13 @@ pipeline keeps one K/V tile more in shared memory than its pointer pipeline (pro
 a launch keeps the three-stage tile where pointer loads would get deep_tile's four. Timed on one H100
 (bench/results/decode_attention/tma_h100/, four stages at batch 1): 1-2 % slower than pointer loads at 32k keys.
 
+Query rows per program (kernels.options decode_min_rows, FLASHGPT_DECODE_MIN_ROWS; 16 by default): the dot
+path pads a kv head's group x new tokens to at least this many rows. At 16 Triton gives each of a program's
+warps a quarter of the keys, so every block's row max and row sum cross the warps through shared memory (seven
+CTA barriers in the key loop's SASS at sm_90, Triton 3.9); at 64 sm_90 runs the two products as warpgroup MMAs
+whose warps own 16 rows each, so the softmax stays within each warp (two barriers in the loop), at four times
+the padded rows' arithmetic and with every stage's K and V tile and the Q tile in shared memory (program_smem).
+
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
 dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of

@@ -197,6 +197,13 @@ def _split_attention(dtype) -> None:
             decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
             q16, cache16 = torch.randn(16, 12, 1, 64).to(dtype), torch.randn(16, 12, 1024, 64).to(dtype)
             decode_attention(q16, cache16, cache16, torch.full((16,), 1000), check_lens=False)
+        # 64 query rows per program (decode_min_rows: warpgroup MMAs): that batch-1 plan, batch 16's full grid and
+        # GQA at head dim 128 over 4 splits
+        with options.use(pdl=True, decode_merge_in_split=merge, decode_min_rows=64):
+            decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
+            decode_attention(q16, cache16, cache16, torch.full((16,), 1000), check_lens=False)
+            q4, cache4 = torch.randn(1, 4, 1, 128).to(dtype), torch.randn(1, 2, 1024, 128).to(dtype)
+            decode_attention(q4, cache4, cache4, torch.tensor([600]), num_splits=4)
 
 
 # the child processes' shares of the launches (tests/util.py: compiled_records), each about a third of the time
@@ -302,6 +309,8 @@ def _tags(rec: dict) -> set[str]:
                      "gqa" if c.get("GROUP", 1) > 1 else "mha", "dot" if c.get("DOT", True) else "vec",
                      "merge" if c.get("MERGE") else "no_merge", "strided" if c.get("STRIDED") else "chunks",
                      "tma" if c.get("TMA") else "pointers"})
+        if "BLOCK_M" in c:
+            tags.add(f"rows{c['BLOCK_M']}")
         if "stages" in rec:
             tags.add(f"stages{rec['stages']}")
     return tags
@@ -346,6 +355,11 @@ OTHER_MODES = [
     "_decode_split_kernel mha d64 split pdl dot no_merge strided stages3 tma",
     "_decode_split_kernel mha d64 split pdl dot merge strided stages3 tma",
     "_decode_split_kernel mha d64 no_split tma",
+    # 64 query rows per program (decode_min_rows): the batch-1 plan, batch 16's full grid, GQA at head dim 128
+    "_decode_split_kernel mha d64 split pdl dot no_merge strided stages4 rows64",
+    "_decode_split_kernel mha d64 split pdl dot merge strided stages4 rows64",
+    "_decode_split_kernel mha d64 no_split rows64",
+    "_decode_split_kernel gqa d128 split pdl dot no_merge rows64",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py), with and without PDL, each dtype
@@ -423,14 +437,14 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     bf16, GQA, head dims 64 and 128, split and unsplit attention, merged by the merge kernel or inside the split
     kernel (with its acq_rel counter and L1-bypassing loads in the PTX), dot and broadcast-and-sum tiles) compiles
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
-    (the automatic count's four-stage tile at batch 1 included, in both split orders, and with TMA descriptor
-    loads), each split variant's shared memory within the planner's model of it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    (the automatic count's four-stage tile at batch 1 included, in both split orders, with TMA descriptor loads and
+    with 64 query rows per program), each split variant's shared memory within the planner's model of it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
     the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch
     (kernels/residual_norm.py) and OLMo's q / k norm launch (kernels/qk_norm_rope.py, OLMo 2 1B's shape) do not
     spill."""
-    from kernels.decode import SMEM_MARGIN, program_smem
+    from kernels.decode import SMEM_MARGIN, WGMMA_MARGIN, WGMMA_ROWS, program_smem
     from tests.util import compiled_records
 
     records = compiled_records("tests.test_kernels_compile", tmp_path, PARTS)
@@ -446,12 +460,15 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     assert len(attention) >= 8 and not [a for a in attention if a[1]["spill_stores"] or a[1]["spill_loads"]], \
         attention
     # the split plan's model of a program's shared memory (kernels/decode.program_smem: its pipelined K/V tiles,
-    # one more with TMA loads, plus a margin) holds every compiled split variant's, tiles included
+    # one more with TMA loads, plus a margin; from 64 rows every stage's tiles and the Q tile, plus a smaller
+    # margin) holds every compiled split variant's, tiles included
     smem = [(" ".join(sorted(t)), rec["shared"], program_smem(c["BLOCK_N"], rec["stages"], c["BLOCK_D"],
-                                                              {"fp32": 4}.get(rec["dtype"], 2), bool(c.get("TMA"))))
+                                                              {"fp32": 4}.get(rec["dtype"], 2), bool(c.get("TMA")),
+                                                              c["BLOCK_M"]),
+             WGMMA_MARGIN if c["BLOCK_M"] >= WGMMA_ROWS else SMEM_MARGIN)
             for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_split_kernel" for c in [rec["consts"]]]
-    assert any("tma" in tags.split() for tags, _, _ in smem)
-    assert not [m for m in smem if not m[2] - SMEM_MARGIN <= m[1] <= m[2]], smem
+    assert any("tma" in tags.split() for tags, *_ in smem) and any("rows64" in tags.split() for tags, *_ in smem)
+    assert not [m for m in smem if not m[2] - m[3] <= m[1] <= m[2]], smem
     paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
               if "ptxas" in rec and rec["kernel"] == "_ln_linear_kernel"]
     assert len(paired) >= len(LLAMA_MODEL_MODES)

@@ -812,18 +812,23 @@ def _needs_tma_device() -> None:
         pytest.skip("TMA descriptor loads need a Hopper-or-newer GPU (or the interpreter)")
 
 
-def _tma_flags(monkeypatch) -> list:
-    """The TMA constexpr of each split-kernel launch decode_attention makes (they still run)."""
+def _split_consts(monkeypatch, name: str) -> list:
+    """The constexpr `name` of each split-kernel launch decode_attention makes (they still run)."""
     import kernels.decode as dec
-    flags = []
+    values = []
     inner = dec._launch
 
     def recording(kernel, grid, tensors, scalars, consts, *rest):
         if kernel is dec._decode_split_kernel:
-            flags.append(consts["TMA"])
+            values.append(consts[name])
         return inner(kernel, grid, tensors, scalars, consts, *rest)
     monkeypatch.setattr(dec, "_launch", recording)
-    return flags
+    return values
+
+
+def _tma_flags(monkeypatch) -> list:
+    """The TMA constexpr of each split-kernel launch decode_attention makes (they still run)."""
+    return _split_consts(monkeypatch, "TMA")
 
 
 @pytest.mark.parametrize("dtype", [t for t in DTYPES if t.itemsize == 2], ids=str)
@@ -869,17 +874,9 @@ def test_more_query_rows_per_program_match_the_reference(min_rows, dtype, Hq, Hk
     MMAs), the rows past a kv head's group x new tokens padding; within the float64 budget with garbage past
     each length, for MHA/GQA/MQA, several new tokens, a padded head dim, head dim 128, automatic, forced and
     single splits, and TMA loads (16-bit caches); the launches take that many rows."""
-    import kernels.decode as dec
     if tma:  # (a 32-bit cache takes pointer loads under the option)
         _needs_tma_device()
-    rows = []
-    inner = dec._launch
-
-    def recording(kernel, grid, tensors, scalars, consts, *rest):
-        if kernel is dec._decode_split_kernel:
-            rows.append(consts["BLOCK_M"])
-        return inner(kernel, grid, tensors, scalars, consts, *rest)
-    monkeypatch.setattr(dec, "_launch", recording)
+    rows = _split_consts(monkeypatch, "BLOCK_M")
     q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, D, lens, max_len=max_len, dtype=dtype, seed=D + Nq + min_rows)
     with options.use(decode_min_rows=min_rows, decode_tma=tma):
         check(q, k, v, lens_t, dtype, num_splits=num_splits)

@@ -25,6 +25,8 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
     split-long-merged  split-long under decode_merge_in_split too (no merge launch)
     split-tma      the same under decode_tma=True: the split kernel reads K and V through TMA tensor descriptors
                    over the whole caches (Hopper, 16-bit caches; elsewhere the same pointer loads as split)
+    split-rows32   the same under decode_min_rows=32: 32 query rows per program (two warps along the rows,
+                   two along the keys: half the cross-warp softmax reductions of 16 rows)
     split-rows64   the same under decode_min_rows=64: 64 query rows per program (one real row at GPT-2's shape),
                    so that sm_90 runs the two products as warpgroup MMAs with each warp's rows its own (no
                    cross-warp softmax reductions)
@@ -95,10 +97,12 @@ PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel 
                     "split-long-merged": dict(decode_full_grid_max_len=4096, decode_full_grid_long_splits=16,
                                               decode_merge_in_split=True),
                     "split-tma": dict(decode_tma=True),
+                    "split-rows32": dict(decode_min_rows=32),
                     "split-rows64": dict(decode_min_rows=64)}
 # the decode providers are checked again after timing
 DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-noshort",
-                    "split-long", "split-long-merged", "split-tma", "split-rows64", "split-fit", "nosplit")
+                    "split-long", "split-long-merged", "split-tma", "split-rows32", "split-rows64", "split-fit",
+                    "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "sdpa-mask", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -459,6 +463,7 @@ class Run:
             "split-long": split,
             "split-long-merged": split,
             "split-tma": split,
+            "split-rows32": split,
             "split-rows64": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False, window=W),

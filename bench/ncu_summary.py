@@ -5,7 +5,8 @@
     python bench/ncu_summary.py raw.csv [--source source.csv] [--top 12]
 
 From raw.csv (gzip accepted), one row per profiled kernel: its duration, the tensor pipe's active cycles, the issue
-rate, the local-memory (spill) requests and the main stall reasons per issued instruction. From source.csv (one
+rate, the local-memory (spill) requests, DRAM throughput, achieved occupancy and L2 hit rate (where the export
+has them) and the main stall reasons per issued instruction. From source.csv (one
 block per kernel launch that matched -k), the instructions with the most warp-stall samples and their main
 reasons. Stall samples count every warp of a program, idle ones included (a warp-specialized kernel's producer
 warpgroup parks three of its four warps at a barrier: NOP "barrier" samples).
@@ -24,6 +25,9 @@ RAW_METRICS = [  # (column title, metric name)
     ("IPC", "sm__inst_executed.avg.per_cycle_active"),
     ("instructions", "smsp__inst_executed.sum"),
     ("spill requests", "derived__local_spilling_requests"),
+    ("DRAM % of peak", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("warps active %", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    ("L2 hit %", "lts__t_sector_hit_rate.pct"),
 ]
 STALLS = ["long_scoreboard", "barrier", "wait", "mio_throttle", "gmma", "dispatch_stall", "short_scoreboard"]
 

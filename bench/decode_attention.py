@@ -27,6 +27,8 @@ positions are valid, as a decode step inside a CUDA graph does. Providers:
                    over the whole caches (Hopper, 16-bit caches; elsewhere the same pointer loads as split)
     split-rows32   the same under decode_min_rows=32: 32 query rows per program (two warps along the rows,
                    two along the keys: half the cross-warp softmax reductions of 16 rows)
+    split-parts4   the same under decode_key_parts=4: a softmax state per warp's part of each key block, merged
+                   after the key loop (no cross-warp reductions in it)
     split-rows64   the same under decode_min_rows=64: 64 query rows per program (one real row at GPT-2's shape),
                    so that sm_90 runs the two products as warpgroup MMAs with each warp's rows its own (no
                    cross-warp softmax reductions)
@@ -98,11 +100,12 @@ PROVIDER_OPTIONS = {"split-merged": dict(decode_merge_in_split=True),  # kernel 
                                               decode_merge_in_split=True),
                     "split-tma": dict(decode_tma=True),
                     "split-rows32": dict(decode_min_rows=32),
+                    "split-parts4": dict(decode_key_parts=4),
                     "split-rows64": dict(decode_min_rows=64)}
 # the decode providers are checked again after timing
 DECODE_PROVIDERS = ("split", "split-merged", "split-chunks", "split-nofull", "split-dep", "split-noshort",
-                    "split-long", "split-long-merged", "split-tma", "split-rows32", "split-rows64", "split-fit",
-                    "nosplit")
+                    "split-long", "split-long-merged", "split-tma", "split-rows32", "split-parts4", "split-rows64",
+                    "split-fit", "nosplit")
 PROVIDERS = (*DECODE_PROVIDERS, "sdpa", "sdpa-mask", "copy")
 # kernels.options.DECODE_SPLIT_ORDERS (the default first), named here for the arguments: importing kernels before
 # --smoke has switched on the interpreter would decorate the kernels for a GPU
@@ -464,6 +467,7 @@ class Run:
             "split-long-merged": split,
             "split-tma": split,
             "split-rows32": split,
+            "split-parts4": split,
             "split-rows64": split,
             "split-fit": lambda i: dec.decode_attention(q, shape.k[i][:, :, :L], shape.v[i][:, :, :L], lens, out=out,
                                                         check_lens=False, window=W),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -66,9 +67,14 @@ def child(tree: str) -> None:
                     with options.use(pdl=True, decode_merge_in_split=merge):
                         decode.decode_attention(q, cache, cache, torch.full((B,), L), check_lens=False,
                                                 window=window)
+    # a constexpr at its signature default is left out of the key, so that one added with a default (the
+    # launches that leave it out) compares with a tree that does not have it
+    defaults = {k.fn.__name__: {n: p.default for n, p in inspect.signature(k.fn).parameters.items()
+                                if p.default is not inspect.Parameter.empty} for k in kernels}
     for c in compiled:
         rec = gpu_compile.describe(c, {"_decode_split_kernel": "Q", "_decode_merge_kernel": "OUT"})
-        consts = {k: v for k, v in rec["consts"].items() if v is not False}
+        dflt = defaults.get(rec["kernel"], {})
+        consts = {k: v for k, v in rec["consts"].items() if v is not False and not (k in dflt and v == dflt[k])}
         key = (f"{rec['kernel']} {rec['dtype']} warps={c.metadata.num_warps} stages={c.metadata.num_stages} "
                + " ".join(f"{k}={v}" for k, v in sorted(consts.items())))
         n = sum(k.split(" #")[0] == key for k in digests)  # one key specialised twice (argument divisibility)

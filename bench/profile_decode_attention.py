@@ -1,7 +1,8 @@
 r"""One call of each decode attention at one shape, for Nsight Compute: the kernels to profile, once each.
 
     ncu --profile-from-start off --set full -o REPORT \
-        python bench/profile_decode_attention.py --batch 16 --len 32768 [--splits 11 16] [--tile 128:1:3 ...]
+        python bench/profile_decode_attention.py --batch 16 --len 32768 [--splits 11 16] [--tile 128:1:3 ...] \
+            [--key-parts 4]
     ncu --import REPORT.ncu-rep --page raw --csv > raw.csv && python bench/ncu_summary.py raw.csv
 
 GPT-2's decode shape by default (12 heads of 64, bf16, one new token) over caches of --capacity positions
@@ -12,6 +13,8 @@ this order:
 * split        kernels.decode.decode_attention as the model calls it (its automatic plan and tile)
 * split-S      the same with num_splits=S, for each --splits S (a merge launch follows where S > 1)
 * tile-N:W:S   the automatic plan with the tile BLOCK_N:WARPS:STAGES, for each --tile
+* parts-P      the automatic plan under decode_key_parts=P (a softmax state per part of each key block), for
+               each --key-parts P
 * sdpa         F.scaled_dot_product_attention over the first --len positions, the backend torch picks
                (what bench/decode_attention.py's sdpa provider times)
 
@@ -44,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--splits", type=int, nargs="*", default=[], help="explicit split counts, one call each")
     p.add_argument("--tile", type=_tile, nargs="*", default=[], help="tiles BLOCK_N:WARPS:STAGES, one call each")
+    p.add_argument("--key-parts", type=int, nargs="*", default=[], choices=(2, 4, 8),
+                   help="decode_key_parts values, one call each")
     a = p.parse_args(argv)
     a.capacity = a.capacity or a.len
     if min(a.batch, a.len, a.heads, a.head_dim) < 1 or a.len > a.capacity or any(s < 1 for s in a.splits):
@@ -56,7 +61,7 @@ def calls(a: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kernels import decode
+    from kernels import decode, options
     B, H, L, D = a.batch, a.heads, a.len, a.head_dim
     q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)           # (B, H, 1, D)
     k, v = (torch.randn(B, H, a.capacity, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))  # (B, H, cap, D)
@@ -69,6 +74,13 @@ def calls(a: argparse.Namespace) -> dict:
     fns = {"split": split()}
     fns.update({f"split-{s}": split(num_splits=s) for s in a.splits})
     fns.update({f"tile-{n}:{w}:{s}": split(tile=decode.DecodeTile(n, w, s)) for n, w, s in a.tile})
+
+    def parts(p):
+        def fn():
+            with options.use(decode_key_parts=p):
+                decode.decode_attention(q, k, v, lens, out=out, check_lens=False)
+        return fn
+    fns.update({f"parts-{p}": parts(p) for p in a.key_parts})
     fns["sdpa"] = lambda: F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L])
     return fns
 

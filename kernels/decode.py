@@ -100,6 +100,16 @@ CTA barriers in the key loop's SASS at sm_90, Triton 3.9); at 64 sm_90 runs the 
 whose warps own 16 rows each, so the softmax stays within each warp (two barriers in the loop), at four times
 the padded rows' arithmetic and with every stage's K and V tile and the Q tile in shared memory (program_smem).
 
+Key parts per program (kernels.options decode_key_parts, FLASHGPT_DECODE_KEY_PARTS; 1 by default): with P > 1
+parts, a program of the dot path with pointer loads splits each block of BLOCK_N keys into P parts of
+BLOCK_N / P keys (at least 16) and keeps P online-softmax states, one per part (a batched dot over the parts:
+scores (P, BLOCK_M, BLOCK_N / P)). Each part's row max and row sum stay within the part, so the key loop does no
+reduction across warps; the P states are merged once, after the loop (the log-sum-exp merge of the splits,
+within the program). With P = num_warps Triton gives each warp its own part: the loop's CTA barriers are the
+software pipeline's alone (two at sm_90 against ten at 16 rows over four warps, PTX of Triton 3.9), at the
+same tensor-core work and four times the accumulator registers (P x BLOCK_M x BLOCK_D fp32). TMA launches and
+the vec path keep one part.
+
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);
 dot=False computes the scores and the weighted sum of V with broadcast multiplies and row sums instead of
@@ -321,6 +331,69 @@ def _attend_block(acc, l_i, m_i, q, K, V, b, h_kv, start, hi, q_pos, offs_n, off
 
 
 @triton.jit
+def _attend_parts_block(acc, l_i, m_i, q, K, V, start, hi, q_pos, offs_d, d_ok, stride_kn, stride_kd, stride_vn,
+                        stride_vd, qk_scale, WINDOW, PRECISION: tl.constexpr, ROW_WINDOW: tl.constexpr,
+                        PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_attend_block over keys [start, start + BLOCK_N) split into PARTS parts of PN = BLOCK_N / PARTS keys, each
+    with its own online-softmax state: acc (PARTS, BLOCK_M, BLOCK_D), l_i and m_i (PARTS, BLOCK_M); q is the
+    (PARTS, BLOCK_M, BLOCK_D) broadcast of the query tile. Part p holds keys start + p * PN .. + PN - 1; pointer
+    loads (K and V point at this kv head's first row), masked past hi (zeros)."""
+    PN: tl.constexpr = BLOCK_N // PARTS
+    part = tl.arange(0, PARTS)
+    key_rows = start + part[:, None, None] * PN + tl.arange(0, PN)[None, :, None]  # (PARTS, PN, 1)
+    kv_ok = (key_rows < hi) & d_ok[None, None, :]                              # (PARTS, PN, BLOCK_D)
+    k = tl.load(K + key_rows * stride_kn + offs_d[None, None, :] * stride_kd, mask=kv_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=PRECISION)            # (PARTS, BLOCK_M, PN)
+    s = s * qk_scale
+    keys = start + part[:, None, None] * PN + tl.arange(0, PN)[None, None, :]   # (PARTS, 1, PN)
+    visible = (keys < hi) & (keys <= q_pos[None, :, None])                     # (PARTS, BLOCK_M, PN)
+    if ROW_WINDOW:
+        visible = visible & (keys > q_pos[None, :, None] - WINDOW)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))                                       # (PARTS, BLOCK_M)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a part with no visible key yet: keep exp2 finite
+    alpha = tl.exp2(m_i - m_ref)                                                # rescales the old l, acc
+    p = tl.exp2(s - m_ref[:, :, None])                                          # (PARTS, BLOCK_M, PN)
+    l_i = l_i * alpha + tl.sum(p, 2)
+    v = tl.load(V + key_rows * stride_vn + offs_d[None, None, :] * stride_vd, mask=kv_ok, other=0.0)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)                   # (PARTS, BLOCK_M, BLOCK_D)
+    acc = acc * alpha[:, :, None] + pv
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_parts(q, K, V, lo, L, split, used, chunk, q_pos, offs_d, d_ok, stride_kn, stride_kd, stride_vn,
+                  stride_vd, qk_scale, WINDOW, PRECISION: tl.constexpr, ROW_WINDOW: tl.constexpr,
+                  STRIDED: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """A split's blocks (the kernel's STRIDED or chunk order) through _attend_parts_block, then its PARTS states
+    merged into one: returns acc (BLOCK_M, BLOCK_D), l_i and m_i (BLOCK_M,) as the one-part loop leaves them
+    (l_i and acc relative to 2^m_i; m_i -inf and l_i 0 where no key was seen)."""
+    q3 = tl.broadcast_to(q[None, :, :], (PARTS, BLOCK_M, BLOCK_D))              # (PARTS, BLOCK_M, BLOCK_D)
+    m3 = tl.full([PARTS, BLOCK_M], float("-inf"), tl.float32)
+    l3 = tl.zeros([PARTS, BLOCK_M], tl.float32)
+    acc3 = tl.zeros([PARTS, BLOCK_M, BLOCK_D], tl.float32)
+    if STRIDED:
+        for start in range(lo + split * BLOCK_N, L, used * BLOCK_N):
+            acc3, l3, m3 = _attend_parts_block(acc3, l3, m3, q3, K, V, start, L, q_pos, offs_d, d_ok, stride_kn,
+                                               stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, PRECISION,
+                                               ROW_WINDOW, PARTS, BLOCK_N)
+    else:
+        c_lo = lo + split * chunk
+        c_hi = tl.minimum(c_lo + chunk, L)
+        for start in range(c_lo, c_hi, BLOCK_N):
+            acc3, l3, m3 = _attend_parts_block(acc3, l3, m3, q3, K, V, start, c_hi, q_pos, offs_d, d_ok, stride_kn,
+                                               stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, PRECISION,
+                                               ROW_WINDOW, PARTS, BLOCK_N)
+    m_i = tl.max(m3, 0)                                                         # (BLOCK_M,)
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+    w = tl.exp2(m3 - m_ref[None, :])                                            # (PARTS, BLOCK_M) -inf: weight 0
+    l_i = tl.sum(l3 * w, 0)                                                     # (BLOCK_M,)
+    acc = tl.sum(acc3 * w[:, :, None], 0)                                       # (BLOCK_M, BLOCK_D)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _merge_splits(O_PART, LSE, rows, row_ok, used, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
     """The merged outputs (BLOCK_R, BLOCK_D) fp32 of output rows `rows` (BLOCK_R,) from their first `used` parts
@@ -387,7 +460,7 @@ def _decode_split_kernel(
         N_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
         PRECISION: tl.constexpr, USE_GDC: tl.constexpr, MERGE: tl.constexpr, MERGE_TILE_S: tl.constexpr,
-        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr):
+        STRIDED: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, PARTS: tl.constexpr = 1):
     """grid = (NUM_SPLITS, B * H_KV, row blocks): one split of one kv head's cache, for BLOCK_M query rows
     (which split of which one: _split_and_sequence, the long plan's programs first).
 
@@ -410,6 +483,9 @@ def _decode_split_kernel(
     (_merge_splits, the loads bypassing L1), so no merge launch follows.
 
     TMA: K and V are tensor descriptors over the whole caches (decode_tma_ok), not pointers.
+
+    PARTS > 1 (DOT, not TMA): each block's keys in PARTS parts with a softmax state each, merged after the loop
+    (_attend_parts).
 
     HAS_WINDOW: a sliding window of WINDOW positions (the row at q_pos sees q_pos - WINDOW < j <= q_pos); the
     splits cover only the keys from the earliest row's window on (_first_key), so the keys read, and the
@@ -449,7 +525,11 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)                                       # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)                              # running sum of 2^(s - m) v
     ROW_WINDOW: tl.constexpr = HAS_WINDOW and N_Q > 1
-    if STRIDED:  # blocks split, split + used, ...: at any moment the used splits read neighbouring blocks
+    if PARTS > 1:  # a softmax state per part of each block, merged once (_attend_parts)
+        acc, l_i, m_i = _attend_parts(q, K, V, lo, L, split, used, chunk, q_pos, offs_d, d_ok, stride_kn, stride_kd,
+                                      stride_vn, stride_vd, qk_scale, WINDOW, PRECISION, ROW_WINDOW, STRIDED, PARTS,
+                                      BLOCK_M, BLOCK_N, BLOCK_D)
+    elif STRIDED:  # blocks split, split + used, ...: at any moment the used splits read neighbouring blocks
         for start in range(lo + split * BLOCK_N, L, used * BLOCK_N):
             acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, b, h_kv, start, L, q_pos, offs_n, offs_d,
                                           d_ok, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, WINDOW, DOT,
@@ -725,6 +805,15 @@ def _launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, l
         _compiled[key] = compiled
 
 
+def key_parts(tile: DecodeTile, tma: bool) -> int:
+    """The parts a split program keeps a softmax state for (the decode_key_parts option): 1 on the vec path,
+    with TMA loads, or where a part would hold fewer than 16 keys (a tensor-core dot's depth)."""
+    parts = _options.get().decode_key_parts
+    if parts == 1 or not tile.dot or tma or tile.block_n // parts < 16:
+        return 1
+    return parts
+
+
 def _tma_device(device: torch.device) -> bool:
     """A device whose kernels can read through TMA: a Hopper-or-newer GPU, or any under the interpreter."""
     return _triton.INTERPRET or (device.type == "cuda" and _triton.hopper_or_newer(device.index or 0))
@@ -807,6 +896,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   **(dict(launch_pdl=True) if dependent else {}))
 
     merge_in_split = num_splits > 1 and opts.decode_merge_in_split
+    parts = key_parts(tile, tma)
     strided = num_splits > 1 and opts.decode_split_order == "strided"
     if num_splits == 1:
         o_part = lse = out  # unused by the kernel
@@ -825,7 +915,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale * _triton.LOG2E, Hkv, max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
                 dict(N_Q=Nq, GROUP=group, HEAD_DIM=D, SPLIT=num_splits > 1, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
                      BLOCK_D=BLOCK_D, DOT=tile.dot, PRECISION=precision, USE_GDC=pdl, MERGE=merge_in_split,
-                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0, TMA=tma), launch)
+                     MERGE_TILE_S=merge_tile_s, STRIDED=strided, HAS_WINDOW=window > 0, TMA=tma,
+                     **(dict(PARTS=parts) if parts > 1 else {})), launch)
         if num_splits > 1 and not merge_in_split:
             _launch(_decode_merge_kernel, (B * Hq * Nq, 1, 1), (o_part, lse, out, cache_lens),
                     (Hq, *out.stride(), max_len, num_splits, long_splits, min_chunk, unsplit_max, window),
@@ -835,5 +926,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-__all__ = ["decode_attention", "decode_tma_ok", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile",
+__all__ = ["decode_attention", "decode_tma_ok", "key_parts", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile",
            "default_tile", "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

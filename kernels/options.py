@@ -113,6 +113,11 @@ first get() of the process (a bad value is a ValueError naming the variable):
                                                                         warpgroup MMAs, each warp's rows its own
                                                                         (no cross-warp softmax reductions), at 4x
                                                                         the padded rows' arithmetic
+    decode_key_parts           FLASHGPT_DECODE_KEY_PARTS=1|2|4|8  1     softmax states a split-KV decode program of
+                                                                        the dot path keeps, one per part of each
+                                                                        key block (pointer loads, parts of at
+                                                                        least 16 keys): no cross-warp reductions
+                                                                        in the key loop, the states merged once
     rope_in_flash              FLASHGPT_ROPE_IN_FLASH=0|1        True   a RoPE model's training/prefill call without
                                                                         a KV cache hands its RoPE tables to the
                                                                         packed flash call, whose backward kernels
@@ -226,6 +231,7 @@ class KernelOptions:
     decode_split_order: str = "strided"
     decode_tma: bool = False
     decode_min_rows: int = 16
+    decode_key_parts: int = 1
     hopper_tile_lists: bool = True
     hopper_early_q: str = "auto"
     hopper_consumers_d64: int = 0
@@ -278,6 +284,7 @@ _EXPECTED = {  # option -> (accepts, what it expects)
     "decode_split_order": (lambda v: v in DECODE_SPLIT_ORDERS, f"expected one of {', '.join(DECODE_SPLIT_ORDERS)}"),
     "decode_tma": (lambda v: isinstance(v, bool), "expected True or False"),
     "decode_min_rows": (lambda v: _is_int(v) and v in (16, 32, 64), "expected 16, 32 or 64"),
+    "decode_key_parts": (lambda v: _is_int(v) and v in (1, 2, 4, 8), "expected 1, 2, 4 or 8"),
     "hopper_tile_lists": (lambda v: isinstance(v, bool), "expected True or False"),
     "hopper_early_q": (lambda v: v in HOPPER_FORWARDS, f"expected one of {', '.join(HOPPER_FORWARDS)}"),
     "hopper_consumers_d64": (lambda v: _is_int(v) and v in (0, 2, 3), "expected 0 (by the mask), 2 or 3"),
@@ -307,7 +314,7 @@ ENV = {"autotune": "FLASHGPT_AUTOTUNE", "autotune_min_keys": "FLASHGPT_AUTOTUNE_
        "decode_short_splits": "FLASHGPT_DECODE_SHORT_SPLITS",
        "rope_in_flash": "FLASHGPT_ROPE_IN_FLASH", "lora_addmm": "FLASHGPT_LORA_ADDMM",
        "decode_split_order": "FLASHGPT_DECODE_SPLIT_ORDER", "decode_tma": "FLASHGPT_DECODE_TMA",
-       "decode_min_rows": "FLASHGPT_DECODE_MIN_ROWS",
+       "decode_min_rows": "FLASHGPT_DECODE_MIN_ROWS", "decode_key_parts": "FLASHGPT_DECODE_KEY_PARTS",
        "hopper_tile_lists": "FLASHGPT_HOPPER_TILE_LISTS", "hopper_early_q": "FLASHGPT_HOPPER_EARLY_Q",
        "hopper_consumers_d64": "FLASHGPT_HOPPER_CONSUMERS_D64", "hopper_own_blocks": "FLASHGPT_HOPPER_OWN_BLOCKS",
        "hopper_lane_sums": "FLASHGPT_HOPPER_LANE_SUMS",

@@ -23,6 +23,8 @@ def test_help_and_bad_input():
     assert r.returncode == 2 and "--len at most --capacity" in r.stderr
     r = run("--splits", "0")
     assert r.returncode == 2 and "must be positive" in r.stderr
+    r = run("--key-parts", "3")
+    assert r.returncode == 2 and "invalid choice: 3" in r.stderr
 
 
 @pytest.mark.skipif(CUDA, reason="a CUDA GPU is here: the calls would run")
@@ -34,6 +36,7 @@ def test_without_a_gpu_one_line():
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_each_call_runs_once_on_the_gpu():
-    r = run("--batch", "2", "--len", "300", "--capacity", "512", "--splits", "3", "--tile", "64:1:4")
+    r = run("--batch", "2", "--len", "300", "--capacity", "512", "--splits", "3", "--tile", "64:1:4",
+            "--key-parts", "4")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "profiled, in order: split, split-3, tile-64:1:4, sdpa"
+    assert r.stdout.strip() == "profiled, in order: split, split-3, tile-64:1:4, parts-4, sdpa"

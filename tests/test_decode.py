@@ -285,7 +285,7 @@ def test_bench_smoke(tmp_path):
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
                                          "split-noshort", "split-long", "split-long-merged", "split-tma",
-                                         "split-rows32", "split-rows64", "split-fit", "nosplit", "sdpa", "copy"}
+                                         "split-rows32", "split-parts4", "split-rows64", "split-fit", "nosplit", "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)
@@ -812,15 +812,16 @@ def _needs_tma_device() -> None:
         pytest.skip("TMA descriptor loads need a Hopper-or-newer GPU (or the interpreter)")
 
 
-def _split_consts(monkeypatch, name: str) -> list:
-    """The constexpr `name` of each split-kernel launch decode_attention makes (they still run)."""
+def _split_consts(monkeypatch, name: str, **missing) -> list:
+    """The constexpr `name` of each split-kernel launch decode_attention makes (they still run); a launch that
+    does not pass it records missing["default"] where given (the kernel's own default)."""
     import kernels.decode as dec
     values = []
     inner = dec._launch
 
     def recording(kernel, grid, tensors, scalars, consts, *rest):
         if kernel is dec._decode_split_kernel:
-            values.append(consts[name])
+            values.append(consts[name] if name in consts or "default" not in missing else missing["default"])
         return inner(kernel, grid, tensors, scalars, consts, *rest)
     monkeypatch.setattr(dec, "_launch", recording)
     return values
@@ -881,6 +882,58 @@ def test_more_query_rows_per_program_match_the_reference(min_rows, dtype, Hq, Hk
     with options.use(decode_min_rows=min_rows, decode_tma=tma):
         check(q, k, v, lens_t, dtype, num_splits=num_splits)
     assert rows == [min_rows], rows
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Hq, Hkv, Nq, D, lens, max_len, window, num_splits, order, merged", [
+    (4, 4, 1, 64, LENS_NQ1, 1040, 0, None, "strided", False),
+    (8, 2, 4, 64, LENS_NQ4, 1040, 0, 6, "strided", False),
+    (8, 2, 4, 64, LENS_NQ4, 1040, 0, 5, "chunks", True),
+    (6, 1, 2, 80, [2, 90, 333], 400, 50, None, "strided", False),
+    (4, 2, 1, 128, [1, 129, 300], 300, 0, 1, "strided", False),
+], ids=["mha-auto", "gqa-split6", "gqa-chunks-merged", "mqa-d80-window", "d128-nosplit"])
+def test_key_parts_match_the_reference(parts, dtype, Hq, Hkv, Nq, D, lens, max_len, window, num_splits, order,
+                                       merged, monkeypatch):
+    """decode_key_parts: a program keeps a softmax state per part of each key block and merges them after its
+    loop; within the float64 budget with garbage past each length, for MHA/GQA/MQA, several new tokens, a
+    padded head dim, head dim 128, a window with several new tokens (each row its own window), automatic,
+    forced and single splits, the strided and chunk orders, the merge launched or inside the split kernel; the
+    launches take that many parts where a part holds at least 16 keys (8 parts of a 64-key tile: one), and
+    sequences shorter than a part (1 and 2 keys) leave parts empty."""
+    from kernels.decode import _next_pow2, default_tile
+    used = _split_consts(monkeypatch, "PARTS", default=1)
+    q, k, v, lens_t = make_case(len(lens), Hq, Hkv, Nq, D, lens, max_len=max_len, dtype=dtype,
+                                seed=D + Nq + parts)
+    with options.use(decode_key_parts=parts, decode_split_order=order, decode_merge_in_split=merged):
+        check(q, k, v, lens_t, dtype, num_splits=num_splits, window=window)
+    from kernels import _triton
+    tile = default_tile(_next_pow2(D), q.element_size(), Hq // Hkv * Nq, _triton.smem_per_sm(q.device))
+    assert used == [parts if tile.block_n // parts >= 16 else 1], (used, tile)
+
+
+def test_key_parts_apply_to_the_dot_path_with_pointer_loads_only(monkeypatch):
+    """key_parts: the option's count on the dot path with pointer loads; 1 on the vec path, with TMA loads, or
+    where a part would hold fewer than 16 keys; the default launch passes no PARTS (the one-part kernel)."""
+    from kernels.decode import DecodeTile, key_parts
+    dot, vec = DecodeTile(128, 4, 3), DecodeTile(128, 4, 3, dot=False)
+    assert key_parts(dot, False) == 1                                           # the option off
+    with options.use(decode_key_parts=4):
+        assert key_parts(dot, False) == 4
+        assert key_parts(vec, False) == 1 and key_parts(dot, True) == 1
+        assert key_parts(DecodeTile(32, 4, 3), False) == 1                      # 8 keys a part
+        assert key_parts(DecodeTile(64, 4, 3), False) == 4                      # 16
+    with options.use(decode_key_parts=8):
+        assert key_parts(DecodeTile(64, 4, 3), False) == 1
+    recorded = []
+    import kernels.decode as dec
+    inner = dec._launch
+    monkeypatch.setattr(dec, "_launch", lambda kernel, grid, tensors, scalars, consts, *rest: (
+        recorded.append(dict(consts)) if kernel is dec._decode_split_kernel else None,
+        inner(kernel, grid, tensors, scalars, consts, *rest))[1])
+    q, k, v, lens_t = make_case(2, 4, 4, 1, 64, [30, 200], max_len=256, dtype=torch.float16, seed=5)
+    check(q, k, v, lens_t, torch.float16)
+    assert "PARTS" not in recorded[-1], recorded
 
 
 def test_tma_refuses_what_descriptors_cannot_read(monkeypatch):

@@ -204,6 +204,12 @@ def _split_attention(dtype) -> None:
             decode_attention(q16, cache16, cache16, torch.full((16,), 1000), check_lens=False)
             q4, cache4 = torch.randn(1, 4, 1, 128).to(dtype), torch.randn(1, 2, 1024, 128).to(dtype)
             decode_attention(q4, cache4, cache4, torch.tensor([600]), num_splits=4)
+        # a softmax state per warp's part of each key block (decode_key_parts = the default tile's 4 warps): that
+        # batch-1 plan, batch 16's full grid and GQA at head dim 128 over 4 splits
+        with options.use(pdl=True, decode_merge_in_split=merge, decode_key_parts=4):
+            decode_attention(q, cache, cache, torch.tensor([4096]), check_lens=False)
+            decode_attention(q16, cache16, cache16, torch.full((16,), 1000), check_lens=False)
+            decode_attention(q4, cache4, cache4, torch.tensor([600]), num_splits=4)
 
 
 # the child processes' shares of the launches (tests/util.py: compiled_records), each about a third of the time
@@ -265,10 +271,23 @@ def compile_decode_launches(part: str | None = None) -> list[dict]:
             rec["stages"] = c.metadata.num_stages
             rec["shared"] = c.metadata.shared
             rec["ptxas"] = ptxas_usage(c)
+            rec["loop_barriers"] = _loop_barriers(c.asm["ptx"])
         if rec["consts"].get("MERGE"):  # the counter's release/acquire and the loads of other programs' parts
             ptx = c.asm["ptx"]
             rec["merge_ptx"] = dict(acq_rel_add="atom.global.gpu.acq_rel.add" in ptx, cg_loads="ld.global.cg" in ptx)
     return records
+
+
+def _loop_barriers(ptx: str) -> list[int]:
+    """The CTA barriers (bar.sync) in each loop of a PTX kernel: the lines from a label to a branch back to it."""
+    lines = ptx.splitlines()
+    labels = {ln.strip().split(":")[0]: i for i, ln in enumerate(lines) if re.match(r"\$L__\w+:", ln.strip())}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ln)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append(sum("bar.sync" in x for x in lines[labels[m.group(1)]:i]))
+    return loops
 
 
 # --------------------------------------------------------------------- the test: what must have compiled
@@ -311,6 +330,7 @@ def _tags(rec: dict) -> set[str]:
                      "tma" if c.get("TMA") else "pointers"})
         if "BLOCK_M" in c:
             tags.add(f"rows{c['BLOCK_M']}")
+        tags.add(f"parts{c.get('PARTS', 1)}")
         if "stages" in rec:
             tags.add(f"stages{rec['stages']}")
     return tags
@@ -360,6 +380,11 @@ OTHER_MODES = [
     "_decode_split_kernel mha d64 split pdl dot merge strided stages4 rows64",
     "_decode_split_kernel mha d64 no_split rows64",
     "_decode_split_kernel gqa d128 split pdl dot no_merge rows64",
+    # a softmax state per part of each key block (decode_key_parts): the same three
+    "_decode_split_kernel mha d64 split pdl dot no_merge strided stages4 parts4",
+    "_decode_split_kernel mha d64 split pdl dot merge strided stages4 parts4",
+    "_decode_split_kernel mha d64 no_split parts4",
+    "_decode_split_kernel gqa d128 split pdl dot no_merge parts4",
 ]
 PTR_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MLP_MODES = [  # the MLP block in one launch at batch 1 (kernels/decode_mlp.py), with and without PDL, each dtype
@@ -437,8 +462,9 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     bf16, GQA, head dims 64 and 128, split and unsplit attention, merged by the merge kernel or inside the split
     kernel (with its acq_rel counter and L1-bypassing loads in the PTX), dot and broadcast-and-sum tiles) compiles
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
-    (the automatic count's four-stage tile at batch 1 included, in both split orders, with TMA descriptor loads and
-    with 64 query rows per program), each split variant's shared memory within the planner's model of it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    (the automatic count's four-stage tile at batch 1 included, in both split orders, with TMA descriptor loads,
+    with 64 query rows per program and with a softmax state per warp's part of each key block, whose key loop has
+    only the software pipeline's CTA barriers), each split variant's shared memory within the planner's model of it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
     the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch
@@ -468,6 +494,14 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
              WGMMA_MARGIN if c["BLOCK_M"] >= WGMMA_ROWS else SMEM_MARGIN)
             for rec, t in zip(records, tagged) if rec["kernel"] == "_decode_split_kernel" for c in [rec["consts"]]]
     assert any("tma" in tags.split() for tags, *_ in smem) and any("rows64" in tags.split() for tags, *_ in smem)
+    # a key loop with a softmax state per warp's part does no cross-warp reduction: its only CTA barriers are the
+    # software pipeline's (two), where one state over four warps' keys takes seven (Triton 3.9)
+    loops = [(" ".join(sorted(t)), rec["loop_barriers"]) for rec, t in zip(records, tagged)
+             if rec["kernel"] == "_decode_split_kernel" and "no_merge" in t and "dot" in t
+             and rec["consts"]["BLOCK_M"] == 16]
+    parts4 = [(tags, n) for tags, n in loops if "parts4" in tags.split()]
+    assert parts4 and all(n and max(n) <= 2 for _, n in parts4), parts4
+    assert all(n and max(n) > 2 for tags, n in loops if "parts1" in tags.split()), loops
     assert not [m for m in smem if not m[2] - m[3] <= m[1] <= m[2]], smem
     paired = [(" ".join(sorted(t)), rec["ptxas"]) for rec, t in zip(records, tagged)
               if "ptxas" in rec and rec["kernel"] == "_ln_linear_kernel"]

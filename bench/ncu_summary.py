@@ -25,7 +25,7 @@ RAW_METRICS = [  # (column title, metric name)
     ("IPC", "sm__inst_executed.avg.per_cycle_active"),
     ("instructions", "smsp__inst_executed.sum"),
     ("spill requests", "derived__local_spilling_requests"),
-    ("DRAM % of peak", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM read % of peak", "dram__bytes_read.sum.pct_of_peak_sustained_elapsed"),
     ("warps active %", "sm__warps_active.avg.pct_of_peak_sustained_active"),
     ("L2 hit %", "lts__t_sector_hit_rate.pct"),
 ]

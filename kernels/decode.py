@@ -106,9 +106,12 @@ BLOCK_N / P keys (at least 16) and keeps P online-softmax states, one per part (
 scores (P, BLOCK_M, BLOCK_N / P)). Each part's row max and row sum stay within the part, so the key loop does no
 reduction across warps; the P states are merged once, after the loop (the log-sum-exp merge of the splits,
 within the program). With P = num_warps Triton gives each warp its own part: the loop's CTA barriers are the
-software pipeline's alone (two at sm_90 against ten at 16 rows over four warps, PTX of Triton 3.9), at the
-same tensor-core work and four times the accumulator registers (P x BLOCK_M x BLOCK_D fp32). TMA launches and
-the vec path keep one part.
+software pipeline's alone (two at sm_90 against seven at 16 rows over four warps, PTX of Triton 3.9), at the
+same tensor-core work and four times the accumulator registers (P x BLOCK_M x BLOCK_D fp32); with fewer parts
+than warps the loop keeps its seven. TMA launches and the vec path keep one part. Off by default: on one H100
+the merge after the loop cost more than the barriers saved wherever a program reads few blocks (batch 1 1.28x
+the time at 1k keys), and programs streaming long caches were 0.5-2 % faster
+(bench/results/decode_attention/key_parts_h100/).
 
 Tile configs: `tile=DecodeTile(block_n, num_warps, num_stages, dot)` overrides the default (default_tile, or
 deep_tile's four stages where the automatic split count leaves at most one split program per SM);

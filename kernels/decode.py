@@ -929,5 +929,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-__all__ = ["decode_attention", "decode_tma_ok", "key_parts", "auto_num_splits", "full_grid_unsplit", "plan_splits", "DecodeTile",
-           "default_tile", "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "decode_tma_ok", "key_parts", "auto_num_splits", "full_grid_unsplit", "plan_splits",
+           "DecodeTile", "default_tile", "deep_tile", "MAX_NQ", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]

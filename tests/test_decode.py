@@ -285,7 +285,8 @@ def test_bench_smoke(tmp_path):
     for row in data["rows"]:  # every provider checked and timed
         assert set(row["providers"]) == {"split", "split-merged", "split-chunks", "split-nofull", "split-dep",
                                          "split-noshort", "split-long", "split-long-merged", "split-tma",
-                                         "split-rows32", "split-parts4", "split-rows64", "split-fit", "nosplit", "sdpa", "copy"}
+                                         "split-rows32", "split-parts4", "split-rows64", "split-fit", "nosplit",
+                                         "sdpa", "copy"}
         assert all("eager" in m for m in row["providers"].values()), row
     sweep = json.loads((tmp_path / "decode_attention_smoke_sweep.json").read_text())["shapes"]
     assert len(sweep) == 4 and all(s["best"]["us"] > 0 for s in sweep)

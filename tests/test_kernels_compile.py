@@ -464,7 +464,8 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     to PTX with its entry and to a cubin, the split attention kernel without the merge option with no spills
     (the automatic count's four-stage tile at batch 1 included, in both split orders, with TMA descriptor loads,
     with 64 query rows per program and with a softmax state per warp's part of each key block, whose key loop has
-    only the software pipeline's CTA barriers), each split variant's shared memory within the planner's model of it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
+    only the software pipeline's CTA barriers), each split variant's shared memory within the planner's model of
+    it (program_smem); the paired launches (SwiGLU, RoPE-QKV), at SmolLM2-135M's and Qwen2-0.5B's
     shapes too, do not spill, but for the whole-K tiles they keep under PDL above PDL_FEW_ROWS rows (measured
     faster there despite their spills), and never with qk_norm (Qwen3-0.6B's shape, Gemma 3 270M's head dim 256);
     the MLP block in one launch (kernels/decode_mlp.py), the sandwich norms' row launch

@@ -926,15 +926,10 @@ def test_key_parts_apply_to_the_dot_path_with_pointer_loads_only(monkeypatch):
         assert key_parts(DecodeTile(64, 4, 3), False) == 4                      # 16
     with options.use(decode_key_parts=8):
         assert key_parts(DecodeTile(64, 4, 3), False) == 1
-    recorded = []
-    import kernels.decode as dec
-    inner = dec._launch
-    monkeypatch.setattr(dec, "_launch", lambda kernel, grid, tensors, scalars, consts, *rest: (
-        recorded.append(dict(consts)) if kernel is dec._decode_split_kernel else None,
-        inner(kernel, grid, tensors, scalars, consts, *rest))[1])
+    recorded = _split_consts(monkeypatch, "PARTS", default="not passed")
     q, k, v, lens_t = make_case(2, 4, 4, 1, 64, [30, 200], max_len=256, dtype=torch.float16, seed=5)
     check(q, k, v, lens_t, torch.float16)
-    assert "PARTS" not in recorded[-1], recorded
+    assert recorded and recorded[-1] == "not passed", recorded
 
 
 def test_tma_refuses_what_descriptors_cannot_read(monkeypatch):
